@@ -1,1 +1,19 @@
-//! placeholder
+//! Moving bytes between the ranks of a Chorus job.
+//!
+//! * [`Transport`]: the contract every transport meets (post sends and
+//!   receives of byte ranges, progress in the background, errors that name
+//!   the peer rank).
+//! * [`tcp::TcpTransport`]: TCP sockets (several per peer, striped), driven
+//!   by a progress thread.
+//! * [`store`]: the rendezvous key-value store through which ranks find each
+//!   other.
+
+mod error;
+mod request;
+pub mod store;
+pub mod tcp;
+mod transport;
+
+pub use error::TransportError;
+pub use request::{Completion, Direction, Request};
+pub use transport::{wait_all, Transport};

@@ -1,0 +1,206 @@
+//! Requests: handles to posted sends and receives, and how callers wait on them.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use crate::TransportError;
+
+const PENDING: u8 = 0;
+const DONE: u8 = 1;
+const FAILED: u8 = 2;
+
+/// How long a waiter spins on the completion flag before it parks its thread.
+const SPIN: Duration = Duration::from_micros(50);
+
+/// The shared completion state of one request, set once by the transport.
+#[derive(Debug, Default)]
+pub struct Completion {
+    state: AtomicU8,
+    error: Mutex<Option<TransportError>>,
+    waiter: Mutex<Option<Thread>>,
+}
+
+impl Completion {
+    /// Marks the request done, or failed with `error`, and wakes its waiter.
+    ///
+    /// Only the first call has an effect.
+    pub fn complete(&self, result: Result<(), TransportError>) {
+        let mut error = lock(&self.error);
+        if self.state.load(Ordering::Acquire) != PENDING {
+            return;
+        }
+        let state = match result {
+            Ok(()) => DONE,
+            Err(e) => {
+                *error = Some(e);
+                FAILED
+            }
+        };
+        self.state.store(state, Ordering::Release);
+        drop(error);
+        if let Some(thread) = lock(&self.waiter).take() {
+            thread.unpark();
+        }
+    }
+
+    fn poll(&self) -> Option<Result<(), TransportError>> {
+        match self.state.load(Ordering::Acquire) {
+            PENDING => None,
+            DONE => Some(Ok(())),
+            _ => Some(Err(lock(&self.error).clone().unwrap_or_else(|| {
+                TransportError::Aborted("request failed".into())
+            }))),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Which direction a request moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// A posted send.
+    Send,
+    /// A posted receive.
+    Recv,
+}
+
+impl Direction {
+    /// `"send"` or `"recv"`, for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Send => "send",
+            Direction::Recv => "recv",
+        }
+    }
+}
+
+/// A handle to a posted send or receive.
+#[derive(Debug, Clone)]
+pub struct Request {
+    completion: Arc<Completion>,
+    peer: usize,
+    direction: Direction,
+    len: usize,
+}
+
+impl Request {
+    /// A new pending request and the completion the transport will set.
+    pub fn new(peer: usize, direction: Direction, len: usize) -> (Request, Arc<Completion>) {
+        let completion = Arc::new(Completion::default());
+        let req = Request {
+            completion: completion.clone(),
+            peer,
+            direction,
+            len,
+        };
+        (req, completion)
+    }
+
+    /// The peer rank this request talks to.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// Whether this is a send or a receive.
+    pub fn direction(&self) -> Direction {
+        self.direction
+    }
+
+    /// The request's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the request moves no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The outcome if the request has finished, without blocking.
+    pub fn test(&self) -> Option<Result<(), TransportError>> {
+        self.completion.poll()
+    }
+
+    /// Blocks until the request finishes or `deadline` passes.
+    ///
+    /// Spins briefly (small messages finish within microseconds), then parks
+    /// the thread. Fails with the request's own error, or `Timeout` naming the
+    /// peer; after a timeout the caller must abort the transport before it
+    /// reuses the request's buffer.
+    pub fn wait(&self, deadline: Instant) -> Result<(), TransportError> {
+        let start = Instant::now();
+        let spin_until = start + SPIN;
+        loop {
+            if let Some(result) = self.completion.poll() {
+                return result;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(TransportError::Timeout {
+                    peer: self.peer,
+                    op: self.direction.name(),
+                    len: self.len,
+                    waited: now - start,
+                });
+            }
+            if now < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            *lock(&self.completion.waiter) = Some(std::thread::current());
+            if self.completion.poll().is_none() {
+                std::thread::park_timeout(deadline - now);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completes_from_another_thread() {
+        let (req, completion) = Request::new(3, Direction::Recv, 8);
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            completion.complete(Ok(()));
+        });
+        req.wait(Instant::now() + Duration::from_secs(10)).unwrap();
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn times_out_naming_the_peer() {
+        let (req, _completion) = Request::new(5, Direction::Send, 64);
+        let err = req
+            .wait(Instant::now() + Duration::from_millis(20))
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            TransportError::Timeout {
+                peer: 5,
+                op: "send",
+                len: 64,
+                ..
+            }
+        ));
+        assert!(err.to_string().contains("rank 5"), "{err}");
+    }
+
+    #[test]
+    fn first_outcome_wins() {
+        let (req, completion) = Request::new(1, Direction::Recv, 0);
+        completion.complete(Err(TransportError::PeerClosed { peer: 1 }));
+        completion.complete(Ok(()));
+        assert!(matches!(
+            req.test(),
+            Some(Err(TransportError::PeerClosed { peer: 1 }))
+        ));
+    }
+}

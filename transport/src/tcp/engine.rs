@@ -1,0 +1,531 @@
+//! The TCP progress engine: per-socket send and receive queues, driven both
+//! inline by the posting thread and by a background progress thread.
+//!
+//! All state sits behind one mutex. A posting thread enqueues its stripes and
+//! immediately tries the socket (so small messages leave without a thread
+//! hop); whatever does not fit waits for the socket's next edge-triggered
+//! readiness event, which the progress thread handles. A socket is only read
+//! while a receive is posted on it: unexpected data stays in the kernel, so
+//! there is no unbounded buffering and every payload lands straight in the
+//! caller's buffer.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read, Write};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use mio::net::TcpStream;
+use mio::{Events, Interest, Poll, Token, Waker};
+
+use super::frame::{self, FrameHeader, HEADER_LEN};
+use crate::request::{Completion, Direction, Request};
+use crate::TransportError;
+
+/// Most bytes moved on one socket before the engine turns to the next one.
+const BUDGET: usize = 4 << 20;
+
+/// Token of the waker that stops the progress thread.
+const WAKER: Token = Token(usize::MAX);
+
+/// One posted request, shared by its stripes.
+#[derive(Debug)]
+struct Op {
+    remaining: AtomicUsize,
+    completion: Arc<Completion>,
+}
+
+impl Op {
+    fn stripe_done(&self) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.completion.complete(Ok(()));
+        }
+    }
+}
+
+/// A stripe waiting to be written: header first, then payload.
+#[derive(Debug)]
+struct SendPiece {
+    header: [u8; HEADER_LEN],
+    data: *const u8,
+    len: usize,
+    written: usize,
+    op: Arc<Op>,
+}
+
+/// A stripe waiting to be read: header (checked), then payload.
+#[derive(Debug)]
+struct RecvPiece {
+    expect: FrameHeader,
+    buf: *mut u8,
+    len: usize,
+    got: usize,
+    op: Arc<Op>,
+}
+
+/// One socket to a peer.
+#[derive(Debug)]
+struct Conn {
+    peer: usize,
+    stream: TcpStream,
+    sends: VecDeque<SendPiece>,
+    recvs: VecDeque<RecvPiece>,
+    header: [u8; HEADER_LEN],
+    header_got: usize,
+    /// The peer closed this socket after everything it sent was read.
+    eof: bool,
+}
+
+/// Per-peer state: its sockets and message counters.
+#[derive(Debug, Default)]
+struct Peer {
+    conns: Vec<usize>,
+    send_seq: u64,
+    recv_seq: u64,
+    failed: Option<TransportError>,
+}
+
+/// Everything the engine knows; guarded by the mutex in [`Shared`].
+#[derive(Debug)]
+pub(crate) struct Engine {
+    rank: usize,
+    peers: Vec<Peer>,
+    conns: Vec<Conn>,
+    min_stripe: usize,
+    aborted: Option<String>,
+    /// Sockets that stopped on their budget and must be served again.
+    again: Vec<usize>,
+}
+
+// SAFETY: the raw pointers in the queues are only dereferenced while the
+// engine mutex is held; `Transport::isend`/`irecv` callers guarantee the
+// memory stays valid until the request completes or `abort` returns, and
+// both completion and abort happen under that same mutex.
+unsafe impl Send for Engine {}
+
+/// The engine and what the progress thread needs beside it.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    engine: Mutex<Engine>,
+    waker: Waker,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    /// Registers `sockets[p]` (the sockets to peer `p`) and builds the engine.
+    pub(crate) fn new(
+        rank: usize,
+        sockets: Vec<Vec<std::net::TcpStream>>,
+        min_stripe: usize,
+    ) -> io::Result<(Arc<Shared>, Poll)> {
+        let poll = Poll::new()?;
+        let waker = Waker::new(poll.registry(), WAKER)?;
+        let mut peers: Vec<Peer> = (0..sockets.len()).map(|_| Peer::default()).collect();
+        let mut conns = Vec::new();
+        for (peer, streams) in sockets.into_iter().enumerate() {
+            for stream in streams {
+                stream.set_nonblocking(true)?;
+                let mut stream = TcpStream::from_std(stream);
+                let token = Token(conns.len());
+                poll.registry().register(
+                    &mut stream,
+                    token,
+                    Interest::READABLE | Interest::WRITABLE,
+                )?;
+                peers[peer].conns.push(token.0);
+                conns.push(Conn {
+                    peer,
+                    stream,
+                    sends: VecDeque::new(),
+                    recvs: VecDeque::new(),
+                    header: [0; HEADER_LEN],
+                    header_got: 0,
+                    eof: false,
+                });
+            }
+        }
+        let engine = Engine {
+            rank,
+            peers,
+            conns,
+            min_stripe,
+            aborted: None,
+            again: Vec::new(),
+        };
+        let shared = Shared {
+            engine: Mutex::new(engine),
+            waker,
+            stop: AtomicBool::new(false),
+        };
+        Ok((Arc::new(shared), poll))
+    }
+
+    /// Locks the engine (a panic elsewhere does not poison progress).
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the progress thread if inline work stopped on its budget.
+    pub(crate) fn hand_over(&self, engine: &Engine) {
+        if !engine.again.is_empty() {
+            // A failed wake means the thread is gone; the transport is being dropped.
+            let _ = self.waker.wake();
+        }
+    }
+
+    /// Asks the progress thread to exit.
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        // A failed wake only matters if the thread is already gone.
+        let _ = self.waker.wake();
+    }
+
+    /// The progress thread's loop: waits for readiness and serves sockets.
+    pub(crate) fn run(&self, mut poll: Poll) {
+        let mut events = Events::with_capacity(256);
+        loop {
+            let busy = !self.lock().again.is_empty();
+            let timeout = busy.then_some(std::time::Duration::ZERO);
+            if let Err(e) = poll.poll(&mut events, timeout) {
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                self.lock()
+                    .abort(&format!("progress thread cannot poll: {e}"), true);
+                return;
+            }
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let mut engine = self.lock();
+            for idx in std::mem::take(&mut engine.again) {
+                engine.serve(idx, true, true);
+            }
+            for event in events.iter() {
+                if event.token() == WAKER {
+                    continue;
+                }
+                let idx = event.token().0;
+                if event.is_error() {
+                    engine.serve(idx, true, true);
+                    let peer = engine.conns[idx].peer;
+                    if let Ok(Some(e)) = engine.conns[idx].stream.take_error() {
+                        engine.fail_peer(peer, io_error(peer, "poll", e));
+                    }
+                    continue;
+                }
+                let readable = event.is_readable() || event.is_read_closed();
+                engine.serve(
+                    idx,
+                    readable,
+                    event.is_writable() || event.is_write_closed(),
+                );
+            }
+        }
+    }
+}
+
+impl Engine {
+    fn check_peer(&self, peer: usize) -> Result<(), TransportError> {
+        if let Some(reason) = &self.aborted {
+            return Err(TransportError::Aborted(reason.clone()));
+        }
+        if peer >= self.peers.len() || peer == self.rank {
+            return Err(TransportError::InvalidPeer {
+                peer,
+                rank: self.rank,
+                world_size: self.peers.len(),
+            });
+        }
+        match &self.peers[peer].failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Queues a send and writes as much as the sockets take now.
+    ///
+    /// # Safety
+    ///
+    /// `data..data+len` must stay valid until the request completes or the
+    /// engine is aborted.
+    pub(crate) unsafe fn post_send(
+        &mut self,
+        peer: usize,
+        tag: u64,
+        data: *const u8,
+        len: usize,
+    ) -> Result<Request, TransportError> {
+        self.check_peer(peer)?;
+        let p = &mut self.peers[peer];
+        let seq = p.send_seq;
+        p.send_seq += 1;
+        let stripes = frame::stripes(seq, len, p.conns.len(), self.min_stripe);
+        let (req, completion) = Request::new(peer, Direction::Send, len);
+        let op = Arc::new(Op {
+            remaining: AtomicUsize::new(stripes.len()),
+            completion,
+        });
+        for stripe in stripes {
+            let idx = self.peers[peer].conns[stripe.socket];
+            let header = FrameHeader {
+                tag,
+                seq,
+                msg_len: len as u64,
+                stripe_len: stripe.range.len() as u64,
+            };
+            self.conns[idx].sends.push_back(SendPiece {
+                header: header.encode(),
+                // SAFETY: `stripe.range` lies within `0..len` (frame::stripes covers exactly the message).
+                data: unsafe { data.add(stripe.range.start) },
+                len: stripe.range.len(),
+                written: 0,
+                op: op.clone(),
+            });
+            self.serve(idx, false, true);
+        }
+        Ok(req)
+    }
+
+    /// Queues a receive and reads whatever has already arrived for it.
+    ///
+    /// # Safety
+    ///
+    /// `buf..buf+len` must stay valid and unaliased until the request
+    /// completes or the engine is aborted.
+    pub(crate) unsafe fn post_recv(
+        &mut self,
+        peer: usize,
+        tag: u64,
+        buf: *mut u8,
+        len: usize,
+    ) -> Result<Request, TransportError> {
+        self.check_peer(peer)?;
+        let p = &mut self.peers[peer];
+        let seq = p.recv_seq;
+        p.recv_seq += 1;
+        let stripes = frame::stripes(seq, len, p.conns.len(), self.min_stripe);
+        let (req, completion) = Request::new(peer, Direction::Recv, len);
+        let op = Arc::new(Op {
+            remaining: AtomicUsize::new(stripes.len()),
+            completion,
+        });
+        for stripe in stripes {
+            let idx = self.peers[peer].conns[stripe.socket];
+            self.conns[idx].recvs.push_back(RecvPiece {
+                expect: FrameHeader {
+                    tag,
+                    seq,
+                    msg_len: len as u64,
+                    stripe_len: stripe.range.len() as u64,
+                },
+                // SAFETY: `stripe.range` lies within `0..len`.
+                buf: unsafe { buf.add(stripe.range.start) },
+                len: stripe.range.len(),
+                got: 0,
+                op: op.clone(),
+            });
+            self.serve(idx, true, false);
+        }
+        Ok(req)
+    }
+
+    /// Moves bytes on socket `idx`; a failure fails the whole peer.
+    fn serve(&mut self, idx: usize, read: bool, write: bool) {
+        let conn = &mut self.conns[idx];
+        let peer = conn.peer;
+        let mut result = Ok(true);
+        if write {
+            result = conn.flush();
+        }
+        if read && matches!(result, Ok(true)) {
+            result = conn.pump();
+        }
+        match result {
+            Ok(true) => {}
+            Ok(false) => self.again.push(idx),
+            Err(e) => self.fail_peer(peer, e),
+        }
+    }
+
+    /// Fails every request to `peer`, now and later, and closes its sockets.
+    pub(crate) fn fail_peer(&mut self, peer: usize, err: TransportError) {
+        self.fail_requests(peer, err, true);
+    }
+
+    /// Fails every request to `peer`, now and later; with `close`, also shuts
+    /// its sockets down so the peer notices at once.
+    fn fail_requests(&mut self, peer: usize, err: TransportError, close: bool) {
+        if self.peers[peer].failed.is_some() {
+            return;
+        }
+        tracing::debug!(rank = self.rank, peer, error = %err, "peer failed");
+        for &idx in &self.peers[peer].conns {
+            let conn = &mut self.conns[idx];
+            for piece in conn.sends.drain(..) {
+                piece.op.completion.complete(Err(err.clone()));
+            }
+            for piece in conn.recvs.drain(..) {
+                piece.op.completion.complete(Err(err.clone()));
+            }
+            if close {
+                let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        self.peers[peer].failed = Some(err);
+    }
+
+    /// Fails everything with `Aborted(reason)`; later posts fail the same way.
+    ///
+    /// With `close`, shuts every socket down so peers notice at once;
+    /// without, the sockets close gracefully when dropped, and bytes already
+    /// handed to the kernel still reach their peers.
+    pub(crate) fn abort(&mut self, reason: &str, close: bool) {
+        if self.aborted.is_some() {
+            return;
+        }
+        for peer in 0..self.peers.len() {
+            self.fail_requests(peer, TransportError::Aborted(reason.to_string()), close);
+        }
+        self.aborted = Some(reason.to_string());
+    }
+}
+
+impl Conn {
+    /// Writes queued stripes until the socket is full; `Ok(false)` if the budget ran out.
+    fn flush(&mut self) -> Result<bool, TransportError> {
+        let mut moved = 0;
+        while let Some(piece) = self.sends.front_mut() {
+            if moved >= BUDGET {
+                return Ok(false);
+            }
+            let total = HEADER_LEN + piece.len;
+            let n = {
+                let (head, body_from) = if piece.written < HEADER_LEN {
+                    (&piece.header[piece.written..], 0)
+                } else {
+                    (&[][..], piece.written - HEADER_LEN)
+                };
+                // SAFETY: `data..data+len` is valid for reads per `post_send`'s contract.
+                let body = unsafe { std::slice::from_raw_parts(piece.data, piece.len) };
+                let bufs = [IoSlice::new(head), IoSlice::new(&body[body_from..])];
+                match self.stream.write_vectored(&bufs) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(io_error(self.peer, "send", e)),
+                }
+            };
+            if n == 0 && total > piece.written {
+                return Err(TransportError::PeerClosed { peer: self.peer });
+            }
+            piece.written += n;
+            moved += n;
+            if piece.written == total {
+                let piece = self.sends.pop_front().expect("front exists");
+                piece.op.stripe_done();
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads into posted stripes until the socket is empty; `Ok(false)` if the budget ran out.
+    ///
+    /// With nothing posted, only checks whether the peer has closed the socket.
+    fn pump(&mut self) -> Result<bool, TransportError> {
+        if self.eof && !self.recvs.is_empty() {
+            return Err(TransportError::PeerClosed { peer: self.peer });
+        }
+        let mut moved = 0;
+        while let Some(piece) = self.recvs.front_mut() {
+            if moved >= BUDGET {
+                return Ok(false);
+            }
+            if self.header_got < HEADER_LEN {
+                match self.stream.read(&mut self.header[self.header_got..]) {
+                    Ok(0) => return Err(TransportError::PeerClosed { peer: self.peer }),
+                    Ok(n) => self.header_got += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(io_error(self.peer, "recv", e)),
+                }
+                if self.header_got == HEADER_LEN {
+                    check_header(self.peer, &self.header, &piece.expect)?;
+                }
+            } else if piece.got < piece.len {
+                // SAFETY: `buf..buf+len` is valid and exclusively ours per `post_recv`'s contract.
+                let buf = unsafe { std::slice::from_raw_parts_mut(piece.buf, piece.len) };
+                match self.stream.read(&mut buf[piece.got..]) {
+                    Ok(0) => return Err(TransportError::PeerClosed { peer: self.peer }),
+                    Ok(n) => {
+                        piece.got += n;
+                        moved += n;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(io_error(self.peer, "recv", e)),
+                }
+            }
+            if self.header_got == HEADER_LEN && piece.got == piece.len {
+                self.header_got = 0;
+                let piece = self.recvs.pop_front().expect("front exists");
+                piece.op.stripe_done();
+            }
+        }
+        // Nothing posted: note whether the peer closed this socket. That is
+        // only an error once a receive needs it (other sockets of the same
+        // peer may still carry the rest of a message).
+        let mut probe = [0u8; 1];
+        match self.stream.peek(&mut probe) {
+            Ok(0) => {
+                self.eof = true;
+                Ok(true)
+            }
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(true),
+            Err(e) => Err(io_error(self.peer, "recv", e)),
+        }
+    }
+}
+
+/// Checks an arrived header against what the posted receive expects.
+fn check_header(
+    peer: usize,
+    bytes: &[u8; HEADER_LEN],
+    expect: &FrameHeader,
+) -> Result<(), TransportError> {
+    let protocol = |detail: String| TransportError::Protocol { peer, detail };
+    let got = FrameHeader::decode(bytes).map_err(protocol)?;
+    if got.seq != expect.seq {
+        return Err(protocol(format!(
+            "message sequence {} arrived where {} was expected (stream out of step)",
+            got.seq, expect.seq
+        )));
+    }
+    if got.tag != expect.tag {
+        return Err(protocol(format!(
+            "message {} has tag {:#x}, expected {:#x}: the ranks are running different operations",
+            got.seq, got.tag, expect.tag
+        )));
+    }
+    if got.msg_len != expect.msg_len || got.stripe_len != expect.stripe_len {
+        return Err(protocol(format!(
+            "message {} is {} bytes, expected {} bytes: do all ranks pass buffers of the same length?",
+            got.seq, got.msg_len, expect.msg_len
+        )));
+    }
+    Ok(())
+}
+
+fn io_error(peer: usize, op: &'static str, e: io::Error) -> TransportError {
+    match e.kind() {
+        io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionAborted
+        | io::ErrorKind::UnexpectedEof => TransportError::PeerClosed { peer },
+        _ => TransportError::Io {
+            peer,
+            op,
+            message: e.to_string(),
+        },
+    }
+}

@@ -1,0 +1,362 @@
+//! Connection set-up: every rank listens, publishes its address in the store,
+//! connects to every lower rank and accepts every higher one.
+//!
+//! Each socket opens with a hello naming the job session, the world size,
+//! the sender's rank and the socket's index; the acceptor checks it (a
+//! stranger's connection is logged and dropped) and answers with one ack
+//! byte. Connecting never waits on an accept (the listen backlog holds the
+//! connection), and acks are read only after this rank has accepted all of
+//! its own peers, so set-up cannot deadlock.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use socket2::{Domain, Socket, Type};
+
+use super::TcpConfig;
+use crate::store::Store;
+use crate::TransportError;
+
+const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"CHRH");
+const HELLO_LEN: usize = 28;
+const ACK: u8 = 0xA5;
+
+/// Opens `nsocks` sockets to every peer; result indexed by peer rank.
+pub(super) fn connect_all(
+    rank: usize,
+    world_size: usize,
+    store: &dyn Store,
+    config: &TcpConfig,
+) -> Result<Vec<Vec<TcpStream>>, TransportError> {
+    let deadline = Instant::now() + config.timeout;
+    let nsocks = config.nsocks.max(1);
+    let mut sockets: Vec<Vec<Option<TcpStream>>> = (0..world_size)
+        .map(|_| (0..nsocks).map(|_| None).collect())
+        .collect();
+    if world_size == 1 {
+        return Ok(vec![Vec::new()]);
+    }
+    let listener = listen(SocketAddr::new(config.addr, 0))?;
+    let session = session_id(rank, store)?;
+    let local = listener
+        .local_addr()
+        .map_err(setup("read the listen address"))?;
+    store.set(&format!("tcp/addr/{rank}"), local.to_string().as_bytes())?;
+
+    let hello = |sock: usize| Hello {
+        session,
+        world_size,
+        rank,
+        sock,
+        nsocks,
+    };
+    for (peer, streams) in sockets.iter_mut().enumerate().take(rank) {
+        let addr = peer_addr(store, peer)?;
+        for (sock, slot) in streams.iter_mut().enumerate() {
+            let mut stream = connect(peer, addr, deadline)?;
+            stream
+                .write_all(&hello(sock).encode())
+                .map_err(|e| io_setup(peer, "send the hello", e))?;
+            *slot = Some(stream);
+        }
+    }
+    accept_higher(&listener, rank, &hello(0), deadline, &mut sockets)?;
+    for (peer, streams) in sockets.iter_mut().enumerate().take(rank) {
+        for stream in streams.iter_mut().flatten() {
+            read_ack(stream, peer, deadline)?;
+        }
+    }
+    sockets
+        .into_iter()
+        .enumerate()
+        .map(|(peer, streams)| {
+            streams
+                .into_iter()
+                .flatten()
+                .map(|s| {
+                    s.set_nodelay(true)
+                        .map_err(|e| io_setup(peer, "set TCP_NODELAY", e))?;
+                    s.set_read_timeout(None)
+                        .map_err(|e| io_setup(peer, "clear the timeout", e))?;
+                    Ok(s)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn setup(what: &'static str) -> impl Fn(io::Error) -> TransportError {
+    move |e| TransportError::Setup(format!("cannot {what}: {e}"))
+}
+
+fn io_setup(peer: usize, what: &str, e: io::Error) -> TransportError {
+    TransportError::Io {
+        peer,
+        op: "connect",
+        message: format!("cannot {what}: {e}"),
+    }
+}
+
+fn listen(addr: SocketAddr) -> Result<TcpListener, TransportError> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)
+        .map_err(setup("create a listening socket"))?;
+    socket
+        .bind(&addr.into())
+        .map_err(|e| TransportError::Setup(format!("cannot listen on {addr}: {e}")))?;
+    socket.listen(1024).map_err(setup("listen"))?;
+    let listener: TcpListener = socket.into();
+    listener
+        .set_nonblocking(true)
+        .map_err(setup("make the listener non-blocking"))?;
+    Ok(listener)
+}
+
+/// Rank 0 draws a random session id; the others read it from the store.
+fn session_id(rank: usize, store: &dyn Store) -> Result<u64, TransportError> {
+    use std::hash::{BuildHasher, Hasher};
+    const KEY: &str = "tcp/session";
+    if rank == 0 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos(),
+        );
+        h.write_u32(std::process::id());
+        let id = h.finish();
+        store.set(KEY, &id.to_le_bytes())?;
+        return Ok(id);
+    }
+    let bytes = store.get(KEY)?;
+    let bytes: [u8; 8] = bytes
+        .try_into()
+        .map_err(|_| TransportError::Setup("malformed session id in the store".into()))?;
+    Ok(u64::from_le_bytes(bytes))
+}
+
+fn peer_addr(store: &dyn Store, peer: usize) -> Result<SocketAddr, TransportError> {
+    let raw = store.get(&format!("tcp/addr/{peer}"))?;
+    String::from_utf8_lossy(&raw)
+        .parse()
+        .map_err(|e| TransportError::Setup(format!("rank {peer} published a bad address: {e}")))
+}
+
+/// Connects to `peer`, retrying refused connections until `deadline`.
+fn connect(peer: usize, addr: SocketAddr, deadline: Instant) -> Result<TcpStream, TransportError> {
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let result = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)));
+        match result {
+            Ok(stream) => return Ok(stream),
+            Err(e) if Instant::now() + backoff >= deadline => {
+                return Err(io_setup(peer, &format!("connect to {addr}"), e));
+            }
+            Err(_) => {
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+/// Accepts `nsocks` sockets from every rank above `rank`.
+fn accept_higher(
+    listener: &TcpListener,
+    rank: usize,
+    own: &Hello,
+    deadline: Instant,
+    sockets: &mut [Vec<Option<TcpStream>>],
+) -> Result<(), TransportError> {
+    let missing = |sockets: &[Vec<Option<TcpStream>>]| -> Vec<usize> {
+        (rank + 1..sockets.len())
+            .filter(|&p| sockets[p].iter().any(Option::is_none))
+            .collect()
+    };
+    let mut pause = Duration::from_micros(100);
+    while !missing(sockets).is_empty() {
+        if Instant::now() >= deadline {
+            return Err(TransportError::Setup(format!(
+                "rank {rank} timed out waiting for ranks {:?} to connect (are they running, with the same MASTER_ADDR and MASTER_PORT?)",
+                missing(sockets)
+            )));
+        }
+        let (mut stream, from) = match listener.accept() {
+            Ok(pair) => pair,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(10));
+                continue;
+            }
+            Err(e) => return Err(TransportError::Setup(format!("accept failed: {e}"))),
+        };
+        pause = Duration::from_micros(100);
+        match read_hello(&mut stream, deadline).and_then(|h| own.admit(&h, sockets)) {
+            Ok((peer, sock)) => {
+                stream
+                    .write_all(&[ACK])
+                    .map_err(|e| io_setup(peer, "send the ack", e))?;
+                sockets[peer][sock] = Some(stream);
+            }
+            Err(why) => tracing::warn!(%from, "dropped a connection: {why}"),
+        }
+    }
+    Ok(())
+}
+
+fn read_hello(stream: &mut TcpStream, deadline: Instant) -> Result<Hello, String> {
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .clamp(Duration::from_millis(1), Duration::from_secs(5));
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(wait))
+        .map_err(|e| e.to_string())?;
+    let mut buf = [0u8; HELLO_LEN];
+    stream
+        .read_exact(&mut buf)
+        .map_err(|e| format!("no hello: {e}"))?;
+    Hello::decode(&buf)
+}
+
+fn read_ack(stream: &mut TcpStream, peer: usize, deadline: Instant) -> Result<(), TransportError> {
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    stream
+        .set_read_timeout(Some(wait))
+        .map_err(|e| io_setup(peer, "set a timeout", e))?;
+    let mut ack = [0u8; 1];
+    stream.read_exact(&mut ack).map_err(|e| {
+        io_setup(
+            peer,
+            "read the connection ack (did the peer reject this rank's hello?)",
+            e,
+        )
+    })?;
+    if ack[0] != ACK {
+        return Err(TransportError::Protocol {
+            peer,
+            detail: format!("bad connection ack {:#x}", ack[0]),
+        });
+    }
+    Ok(())
+}
+
+/// The first bytes on every socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Hello {
+    session: u64,
+    world_size: usize,
+    rank: usize,
+    sock: usize,
+    nsocks: usize,
+}
+
+impl Hello {
+    fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut out = [0u8; HELLO_LEN];
+        out[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+        out[4..12].copy_from_slice(&self.session.to_le_bytes());
+        for (i, v) in [self.world_size, self.rank, self.sock, self.nsocks]
+            .into_iter()
+            .enumerate()
+        {
+            let at = 12 + 4 * i;
+            out[at..at + 4].copy_from_slice(&(v as u32).to_le_bytes());
+        }
+        out
+    }
+
+    fn decode(buf: &[u8; HELLO_LEN]) -> Result<Hello, String> {
+        let word = |at: usize| u32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
+        if word(0) != HELLO_MAGIC {
+            return Err("bad hello magic: not a Chorus peer".into());
+        }
+        Ok(Hello {
+            session: u64::from_le_bytes(buf[4..12].try_into().expect("8 bytes")),
+            world_size: word(12) as usize,
+            rank: word(16) as usize,
+            sock: word(20) as usize,
+            nsocks: word(24) as usize,
+        })
+    }
+
+    /// Checks a peer's hello against this rank's view; returns (peer, socket).
+    fn admit(
+        &self,
+        theirs: &Hello,
+        sockets: &[Vec<Option<TcpStream>>],
+    ) -> Result<(usize, usize), String> {
+        if theirs.session != self.session {
+            return Err("hello from another job (session id differs)".into());
+        }
+        if theirs.world_size != self.world_size || theirs.nsocks != self.nsocks {
+            return Err(format!(
+                "rank {} has world size {} and {} sockets per peer, this rank {} and {}",
+                theirs.rank, theirs.world_size, theirs.nsocks, self.world_size, self.nsocks
+            ));
+        }
+        if theirs.rank <= self.rank || theirs.rank >= self.world_size || theirs.sock >= self.nsocks
+        {
+            return Err(format!(
+                "unexpected hello from rank {} socket {}",
+                theirs.rank, theirs.sock
+            ));
+        }
+        if sockets[theirs.rank][theirs.sock].is_some() {
+            return Err(format!(
+                "duplicate hello from rank {} socket {}",
+                theirs.rank, theirs.sock
+            ));
+        }
+        Ok((theirs.rank, theirs.sock))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trips_and_rejects_strangers() {
+        let h = Hello {
+            session: 42,
+            world_size: 8,
+            rank: 3,
+            sock: 1,
+            nsocks: 2,
+        };
+        assert_eq!(Hello::decode(&h.encode()), Ok(h.clone()));
+        let mut bad = h.encode();
+        bad[0] = b'X';
+        assert!(Hello::decode(&bad).is_err());
+
+        let own = Hello {
+            rank: 1,
+            ..h.clone()
+        };
+        let sockets: Vec<Vec<Option<TcpStream>>> = (0..8).map(|_| vec![None, None]).collect();
+        assert_eq!(own.admit(&h, &sockets), Ok((3, 1)));
+        let other_job = Hello {
+            session: 7,
+            ..h.clone()
+        };
+        assert!(own
+            .admit(&other_job, &sockets)
+            .unwrap_err()
+            .contains("another job"));
+        let lower = Hello {
+            rank: 0,
+            ..h.clone()
+        };
+        assert!(own.admit(&lower, &sockets).is_err());
+        let wrong_world = Hello { world_size: 4, ..h };
+        assert!(own
+            .admit(&wrong_world, &sockets)
+            .unwrap_err()
+            .contains("world size 4"));
+    }
+}

@@ -1,0 +1,133 @@
+//! The TCP transport: several sockets per peer, striped, with a progress thread.
+
+mod engine;
+pub mod frame;
+mod mesh;
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::store::Store;
+use crate::{Request, Transport, TransportError};
+use engine::Shared;
+
+/// Settings of the TCP transport.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// Sockets per peer; large messages are striped over them.
+    pub nsocks: usize,
+    /// Smallest stripe in bytes; shorter messages use one socket.
+    pub min_stripe: usize,
+    /// The address other ranks reach this one at (the listener binds it).
+    pub addr: IpAddr,
+    /// Bound on connection set-up: waiting for peers to publish and connect.
+    pub timeout: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            nsocks: 2,
+            min_stripe: 256 << 10,
+            addr: IpAddr::from([127, 0, 0, 1]),
+            timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// A [`Transport`] over TCP sockets, fully connected between all ranks.
+#[derive(Debug)]
+pub struct TcpTransport {
+    rank: usize,
+    world_size: usize,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl TcpTransport {
+    /// Connects `rank` to every other rank, exchanging addresses through `store`.
+    ///
+    /// Keys are written under the store as given (wrap it in a
+    /// [`PrefixStore`](crate::store::PrefixStore) per communicator). Fails if
+    /// a peer does not publish or connect within `config.timeout` (the error
+    /// lists the missing ranks), or on any socket error.
+    pub fn connect(
+        rank: usize,
+        world_size: usize,
+        store: &dyn Store,
+        config: &TcpConfig,
+    ) -> Result<TcpTransport, TransportError> {
+        if rank >= world_size {
+            return Err(TransportError::Setup(format!(
+                "rank {rank} is not below the world size {world_size}"
+            )));
+        }
+        let sockets = mesh::connect_all(rank, world_size, store, config)?;
+        let (shared, poll) = Shared::new(rank, sockets, config.min_stripe)
+            .map_err(|e| TransportError::Setup(format!("cannot register sockets: {e}")))?;
+        let runner = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("chorus-tcp-{rank}"))
+            .spawn(move || runner.run(poll))
+            .map_err(|e| TransportError::Setup(format!("cannot start the progress thread: {e}")))?;
+        tracing::debug!(
+            rank,
+            world_size,
+            nsocks = config.nsocks,
+            "tcp transport connected"
+        );
+        Ok(TcpTransport {
+            rank,
+            world_size,
+            shared,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
+        let mut engine = self.shared.lock();
+        // SAFETY: the caller keeps `data` valid until completion or abort (trait contract).
+        let req = unsafe { engine.post_send(peer, tag, data.as_ptr(), data.len()) };
+        self.shared.hand_over(&engine);
+        req
+    }
+
+    unsafe fn irecv(
+        &self,
+        peer: usize,
+        tag: u64,
+        buf: &mut [u8],
+    ) -> Result<Request, TransportError> {
+        let mut engine = self.shared.lock();
+        // SAFETY: the caller keeps `buf` valid and unaliased until completion or abort.
+        let req = unsafe { engine.post_recv(peer, tag, buf.as_mut_ptr(), buf.len()) };
+        self.shared.hand_over(&engine);
+        req
+    }
+
+    fn abort(&self, reason: &str) {
+        self.shared.lock().abort(reason, true);
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.shared.stop();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        self.shared.lock().abort("transport dropped", false);
+    }
+}

@@ -1,0 +1,76 @@
+//! The `Transport` trait: the contract every way of moving bytes between ranks meets.
+
+use std::time::Instant;
+
+use crate::{Request, TransportError};
+
+/// Moves byte ranges between the ranks of one communicator.
+///
+/// # Contract
+///
+/// * **Ranks.** A transport connects rank `rank()` to every other rank in
+///   `0..world_size()`; all connection set-up happens before the value exists.
+/// * **Posting.** [`isend`](Transport::isend) and [`irecv`](Transport::irecv)
+///   return at once with a [`Request`]; bytes move in the background (a
+///   progress thread), so the caller can compute while the wire works.
+/// * **Matching.** Between one pair of ranks, messages are matched strictly in
+///   posting order: the k-th receive posted for `peer` takes the k-th message
+///   `peer` sent to this rank. The receiver checks that the message's tag and
+///   length equal those it posted; a difference fails the receive with
+///   [`TransportError::Protocol`] naming the peer and both values, never with
+///   silent corruption. Messages to different peers are independent.
+/// * **Buffers.** A send reads, and a receive writes, the caller's memory
+///   directly (no copy in the transport). The memory must stay valid, and the
+///   caller must not touch a receive buffer (nor write a send buffer), until
+///   the request has completed or [`abort`](Transport::abort) has returned.
+/// * **Errors.** Every error names the peer rank where one is involved. A
+///   failure on a connection fails every pending and later request to that
+///   peer; it does not stall other peers.
+/// * **Progress.** Requests complete without further calls into the
+///   transport; waiting is done on the [`Request`] with a deadline.
+pub trait Transport: Send + Sync {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks connected by this transport.
+    fn world_size(&self) -> usize;
+
+    /// Posts a send of `data` to `peer`, labelled with `tag`.
+    ///
+    /// Fails at once if `peer` is out of range or its connection has failed.
+    ///
+    /// # Safety
+    ///
+    /// `data` must stay valid and unmodified until the returned request has
+    /// completed or `abort` has returned.
+    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError>;
+
+    /// Posts a receive of exactly `buf.len()` bytes from `peer`, labelled `tag`.
+    ///
+    /// Fails at once if `peer` is out of range or its connection has failed.
+    ///
+    /// # Safety
+    ///
+    /// `buf` must stay valid, and must not be read or written by anyone else,
+    /// until the returned request has completed or `abort` has returned.
+    unsafe fn irecv(
+        &self,
+        peer: usize,
+        tag: u64,
+        buf: &mut [u8],
+    ) -> Result<Request, TransportError>;
+
+    /// Fails every pending and later request with `Aborted(reason)` and closes
+    /// the connections, so peers see this rank leave.
+    ///
+    /// When it returns, the transport no longer touches any posted buffer.
+    fn abort(&self, reason: &str);
+}
+
+/// Waits for every request in `reqs`, in order, until `deadline`.
+///
+/// Returns the first failure; the caller aborts the transport before reusing
+/// the buffers of the requests that did not complete.
+pub fn wait_all(reqs: &[Request], deadline: Instant) -> Result<(), TransportError> {
+    reqs.iter().try_for_each(|r| r.wait(deadline))
+}

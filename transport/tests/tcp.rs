@@ -1,0 +1,220 @@
+//! The TCP transport between threads of one process, over real loopback sockets.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore};
+use chorus_transport::tcp::{TcpConfig, TcpTransport};
+use chorus_transport::{Transport, TransportError};
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+fn deadline() -> Instant {
+    Instant::now() + TIMEOUT
+}
+
+/// Runs `body(transport)` on `world` threads connected through a fresh store.
+fn with_ranks<T: Send + 'static>(
+    world: usize,
+    nsocks: usize,
+    body: impl Fn(TcpTransport) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = server.local_addr().port();
+    let body = Arc::new(body);
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let body = body.clone();
+            thread::spawn(move || {
+                let store = TcpStore::connect("127.0.0.1", port, TIMEOUT).unwrap();
+                let store = PrefixStore::new("test", store);
+                let config = TcpConfig {
+                    nsocks,
+                    min_stripe: 4096,
+                    timeout: TIMEOUT,
+                    ..TcpConfig::default()
+                };
+                let t = TcpTransport::connect(rank, world, &store as &dyn Store, &config).unwrap();
+                body(t)
+            })
+        })
+        .collect();
+    let out = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    drop(server);
+    out
+}
+
+fn pattern(rank: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 31 + rank * 7 + len) as u8).collect()
+}
+
+#[test]
+fn ring_exchange_of_many_sizes() {
+    for nsocks in [1, 3] {
+        with_ranks(4, nsocks, |t| {
+            let (rank, world) = (t.rank(), t.world_size());
+            let right = (rank + 1) % world;
+            let left = (rank + world - 1) % world;
+            for (k, len) in [0usize, 1, 7, 4096, 3 * 4096 + 5, (1 << 20) + 7]
+                .into_iter()
+                .enumerate()
+            {
+                let data = pattern(rank, len);
+                let mut got = vec![0u8; len];
+                // SAFETY: both buffers outlive the waits below.
+                let (s, r) = unsafe {
+                    (
+                        t.isend(right, k as u64, &data).unwrap(),
+                        t.irecv(left, k as u64, &mut got).unwrap(),
+                    )
+                };
+                r.wait(deadline()).unwrap();
+                s.wait(deadline()).unwrap();
+                assert_eq!(got, pattern(left, len), "rank {rank} len {len}");
+            }
+        });
+    }
+}
+
+#[test]
+fn many_messages_in_flight_keep_their_order() {
+    with_ranks(2, 2, |t| {
+        let peer = 1 - t.rank();
+        let sends: Vec<Vec<u8>> = (0..64)
+            .map(|i| pattern(t.rank() + i, 100 + i * 997))
+            .collect();
+        let mut recvs: Vec<Vec<u8>> = (0..64).map(|i| vec![0u8; 100 + i * 997]).collect();
+        // SAFETY: the buffers live until every request is waited on below.
+        let reqs: Vec<_> = unsafe {
+            let mut reqs: Vec<_> = sends.iter().map(|d| t.isend(peer, 9, d).unwrap()).collect();
+            reqs.extend(recvs.iter_mut().map(|b| t.irecv(peer, 9, b).unwrap()));
+            reqs
+        };
+        chorus_transport::wait_all(&reqs, deadline()).unwrap();
+        for (i, got) in recvs.iter().enumerate() {
+            assert_eq!(got, &pattern(peer + i, 100 + i * 997));
+        }
+    });
+}
+
+#[test]
+fn mismatched_length_is_a_protocol_error_naming_the_peer() {
+    let errors = with_ranks(2, 1, |t| {
+        if t.rank() == 0 {
+            let data = vec![1u8; 64];
+            // SAFETY: `data` outlives the wait.
+            let s = unsafe { t.isend(1, 5, &data).unwrap() };
+            let _ = s.wait(deadline());
+            None
+        } else {
+            let mut buf = vec![0u8; 128];
+            // SAFETY: `buf` outlives the wait.
+            let r = unsafe { t.irecv(0, 5, &mut buf).unwrap() };
+            Some(r.wait(deadline()).unwrap_err())
+        }
+    });
+    let err = errors[1].clone().unwrap();
+    assert!(
+        matches!(err, TransportError::Protocol { peer: 0, .. }),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("64 bytes") && text.contains("128 bytes"),
+        "{text}"
+    );
+}
+
+#[test]
+fn mismatched_tag_is_a_protocol_error() {
+    let errors = with_ranks(2, 2, |t| {
+        let peer = 1 - t.rank();
+        let data = [0u8; 8];
+        let mut buf = [0u8; 8];
+        // SAFETY: both buffers outlive the waits.
+        let (s, r) = unsafe {
+            (
+                t.isend(peer, t.rank() as u64, &data).unwrap(),
+                t.irecv(peer, t.rank() as u64, &mut buf).unwrap(),
+            )
+        };
+        let _ = s.wait(deadline());
+        r.wait(deadline()).unwrap_err()
+    });
+    // The first rank to notice closes the connection, so the other may see that instead.
+    for (rank, err) in errors.iter().enumerate() {
+        let peer = 1 - rank;
+        let named = matches!(err, TransportError::Protocol { peer: p, .. } | TransportError::PeerClosed { peer: p } if *p == peer);
+        assert!(named, "{err}");
+    }
+    assert!(
+        errors.iter().any(|e| e.to_string().contains("tag")),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn a_departed_peer_fails_receives_with_its_rank() {
+    let errors = with_ranks(3, 2, |t| {
+        match t.rank() {
+            2 => {
+                drop(t);
+                None
+            }
+            _ => {
+                let mut buf = vec![0u8; 1 << 16];
+                // SAFETY: `buf` outlives the wait.
+                let r = unsafe { t.irecv(2, 0, &mut buf).unwrap() };
+                Some(r.wait(deadline()).unwrap_err())
+            }
+        }
+    });
+    for err in errors.into_iter().flatten() {
+        assert!(
+            matches!(err, TransportError::PeerClosed { peer: 2 }),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn abort_fails_pending_requests_and_peers_see_it() {
+    let errors = with_ranks(2, 1, |t| {
+        let peer = 1 - t.rank();
+        let mut buf = vec![0u8; 32];
+        // SAFETY: `buf` outlives the request: abort returns, or the wait ends, before it is dropped.
+        let r = unsafe { t.irecv(peer, 1, &mut buf) };
+        if t.rank() == 0 {
+            t.abort("test abort");
+            // SAFETY: fails at once, nothing is posted.
+            let later = unsafe { t.isend(peer, 1, &buf) };
+            assert!(matches!(later, Err(TransportError::Aborted(_))));
+        }
+        // Rank 1 may see rank 0 leave before or after it posts.
+        r.and_then(|r| r.wait(deadline())).unwrap_err()
+    });
+    assert!(
+        matches!(errors[0], TransportError::Aborted(ref why) if why == "test abort"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        matches!(errors[1], TransportError::PeerClosed { peer: 0 }),
+        "{}",
+        errors[1]
+    );
+}
+
+#[test]
+fn invalid_peers_are_rejected() {
+    with_ranks(2, 1, |t| {
+        let data = [0u8; 1];
+        // SAFETY: fails at once, nothing is posted.
+        let err = unsafe { t.isend(t.rank(), 0, &data) }.unwrap_err();
+        assert!(matches!(err, TransportError::InvalidPeer { .. }));
+        // SAFETY: as above.
+        let err = unsafe { t.isend(7, 0, &data) }.unwrap_err();
+        assert!(err.to_string().contains("invalid peer rank 7"), "{err}");
+    });
+}
