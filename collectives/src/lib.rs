@@ -1,1 +1,35 @@
-//! placeholder
+//! Chorus: collective communication for distributed training.
+//!
+//! A [`Communicator`] joins a job of `world_size` processes (read from
+//! torchrun's environment contract with [`Communicator::from_env`], or from
+//! a [`Config`]) and runs collectives over TCP: [`all_reduce`], [`broadcast`]
+//! and [`barrier`], on any [`Element`] type.
+//!
+//! ```no_run
+//! use chorus::{Communicator, ReduceOp};
+//!
+//! let comm = Communicator::from_env()?;
+//! let mut grads = vec![1.0f32; 1024];
+//! comm.all_reduce(&mut grads, ReduceOp::Avg)?;
+//! # Ok::<(), chorus::Error>(())
+//! ```
+//!
+//! Algorithms are [`schedule`]s (pure data), run by one [`executor`];
+//! [`tuner`] picks one per call, `CHORUS_ALGO` forces it.
+//!
+//! [`all_reduce`]: Communicator::all_reduce
+//! [`broadcast`]: Communicator::broadcast
+//! [`barrier`]: Communicator::barrier
+
+mod communicator;
+mod config;
+mod error;
+pub mod executor;
+pub mod launch;
+pub mod schedule;
+pub mod tuner;
+
+pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
+pub use communicator::Communicator;
+pub use config::{Config, DEFAULT_CHUNK_BYTES, DEFAULT_NSOCKS, DEFAULT_TIMEOUT};
+pub use error::{Error, Result};

@@ -1,1 +1,53 @@
-//! placeholder
+//! Element types, reduction operators and host reduction kernels for Chorus.
+//!
+//! This crate holds the data-type vocabulary shared by the whole library ([`DType`],
+//! [`Element`], [`ReduceOp`]) and the CPU kernels that combine buffers during reductions
+//! ([`reduce`], [`reduce_into`], [`reduce_typed`], [`finish_avg`]).
+//!
+//! The kernels work on raw byte slices as they arrive from the network or from user
+//! sub-slices. The slices need not be aligned for their element type: aligned buffers (the
+//! common case) are processed in place, unaligned ones through small aligned stack blocks.
+//! Bad input never panics; it is reported as a [`KernelError`].
+//!
+//! # Semantics
+//!
+//! * **Integers** (`i8`, `u8`, `i32`, `u32`, `i64`, `u64`): `Sum` and `Prod` wrap on
+//!   overflow (two's complement, like NCCL and the hardware), so `100i8 + 100 == -56` and
+//!   `i64::MAX + 1 == i64::MIN`. `Min` and `Max` are exact.
+//! * **Floats** (`f32`, `f64`): IEEE 754 arithmetic for `Sum` and `Prod`. `Min` and `Max`
+//!   propagate NaN, as NCCL does: if either operand is NaN the result is NaN (its payload
+//!   is unspecified). Signed zeros are ordered `-0.0 < +0.0`, so `min(-0.0, +0.0)` is
+//!   `-0.0` and `max(-0.0, +0.0)` is `+0.0` whichever operand comes first; the result
+//!   therefore does not depend on reduction order.
+//! * **`f16` / `bf16`**: converted a block at a time to `f32`, combined with the `f32`
+//!   rules above and rounded back (round to nearest even) once per kernel call. Since `f32`
+//!   has more than twice the precision of either type, a single `Sum` or `Prod` step
+//!   gives the correctly rounded half-precision result.
+//! * **`Avg`**: the kernels treat it as `Sum`; the collective divides once at the end with
+//!   [`finish_avg`]. Floats divide by `n` (`f16`/`bf16` via `f32`). Integers divide the
+//!   wrapped sum by `n`, truncating toward zero (`-7 / 2 == -3`), so an integer average is
+//!   only meaningful when the sum did not overflow.
+//!
+//! # Example
+//!
+//! ```
+//! use chorus_kernels::{reduce_typed, ReduceOp};
+//!
+//! let mut acc = [1.0f32, 5.0, -2.0];
+//! reduce_typed(ReduceOp::Max, &mut acc, &[3.0, 4.0, -1.0])?;
+//! assert_eq!(acc, [3.0, 5.0, -1.0]);
+//! # Ok::<(), chorus_kernels::KernelError>(())
+//! ```
+
+mod arith;
+mod convert;
+mod dtype;
+mod error;
+mod op;
+mod reduce;
+
+pub use dtype::{DType, Element};
+pub use error::KernelError;
+pub use half::{bf16, f16};
+pub use op::ReduceOp;
+pub use reduce::{finish_avg, reduce, reduce_into, reduce_typed};

@@ -1,0 +1,263 @@
+//! Configuration: one typed `Config`, read from the environment or built in code.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use crate::tuner::Algorithm;
+use crate::Error;
+
+/// Everything a communicator needs to know before it starts.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// This process's rank, `0..world_size` (`RANK`).
+    pub rank: usize,
+    /// Number of processes in the job (`WORLD_SIZE`).
+    pub world_size: usize,
+    /// Rank within this host (`LOCAL_RANK`).
+    pub local_rank: usize,
+    /// Number of processes on this host (`LOCAL_WORLD_SIZE`).
+    pub local_world_size: usize,
+    /// Host of rank 0's rendezvous store (`MASTER_ADDR`).
+    pub master_addr: String,
+    /// Port of the rendezvous store (`MASTER_PORT`).
+    pub master_port: u16,
+    /// Bound on every blocking wait (`CHORUS_TIMEOUT`, seconds).
+    pub timeout: Duration,
+    /// TCP sockets per peer (`CHORUS_NSOCKS`).
+    pub nsocks: usize,
+    /// Forced algorithm, or `None` to let the tuner pick (`CHORUS_ALGO`).
+    pub algo: Option<Algorithm>,
+    /// Pipeline chunk size in bytes (`CHORUS_CHUNK_BYTES`).
+    pub chunk_bytes: usize,
+    /// Address peers use to reach this rank (`CHORUS_SOCKET_ADDR`); derived from the route to MASTER_ADDR if unset.
+    pub socket_addr: Option<IpAddr>,
+}
+
+/// Defaults shared by `Config::new` and `Config::from_env`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default TCP sockets per peer.
+pub const DEFAULT_NSOCKS: usize = 2;
+/// Default pipeline chunk in bytes.
+pub const DEFAULT_CHUNK_BYTES: usize = 512 << 10;
+
+impl Config {
+    /// A configuration for `rank` of `world_size` on one host, with defaults.
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        master_addr: impl Into<String>,
+        master_port: u16,
+    ) -> Config {
+        Config {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            master_addr: master_addr.into(),
+            master_port,
+            timeout: DEFAULT_TIMEOUT,
+            nsocks: DEFAULT_NSOCKS,
+            algo: None,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            socket_addr: None,
+        }
+    }
+
+    /// Reads torchrun's contract and the `CHORUS_*` variables.
+    ///
+    /// Fails naming the variable when one is missing or malformed, or when
+    /// RANK is not below WORLD_SIZE.
+    pub fn from_env() -> Result<Config, Error> {
+        Config::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Like `from_env`, reading variables through `get` (for tests and launchers).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
+        let world_size: usize = require(&get, "WORLD_SIZE")?;
+        let rank: usize = require(&get, "RANK")?;
+        if world_size == 0 {
+            return Err(bad("WORLD_SIZE", "0", "must be at least 1"));
+        }
+        if rank >= world_size {
+            return Err(bad(
+                "RANK",
+                &rank.to_string(),
+                &format!("must be below WORLD_SIZE={world_size}"),
+            ));
+        }
+        let single = world_size == 1;
+        let master_addr = match get("MASTER_ADDR") {
+            Some(a) if !a.is_empty() => a,
+            _ if single => "127.0.0.1".into(),
+            _ => return Err(bad("MASTER_ADDR", "", "not set (the host of rank 0)")),
+        };
+        let master_port = match get("MASTER_PORT") {
+            None if single => 0,
+            _ => require(&get, "MASTER_PORT")?,
+        };
+        let local_rank = optional(&get, "LOCAL_RANK")?.unwrap_or(rank);
+        let local_world_size = optional(&get, "LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
+        if local_rank >= local_world_size {
+            return Err(bad(
+                "LOCAL_RANK",
+                &local_rank.to_string(),
+                &format!("must be below LOCAL_WORLD_SIZE={local_world_size}"),
+            ));
+        }
+        let timeout = match optional::<f64>(&get, "CHORUS_TIMEOUT")? {
+            Some(s) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s),
+            Some(s) => {
+                return Err(bad(
+                    "CHORUS_TIMEOUT",
+                    &s.to_string(),
+                    "must be a positive number of seconds",
+                ))
+            }
+            None => DEFAULT_TIMEOUT,
+        };
+        let nsocks = optional(&get, "CHORUS_NSOCKS")?.unwrap_or(DEFAULT_NSOCKS);
+        if !(1..=64).contains(&nsocks) {
+            return Err(bad(
+                "CHORUS_NSOCKS",
+                &nsocks.to_string(),
+                "must be between 1 and 64",
+            ));
+        }
+        let chunk_bytes = optional(&get, "CHORUS_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES);
+        if chunk_bytes < 64 {
+            return Err(bad(
+                "CHORUS_CHUNK_BYTES",
+                &chunk_bytes.to_string(),
+                "must be at least 64",
+            ));
+        }
+        Ok(Config {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            timeout,
+            nsocks,
+            algo: optional(&get, "CHORUS_ALGO")?,
+            chunk_bytes,
+            socket_addr: optional(&get, "CHORUS_SOCKET_ADDR")?,
+        })
+    }
+}
+
+fn bad(var: &'static str, value: &str, reason: &str) -> Error {
+    Error::Config {
+        var,
+        value: value.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+fn optional<T: std::str::FromStr>(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<Option<T>, Error>
+where
+    T::Err: std::fmt::Display,
+{
+    match get(var) {
+        None => Ok(None),
+        Some(v) if v.trim().is_empty() => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|e: T::Err| bad(var, &v, &e.to_string())),
+    }
+}
+
+fn require<T: std::str::FromStr>(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<T, Error>
+where
+    T::Err: std::fmt::Display,
+{
+    optional(get, var)?.ok_or_else(|| bad(var, "", "not set"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn from(vars: &[(&str, &str)]) -> Result<Config, Error> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(|k| map.get(k).cloned())
+    }
+
+    const BASE: [(&str, &str); 4] = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "4"),
+        ("MASTER_ADDR", "10.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+
+    #[test]
+    fn reads_the_torchrun_contract() {
+        let c = from(&BASE).unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (1, 4, 1, 4)
+        );
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("10.0.0.1", 29500));
+        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        let mut vars = BASE.to_vec();
+        vars.extend([
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("CHORUS_TIMEOUT", "2.5"),
+            ("CHORUS_ALGO", "tree"),
+        ]);
+        let c = from(&vars).unwrap();
+        assert_eq!((c.local_rank, c.local_world_size), (0, 2));
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!(c.algo, Some(Algorithm::Tree));
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        let cases: [(&[(&str, &str)], &str); 6] = [
+            (&[("WORLD_SIZE", "4")], "RANK"),
+            (&[("RANK", "x"), ("WORLD_SIZE", "4")], "RANK=\"x\""),
+            (&[("RANK", "4"), ("WORLD_SIZE", "4")], "below WORLD_SIZE=4"),
+            (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")],
+                "MASTER_ADDR",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "h"),
+                    ("MASTER_PORT", "99999"),
+                ],
+                "MASTER_PORT",
+            ),
+        ];
+        for (vars, needle) in cases {
+            let err = from(vars).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err} should mention {needle}");
+        }
+        let mut vars = BASE.to_vec();
+        vars.push(("CHORUS_ALGO", "spiral"));
+        assert!(from(&vars).unwrap_err().to_string().contains("CHORUS_ALGO"));
+    }
+
+    #[test]
+    fn a_single_process_needs_no_master() {
+        let c = from(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap();
+        assert_eq!(c.world_size, 1);
+    }
+}

@@ -1,0 +1,243 @@
+//! Binary trees and the double-binary-tree all-reduce.
+//!
+//! The tree is the in-order binary tree on rank numbers: a rank's level is
+//! its lowest set bit, so odd ranks are leaves and rank 0 is a root with a
+//! single child. The second tree mirrors the first (even world sizes) or
+//! shifts it by one (odd), so that nearly every rank is a leaf in one tree
+//! and interior in the other; each tree carries half of the data, which
+//! balances the links. Latency grows with log2(W) instead of W.
+
+use super::{chunks, split, Buf, Schedule, Step};
+
+/// A rank's place in a tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Node {
+    /// The parent's rank, or `None` at the root.
+    pub parent: Option<usize>,
+    /// The children's ranks (at most two).
+    pub children: Vec<usize>,
+}
+
+/// `rank`'s place in the in-order binary tree over `0..n` rooted at 0.
+pub fn btree(rank: usize, n: usize) -> Node {
+    // The lowest set bit of `rank` (for rank 0: the first power of two >= n).
+    let mut bit = 1;
+    while bit < n && bit & rank == 0 {
+        bit <<= 1;
+    }
+    if rank == 0 {
+        let children = if n > 1 { vec![bit >> 1] } else { Vec::new() };
+        return Node {
+            parent: None,
+            children,
+        };
+    }
+    let mut parent = (rank ^ bit) | (bit << 1);
+    if parent >= n {
+        parent = rank ^ bit;
+    }
+    let mut children = Vec::new();
+    let mut low = bit >> 1;
+    if low > 0 {
+        children.push(rank - low);
+        while low > 0 && rank + low >= n {
+            low >>= 1;
+        }
+        if low > 0 {
+            children.push(rank + low);
+        }
+    }
+    Node {
+        parent: Some(parent),
+        children,
+    }
+}
+
+/// `rank`'s place in tree `t` (0 or 1) of the double binary tree over `0..n`.
+pub fn dtree(rank: usize, n: usize, t: usize) -> Node {
+    if t == 0 {
+        return btree(rank, n);
+    }
+    // Tree 1 relabels ranks, builds the same shape, and maps back.
+    let (to, from): (Box<dyn Fn(usize) -> usize>, Box<dyn Fn(usize) -> usize>) = if n % 2 == 0 {
+        (Box::new(move |r| n - 1 - r), Box::new(move |r| n - 1 - r))
+    } else {
+        (
+            Box::new(move |r| (r + n - 1) % n),
+            Box::new(move |r| (r + 1) % n),
+        )
+    };
+    let node = btree(to(rank), n);
+    Node {
+        parent: node.parent.map(&from),
+        children: node.children.into_iter().map(&from).collect(),
+    }
+}
+
+/// The double-binary-tree all-reduce program of `rank` for `count` elements.
+///
+/// Each tree reduces its half up to its root chunk by chunk (pipelined),
+/// the root finishes it, and it is broadcast back down the same tree.
+pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) -> Schedule {
+    let halves = split(count, 2);
+    let trees = [dtree(rank, world_size, 0), dtree(rank, world_size, 1)];
+    let parts: Vec<Vec<_>> = halves.iter().map(|h| chunks(h.clone(), chunk)).collect();
+    let rounds = parts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut steps = Vec::new();
+    // Reduce up, alternating between the trees chunk by chunk.
+    for c in 0..rounds {
+        for (node, part) in trees.iter().zip(&parts) {
+            let Some(region) = part.get(c) else { continue };
+            for (i, &child) in node.children.iter().enumerate() {
+                let src = if i == 0 { Buf::Input } else { Buf::Output };
+                steps.push(Step::RecvReduce {
+                    peer: child,
+                    src,
+                    region: region.clone(),
+                });
+            }
+            match node.parent {
+                Some(parent) => {
+                    let buf = if node.children.is_empty() {
+                        Buf::Input
+                    } else {
+                        Buf::Output
+                    };
+                    steps.push(Step::Send {
+                        peer: parent,
+                        buf,
+                        region: region.clone(),
+                    });
+                }
+                None => {
+                    if node.children.is_empty() {
+                        steps.push(Step::Copy {
+                            region: region.clone(),
+                        });
+                    }
+                    steps.push(Step::Finish {
+                        region: region.clone(),
+                    });
+                }
+            }
+        }
+    }
+    // Broadcast the finished halves down the same trees.
+    for c in 0..rounds {
+        for (node, part) in trees.iter().zip(&parts) {
+            let Some(region) = part.get(c) else { continue };
+            push_down(&mut steps, node, region.clone());
+        }
+    }
+    steps
+}
+
+/// Receive `region` from the parent (if any), then pass it to the children.
+pub(super) fn push_down(steps: &mut Schedule, node: &Node, region: std::ops::Range<usize>) {
+    if let Some(parent) = node.parent {
+        steps.push(Step::Recv {
+            peer: parent,
+            region: region.clone(),
+        });
+    }
+    for &child in &node.children {
+        steps.push(Step::Send {
+            peer: child,
+            buf: Buf::Output,
+            region: region.clone(),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every rank but the root has exactly one parent that lists it as a child.
+    fn check_tree(n: usize, t: usize) {
+        let nodes: Vec<Node> = (0..n).map(|r| dtree(r, n, t)).collect();
+        let roots: Vec<usize> = (0..n).filter(|&r| nodes[r].parent.is_none()).collect();
+        assert_eq!(roots.len(), 1, "n={n} t={t}");
+        for (r, node) in nodes.iter().enumerate() {
+            assert!(node.children.len() <= 2);
+            if let Some(p) = node.parent {
+                assert!(
+                    p < n && nodes[p].children.contains(&r),
+                    "n={n} t={t} rank {r} parent {p}"
+                );
+            }
+            for &c in &node.children {
+                assert_eq!(nodes[c].parent, Some(r));
+            }
+        }
+        // Connected: walking up from every rank reaches the root within n steps.
+        for r in 0..n {
+            let (mut at, mut hops) = (r, 0);
+            while let Some(p) = nodes[at].parent {
+                at = p;
+                hops += 1;
+                assert!(hops <= n);
+            }
+            assert_eq!(at, roots[0]);
+        }
+    }
+
+    #[test]
+    fn both_trees_are_trees_for_every_size() {
+        for n in 1..=130 {
+            check_tree(n, 0);
+            check_tree(n, 1);
+        }
+        check_tree(1000, 0);
+        check_tree(1000, 1);
+    }
+
+    #[test]
+    fn the_tree_matches_its_picture() {
+        // 0 -> 8; 8 -> 4, 12; 4 -> 2, 6; 2 -> 1, 3 (n = 16)
+        assert_eq!(
+            btree(0, 16),
+            Node {
+                parent: None,
+                children: vec![8]
+            }
+        );
+        assert_eq!(
+            btree(8, 16),
+            Node {
+                parent: Some(0),
+                children: vec![4, 12]
+            }
+        );
+        assert_eq!(
+            btree(4, 16),
+            Node {
+                parent: Some(8),
+                children: vec![2, 6]
+            }
+        );
+        assert_eq!(
+            btree(3, 16),
+            Node {
+                parent: Some(2),
+                children: vec![]
+            }
+        );
+        assert_eq!(
+            btree(4, 5),
+            Node {
+                parent: Some(0),
+                children: vec![2]
+            }
+        );
+    }
+
+    #[test]
+    fn most_ranks_are_leaves_in_one_tree() {
+        let n = 16;
+        let interior_in_both = (0..n)
+            .filter(|&r| !dtree(r, n, 0).children.is_empty() && !dtree(r, n, 1).children.is_empty())
+            .count();
+        assert!(interior_in_both <= 2, "{interior_in_both}");
+    }
+}

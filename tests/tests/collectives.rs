@@ -1,0 +1,124 @@
+//! All-reduce, broadcast and barrier across real processes on loopback.
+
+use std::path::Path;
+
+use chorus_tests::{assert_identical_digests, assert_success, run};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
+
+fn worker() -> &'static Path {
+    Path::new(WORKER)
+}
+
+fn counts(world: usize) -> String {
+    let mut counts = vec![0, 1, 7, world.saturating_sub(1), 1023, 1_048_579];
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn all_reduce(world: usize, algo: &str) {
+    let counts = counts(world);
+    let report = run(
+        world,
+        worker(),
+        &["all_reduce", &counts],
+        &[("CHORUS_ALGO", algo)],
+    );
+    assert_success(&report);
+    // 10 dtypes x 5 ops x 2 placements per distinct count.
+    let distinct = counts.split(',').count();
+    assert_eq!(assert_identical_digests(&report), 100 * distinct);
+}
+
+#[test]
+fn all_reduce_ring_w1() {
+    all_reduce(1, "ring");
+}
+
+#[test]
+fn all_reduce_ring_w2() {
+    all_reduce(2, "ring");
+}
+
+#[test]
+fn all_reduce_tree_w2() {
+    all_reduce(2, "tree");
+}
+
+#[test]
+fn all_reduce_ring_w3() {
+    all_reduce(3, "ring");
+}
+
+#[test]
+fn all_reduce_tree_w3() {
+    all_reduce(3, "tree");
+}
+
+#[test]
+fn all_reduce_ring_w4() {
+    all_reduce(4, "ring");
+}
+
+#[test]
+fn all_reduce_tree_w4() {
+    all_reduce(4, "tree");
+}
+
+#[test]
+fn all_reduce_ring_w5() {
+    all_reduce(5, "ring");
+}
+
+#[test]
+fn all_reduce_tree_w5() {
+    all_reduce(5, "tree");
+}
+
+#[test]
+fn all_reduce_ring_w8() {
+    all_reduce(8, "ring");
+}
+
+#[test]
+fn all_reduce_tree_w8() {
+    all_reduce(8, "tree");
+}
+
+fn broadcast(world: usize, algo: &str) {
+    let report = run(
+        world,
+        worker(),
+        &["broadcast", "0,1,7,1023,300007"],
+        &[("CHORUS_ALGO", algo)],
+    );
+    assert_success(&report);
+    // 4 dtypes x 5 counts x 2 placements per root.
+    assert_eq!(assert_identical_digests(&report), 40 * world);
+}
+
+#[test]
+fn broadcast_from_every_root() {
+    for world in [1, 2, 3, 5, 8] {
+        broadcast(world, "ring");
+        broadcast(world, "tree");
+    }
+}
+
+#[test]
+fn barrier_lets_no_rank_leave_early() {
+    for world in [1, 2, 3, 4, 5, 8] {
+        let dir =
+            std::env::temp_dir().join(format!("chorus-barrier-{}-{world}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let report = run(world, worker(), &["barrier", dir.to_str().unwrap()], &[]);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_success(&report);
+        assert!(report.ranks.iter().all(|r| r.stdout.contains("barrier ok")));
+    }
+}
