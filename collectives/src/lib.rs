@@ -26,6 +26,7 @@ mod config;
 mod error;
 pub mod executor;
 pub mod launch;
+pub mod pattern;
 pub mod schedule;
 pub mod tuner;
 

@@ -1,7 +1,7 @@
 //! Scalar arithmetic of the natively computed element types, one impl per type.
 //!
 //! Every method is `#[inline(always)]` so that it vanishes into the vectorised loops of
-//! [`crate::reduce`], including their AVX2 copies.
+//! the `reduce` module, including their AVX2 copies.
 
 /// Scalar arithmetic of a natively supported element type.
 pub(crate) trait Arith: bytemuck::Pod {

@@ -110,12 +110,15 @@ impl HalfFloat for f16 {
 
     #[inline(always)]
     fn widen_slice(out: &mut [f32], src: &[Self]) {
-        let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("f16c") {
+        let done = if std::is_x86_feature_detected!("f16c") {
             // SAFETY: the CPU supports F16C (and therefore AVX), checked just above.
-            done = unsafe { f16c::widen(out, src) };
-        }
+            unsafe { f16c::widen(out, src) }
+        } else {
+            0
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = 0;
         for (o, h) in out[done..].iter_mut().zip(&src[done..]) {
             *o = h.widen();
         }
@@ -123,12 +126,15 @@ impl HalfFloat for f16 {
 
     #[inline(always)]
     fn narrow_slice(out: &mut [Self], src: &[f32]) {
-        let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("f16c") {
+        let done = if std::is_x86_feature_detected!("f16c") {
             // SAFETY: the CPU supports F16C (and therefore AVX), checked just above.
-            done = unsafe { f16c::narrow(out, src) };
-        }
+            unsafe { f16c::narrow(out, src) }
+        } else {
+            0
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = 0;
         for (o, f) in out[done..].iter_mut().zip(&src[done..]) {
             *o = Self::narrow(*f);
         }

@@ -14,9 +14,9 @@ pub enum DType {
     F32,
     /// 64-bit IEEE float (`f64`).
     F64,
-    /// 16-bit IEEE half float ([`f16`]).
+    /// 16-bit IEEE half float ([`f16`](struct@f16)).
     F16,
-    /// 16-bit brain float ([`bf16`]).
+    /// 16-bit brain float ([`bf16`](struct@bf16)).
     BF16,
     /// Signed 8-bit integer (`i8`).
     I8,
@@ -119,7 +119,8 @@ impl FromStr for DType {
 
 /// Element types the library accepts in typed APIs.
 ///
-/// Implemented for `f32`, `f64`, [`f16`], [`bf16`], `i8`, `u8`, `i32`, `u32`, `i64` and `u64`.
+/// Implemented for `f32`, `f64`, [`f16`](struct@f16), [`bf16`](struct@bf16), `i8`, `u8`,
+/// `i32`, `u32`, `i64` and `u64`.
 /// `DTYPE` must describe the exact in-memory layout of `Self`; the typed APIs reinterpret
 /// `&[Self]` as bytes of that type.
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {

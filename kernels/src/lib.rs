@@ -2,7 +2,7 @@
 //!
 //! This crate holds the data-type vocabulary shared by the whole library ([`DType`],
 //! [`Element`], [`ReduceOp`]) and the CPU kernels that combine buffers during reductions
-//! ([`reduce`], [`reduce_into`], [`reduce_typed`], [`finish_avg`]).
+//! ([`reduce`](fn@reduce), [`reduce_into`], [`reduce_typed`], [`finish_avg`]).
 //!
 //! The kernels work on raw byte slices as they arrive from the network or from user
 //! sub-slices. The slices need not be aligned for their element type: aligned buffers (the
@@ -19,14 +19,23 @@
 //!   is unspecified). Signed zeros are ordered `-0.0 < +0.0`, so `min(-0.0, +0.0)` is
 //!   `-0.0` and `max(-0.0, +0.0)` is `+0.0` whichever operand comes first; the result
 //!   therefore does not depend on reduction order.
-//! * **`f16` / `bf16`**: converted a block at a time to `f32`, combined with the `f32`
-//!   rules above and rounded back (round to nearest even) once per kernel call. Since `f32`
-//!   has more than twice the precision of either type, a single `Sum` or `Prod` step
-//!   gives the correctly rounded half-precision result.
+//! * **`f16` / `bf16`**: widened exactly to `f32` a block of 256 elements at a time,
+//!   combined with the `f32` rules above, and rounded back (to nearest, ties to even,
+//!   overflowing to infinity) once per kernel call. Since `f32` has more than twice the
+//!   precision of either type, one `Sum` or `Prod` step gives the correctly rounded
+//!   half-precision result. NaN stays NaN, with an unspecified payload.
 //! * **`Avg`**: the kernels treat it as `Sum`; the collective divides once at the end with
 //!   [`finish_avg`]. Floats divide by `n` (`f16`/`bf16` via `f32`). Integers divide the
 //!   wrapped sum by `n`, truncating toward zero (`-7 / 2 == -3`), so an integer average is
-//!   only meaningful when the sum did not overflow.
+//!   only meaningful when the sum did not overflow. `n == 0` is rejected with
+//!   [`KernelError::ZeroCount`].
+//!
+//! # Performance
+//!
+//! The inner loops are plain element-wise loops over typed slices, which LLVM vectorises.
+//! On x86-64 the whole kernel is compiled twice, for the baseline target (SSE2) and for
+//! AVX2 + F16C, and the variant is picked at run time; `f16` conversions use the F16C
+//! instructions when available.
 //!
 //! # Example
 //!

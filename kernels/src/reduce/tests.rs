@@ -167,7 +167,9 @@ fn assert_same<T: Reference>(got: &[T], want: &[T], what: &str) {
     }
 }
 
-/// Every op, length and alignment combination of `reduce` and `reduce_into` for `T`.
+/// Every op, length and alignment combination of `reduce` and `reduce_into` for `T`, both
+/// through the public functions (the AVX2 build where the CPU has it) and through the
+/// baseline build of the loops.
 fn check_against_reference<T: Reference>() {
     let mut rng = Rng(T::DTYPE.size() as u64 * 7919 + T::DTYPE as u64);
     for op in ReduceOp::ALL {
@@ -182,15 +184,26 @@ fn check_against_reference<T: Reference>() {
             for (off_a, off_b) in [(0, 0), (1, 1), (1, 0), (0, 3)] {
                 let what = format!("{} {op} len {len} offsets {off_a}/{off_b}", T::DTYPE);
 
-                let mut dst = Bytes::new(&a, off_a);
                 let src = Bytes::new(&b, off_b);
-                reduce(op, T::DTYPE, dst.get_mut(), src.get()).unwrap();
-                assert_same(&dst.values::<T>(), &want, &format!("reduce {what}"));
-
-                let mut out = Bytes::new(&vec![T::zeroed(); len], off_b);
                 let (x, y) = (Bytes::new(&a, off_a), Bytes::new(&b, 0));
-                reduce_into(op, T::DTYPE, out.get_mut(), x.get(), y.get()).unwrap();
-                assert_same(&out.values::<T>(), &want, &format!("reduce_into {what}"));
+                for baseline in [false, true] {
+                    let what = format!("{what} baseline {baseline}");
+                    let mut dst = Bytes::new(&a, off_a);
+                    if baseline {
+                        run_inline(T::DTYPE, dst.get_mut(), [src.get()], Combine(op));
+                    } else {
+                        reduce(op, T::DTYPE, dst.get_mut(), src.get()).unwrap();
+                    }
+                    assert_same(&dst.values::<T>(), &want, &format!("reduce {what}"));
+
+                    let mut out = Bytes::new(&vec![T::zeroed(); len], off_b);
+                    if baseline {
+                        run_inline(T::DTYPE, out.get_mut(), [x.get(), y.get()], CombineInto(op));
+                    } else {
+                        reduce_into(op, T::DTYPE, out.get_mut(), x.get(), y.get()).unwrap();
+                    }
+                    assert_same(&out.values::<T>(), &want, &format!("reduce_into {what}"));
+                }
             }
             let mut typed = a.clone();
             reduce_typed(op, &mut typed, &b).unwrap();
@@ -209,10 +222,17 @@ fn check_finish_avg<T: Reference>() {
         for n in [1, 2, 3, 7, 300] {
             let values = random_vec::<T>(&mut rng, len);
             let want: Vec<T> = values.iter().map(|v| T::reference_div(*v, n)).collect();
-            for offset in [0, 1] {
+            for (offset, baseline) in [(0, false), (1, false), (0, true), (1, true)] {
                 let mut buf = Bytes::new(&values, offset);
-                finish_avg(T::DTYPE, buf.get_mut(), n).unwrap();
-                let what = format!("finish_avg {} len {len} n {n} offset {offset}", T::DTYPE);
+                if baseline {
+                    run_inline(T::DTYPE, buf.get_mut(), [], Divide(n));
+                } else {
+                    finish_avg(T::DTYPE, buf.get_mut(), n).unwrap();
+                }
+                let what = format!(
+                    "finish_avg {} len {len} n {n} offset {offset} baseline {baseline}",
+                    T::DTYPE
+                );
                 assert_same(&buf.values::<T>(), &want, &what);
             }
         }

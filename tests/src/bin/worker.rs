@@ -6,8 +6,9 @@
 
 use std::process::ExitCode;
 
+use chorus::pattern::{digest, Value};
 use chorus::{bf16, f16, Communicator, DType, Element, ReduceOp};
-use chorus_tests::{digest, Case};
+use chorus_tests::Case;
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -112,10 +113,7 @@ fn broadcast_case(comm: &Communicator, case: &Case) -> Result<(), String> {
     with_type!(case.dtype, broadcast_typed, comm, case)
 }
 
-fn all_reduce_case<T: Element + chorus_tests::Value>(
-    comm: &Communicator,
-    case: &Case,
-) -> Result<(), String> {
+fn all_reduce_case<T: Element + Value>(comm: &Communicator, case: &Case) -> Result<(), String> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let input: Vec<T> = (0..case.count)
         .map(|i| T::input(rank, i, case.op))
@@ -141,10 +139,7 @@ fn all_reduce_case<T: Element + chorus_tests::Value>(
     Ok(())
 }
 
-fn broadcast_typed<T: Element + chorus_tests::Value>(
-    comm: &Communicator,
-    case: &Case,
-) -> Result<(), String> {
+fn broadcast_typed<T: Element + Value>(comm: &Communicator, case: &Case) -> Result<(), String> {
     let rank = comm.rank();
     let input: Vec<T> = (0..case.count)
         .map(|i| T::input(rank, i, ReduceOp::Sum))
