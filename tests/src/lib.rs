@@ -111,3 +111,52 @@ impl fmt::Display for Case {
         )
     }
 }
+
+/// How a single directly started process ended.
+#[derive(Debug)]
+pub struct Finished {
+    /// Whether it exited with code 0.
+    pub success: bool,
+    /// Its standard error.
+    pub stderr: String,
+    /// How long it ran.
+    pub elapsed: Duration,
+}
+
+/// Starts `program args..` with exactly the torchrun variables in `env`
+/// (others of that contract removed), waits at most `limit`, and kills it after.
+///
+/// For tests that need environments the launcher would never produce.
+pub fn run_one(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Finished {
+    use std::process::{Command, Stdio};
+    let mut cmd = Command::new(program);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+        cmd.env_remove(var);
+    }
+    cmd.envs(env.iter().copied());
+    let start = std::time::Instant::now();
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut text).ok();
+        text
+    });
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait on child") {
+            break status;
+        }
+        if start.elapsed() > limit {
+            child.kill().ok();
+            let _ = child.wait();
+            panic!("{} did not finish within {limit:?}", program.display());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Finished {
+        success: status.success(),
+        stderr: reader.join().unwrap_or_default(),
+        elapsed: start.elapsed(),
+    }
+}

@@ -1,0 +1,94 @@
+//! Bad input gives a clear error naming what was wrong, within the timeout:
+//! never a hang or a panic.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::thread;
+use std::time::Duration;
+
+use chorus::launch::free_port;
+use chorus_tests::{assert_success, run, run_one};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn worker() -> &'static Path {
+    Path::new(WORKER)
+}
+
+fn assert_clean_failure(stderr: &str, needles: &[&str]) {
+    assert!(!stderr.contains("panicked"), "a panic instead of an error:\n{stderr}");
+    for needle in needles {
+        assert!(stderr.contains(needle), "error should mention {needle:?}:\n{stderr}");
+    }
+}
+
+#[test]
+fn invalid_rank_variables_are_named() {
+    let cases: [(&[(&str, &str)], &[&str]); 4] = [
+        (&[("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")], &["RANK", "not set"]),
+        (&[("RANK", "one"), ("WORLD_SIZE", "2")], &["RANK=\"one\""]),
+        (&[("RANK", "2"), ("WORLD_SIZE", "2")], &["RANK", "below WORLD_SIZE=2"]),
+        (&[("RANK", "0"), ("WORLD_SIZE", "-3")], &["WORLD_SIZE"]),
+    ];
+    for (env, needles) in cases {
+        let done = run_one(worker(), &["connect"], env, LIMIT);
+        assert!(!done.success, "{env:?} should fail");
+        assert_clean_failure(&done.stderr, needles);
+    }
+}
+
+#[test]
+fn an_unreachable_store_times_out_with_its_address() {
+    let port = free_port().unwrap().to_string();
+    let env = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("CHORUS_TIMEOUT", "2")];
+    let done = run_one(worker(), &["connect"], &env, LIMIT);
+    assert!(!done.success);
+    assert_clean_failure(&done.stderr, &[&format!("127.0.0.1:{port}")]);
+    assert!(done.elapsed < Duration::from_secs(20), "took {:?}", done.elapsed);
+}
+
+#[test]
+fn a_busy_master_port_is_reported() {
+    let blocker = TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = blocker.local_addr().unwrap().port().to_string();
+    let env = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("CHORUS_TIMEOUT", "2")];
+    let done = run_one(worker(), &["connect"], &env, LIMIT);
+    assert!(!done.success);
+    assert_clean_failure(&done.stderr, &[&port, "MASTER_PORT"]);
+    drop(blocker);
+}
+
+#[test]
+fn a_rank_that_never_shows_up_is_named() {
+    let port = free_port().unwrap().to_string();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let port = port.clone();
+            thread::spawn(move || {
+                let rank = rank.to_string();
+                let env = [("RANK", rank.as_str()), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("CHORUS_TIMEOUT", "3")];
+                run_one(worker(), &["connect"], &env, LIMIT)
+            })
+        })
+        .collect();
+    for done in ranks.into_iter().map(|t| t.join().unwrap()) {
+        assert!(!done.success);
+        assert_clean_failure(&done.stderr, &["[2]"]);
+        assert!(done.elapsed < Duration::from_secs(30), "took {:?}", done.elapsed);
+    }
+}
+
+#[test]
+fn mismatched_lengths_fail_on_every_rank() {
+    for world in [2, 3] {
+        let report = run(world, worker(), &["mismatched_length"], &[]);
+        assert_success(&report);
+        let errors: Vec<&str> = report.ranks.iter().map(|r| r.stdout.as_str()).collect();
+        assert!(errors.iter().all(|e| e.contains("expected error")), "{errors:?}");
+        assert!(
+            errors.iter().any(|e| e.contains("4004 bytes") || e.contains("bytes, expected")),
+            "some rank should name the sizes: {errors:?}"
+        );
+    }
+}
