@@ -130,13 +130,25 @@ pub struct Finished {
 pub fn run_one(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Finished {
     use std::process::{Command, Stdio};
     let mut cmd = Command::new(program);
-    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
         cmd.env_remove(var);
     }
     cmd.envs(env.iter().copied());
     let start = std::time::Instant::now();
-    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
     let mut stderr = child.stderr.take().expect("piped stderr");
     let reader = std::thread::spawn(move || {
         let mut text = String::new();

@@ -17,18 +17,37 @@ fn worker() -> &'static Path {
 }
 
 fn assert_clean_failure(stderr: &str, needles: &[&str]) {
-    assert!(!stderr.contains("panicked"), "a panic instead of an error:\n{stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "a panic instead of an error:\n{stderr}"
+    );
     for needle in needles {
-        assert!(stderr.contains(needle), "error should mention {needle:?}:\n{stderr}");
+        assert!(
+            stderr.contains(needle),
+            "error should mention {needle:?}:\n{stderr}"
+        );
     }
 }
 
+/// Environment variables given to a process.
+type Env<'a> = &'a [(&'a str, &'a str)];
+
 #[test]
 fn invalid_rank_variables_are_named() {
-    let cases: [(&[(&str, &str)], &[&str]); 4] = [
-        (&[("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")], &["RANK", "not set"]),
+    let cases: [(Env, &[&str]); 4] = [
+        (
+            &[
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "1"),
+            ],
+            &["RANK", "not set"],
+        ),
         (&[("RANK", "one"), ("WORLD_SIZE", "2")], &["RANK=\"one\""]),
-        (&[("RANK", "2"), ("WORLD_SIZE", "2")], &["RANK", "below WORLD_SIZE=2"]),
+        (
+            &[("RANK", "2"), ("WORLD_SIZE", "2")],
+            &["RANK", "below WORLD_SIZE=2"],
+        ),
         (&[("RANK", "0"), ("WORLD_SIZE", "-3")], &["WORLD_SIZE"]),
     ];
     for (env, needles) in cases {
@@ -41,18 +60,34 @@ fn invalid_rank_variables_are_named() {
 #[test]
 fn an_unreachable_store_times_out_with_its_address() {
     let port = free_port().unwrap().to_string();
-    let env = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("CHORUS_TIMEOUT", "2")];
+    let env = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", &port),
+        ("CHORUS_TIMEOUT", "2"),
+    ];
     let done = run_one(worker(), &["connect"], &env, LIMIT);
     assert!(!done.success);
     assert_clean_failure(&done.stderr, &[&format!("127.0.0.1:{port}")]);
-    assert!(done.elapsed < Duration::from_secs(20), "took {:?}", done.elapsed);
+    assert!(
+        done.elapsed < Duration::from_secs(20),
+        "took {:?}",
+        done.elapsed
+    );
 }
 
 #[test]
 fn a_busy_master_port_is_reported() {
     let blocker = TcpListener::bind("0.0.0.0:0").unwrap();
     let port = blocker.local_addr().unwrap().port().to_string();
-    let env = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("CHORUS_TIMEOUT", "2")];
+    let env = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", &port),
+        ("CHORUS_TIMEOUT", "2"),
+    ];
     let done = run_one(worker(), &["connect"], &env, LIMIT);
     assert!(!done.success);
     assert_clean_failure(&done.stderr, &[&port, "MASTER_PORT"]);
@@ -67,7 +102,13 @@ fn a_rank_that_never_shows_up_is_named() {
             let port = port.clone();
             thread::spawn(move || {
                 let rank = rank.to_string();
-                let env = [("RANK", rank.as_str()), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("CHORUS_TIMEOUT", "3")];
+                let env = [
+                    ("RANK", rank.as_str()),
+                    ("WORLD_SIZE", "3"),
+                    ("MASTER_ADDR", "127.0.0.1"),
+                    ("MASTER_PORT", &port),
+                    ("CHORUS_TIMEOUT", "3"),
+                ];
                 run_one(worker(), &["connect"], &env, LIMIT)
             })
         })
@@ -75,7 +116,11 @@ fn a_rank_that_never_shows_up_is_named() {
     for done in ranks.into_iter().map(|t| t.join().unwrap()) {
         assert!(!done.success);
         assert_clean_failure(&done.stderr, &["[2]"]);
-        assert!(done.elapsed < Duration::from_secs(30), "took {:?}", done.elapsed);
+        assert!(
+            done.elapsed < Duration::from_secs(30),
+            "took {:?}",
+            done.elapsed
+        );
     }
 }
 
@@ -85,9 +130,14 @@ fn mismatched_lengths_fail_on_every_rank() {
         let report = run(world, worker(), &["mismatched_length"], &[]);
         assert_success(&report);
         let errors: Vec<&str> = report.ranks.iter().map(|r| r.stdout.as_str()).collect();
-        assert!(errors.iter().all(|e| e.contains("expected error")), "{errors:?}");
         assert!(
-            errors.iter().any(|e| e.contains("4004 bytes") || e.contains("bytes, expected")),
+            errors.iter().all(|e| e.contains("expected error")),
+            "{errors:?}"
+        );
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("4004 bytes") || e.contains("bytes, expected")),
             "some rank should name the sizes: {errors:?}"
         );
     }

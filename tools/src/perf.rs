@@ -104,6 +104,9 @@ impl Args {
     }
 }
 
+/// Runs one operation: communicator, input (`None` in place), output, type, operator.
+pub type RunFn = fn(&Communicator, Option<&[u8]>, &mut [u8], DType, ReduceOp) -> chorus::Result<()>;
+
 /// What a perf binary measures: its name, nccl-tests' bus-bandwidth factor,
 /// and how to run one operation.
 pub struct Collective {
@@ -112,7 +115,7 @@ pub struct Collective {
     /// busbw = algbw * factor(world_size).
     pub bus_factor: fn(usize) -> f64,
     /// Runs the operation; `input` is `None` in place.
-    pub run: fn(&Communicator, Option<&[u8]>, &mut [u8], DType, ReduceOp) -> chorus::Result<()>,
+    pub run: RunFn,
 }
 
 /// The all-reduce: busbw = algbw * 2(W-1)/W.

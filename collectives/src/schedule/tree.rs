@@ -58,15 +58,11 @@ pub fn dtree(rank: usize, n: usize, t: usize) -> Node {
     if t == 0 {
         return btree(rank, n);
     }
-    // Tree 1 relabels ranks, builds the same shape, and maps back.
-    let (to, from): (Box<dyn Fn(usize) -> usize>, Box<dyn Fn(usize) -> usize>) = if n % 2 == 0 {
-        (Box::new(move |r| n - 1 - r), Box::new(move |r| n - 1 - r))
-    } else {
-        (
-            Box::new(move |r| (r + n - 1) % n),
-            Box::new(move |r| (r + 1) % n),
-        )
-    };
+    // Tree 1 relabels ranks (mirror for even n, shift by one for odd n),
+    // builds the same shape, and maps back.
+    let even = n % 2 == 0;
+    let to = |r: usize| if even { n - 1 - r } else { (r + n - 1) % n };
+    let from = |r: usize| if even { n - 1 - r } else { (r + 1) % n };
     let node = btree(to(rank), n);
     Node {
         parent: node.parent.map(&from),
