@@ -15,5 +15,5 @@ pub mod tcp;
 mod transport;
 
 pub use error::TransportError;
-pub use request::{Completion, Direction, Request};
+pub use request::{Completion, Direction, Progress, Request};
 pub use transport::{wait_all, Transport};

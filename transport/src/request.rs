@@ -60,6 +60,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Lets a waiting thread move bytes itself while it spins, instead of
+/// waiting for the progress thread to be scheduled.
+pub trait Progress: Send + Sync + std::fmt::Debug {
+    /// Serves the connections to `peer` once, without blocking.
+    fn poll(&self, peer: usize);
+}
+
 /// Which direction a request moves bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Direction {
@@ -86,6 +93,7 @@ pub struct Request {
     peer: usize,
     direction: Direction,
     len: usize,
+    progress: Option<Arc<dyn Progress>>,
 }
 
 impl Request {
@@ -97,8 +105,15 @@ impl Request {
             peer,
             direction,
             len,
+            progress: None,
         };
         (req, completion)
+    }
+
+    /// Lets waiters drive `progress` while they spin.
+    pub fn with_progress(mut self, progress: Arc<dyn Progress>) -> Request {
+        self.progress = Some(progress);
+        self
     }
 
     /// The peer rank this request talks to.
@@ -128,8 +143,8 @@ impl Request {
 
     /// Blocks until the request finishes or `deadline` passes.
     ///
-    /// Spins briefly (small messages finish within microseconds), then parks
-    /// the thread. Fails with the request's own error, or `Timeout` naming the
+    /// Spins briefly, moving bytes itself through the request's progress hook
+    /// (small messages finish within microseconds), then parks the thread. Fails with the request's own error, or `Timeout` naming the
     /// peer; after a timeout the caller must abort the transport before it
     /// reuses the request's buffer.
     pub fn wait(&self, deadline: Instant) -> Result<(), TransportError> {
@@ -149,7 +164,10 @@ impl Request {
                 });
             }
             if now < spin_until {
-                std::hint::spin_loop();
+                match &self.progress {
+                    Some(progress) => progress.poll(self.peer),
+                    None => std::hint::spin_loop(),
+                }
                 continue;
             }
             *lock(&self.completion.waiter) = Some(std::thread::current());

@@ -18,7 +18,7 @@ use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::frame::{self, FrameHeader, HEADER_LEN};
-use crate::request::{Completion, Direction, Request};
+use crate::request::{Completion, Direction, Progress, Request};
 use crate::TransportError;
 
 /// Most bytes moved on one socket before the engine turns to the next one.
@@ -221,6 +221,22 @@ impl Shared {
                 );
             }
         }
+    }
+}
+
+impl Progress for Shared {
+    fn poll(&self, peer: usize) {
+        // Never wait for the lock: the progress thread holding it is making progress anyway.
+        let Ok(mut engine) = self.engine.try_lock() else {
+            return;
+        };
+        if peer < engine.peers.len() {
+            for k in 0..engine.peers[peer].conns.len() {
+                let idx = engine.peers[peer].conns[k];
+                engine.serve(idx, true, true);
+            }
+        }
+        self.hand_over(&engine);
     }
 }
 

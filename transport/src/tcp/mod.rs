@@ -101,7 +101,7 @@ impl Transport for TcpTransport {
         // SAFETY: the caller keeps `data` valid until completion or abort (trait contract).
         let req = unsafe { engine.post_send(peer, tag, data.as_ptr(), data.len()) };
         self.shared.hand_over(&engine);
-        req
+        req.map(|r| r.with_progress(self.shared.clone()))
     }
 
     unsafe fn irecv(
@@ -114,7 +114,7 @@ impl Transport for TcpTransport {
         // SAFETY: the caller keeps `buf` valid and unaliased until completion or abort.
         let req = unsafe { engine.post_recv(peer, tag, buf.as_mut_ptr(), buf.len()) };
         self.shared.hand_over(&engine);
-        req
+        req.map(|r| r.with_progress(self.shared.clone()))
     }
 
     fn abort(&self, reason: &str) {
