@@ -35,8 +35,8 @@ pub struct Config {
 
 /// Defaults shared by `Config::new` and `Config::from_env`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default TCP sockets per peer.
-pub const DEFAULT_NSOCKS: usize = 2;
+/// Default TCP sockets per peer (striping gained nothing on loopback; raise it on fast NICs).
+pub const DEFAULT_NSOCKS: usize = 1;
 /// Default pipeline chunk in bytes.
 pub const DEFAULT_CHUNK_BYTES: usize = 512 << 10;
 

@@ -51,8 +51,8 @@ fn all_reduce_tree_w2() {
 }
 
 #[test]
-fn all_reduce_ring_w3() {
-    all_reduce(3, "ring");
+fn all_reduce_ring_w3_striped() {
+    all_reduce_with(3, "ring", "3");
 }
 
 #[test]
@@ -76,8 +76,8 @@ fn all_reduce_ring_w5() {
 }
 
 #[test]
-fn all_reduce_tree_w5() {
-    all_reduce(5, "tree");
+fn all_reduce_tree_w5_striped() {
+    all_reduce_with(5, "tree", "2");
 }
 
 #[test]

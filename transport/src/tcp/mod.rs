@@ -29,7 +29,7 @@ pub struct TcpConfig {
 impl Default for TcpConfig {
     fn default() -> Self {
         TcpConfig {
-            nsocks: 2,
+            nsocks: 1,
             min_stripe: 256 << 10,
             addr: IpAddr::from([127, 0, 0, 1]),
             timeout: Duration::from_secs(300),
