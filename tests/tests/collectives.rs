@@ -22,13 +22,14 @@ fn counts(world: usize) -> String {
 }
 
 fn all_reduce(world: usize, algo: &str) {
+    all_reduce_with(world, algo, "1");
+}
+
+/// Runs the matrix with `nsocks` sockets per peer (more than one stripes large messages).
+fn all_reduce_with(world: usize, algo: &str, nsocks: &str) {
     let counts = counts(world);
-    let report = run(
-        world,
-        worker(),
-        &["all_reduce", &counts],
-        &[("CHORUS_ALGO", algo)],
-    );
+    let env = [("CHORUS_ALGO", algo), ("CHORUS_NSOCKS", nsocks)];
+    let report = run(world, worker(), &["all_reduce", &counts], &env);
     assert_success(&report);
     // 10 dtypes x 5 ops x 2 placements per distinct count.
     let distinct = counts.split(',').count();
