@@ -119,20 +119,21 @@ float_value!(
     bf16: |v: bf16| v.to_f64(), bf16::from_f64, 8e-3
 );
 
-/// Calls `$f::<T>($args)` with `T` the Rust type of `$dtype`.
-macro_rules! with_type {
+/// Calls `$f::<T>($args..)` with `T` the Rust type of the `DType` value `$dtype`.
+#[macro_export]
+macro_rules! with_dtype {
     ($dtype:expr, $f:ident, $($arg:expr),*) => {
         match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            DType::I8 => $f::<i8>($($arg),*),
-            DType::U8 => $f::<u8>($($arg),*),
-            DType::I32 => $f::<i32>($($arg),*),
-            DType::U32 => $f::<u32>($($arg),*),
-            DType::I64 => $f::<i64>($($arg),*),
-            DType::U64 => $f::<u64>($($arg),*),
+            $crate::DType::F32 => $f::<f32>($($arg),*),
+            $crate::DType::F64 => $f::<f64>($($arg),*),
+            $crate::DType::F16 => $f::<$crate::f16>($($arg),*),
+            $crate::DType::BF16 => $f::<$crate::bf16>($($arg),*),
+            $crate::DType::I8 => $f::<i8>($($arg),*),
+            $crate::DType::U8 => $f::<u8>($($arg),*),
+            $crate::DType::I32 => $f::<i32>($($arg),*),
+            $crate::DType::U32 => $f::<u32>($($arg),*),
+            $crate::DType::I64 => $f::<i64>($($arg),*),
+            $crate::DType::U64 => $f::<u64>($($arg),*),
         }
     };
 }
@@ -146,7 +147,7 @@ pub fn fill(dtype: DType, rank: usize, op: ReduceOp, buf: &mut [u8]) {
             chunk.copy_from_slice(bytemuck::bytes_of(&T::input(rank, i, op)));
         }
     }
-    with_type!(dtype, typed, rank, op, buf)
+    crate::with_dtype!(dtype, typed, rank, op, buf)
 }
 
 /// Counts the elements of an all-reduce result over `world` ranks that differ from the expected value.
@@ -159,7 +160,7 @@ pub fn count_wrong(dtype: DType, world: usize, op: ReduceOp, buf: &[u8]) -> usiz
             })
             .count()
     }
-    with_type!(dtype, typed, world, op, buf)
+    crate::with_dtype!(dtype, typed, world, op, buf)
 }
 
 #[cfg(test)]

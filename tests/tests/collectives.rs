@@ -42,6 +42,11 @@ fn all_reduce_ring_w1() {
 }
 
 #[test]
+fn all_reduce_tree_w1() {
+    all_reduce(1, "tree");
+}
+
+#[test]
 fn all_reduce_ring_w2() {
     all_reduce(2, "ring");
 }
@@ -105,7 +110,7 @@ fn broadcast(world: usize, algo: &str) {
 
 #[test]
 fn broadcast_from_every_root() {
-    for world in [1, 2, 3, 5, 8] {
+    for world in [1, 2, 3, 4, 5, 8] {
         broadcast(world, "ring");
         broadcast(world, "tree");
     }

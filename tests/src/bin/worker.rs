@@ -7,7 +7,7 @@
 use std::process::ExitCode;
 
 use chorus::pattern::{digest, Value};
-use chorus::{bf16, f16, Communicator, DType, Element, ReduceOp};
+use chorus::{Communicator, DType, Element, ReduceOp};
 use chorus_tests::Case;
 
 fn main() -> ExitCode {
@@ -88,80 +88,65 @@ fn broadcast_matrix(comm: &Communicator, counts: &[usize]) -> Result<(), String>
     Ok(())
 }
 
-macro_rules! with_type {
-    ($dtype:expr, $f:ident, $($arg:expr),*) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            DType::I8 => $f::<i8>($($arg),*),
-            DType::U8 => $f::<u8>($($arg),*),
-            DType::I32 => $f::<i32>($($arg),*),
-            DType::U32 => $f::<u32>($($arg),*),
-            DType::I64 => $f::<i64>($($arg),*),
-            DType::U64 => $f::<u64>($($arg),*),
-        }
-    };
-}
-
 fn dispatch(comm: &Communicator, case: &Case) -> Result<(), String> {
-    with_type!(case.dtype, all_reduce_case, comm, case)
+    chorus::with_dtype!(case.dtype, all_reduce_case, comm, case)
 }
 
 fn broadcast_case(comm: &Communicator, case: &Case) -> Result<(), String> {
-    with_type!(case.dtype, broadcast_typed, comm, case)
+    chorus::with_dtype!(case.dtype, broadcast_typed, comm, case)
 }
 
 fn all_reduce_case<T: Element + Value>(comm: &Communicator, case: &Case) -> Result<(), String> {
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let input: Vec<T> = (0..case.count)
-        .map(|i| T::input(rank, i, case.op))
-        .collect();
-    let mut output = if case.in_place {
-        input.clone()
-    } else {
-        vec![T::poison(); case.count]
-    };
-    let result = if case.in_place {
-        comm.all_reduce(&mut output, case.op)
-    } else {
-        comm.all_reduce_into(&input, &mut output, case.op)
-    };
-    result.map_err(|e| format!("{case}: {e}"))?;
-    for (i, got) in output.iter().enumerate() {
-        T::check(*got, i, world, case.op).map_err(|why| format!("{case}: element {i}: {why}"))?;
-    }
-    println!(
-        "digest {case} {:016x}",
-        digest(bytemuck::cast_slice(&output))
-    );
-    Ok(())
+    let world = comm.world_size();
+    exercise(
+        comm,
+        case,
+        |input, output| match input {
+            None => comm.all_reduce(output, case.op),
+            Some(input) => comm.all_reduce_into(input, output, case.op),
+        },
+        |i, got: T| T::check(got, i, world, case.op),
+    )
 }
 
 fn broadcast_typed<T: Element + Value>(comm: &Communicator, case: &Case) -> Result<(), String> {
-    let rank = comm.rank();
+    exercise(
+        comm,
+        case,
+        |input, output| match input {
+            None => comm.broadcast(output, case.root),
+            Some(input) => comm.broadcast_into(input, output, case.root),
+        },
+        |i, got: T| {
+            let want = T::input(case.root, i, ReduceOp::Sum);
+            match bytemuck::bytes_of(&got) == bytemuck::bytes_of(&want) {
+                true => Ok(()),
+                false => Err(format!("got {got:?}, root has {want:?}")),
+            }
+        },
+    )
+}
+
+/// Runs one case: this rank's input (in place, or into a poisoned output),
+/// the call, a check of every element, and the output's digest.
+fn exercise<T: Element + Value>(
+    comm: &Communicator,
+    case: &Case,
+    call: impl FnOnce(Option<&[T]>, &mut [T]) -> chorus::Result<()>,
+    check: impl Fn(usize, T) -> Result<(), String>,
+) -> Result<(), String> {
     let input: Vec<T> = (0..case.count)
-        .map(|i| T::input(rank, i, ReduceOp::Sum))
+        .map(|i| T::input(comm.rank(), i, case.op))
         .collect();
     let mut output = if case.in_place {
         input.clone()
     } else {
         vec![T::poison(); case.count]
     };
-    let result = if case.in_place {
-        comm.broadcast(&mut output, case.root)
-    } else {
-        comm.broadcast_into(&input, &mut output, case.root)
-    };
-    result.map_err(|e| format!("{case}: {e}"))?;
+    let input = (!case.in_place).then_some(input.as_slice());
+    call(input, &mut output).map_err(|e| format!("{case}: {e}"))?;
     for (i, got) in output.iter().enumerate() {
-        let want = T::input(case.root, i, ReduceOp::Sum);
-        if bytemuck::bytes_of(got) != bytemuck::bytes_of(&want) {
-            return Err(format!(
-                "{case}: element {i}: got {got:?}, root has {want:?}"
-            ));
-        }
+        check(i, *got).map_err(|why| format!("{case}: element {i}: {why}"))?;
     }
     println!(
         "digest {case} {:016x}",

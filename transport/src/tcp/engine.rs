@@ -258,6 +258,31 @@ impl Engine {
         }
     }
 
+    /// Numbers a new message to or from `peer`, lays out its stripes and
+    /// creates its request; fails if the peer cannot be used.
+    fn start(
+        &mut self,
+        peer: usize,
+        direction: Direction,
+        len: usize,
+    ) -> Result<(u64, Vec<frame::Stripe>, Request, Arc<Op>), TransportError> {
+        self.check_peer(peer)?;
+        let p = &mut self.peers[peer];
+        let counter = match direction {
+            Direction::Send => &mut p.send_seq,
+            Direction::Recv => &mut p.recv_seq,
+        };
+        let seq = *counter;
+        *counter += 1;
+        let stripes = frame::stripes(seq, len, p.conns.len(), self.min_stripe);
+        let (req, completion) = Request::new(peer, direction, len);
+        let op = Arc::new(Op {
+            remaining: AtomicUsize::new(stripes.len()),
+            completion,
+        });
+        Ok((seq, stripes, req, op))
+    }
+
     /// Queues a send and writes as much as the sockets take now.
     ///
     /// # Safety
@@ -271,16 +296,7 @@ impl Engine {
         data: *const u8,
         len: usize,
     ) -> Result<Request, TransportError> {
-        self.check_peer(peer)?;
-        let p = &mut self.peers[peer];
-        let seq = p.send_seq;
-        p.send_seq += 1;
-        let stripes = frame::stripes(seq, len, p.conns.len(), self.min_stripe);
-        let (req, completion) = Request::new(peer, Direction::Send, len);
-        let op = Arc::new(Op {
-            remaining: AtomicUsize::new(stripes.len()),
-            completion,
-        });
+        let (seq, stripes, req, op) = self.start(peer, Direction::Send, len)?;
         for stripe in stripes {
             let idx = self.peers[peer].conns[stripe.socket];
             let header = FrameHeader {
@@ -315,16 +331,7 @@ impl Engine {
         buf: *mut u8,
         len: usize,
     ) -> Result<Request, TransportError> {
-        self.check_peer(peer)?;
-        let p = &mut self.peers[peer];
-        let seq = p.recv_seq;
-        p.recv_seq += 1;
-        let stripes = frame::stripes(seq, len, p.conns.len(), self.min_stripe);
-        let (req, completion) = Request::new(peer, Direction::Recv, len);
-        let op = Arc::new(Op {
-            remaining: AtomicUsize::new(stripes.len()),
-            completion,
-        });
+        let (seq, stripes, req, op) = self.start(peer, Direction::Recv, len)?;
         for stripe in stripes {
             let idx = self.peers[peer].conns[stripe.socket];
             self.conns[idx].recvs.push_back(RecvPiece {
