@@ -16,6 +16,18 @@ fn worker() -> &'static Path {
     Path::new(WORKER)
 }
 
+/// Runs the worker's `connect` scenario as one rank of a loopback job.
+fn connect_as(rank: &str, world: &str, port: &str, timeout: &str) -> chorus_tests::Finished {
+    let env = [
+        ("RANK", rank),
+        ("WORLD_SIZE", world),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", port),
+        ("CHORUS_TIMEOUT", timeout),
+    ];
+    run_one(worker(), &["connect"], &env, LIMIT)
+}
+
 fn assert_clean_failure(stderr: &str, needles: &[&str]) {
     assert!(
         !stderr.contains("panicked"),
@@ -60,14 +72,7 @@ fn invalid_rank_variables_are_named() {
 #[test]
 fn an_unreachable_store_times_out_with_its_address() {
     let port = free_port().unwrap().to_string();
-    let env = [
-        ("RANK", "1"),
-        ("WORLD_SIZE", "2"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", &port),
-        ("CHORUS_TIMEOUT", "2"),
-    ];
-    let done = run_one(worker(), &["connect"], &env, LIMIT);
+    let done = connect_as("1", "2", &port, "2");
     assert!(!done.success);
     assert_clean_failure(&done.stderr, &[&format!("127.0.0.1:{port}")]);
     assert!(
@@ -81,14 +86,7 @@ fn an_unreachable_store_times_out_with_its_address() {
 fn a_busy_master_port_is_reported() {
     let blocker = TcpListener::bind("0.0.0.0:0").unwrap();
     let port = blocker.local_addr().unwrap().port().to_string();
-    let env = [
-        ("RANK", "0"),
-        ("WORLD_SIZE", "2"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", &port),
-        ("CHORUS_TIMEOUT", "2"),
-    ];
-    let done = run_one(worker(), &["connect"], &env, LIMIT);
+    let done = connect_as("0", "2", &port, "2");
     assert!(!done.success);
     assert_clean_failure(&done.stderr, &[&port, "MASTER_PORT"]);
     drop(blocker);
@@ -100,17 +98,7 @@ fn a_rank_that_never_shows_up_is_named() {
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
             let port = port.clone();
-            thread::spawn(move || {
-                let rank = rank.to_string();
-                let env = [
-                    ("RANK", rank.as_str()),
-                    ("WORLD_SIZE", "3"),
-                    ("MASTER_ADDR", "127.0.0.1"),
-                    ("MASTER_PORT", &port),
-                    ("CHORUS_TIMEOUT", "3"),
-                ];
-                run_one(worker(), &["connect"], &env, LIMIT)
-            })
+            thread::spawn(move || connect_as(&rank.to_string(), "3", &port, "3"))
         })
         .collect();
     for done in ranks.into_iter().map(|t| t.join().unwrap()) {
