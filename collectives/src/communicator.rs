@@ -10,7 +10,7 @@ use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore};
 use chorus_transport::tcp::{TcpConfig, TcpTransport};
 use chorus_transport::Transport;
 
-use crate::executor::{self, Buffers, Job, Staging};
+use crate::executor::{self, Buffers, Job, Workspace};
 use crate::schedule::{barrier, broadcast, ring, tree, Schedule};
 use crate::tuner::{self, Algorithm};
 use crate::{Config, Error, Result};
@@ -46,7 +46,7 @@ pub struct Communicator {
 
 struct State {
     seq: u64,
-    staging: Staging,
+    work: Workspace,
     broken: Option<String>,
 }
 
@@ -81,7 +81,7 @@ impl Communicator {
         }
         let state = Mutex::new(State {
             seq: 0,
-            staging: Staging::default(),
+            work: Workspace::default(),
             broken: None,
         });
         if config.world_size == 1 {
@@ -292,18 +292,14 @@ impl Communicator {
         output: &mut [u8],
         steps: &Schedule,
     ) -> Result<()> {
-        let bufs = Buffers::new(input, output)?;
+        let bufs = Buffers::same_len(input, output)?;
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(why) = &state.broken {
             return Err(Error::Broken(why.clone()));
         }
         state.seq += 1;
-        let Some(transport) = &self.transport else {
-            // One rank: the schedule only copies and finishes, no transport needed.
-            return executor::execute_local(dtype, &bufs, steps);
-        };
         let job = Job {
-            transport: transport as &dyn Transport,
+            transport: self.transport.as_ref().map(|t| t as &dyn Transport),
             tag: tag(state.seq, kind, dtype, op, root),
             dtype,
             op,
@@ -311,7 +307,7 @@ impl Communicator {
             deadline: Instant::now() + self.config.timeout,
             depth: PIPELINE_DEPTH,
         };
-        let result = executor::execute(&job, &bufs, steps, &mut state.staging)
+        let result = executor::execute(&job, &bufs, steps, &mut state.work)
             .map_err(|e| e.on_rank(self.rank()));
         if let Err(e) = &result {
             state.broken = Some(e.to_string());

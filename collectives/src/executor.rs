@@ -14,31 +14,36 @@ use std::time::Instant;
 use chorus_kernels::{reduce, reduce_into, DType, ReduceOp};
 use chorus_transport::{Request, Transport};
 
-use crate::schedule::{Buf, Step};
+use crate::schedule::{scratch_len, Buf, Loc, Step};
 use crate::Error;
 
-/// Receive buffers for chunks that are reduced on arrival; kept between calls.
+/// Memory the executor keeps between calls: staging slots for chunks that
+/// are reduced on arrival, and the scratch buffer schedules may use.
 #[derive(Debug, Default)]
-pub struct Staging {
+pub struct Workspace {
     slots: Vec<Vec<u8>>,
+    scratch: Vec<u8>,
 }
 
-impl Staging {
-    /// Makes sure there are `depth` slots of at least `bytes` each.
-    fn reserve(&mut self, depth: usize, bytes: usize) {
+impl Workspace {
+    /// Makes sure there are `depth` slots of `slot_bytes` and `scratch_bytes` of scratch.
+    fn reserve(&mut self, depth: usize, slot_bytes: usize, scratch_bytes: usize) {
         self.slots.resize_with(depth.max(1), Vec::new);
         for slot in &mut self.slots {
-            if slot.len() < bytes {
-                slot.resize(bytes, 0);
+            if slot.len() < slot_bytes {
+                slot.resize(slot_bytes, 0);
             }
+        }
+        if self.scratch.len() < scratch_bytes {
+            self.scratch.resize(scratch_bytes, 0);
         }
     }
 }
 
 /// What one collective call operates on.
 pub struct Job<'a> {
-    /// The transport to the other ranks.
-    pub transport: &'a dyn Transport,
+    /// The transport to the other ranks (`None` for a world of one).
+    pub transport: Option<&'a dyn Transport>,
     /// The tag on every message of this call.
     pub tag: u64,
     /// Element type.
@@ -57,59 +62,72 @@ pub struct Job<'a> {
 /// the background while this thread works on other regions.
 pub struct Buffers {
     input: *const u8,
+    input_len: usize,
     output: *mut u8,
-    len: usize,
-    in_place: bool,
+    output_len: usize,
 }
 
 impl Buffers {
-    /// Separate input and output buffers (or the same one, when in place).
-    ///
-    /// Fails if the lengths differ.
-    pub fn new(input: Option<&[u8]>, output: &mut [u8]) -> Result<Buffers, Error> {
-        if let Some(input) = input {
-            if input.len() != output.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "input has {} bytes but output has {}",
-                    input.len(),
-                    output.len()
-                )));
-            }
-        }
-        let in_place = input.is_none_or(|i| std::ptr::eq(i.as_ptr(), output.as_ptr()));
-        Ok(Buffers {
-            input: input.map_or(output.as_ptr(), <[u8]>::as_ptr),
+    /// The caller's input (`None`: the output serves as input, in place) and output.
+    pub fn new(input: Option<&[u8]>, output: &mut [u8]) -> Buffers {
+        let (input, input_len) =
+            input.map_or((output.as_ptr(), output.len()), |i| (i.as_ptr(), i.len()));
+        Buffers {
+            input,
+            input_len,
             output: output.as_mut_ptr(),
-            len: output.len(),
-            in_place,
-        })
+            output_len: output.len(),
+        }
+    }
+
+    /// Input and output of equal length (reductions, broadcast); fails naming both lengths.
+    pub fn same_len(input: Option<&[u8]>, output: &mut [u8]) -> Result<Buffers, Error> {
+        match input {
+            Some(i) if i.len() != output.len() => Err(Error::InvalidArgument(format!(
+                "input has {} bytes but output has {}",
+                i.len(),
+                output.len()
+            ))),
+            _ => Ok(Buffers::new(input, output)),
+        }
     }
 }
 
-/// A posted request and what it touches.
+/// A posted request and the memory it touches (absolute byte addresses).
 struct Pending {
     id: u64,
     req: Request,
-    region: Range<usize>,
+    ptr: *mut u8,
+    mem: Range<usize>,
     kind: Kind,
 }
 
 enum Kind {
-    /// A send; `output` when it reads the output buffer.
-    Send { output: bool },
-    /// A receive straight into the output.
+    /// A send, reading `mem`.
+    Send,
+    /// A receive straight into `mem`.
     Recv,
-    /// A receive into a staging slot, reduced with `src` when settled.
-    Staged { slot: usize, src: Buf },
+    /// A receive into a staging slot; when settled, `mem = with op slot`.
+    Staged {
+        slot: usize,
+        with: Range<usize>,
+        with_ptr: *const u8,
+    },
 }
 
 impl Pending {
-    fn writes(&self, region: &Range<usize>) -> bool {
-        !matches!(self.kind, Kind::Send { .. }) && overlaps(&self.region, region)
+    /// Whether settling this step writes memory overlapping `mem`.
+    fn writes(&self, mem: &Range<usize>) -> bool {
+        !matches!(self.kind, Kind::Send) && overlaps(&self.mem, mem)
     }
 
-    fn reads(&self, region: &Range<usize>) -> bool {
-        matches!(self.kind, Kind::Send { output: true }) && overlaps(&self.region, region)
+    /// Whether this step reads memory overlapping `mem` before it is settled.
+    fn reads(&self, mem: &Range<usize>) -> bool {
+        match &self.kind {
+            Kind::Send => overlaps(&self.mem, mem),
+            Kind::Staged { with, .. } => overlaps(with, mem),
+            Kind::Recv => false,
+        }
     }
 }
 
@@ -125,23 +143,25 @@ pub fn execute(
     job: &Job<'_>,
     bufs: &Buffers,
     steps: &[Step],
-    staging: &mut Staging,
+    work: &mut Workspace,
 ) -> Result<(), Error> {
     let elem = job.dtype.size();
     let max_chunk = steps
         .iter()
         .filter_map(|s| match s {
-            Step::RecvReduce { region, .. } => Some(region.len()),
+            Step::RecvReduce { into, .. } => Some(into.len()),
             _ => None,
         })
         .max()
         .unwrap_or(0);
-    staging.reserve(job.depth, max_chunk * elem);
+    work.reserve(job.depth, max_chunk * elem, scratch_len(steps) * elem);
     let mut run = Run {
         job,
         bufs,
         elem,
-        staging,
+        scratch: work.scratch.as_mut_ptr(),
+        scratch_len: work.scratch.len(),
+        slots: work.slots.iter_mut().map(|s| s.as_mut_ptr()).collect(),
         free: (0..job.depth.max(1)).collect(),
         pending: VecDeque::new(),
         next_id: 0,
@@ -151,117 +171,132 @@ pub fn execute(
         .try_for_each(|step| run.step(step))
         .and_then(|()| run.settle_all());
     if result.is_err() {
-        job.transport.abort("a collective failed on this rank");
-    }
-    result
-}
-
-/// Runs a single rank's schedule, which only copies (a world of one).
-///
-/// Fails if the schedule would talk to a peer.
-pub fn execute_local(dtype: DType, bufs: &Buffers, steps: &[Step]) -> Result<(), Error> {
-    // With one rank every operator, Avg included, leaves the input as it is.
-    for step in steps {
-        match step {
-            Step::Copy { region } if !bufs.in_place => {
-                let bytes = region.start * dtype.size()..region.end * dtype.size();
-                assert!(bytes.end <= bufs.len, "schedule region outside the buffer");
-                // SAFETY: distinct input and output buffers of `len` bytes; the range is in bounds.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bufs.input.add(bytes.start),
-                        bufs.output.add(bytes.start),
-                        bytes.len(),
-                    );
-                }
-            }
-            Step::Copy { .. } | Step::Finish { .. } | Step::Fence => {}
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "a single rank cannot run {other:?}"
-                )))
-            }
+        if let Some(transport) = job.transport {
+            transport.abort("a collective failed on this rank");
         }
     }
-    Ok(())
+    result
 }
 
 struct Run<'a, 'j> {
     job: &'a Job<'j>,
     bufs: &'a Buffers,
     elem: usize,
-    staging: &'a mut Staging,
+    scratch: *mut u8,
+    scratch_len: usize,
+    slots: Vec<*mut u8>,
     free: Vec<usize>,
     pending: VecDeque<Pending>,
     next_id: u64,
 }
 
 impl Run<'_, '_> {
+    fn transport(&self) -> Result<&dyn Transport, Error> {
+        self.job.transport.ok_or_else(|| {
+            Error::InvalidArgument("a schedule for one rank tried to communicate".into())
+        })
+    }
+
+    /// The pointer to and absolute address range of `loc`; fails if it leaves its buffer.
+    fn resolve(&self, loc: &Loc) -> Result<(*mut u8, Range<usize>), Error> {
+        let (base, len) = match loc.buf {
+            Buf::Input => (self.bufs.input.cast_mut(), self.bufs.input_len),
+            Buf::Output => (self.bufs.output, self.bufs.output_len),
+            Buf::Scratch => (self.scratch, self.scratch_len),
+        };
+        let bytes = loc.range.start * self.elem..loc.range.end * self.elem;
+        if bytes.end > len {
+            return Err(Error::InvalidArgument(format!(
+                "schedule step {loc:?} reaches past its buffer of {len} bytes"
+            )));
+        }
+        // SAFETY: `bytes.start <= len`, so the pointer stays within (or one past) the buffer.
+        let ptr = unsafe { base.add(bytes.start) };
+        let addr = ptr as usize;
+        Ok((ptr, addr..addr + bytes.len()))
+    }
+
+    /// Resolves a location this step writes; the input is never written.
+    fn resolve_target(&self, loc: &Loc) -> Result<(*mut u8, Range<usize>), Error> {
+        if loc.buf == Buf::Input {
+            return Err(Error::InvalidArgument(format!(
+                "schedule writes its input at {loc:?}"
+            )));
+        }
+        self.resolve(loc)
+    }
+
     fn step(&mut self, step: &Step) -> Result<(), Error> {
         self.retire_finished_front();
         match step {
-            Step::Send { peer, buf, region } => {
-                let output = *buf == Buf::Output || self.bufs.in_place;
-                if output {
-                    self.settle_conflicts(region, false)?;
-                }
-                let bytes = self.bytes(region);
-                let base = if output {
-                    self.bufs.output.cast_const()
-                } else {
-                    self.bufs.input
-                };
-                // SAFETY: `bytes` lies within the caller's buffer (schedules stay in
-                // 0..count); no pending step writes it (settled above), and the request
+            Step::Send { peer, from } => {
+                let (ptr, mem) = self.resolve(from)?;
+                self.settle_conflicts(|p| p.writes(&mem))?;
+                // SAFETY: `mem` lies within the caller's buffers or the scratch (checked by
+                // `resolve`); no pending step writes it (settled above); the request
                 // completes, or the transport is aborted, before `execute` returns.
                 let req = unsafe {
-                    let data = std::slice::from_raw_parts(base.add(bytes.start), bytes.len());
-                    self.job.transport.isend(*peer, self.job.tag, data)?
+                    let data = std::slice::from_raw_parts(ptr.cast_const(), mem.len());
+                    self.transport()?.isend(*peer, self.job.tag, data)?
                 };
-                self.push(req, region, Kind::Send { output });
+                self.push(req, ptr, mem, Kind::Send);
             }
-            Step::Recv { peer, region } => {
-                self.settle_conflicts(region, true)?;
-                let bytes = self.bytes(region);
-                // SAFETY: as for sends; nothing else touches this region until the
-                // request is settled (later steps that touch it settle it first).
+            Step::Recv { peer, into } => {
+                let (ptr, mem) = self.resolve_target(into)?;
+                self.settle_conflicts(|p| p.writes(&mem) || p.reads(&mem))?;
+                // SAFETY: as for sends; nothing else touches `mem` until the request is
+                // settled, because every later step that touches it settles it first.
                 let req = unsafe {
-                    let buf = std::slice::from_raw_parts_mut(
-                        self.bufs.output.add(bytes.start),
-                        bytes.len(),
-                    );
-                    self.job.transport.irecv(*peer, self.job.tag, buf)?
+                    let buf = std::slice::from_raw_parts_mut(ptr, mem.len());
+                    self.transport()?.irecv(*peer, self.job.tag, buf)?
                 };
-                self.push(req, region, Kind::Recv);
+                self.push(req, ptr, mem, Kind::Recv);
             }
-            Step::RecvReduce { peer, src, region } => {
+            Step::RecvReduce { peer, with, into } => {
+                let (with_ptr, with) = self.resolve(with)?;
+                let (ptr, mem) = self.resolve_target(into)?;
+                if with != mem && overlaps(&with, &mem) {
+                    return Err(Error::InvalidArgument(format!(
+                        "schedule reduces {into:?} from a partly overlapping operand"
+                    )));
+                }
                 let slot = self.take_slot()?;
-                let len = self.bytes(region).len();
-                let buf = &mut self.staging.slots[slot][..len];
-                // SAFETY: the slot is owned by this request until it is settled; the
-                // staging buffers outlive `execute`, which settles or aborts everything.
-                let req = unsafe { self.job.transport.irecv(*peer, self.job.tag, buf)? };
-                self.push(req, region, Kind::Staged { slot, src: *src });
+                // SAFETY: the slot holds at least the largest receive-and-reduce of this
+                // schedule (`Workspace::reserve`) and belongs to this request until settled.
+                let req = unsafe {
+                    let buf = std::slice::from_raw_parts_mut(self.slots[slot], mem.len());
+                    self.transport()?.irecv(*peer, self.job.tag, buf)?
+                };
+                let with_ptr = with_ptr.cast_const();
+                self.push(
+                    req,
+                    ptr,
+                    mem,
+                    Kind::Staged {
+                        slot,
+                        with,
+                        with_ptr,
+                    },
+                );
             }
-            Step::Copy { region } => {
-                if !self.bufs.in_place {
-                    self.settle_conflicts(region, true)?;
-                    let bytes = self.bytes(region);
-                    // SAFETY: input and output are distinct buffers of `len` bytes;
-                    // no pending request touches this output region (settled above).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            self.bufs.input.add(bytes.start),
-                            self.bufs.output.add(bytes.start),
-                            bytes.len(),
-                        );
-                    }
+            Step::Copy { from, into } => {
+                let (src, from_mem) = self.resolve(from)?;
+                let (dst, mem) = self.resolve_target(into)?;
+                if from_mem != mem {
+                    self.settle_conflicts(|p| {
+                        p.writes(&from_mem) || p.writes(&mem) || p.reads(&mem)
+                    })?;
+                    // SAFETY: both ranges are in bounds (checked by `resolve`) and no pending
+                    // request touches them (settled above); `copy` allows overlap.
+                    unsafe { std::ptr::copy(src.cast_const(), dst, mem.len().min(from_mem.len())) };
                 }
             }
-            Step::Finish { region } => {
+            Step::Finish { at } => {
                 if self.job.op == ReduceOp::Avg && self.job.world_size > 1 {
-                    self.settle_conflicts(region, true)?;
-                    let out = self.output(region);
+                    let (ptr, mem) = self.resolve_target(at)?;
+                    self.settle_conflicts(|p| p.writes(&mem) || p.reads(&mem))?;
+                    // SAFETY: in bounds, and no pending request touches it (settled above).
+                    let out = unsafe { std::slice::from_raw_parts_mut(ptr, mem.len()) };
                     chorus_kernels::finish_avg(self.job.dtype, out, self.job.world_size)?;
                 }
             }
@@ -270,18 +305,15 @@ impl Run<'_, '_> {
         Ok(())
     }
 
-    fn bytes(&self, region: &Range<usize>) -> Range<usize> {
-        region.start * self.elem..region.end * self.elem
-    }
-
-    /// The output bytes of `region`, for this thread to write.
-    #[allow(clippy::mut_from_ref)]
-    fn output(&self, region: &Range<usize>) -> &mut [u8] {
-        let bytes = self.bytes(region);
-        debug_assert!(bytes.end <= self.bufs.len);
-        // SAFETY: within the caller's output buffer; callers settle every pending
-        // request touching `region` first, and the slice dies before the next step.
-        unsafe { std::slice::from_raw_parts_mut(self.bufs.output.add(bytes.start), bytes.len()) }
+    fn push(&mut self, req: Request, ptr: *mut u8, mem: Range<usize>, kind: Kind) {
+        self.next_id += 1;
+        self.pending.push_back(Pending {
+            id: self.next_id,
+            req,
+            ptr,
+            mem,
+            kind,
+        });
     }
 
     /// Drops completed sends and plain receives from the front of the queue.
@@ -308,14 +340,17 @@ impl Run<'_, '_> {
         Ok(self.free.pop().expect("a free slot"))
     }
 
-    /// Settles every pending step that writes `region` (and, if `write`, reads it).
-    fn settle_conflicts(&mut self, region: &Range<usize>, write: bool) -> Result<(), Error> {
-        while let Some(i) = self
-            .pending
-            .iter()
-            .position(|p| p.writes(region) || (write && p.reads(region)))
-        {
+    /// Settles, in order, every pending step for which `conflict` holds.
+    fn settle_conflicts(&mut self, conflict: impl Fn(&Pending) -> bool) -> Result<(), Error> {
+        while let Some(i) = self.pending.iter().position(&conflict) {
             self.settle(i)?;
+        }
+        Ok(())
+    }
+
+    fn settle_all(&mut self) -> Result<(), Error> {
+        while !self.pending.is_empty() {
+            self.settle(0)?;
         }
         Ok(())
     }
@@ -327,58 +362,45 @@ impl Run<'_, '_> {
             .expect("pending step exists")
     }
 
-    fn push(&mut self, req: Request, region: &Range<usize>, kind: Kind) {
-        self.next_id += 1;
-        self.pending.push_back(Pending {
-            id: self.next_id,
-            req,
-            region: region.clone(),
-            kind,
-        });
-    }
-
-    fn settle_all(&mut self) -> Result<(), Error> {
-        while !self.pending.is_empty() {
-            self.settle(0)?;
-        }
-        Ok(())
-    }
-
-    /// Waits for pending step `i` (and what it depends on) and applies it.
+    /// Waits for pending step `i` (and the earlier steps it depends on) and applies it.
     fn settle(&mut self, i: usize) -> Result<(), Error> {
         let id = self.pending[i].id;
-        if let Kind::Staged { .. } = self.pending[i].kind {
-            // Earlier steps touching the region come first (program order).
-            let region = self.pending[i].region.clone();
-            loop {
-                let i = self.position(id);
-                match self
-                    .pending
-                    .iter()
-                    .take(i)
-                    .position(|p| p.writes(&region) || p.reads(&region))
-                {
-                    Some(j) => self.settle(j)?,
-                    None => break,
-                }
+        if let Kind::Staged { with, .. } = &self.pending[i].kind {
+            let (with, mem) = (with.clone(), self.pending[i].mem.clone());
+            let depends = |p: &Pending| p.writes(&mem) || p.reads(&mem) || p.writes(&with);
+            while let Some(j) = self
+                .pending
+                .iter()
+                .take(self.position(id))
+                .position(depends)
+            {
+                self.settle(j)?;
             }
         }
-        let i = self.position(id);
-        let p = self.pending.remove(i).expect("index in range");
+        let p = self
+            .pending
+            .remove(self.position(id))
+            .expect("pending step exists");
         p.req.wait(self.job.deadline)?;
-        if let Kind::Staged { slot, src } = p.kind {
-            let len = self.bytes(&p.region).len();
-            let incoming = &self.staging.slots[slot][..len];
-            let out = self.output(&p.region);
-            if src == Buf::Output || self.bufs.in_place {
-                reduce(self.job.op, self.job.dtype, out, incoming)?;
-            } else {
-                let bytes = self.bytes(&p.region);
-                // SAFETY: the input buffer is distinct from the output and never written.
-                let input = unsafe {
-                    std::slice::from_raw_parts(self.bufs.input.add(bytes.start), bytes.len())
-                };
-                reduce_into(self.job.op, self.job.dtype, out, input, incoming)?;
+        if let Kind::Staged {
+            slot,
+            with,
+            with_ptr,
+        } = p.kind
+        {
+            let len = p.mem.len();
+            // SAFETY: the slot holds this request's completed message; `p.mem` and
+            // `with` are in bounds (resolved when posted), identical or disjoint (checked
+            // when posted), and no pending request touches them (settled above).
+            unsafe {
+                let incoming = std::slice::from_raw_parts(self.slots[slot].cast_const(), len);
+                let out = std::slice::from_raw_parts_mut(p.ptr, len);
+                if with == p.mem {
+                    reduce(self.job.op, self.job.dtype, out, incoming)?;
+                } else {
+                    let operand = std::slice::from_raw_parts(with_ptr, len);
+                    reduce_into(self.job.op, self.job.dtype, out, operand, incoming)?;
+                }
             }
             self.free.push(slot);
         }

@@ -4,7 +4,7 @@
 //! the last round each rank has heard, directly or through others, from
 //! every rank, so none leaves before all have arrived.
 
-use super::{Schedule, Step};
+use super::{Loc, Schedule, Step};
 
 /// The dissemination barrier program of `rank`.
 pub fn dissemination(rank: usize, world_size: usize) -> Schedule {
@@ -14,12 +14,11 @@ pub fn dissemination(rank: usize, world_size: usize) -> Schedule {
     while dist < w {
         steps.push(Step::Send {
             peer: (rank + dist) % w,
-            buf: super::Buf::Input,
-            region: 0..0,
+            from: Loc::input(0..0),
         });
         steps.push(Step::Recv {
             peer: (rank + w - dist) % w,
-            region: 0..0,
+            into: Loc::output(0..0),
         });
         steps.push(Step::Fence);
         dist *= 2;

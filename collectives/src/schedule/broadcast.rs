@@ -1,7 +1,7 @@
 //! Broadcast: a pipelined chain, or a pipelined binary tree.
 
-use super::tree::{btree, push_down};
-use super::{chunks, Buf, Schedule, Step};
+use super::tree::{btree, push_down, Node};
+use super::{chunks, Loc, Schedule, Step};
 
 /// Chain broadcast: root -> root+1 -> ... -> root-1, chunk by chunk.
 ///
@@ -11,31 +11,29 @@ pub fn chain(rank: usize, world_size: usize, root: usize, count: usize, chunk: u
     let w = world_size;
     let pos = (rank + w - root) % w;
     let next = (pos + 1 < w).then_some((rank + 1) % w);
-    chunks(0..count, chunk)
-        .into_iter()
-        .flat_map(|region| {
-            let mut steps = Vec::new();
-            if pos == 0 {
-                steps.push(Step::Copy {
-                    region: region.clone(),
-                });
+    let mut steps = Vec::new();
+    for r in chunks(0..count, chunk) {
+        if pos == 0 {
+            steps.push(Step::Copy {
+                from: Loc::input(r.clone()),
+                into: Loc::output(r.clone()),
+            });
+        } else {
+            steps.push(Step::Recv {
+                peer: (rank + w - 1) % w,
+                into: Loc::output(r.clone()),
+            });
+        }
+        if let Some(next) = next {
+            let from = if pos == 0 {
+                Loc::input(r)
             } else {
-                steps.push(Step::Recv {
-                    peer: (rank + w - 1) % w,
-                    region: region.clone(),
-                });
-            }
-            if let Some(next) = next {
-                let buf = if pos == 0 { Buf::Input } else { Buf::Output };
-                steps.push(Step::Send {
-                    peer: next,
-                    buf,
-                    region,
-                });
-            }
-            steps
-        })
-        .collect()
+                Loc::output(r)
+            };
+            steps.push(Step::Send { peer: next, from });
+        }
+    }
+    steps
 }
 
 /// Tree broadcast: the binary tree with ranks renumbered so `root` is 0.
@@ -45,18 +43,19 @@ pub fn tree(rank: usize, world_size: usize, root: usize, count: usize, chunk: us
     let w = world_size;
     let virt = btree((rank + w - root) % w, w);
     let real = |v: usize| (v + root) % w;
-    let node = super::tree::Node {
+    let node = Node {
         parent: virt.parent.map(real),
         children: virt.children.into_iter().map(real).collect(),
     };
     let mut steps = Vec::new();
-    for region in chunks(0..count, chunk) {
+    for r in chunks(0..count, chunk) {
         if rank == root {
             steps.push(Step::Copy {
-                region: region.clone(),
+                from: Loc::input(r.clone()),
+                into: Loc::output(r.clone()),
             });
         }
-        push_down(&mut steps, &node, region);
+        push_down(&mut steps, &node, Loc::output(r));
     }
     steps
 }

@@ -15,52 +15,99 @@ mod sim;
 
 use std::ops::Range;
 
-/// Which of the caller's buffers a step reads.
+/// The buffers a step can name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Buf {
-    /// The input buffer (the same memory as the output when in place).
+    /// The caller's input (it may share memory with the output: in place).
     Input,
-    /// The output buffer.
+    /// The caller's output.
     Output,
+    /// A temporary buffer owned by the executor, as long as the schedule needs.
+    Scratch,
 }
 
-/// One step of a rank's program. Regions are element ranges.
+/// A range of elements in one of the buffers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loc {
+    /// Which buffer.
+    pub buf: Buf,
+    /// Element range within it.
+    pub range: Range<usize>,
+}
+
+impl Loc {
+    /// Elements `range` of the input.
+    pub fn input(range: Range<usize>) -> Loc {
+        Loc {
+            buf: Buf::Input,
+            range,
+        }
+    }
+
+    /// Elements `range` of the output.
+    pub fn output(range: Range<usize>) -> Loc {
+        Loc {
+            buf: Buf::Output,
+            range,
+        }
+    }
+
+    /// Elements `range` of the scratch buffer.
+    pub fn scratch(range: Range<usize>) -> Loc {
+        Loc {
+            buf: Buf::Scratch,
+            range,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+}
+
+/// One step of a rank's program.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
-    /// Send `buf[region]` to `peer`.
+    /// Send the elements at `from` to `peer`.
     Send {
         /// Destination rank.
         peer: usize,
-        /// Which buffer to read.
-        buf: Buf,
-        /// Elements to send.
-        region: Range<usize>,
+        /// What to send.
+        from: Loc,
     },
-    /// Receive from `peer` straight into `output[region]`.
+    /// Receive from `peer` straight into `into`.
     Recv {
         /// Source rank.
         peer: usize,
-        /// Elements to receive.
-        region: Range<usize>,
+        /// Where the message lands.
+        into: Loc,
     },
-    /// Receive from `peer` and set `output[region] = src[region] op incoming`.
+    /// Receive from `peer` and set `into = with op incoming` (same lengths).
     RecvReduce {
         /// Source rank.
         peer: usize,
-        /// The buffer holding this rank's operand.
-        src: Buf,
-        /// Elements to reduce.
-        region: Range<usize>,
+        /// This rank's operand.
+        with: Loc,
+        /// Where the result goes (may be `with` itself).
+        into: Loc,
     },
-    /// `output[region] = input[region]` (nothing when in place).
+    /// `into = from` (nothing when both name the same memory).
     Copy {
-        /// Elements to copy.
-        region: Range<usize>,
+        /// Source elements.
+        from: Loc,
+        /// Destination elements.
+        into: Loc,
     },
-    /// Finish a fully reduced region (divides by the world size for `Avg`).
+    /// Finish fully reduced elements (divides by the world size for `Avg`).
     Finish {
-        /// Elements to finish.
-        region: Range<usize>,
+        /// The elements to finish.
+        at: Loc,
     },
     /// Wait until every earlier step has completed.
     Fence,
@@ -68,6 +115,21 @@ pub enum Step {
 
 /// A rank's whole program for one collective.
 pub type Schedule = Vec<Step>;
+
+/// Elements of scratch space `steps` use.
+pub fn scratch_len(steps: &[Step]) -> usize {
+    let locs = steps.iter().flat_map(|s| match s {
+        Step::Send { from, .. } => vec![from],
+        Step::Recv { into, .. } | Step::Finish { at: into } => vec![into],
+        Step::RecvReduce { with, into, .. } => vec![with, into],
+        Step::Copy { from, into } => vec![from, into],
+        Step::Fence => vec![],
+    });
+    locs.filter(|l| l.buf == Buf::Scratch)
+        .map(|l| l.range.end)
+        .max()
+        .unwrap_or(0)
+}
 
 /// Splits `0..count` into `parts` near-equal consecutive ranges.
 pub fn split(count: usize, parts: usize) -> Vec<Range<usize>> {

@@ -7,15 +7,21 @@
 //! into chunks so that the executor pipelines wire and reduction. Each rank
 //! sends and receives 2(W-1)/W of the buffer: bandwidth-optimal.
 
-use super::{chunks, interleave, split, Buf, Schedule, Step};
+use super::{chunks, interleave, split, Loc, Schedule, Step};
 
 /// The ring all-reduce program of `rank` for `count` elements.
 pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) -> Schedule {
     let w = world_size;
     if w == 1 {
+        let all = 0..count;
         return vec![
-            Step::Copy { region: 0..count },
-            Step::Finish { region: 0..count },
+            Step::Copy {
+                from: Loc::input(all.clone()),
+                into: Loc::output(all.clone()),
+            },
+            Step::Finish {
+                at: Loc::output(all),
+            },
         ];
     }
     let segs = split(count, w);
@@ -26,35 +32,38 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
     let mut steps = Vec::new();
     // Reduce-scatter: at step k send segment r-k, reduce segment r-k-1 into it.
     for k in 0..w - 1 {
-        let buf = if k == 0 { Buf::Input } else { Buf::Output };
+        let from = if k == 0 { Loc::input } else { Loc::output };
         interleave(
             &mut steps,
-            seg(k).into_iter().map(|region| Step::Send {
+            seg(k).into_iter().map(|r| Step::Send {
                 peer: right,
-                buf,
-                region,
+                from: from(r),
             }),
-            seg(k + 1).into_iter().map(|region| Step::RecvReduce {
+            seg(k + 1).into_iter().map(|r| Step::RecvReduce {
                 peer: left,
-                src: Buf::Input,
-                region,
+                with: Loc::input(r.clone()),
+                into: Loc::output(r),
             }),
         );
     }
     // This rank now owns segment r+1 (that is, r-(w-1)).
-    steps.extend(seg(w - 1).into_iter().map(|region| Step::Finish { region }));
+    steps.extend(
+        seg(w - 1)
+            .into_iter()
+            .map(|r| Step::Finish { at: Loc::output(r) }),
+    );
     // All-gather: at step k send segment r+1-k, receive segment r-k.
     for k in 0..w - 1 {
         interleave(
             &mut steps,
-            seg(w - 1 + k).into_iter().map(|region| Step::Send {
+            seg(w - 1 + k).into_iter().map(|r| Step::Send {
                 peer: right,
-                buf: Buf::Output,
-                region,
+                from: Loc::output(r),
             }),
-            seg(w + k)
-                .into_iter()
-                .map(|region| Step::Recv { peer: left, region }),
+            seg(w + k).into_iter().map(|r| Step::Recv {
+                peer: left,
+                into: Loc::output(r),
+            }),
         );
     }
     steps

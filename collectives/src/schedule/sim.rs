@@ -6,12 +6,12 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::{barrier, broadcast, ring, tree, Buf, Schedule, Step};
+use super::{barrier, broadcast, ring, tree, Buf, Loc, Schedule, Step};
 
 /// A symbolic element: the wrapping sum of its contributions' labels,
 /// how many contributions it holds, and whether it was finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Val {
+pub(super) struct Val {
     sum: u64,
     count: u32,
     finished: bool,
@@ -30,33 +30,76 @@ fn label(rank: usize, i: usize) -> u64 {
     x ^ (x >> 31)
 }
 
+/// Where a rank's buffers sit in its flat simulated memory (element offsets).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Layout {
+    /// Offset and length of the input.
+    pub input: (usize, usize),
+    /// Offset and length of the output.
+    pub output: (usize, usize),
+}
+
+impl Layout {
+    /// Separate input and output buffers of the given lengths.
+    pub fn apart(input: usize, output: usize) -> Layout {
+        Layout {
+            input: (0, input),
+            output: (input, output),
+        }
+    }
+
+    /// The input lies inside the output, starting at `offset` (in place).
+    pub fn inside(input: usize, output: usize, offset: usize) -> Layout {
+        Layout {
+            input: (offset, input),
+            output: (0, output),
+        }
+    }
+
+    fn end(&self) -> usize {
+        (self.input.0 + self.input.1).max(self.output.0 + self.output.1)
+    }
+}
+
 struct Rank {
-    input: Vec<Val>,
-    output: Vec<Val>,
+    mem: Vec<Val>,
+    layout: Layout,
     pc: usize,
 }
 
-/// Runs the programs; returns each rank's output.
-fn run(programs: &[Schedule], count: usize, in_place: bool, world: usize) -> Vec<Vec<Val>> {
-    let mut ranks: Vec<Rank> = (0..world)
-        .map(|r| {
-            let input: Vec<Val> = (0..count)
-                .map(|i| Val {
+impl Rank {
+    /// The flat memory range of `loc`; panics if it leaves its buffer.
+    fn at(&self, loc: &Loc, r: usize) -> std::ops::Range<usize> {
+        let (base, len) = match loc.buf {
+            Buf::Input => self.layout.input,
+            Buf::Output => self.layout.output,
+            Buf::Scratch => (self.layout.end(), usize::MAX),
+        };
+        assert!(
+            loc.range.end <= len,
+            "rank {r}: {loc:?} outside its buffer of {len}"
+        );
+        base + loc.range.start..base + loc.range.end
+    }
+}
+
+/// Runs the programs over the given layouts; returns each rank's output.
+pub(super) fn run(programs: &[Schedule], layouts: &[Layout]) -> Vec<Vec<Val>> {
+    let mut ranks: Vec<Rank> = layouts
+        .iter()
+        .enumerate()
+        .map(|(r, &layout)| {
+            let scratch = super::scratch_len(&programs[r]);
+            let mut mem = vec![GARBAGE; layout.end() + scratch];
+            let (base, len) = layout.input;
+            for i in 0..len {
+                mem[base + i] = Val {
                     sum: label(r, i),
                     count: 1,
                     finished: false,
-                })
-                .collect();
-            let output = if in_place {
-                input.clone()
-            } else {
-                vec![GARBAGE; count]
-            };
-            Rank {
-                input,
-                output,
-                pc: 0,
+                };
             }
+            Rank { mem, layout, pc: 0 }
         })
         .collect();
     let mut wires: HashMap<(usize, usize), VecDeque<Vec<Val>>> = HashMap::new();
@@ -64,57 +107,46 @@ fn run(programs: &[Schedule], count: usize, in_place: bool, world: usize) -> Vec
         let mut progressed = false;
         for (r, rank) in ranks.iter_mut().enumerate() {
             while let Some(step) = programs[r].get(rank.pc) {
-                let read = |rank: &Rank, buf: Buf, region: &std::ops::Range<usize>| -> Vec<Val> {
-                    match (buf, in_place) {
-                        (Buf::Input, false) => rank.input[region.clone()].to_vec(),
-                        _ => rank.output[region.clone()].to_vec(),
-                    }
-                };
                 match step {
-                    Step::Send { peer, buf, region } => {
+                    Step::Send { peer, from } => {
                         assert_ne!(*peer, r, "rank {r} sends to itself");
-                        let data = read(rank, *buf, region);
+                        let data = rank.mem[rank.at(from, r)].to_vec();
                         wires.entry((r, *peer)).or_default().push_back(data);
                     }
-                    Step::Recv { peer, region } | Step::RecvReduce { peer, region, .. } => {
+                    Step::Recv { peer, into: to } | Step::RecvReduce { peer, into: to, .. } => {
                         let Some(data) = wires.get_mut(&(*peer, r)).and_then(VecDeque::pop_front)
                         else {
                             break;
                         };
                         assert_eq!(
                             data.len(),
-                            region.len(),
+                            to.len(),
                             "rank {r} step {}: length mismatch from {peer}",
                             rank.pc
                         );
-                        let own = match step {
-                            Step::RecvReduce { src, .. } => Some(read(rank, *src, region)),
-                            _ => None,
+                        assert_ne!(to.buf, Buf::Input, "rank {r} writes its input");
+                        let result = match step {
+                            Step::RecvReduce { with, .. } => {
+                                let own = rank.mem[rank.at(with, r)].to_vec();
+                                own.iter()
+                                    .zip(&data)
+                                    .map(|(a, b)| combine(*a, *b, r))
+                                    .collect()
+                            }
+                            _ => data,
                         };
-                        for (k, i) in region.clone().enumerate() {
-                            rank.output[i] = match &own {
-                                None => data[k],
-                                Some(own) => {
-                                    let (a, b) = (own[k], data[k]);
-                                    assert!(
-                                        !a.finished && !b.finished,
-                                        "rank {r} reduces finished data"
-                                    );
-                                    Val {
-                                        sum: a.sum.wrapping_add(b.sum),
-                                        count: a.count + b.count,
-                                        finished: false,
-                                    }
-                                }
-                            };
-                        }
+                        let at = rank.at(to, r);
+                        rank.mem[at].copy_from_slice(&result);
                     }
-                    Step::Copy { region } => {
-                        let data = read(rank, Buf::Input, region);
-                        rank.output[region.clone()].copy_from_slice(&data);
+                    Step::Copy { from, into } => {
+                        assert_eq!(from.len(), into.len());
+                        let data = rank.mem[rank.at(from, r)].to_vec();
+                        let at = rank.at(into, r);
+                        rank.mem[at].copy_from_slice(&data);
                     }
-                    Step::Finish { region } => {
-                        for v in &mut rank.output[region.clone()] {
+                    Step::Finish { at } => {
+                        let at = rank.at(at, r);
+                        for v in &mut rank.mem[at] {
                             assert!(!v.finished, "rank {r} finishes twice");
                             v.finished = true;
                         }
@@ -134,7 +166,13 @@ fn run(programs: &[Schedule], count: usize, in_place: bool, world: usize) -> Vec
                 wires.values().all(VecDeque::is_empty),
                 "messages left unreceived"
             );
-            return ranks.into_iter().map(|rank| rank.output).collect();
+            return ranks
+                .into_iter()
+                .map(|rank| {
+                    let (base, len) = rank.layout.output;
+                    rank.mem[base..base + len].to_vec()
+                })
+                .collect();
         }
         assert!(
             progressed,
@@ -142,6 +180,29 @@ fn run(programs: &[Schedule], count: usize, in_place: bool, world: usize) -> Vec
             ranks.iter().map(|r| r.pc).collect::<Vec<_>>()
         );
     }
+}
+
+fn combine(a: Val, b: Val, r: usize) -> Val {
+    assert!(!a.finished && !b.finished, "rank {r} reduces finished data");
+    assert!(
+        a.count != GARBAGE.count && b.count != GARBAGE.count,
+        "rank {r} reduces unwritten data"
+    );
+    Val {
+        sum: a.sum.wrapping_add(b.sum),
+        count: a.count + b.count,
+        finished: false,
+    }
+}
+
+/// The all-reduce layouts: apart, or in place.
+fn all_reduce_layouts(world: usize, count: usize, in_place: bool) -> Vec<Layout> {
+    let layout = if in_place {
+        Layout::inside(count, count, 0)
+    } else {
+        Layout::apart(count, count)
+    };
+    vec![layout; world]
 }
 
 fn check_all_reduce(
@@ -152,7 +213,7 @@ fn check_all_reduce(
 ) {
     let programs: Vec<Schedule> = (0..world).map(|r| make(r, world, count, chunk)).collect();
     for in_place in [false, true] {
-        let outputs = run(&programs, count, in_place, world);
+        let outputs = run(&programs, &all_reduce_layouts(world, count, in_place));
         for (r, out) in outputs.iter().enumerate() {
             for (i, v) in out.iter().enumerate() {
                 let sum = (0..world).fold(0u64, |s, q| s.wrapping_add(label(q, i)));
@@ -213,7 +274,10 @@ fn broadcasts_deliver_the_root_buffer() {
                         .map(|r| make(r, world, root, count, chunk))
                         .collect();
                     for in_place in [false, true] {
-                        for (r, out) in run(&programs, count, in_place, world).iter().enumerate() {
+                        for (r, out) in run(&programs, &all_reduce_layouts(world, count, in_place))
+                            .iter()
+                            .enumerate()
+                        {
                             for (i, v) in out.iter().enumerate() {
                                 assert_eq!(v.sum, label(root, i), "W={world} root={root} rank {r}");
                             }
@@ -252,6 +316,6 @@ fn barrier_hears_from_everyone() {
             }
         }
         assert!(heard.iter().all(|h| h.iter().all(|&x| x)), "W={world}");
-        run(&programs, 0, true, world);
+        run(&programs, &all_reduce_layouts(world, 0, true));
     }
 }

@@ -7,7 +7,7 @@
 //! and interior in the other; each tree carries half of the data, which
 //! balances the links. Latency grows with log2(W) instead of W.
 
-use super::{chunks, split, Buf, Schedule, Step};
+use super::{chunks, split, Loc, Schedule, Step};
 
 /// A rank's place in a tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,36 +83,37 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
     // Reduce up, alternating between the trees chunk by chunk.
     for c in 0..rounds {
         for (node, part) in trees.iter().zip(&parts) {
-            let Some(region) = part.get(c) else { continue };
+            let Some(r) = part.get(c) else { continue };
+            // The first child's data is combined with the input, later ones with the partial result.
             for (i, &child) in node.children.iter().enumerate() {
-                let src = if i == 0 { Buf::Input } else { Buf::Output };
+                let with = if i == 0 {
+                    Loc::input(r.clone())
+                } else {
+                    Loc::output(r.clone())
+                };
                 steps.push(Step::RecvReduce {
                     peer: child,
-                    src,
-                    region: region.clone(),
+                    with,
+                    into: Loc::output(r.clone()),
                 });
             }
+            let result = if node.children.is_empty() {
+                Loc::input(r.clone())
+            } else {
+                Loc::output(r.clone())
+            };
             match node.parent {
-                Some(parent) => {
-                    let buf = if node.children.is_empty() {
-                        Buf::Input
-                    } else {
-                        Buf::Output
-                    };
-                    steps.push(Step::Send {
-                        peer: parent,
-                        buf,
-                        region: region.clone(),
-                    });
-                }
+                Some(parent) => steps.push(Step::Send {
+                    peer: parent,
+                    from: result,
+                }),
                 None => {
-                    if node.children.is_empty() {
-                        steps.push(Step::Copy {
-                            region: region.clone(),
-                        });
-                    }
+                    steps.push(Step::Copy {
+                        from: result,
+                        into: Loc::output(r.clone()),
+                    });
                     steps.push(Step::Finish {
-                        region: region.clone(),
+                        at: Loc::output(r.clone()),
                     });
                 }
             }
@@ -121,26 +122,25 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
     // Broadcast the finished halves down the same trees.
     for c in 0..rounds {
         for (node, part) in trees.iter().zip(&parts) {
-            let Some(region) = part.get(c) else { continue };
-            push_down(&mut steps, node, region.clone());
+            let Some(r) = part.get(c) else { continue };
+            push_down(&mut steps, node, Loc::output(r.clone()));
         }
     }
     steps
 }
 
-/// Receive `region` from the parent (if any), then pass it to the children.
-pub(super) fn push_down(steps: &mut Schedule, node: &Node, region: std::ops::Range<usize>) {
+/// Receive `at` from the parent (if any), then pass it to the children.
+pub(super) fn push_down(steps: &mut Schedule, node: &Node, at: Loc) {
     if let Some(parent) = node.parent {
         steps.push(Step::Recv {
             peer: parent,
-            region: region.clone(),
+            into: at.clone(),
         });
     }
     for &child in &node.children {
         steps.push(Step::Send {
             peer: child,
-            buf: Buf::Output,
-            region: region.clone(),
+            from: at.clone(),
         });
     }
 }
