@@ -80,6 +80,24 @@ impl Buffers {
         }
     }
 
+    /// In place with the input inside the output: `len` bytes from byte `offset`.
+    ///
+    /// Panics if the input would reach past the output (callers check the sizes).
+    pub fn inside(output: &mut [u8], offset: usize, len: usize) -> Buffers {
+        assert!(
+            offset + len <= output.len(),
+            "input block outside the output"
+        );
+        // SAFETY: `offset + len <= output.len()`, checked above.
+        let input = unsafe { output.as_ptr().add(offset) };
+        Buffers {
+            input,
+            input_len: len,
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+        }
+    }
+
     /// Input and output of equal length (reductions, broadcast); fails naming both lengths.
     pub fn same_len(input: Option<&[u8]>, output: &mut [u8]) -> Result<Buffers, Error> {
         match input {

@@ -128,3 +128,42 @@ fn barrier_lets_no_rank_leave_early() {
         assert!(report.ranks.iter().all(|r| r.stdout.contains("barrier ok")));
     }
 }
+
+fn scenario(name: &str, worlds: &[usize]) {
+    for &world in worlds {
+        let report = run(world, worker(), &[name], &[]);
+        assert_success(&report);
+        let marker = format!("{name} ok");
+        assert!(
+            report.ranks.iter().all(|r| r.stdout.contains(&marker)),
+            "{name} at W={world}"
+        );
+    }
+}
+
+#[test]
+fn async_work_completes_in_issue_order() {
+    scenario("async", &[1, 2, 3, 4]);
+}
+
+#[test]
+fn split_and_dup_run_beside_the_parent() {
+    scenario("split", &[1, 2, 3, 5]);
+}
+
+#[test]
+fn point_to_point_and_groups() {
+    scenario("p2p", &[1, 2, 3, 4]);
+}
+
+#[test]
+fn rooted_and_data_movement_collectives() {
+    for world in [1, 2, 3, 4, 5, 8] {
+        let report = run(world, worker(), &["more", "0,1,7,1000,65543"], &[]);
+        assert_success(&report);
+        assert!(
+            report.ranks.iter().all(|r| r.stdout.contains("more ok")),
+            "W={world}"
+        );
+    }
+}

@@ -5,9 +5,16 @@
 //! over any transport, and the tests below run every schedule for hundreds of
 //! ranks in memory to prove it correct.
 
+pub mod all_gather;
+pub mod all_to_all;
 pub mod barrier;
 pub mod broadcast;
+pub mod gather;
+pub mod recursive;
+pub mod reduce;
+pub mod reduce_scatter;
 pub mod ring;
+pub mod scatter;
 pub mod tree;
 
 #[cfg(test)]

@@ -39,6 +39,10 @@ fn run(args: &[String]) -> Result<(), String> {
         "barrier" => barrier_rounds(&connect()?, args.get(1).ok_or("missing directory")?),
         "connect" => connect().map(|_| ()),
         "mismatched_length" => mismatched_length(&connect()?),
+        "async" => async_in_order(&connect()?),
+        "more" => more_collectives(&connect()?, &counts()?),
+        "split" => split_and_dup(&connect()?),
+        "p2p" => point_to_point(&connect()?),
         other => Err(format!("unknown scenario '{other}'")),
     }
 }
@@ -192,4 +196,279 @@ fn mismatched_length(comm: &Communicator) -> Result<(), String> {
             Ok(())
         }
     }
+}
+
+fn check<T: PartialEq + std::fmt::Debug>(what: &str, got: T, want: T) -> Result<(), String> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("{what}: got {got:?}, expected {want:?}"))
+    }
+}
+
+/// The sum over ranks 0..world of `rank + i`, for element i.
+fn rank_sum(world: usize, i: usize) -> f64 {
+    (0..world).map(|r| (r + i) as f64).sum()
+}
+
+/// Asynchronous all-reduces interleaved with blocking ones complete in issue
+/// order and give correct results; a dup'ed communicator runs concurrently.
+fn async_in_order(comm: &Communicator) -> Result<(), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let err = |e: chorus::Error| e.to_string();
+    let make = |n: usize| -> Vec<f64> { (0..n).map(|i| (rank + i) as f64).collect() };
+    let side = comm.dup().map_err(err)?;
+    let concurrent = std::thread::spawn(move || -> Result<(), String> {
+        for round in 0..20 {
+            let mut v = vec![round as f64 + rank as f64; 1000];
+            side.all_reduce(&mut v, ReduceOp::Max)
+                .map_err(|e| e.to_string())?;
+            check("dup all_reduce", v[0], round as f64 + (world - 1) as f64)?;
+        }
+        Ok(())
+    });
+    let mut handles = Vec::new();
+    for k in 0..8 {
+        handles.push(comm.all_reduce_async(make(1 + k * 40_000), ReduceOp::Sum));
+    }
+    // A blocking call issued after them runs after them.
+    let mut small = make(3);
+    comm.all_reduce(&mut small, ReduceOp::Sum).map_err(err)?;
+    for (i, v) in small.iter().enumerate() {
+        check("blocking all_reduce", *v, rank_sum(world, i))?;
+    }
+    if !handles.iter().all(|h| h.is_completed()) {
+        return Err("a blocking call returned before earlier asynchronous ones completed".into());
+    }
+    for handle in handles {
+        let v = handle.wait().map_err(err)?;
+        for (i, x) in v.iter().enumerate().step_by(997) {
+            check("async all_reduce", *x, rank_sum(world, i))?;
+        }
+    }
+    let b = comm
+        .broadcast_async(make(10), world - 1)
+        .wait()
+        .map_err(err)?;
+    check("async broadcast", b[0], (world - 1) as f64)?;
+    concurrent
+        .join()
+        .map_err(|_| "the concurrent thread panicked".to_string())??;
+    println!("async ok");
+    Ok(())
+}
+
+/// Split by parity with reversed keys; rank 0 opts out when it can; the
+/// halves run collectives concurrently with the parent.
+fn split_and_dup(comm: &Communicator) -> Result<(), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let err = |e: chorus::Error| e.to_string();
+    let opt_out = world >= 3 && rank == 0;
+    let color = (!opt_out).then_some((rank % 2) as u32);
+    let sub = comm.split(color, -(rank as i64)).map_err(err)?;
+    let Some(sub) = sub else {
+        check("opted out", opt_out, true)?;
+        let mut v = vec![1u32; 4];
+        comm.all_reduce(&mut v, ReduceOp::Sum).map_err(err)?;
+        println!("split ok");
+        return Ok(());
+    };
+    let members: Vec<usize> = (0..world)
+        .filter(|&r| r % 2 == rank % 2 && !(world >= 3 && r == 0))
+        .collect();
+    check("sub world size", sub.world_size(), members.len())?;
+    // Keys are -rank: the highest parent rank comes first.
+    let position = members
+        .iter()
+        .rev()
+        .position(|&r| r == rank)
+        .expect("member");
+    check("sub rank", sub.rank(), position)?;
+    let parent_sum = std::thread::scope(|s| {
+        let parent = s.spawn(|| {
+            let mut v = vec![1u32; 4];
+            comm.all_reduce(&mut v, ReduceOp::Sum).map(|()| v[0])
+        });
+        let mut v = vec![rank as u64; 1000];
+        sub.all_reduce(&mut v, ReduceOp::Sum).map_err(err)?;
+        check(
+            "sub all_reduce",
+            v[999],
+            members.iter().map(|&r| r as u64).sum(),
+        )?;
+        parent
+            .join()
+            .map_err(|_| "parent thread panicked".to_string())?
+            .map_err(err)
+    })?;
+    check("parent all_reduce", parent_sum, world as u32)?;
+    println!("split ok");
+    Ok(())
+}
+
+/// A ring shift with a group, pairwise blocking send/recv, and self-messages.
+fn point_to_point(comm: &Communicator) -> Result<(), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let err = |e: chorus::Error| e.to_string();
+    let right = (rank + 1) % world;
+    let left = (rank + world - 1) % world;
+    let mine: Vec<i32> = (0..5000).map(|i| (rank * 10_000 + i) as i32).collect();
+    let mut from_left = vec![0i32; 5000];
+    let mut echo = vec![0i32; 3];
+    comm.group(|g| {
+        g.send(&mine, right, 7);
+        g.recv(&mut from_left, left, 7);
+        g.send(&mine[..3], rank, 9);
+        g.recv(&mut echo, rank, 9);
+    })
+    .map_err(err)?;
+    check("from left", from_left[4999], (left * 10_000 + 4999) as i32)?;
+    check("echo", echo, vec![mine[0], mine[1], mine[2]])?;
+    if world >= 2 && rank < world / 2 * 2 {
+        let peer = rank ^ 1;
+        let mut got = [0u8; 2];
+        if rank % 2 == 0 {
+            comm.send(&[rank as u8, 1], peer, 1).map_err(err)?;
+            comm.recv(&mut got, peer, 2).map_err(err)?;
+        } else {
+            comm.recv(&mut got, peer, 1).map_err(err)?;
+            comm.send(&[rank as u8, 2], peer, 2).map_err(err)?;
+        }
+        check("pair", got[0], peer as u8)?;
+    }
+    // Point-to-point traffic leaves the collective sequence in step.
+    comm.barrier().map_err(err)?;
+    println!("p2p ok");
+    Ok(())
+}
+
+/// Reduce, reduce-scatter (every dtype x op), all-gather, all-to-all(v),
+/// gather and scatter (every root), checked element by element.
+fn more_collectives(comm: &Communicator, counts: &[usize]) -> Result<(), String> {
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            for &count in counts {
+                let case = Case {
+                    dtype,
+                    op,
+                    count,
+                    in_place: false,
+                    root: 0,
+                };
+                chorus::with_dtype!(dtype, rooted_reductions, comm, &case)?;
+            }
+        }
+    }
+    for &count in counts {
+        for dtype in [DType::F32, DType::U8, DType::I64] {
+            let case = Case {
+                dtype,
+                op: ReduceOp::Sum,
+                count,
+                in_place: false,
+                root: 0,
+            };
+            chorus::with_dtype!(dtype, data_movement, comm, &case)?;
+        }
+    }
+    println!("more ok");
+    Ok(())
+}
+
+fn same<T: Element + std::fmt::Debug>(what: &str, got: T, want: T) -> Result<(), String> {
+    match bytemuck::bytes_of(&got) == bytemuck::bytes_of(&want) {
+        true => Ok(()),
+        false => Err(format!("{what}: got {got:?}, expected {want:?}")),
+    }
+}
+
+fn rooted_reductions<T: Element + Value>(comm: &Communicator, case: &Case) -> Result<(), String> {
+    let (rank, world, n, op) = (comm.rank(), comm.world_size(), case.count, case.op);
+    let fail = |e: chorus::Error| format!("{case}: {e}");
+    for root in 0..world {
+        let input: Vec<T> = (0..n).map(|i| T::input(rank, i, op)).collect();
+        let mut buf = input.clone();
+        comm.reduce(&mut buf, op, root).map_err(fail)?;
+        let mut out = vec![T::poison(); n];
+        comm.reduce_into(&input, &mut out, op, root).map_err(fail)?;
+        if rank == root {
+            for i in 0..n {
+                T::check(buf[i], i, world, op)
+                    .map_err(|w| format!("{case} reduce root {root} [{i}]: {w}"))?;
+                T::check(out[i], i, world, op)
+                    .map_err(|w| format!("{case} reduce_into root {root} [{i}]: {w}"))?;
+            }
+        }
+    }
+    let input: Vec<T> = (0..world * n).map(|j| T::input(rank, j, op)).collect();
+    let mut out = vec![T::poison(); n];
+    comm.reduce_scatter(&input, &mut out, op).map_err(fail)?;
+    for (i, got) in out.iter().enumerate() {
+        T::check(*got, rank * n + i, world, op)
+            .map_err(|w| format!("{case} reduce_scatter [{i}]: {w}"))?;
+    }
+    Ok(())
+}
+
+fn data_movement<T: Element + Value>(comm: &Communicator, case: &Case) -> Result<(), String> {
+    let (rank, world, n) = (comm.rank(), comm.world_size(), case.count);
+    let fail = |e: chorus::Error| format!("{case}: {e}");
+    let value = |r: usize, j: usize| T::input(r, j, ReduceOp::Sum);
+    // All-gather, apart and in place.
+    let mine: Vec<T> = (0..n).map(|i| value(rank, i)).collect();
+    let mut all = vec![T::poison(); world * n];
+    comm.all_gather(&mine, &mut all).map_err(fail)?;
+    let mut in_place = vec![T::poison(); world * n];
+    in_place[rank * n..(rank + 1) * n].copy_from_slice(&mine);
+    comm.all_gather_in_place(&mut in_place).map_err(fail)?;
+    for j in 0..world * n {
+        same("all_gather", all[j], value(j / n.max(1), j % n.max(1)))?;
+        same("all_gather_in_place", in_place[j], all[j])?;
+    }
+    // All-to-all: block q of rank r's input is element (q*n + i) of r's pattern.
+    let send: Vec<T> = (0..world * n).map(|j| value(rank, j)).collect();
+    let mut recv = vec![T::poison(); world * n];
+    comm.all_to_all(&send, &mut recv).map_err(fail)?;
+    for q in 0..world {
+        for i in 0..n {
+            same("all_to_all", recv[q * n + i], value(q, rank * n + i))?;
+        }
+    }
+    // Variable counts: rank r sends (r + q + n) % 4 elements to rank q.
+    let size = |from: usize, to: usize| (from + to + n) % 4;
+    let send_counts: Vec<usize> = (0..world).map(|q| size(rank, q)).collect();
+    let recv_counts: Vec<usize> = (0..world).map(|q| size(q, rank)).collect();
+    let send: Vec<T> = (0..send_counts.iter().sum())
+        .map(|j| value(rank, j))
+        .collect();
+    let mut recv = vec![T::poison(); recv_counts.iter().sum()];
+    comm.all_to_all_v(&send, &send_counts, &mut recv, &recv_counts)
+        .map_err(fail)?;
+    let mut at = 0;
+    for (q, &count) in recv_counts.iter().enumerate() {
+        let offset: usize = (0..rank).map(|p| size(q, p)).sum();
+        for i in 0..count {
+            same("all_to_all_v", recv[at + i], value(q, offset + i))?;
+        }
+        at += count;
+    }
+    // Gather and scatter from every root.
+    for root in 0..world {
+        let mut gathered = vec![T::poison(); if rank == root { world * n } else { 0 }];
+        comm.gather(&mine, &mut gathered, root).map_err(fail)?;
+        for (j, got) in gathered.iter().enumerate() {
+            same("gather", *got, value(j / n.max(1), j % n.max(1)))?;
+        }
+        let source: Vec<T> = if rank == root {
+            (0..world * n).map(|j| value(root, j)).collect()
+        } else {
+            Vec::new()
+        };
+        let mut part = vec![T::poison(); n];
+        comm.scatter(&source, &mut part, root).map_err(fail)?;
+        for (i, got) in part.iter().enumerate() {
+            same("scatter", *got, value(root, rank * n + i))?;
+        }
+    }
+    Ok(())
 }

@@ -1,0 +1,193 @@
+//! The collective operations: typed entry points over one byte-level form each.
+
+use std::marker::PhantomData;
+
+use chorus_kernels::{DType, Element, ReduceOp};
+
+use super::{elements, Call, Communicator, Inner, Kind};
+use crate::executor::Buffers;
+use crate::schedule::{barrier, broadcast, ring, tree};
+use crate::tuner::{self, Algorithm};
+use crate::{Error, Result};
+
+impl Communicator {
+    /// Reduces `buf` across all ranks in place; every rank ends with the result.
+    ///
+    /// Fails on a transport error or timeout, or if ranks pass different lengths.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.run_now(self.inner.all_reduce_call(
+            None,
+            bytemuck::cast_slice_mut(buf),
+            T::DTYPE,
+            op,
+        )?)
+    }
+
+    /// Reduces `input` across all ranks into `output` (same length).
+    ///
+    /// Fails as [`all_reduce`](Self::all_reduce) does, or if the lengths differ.
+    pub fn all_reduce_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let input = bytemuck::cast_slice(input);
+        self.run_now(self.inner.all_reduce_call(
+            Some(input),
+            bytemuck::cast_slice_mut(output),
+            T::DTYPE,
+            op,
+        )?)
+    }
+
+    /// All-reduce on raw bytes holding elements of `dtype`; in place when `input` is `None`.
+    ///
+    /// Fails as [`all_reduce`](Self::all_reduce) does, or if a length is not a
+    /// whole number of elements.
+    pub fn all_reduce_bytes(
+        &self,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.run_now(self.inner.all_reduce_call(input, output, dtype, op)?)
+    }
+
+    /// Copies `root`'s `buf` into every other rank's `buf`.
+    ///
+    /// Fails on a transport error or timeout, if `root` is out of range, or
+    /// if ranks pass different lengths.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.run_now(self.inner.broadcast_call(
+            None,
+            bytemuck::cast_slice_mut(buf),
+            T::DTYPE,
+            root,
+        )?)
+    }
+
+    /// Broadcast from `root`'s `input` into every rank's `output` (`input` is read on the root only).
+    ///
+    /// Fails as [`broadcast`](Self::broadcast) does, or if the lengths differ.
+    pub fn broadcast_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let input = bytemuck::cast_slice(input);
+        self.run_now(self.inner.broadcast_call(
+            Some(input),
+            bytemuck::cast_slice_mut(output),
+            T::DTYPE,
+            root,
+        )?)
+    }
+
+    /// Broadcast on raw bytes holding elements of `dtype`; in place when `input` is `None`.
+    ///
+    /// Fails as [`broadcast`](Self::broadcast) does.
+    pub fn broadcast_bytes(
+        &self,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<()> {
+        self.run_now(self.inner.broadcast_call(input, output, dtype, root)?)
+    }
+
+    /// Returns only after every rank has entered the barrier.
+    ///
+    /// Fails on a transport error or timeout.
+    pub fn barrier(&self) -> Result<()> {
+        let steps = barrier::dissemination(self.rank(), self.world_size());
+        let bufs = Buffers::new(None, &mut []);
+        self.run_now(Call {
+            kind: Kind::Barrier,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            root: 0,
+            bufs,
+            steps,
+            _borrow: PhantomData,
+        })
+    }
+}
+
+impl Inner {
+    pub(super) fn all_reduce_call<'a>(
+        &self,
+        input: Option<&'a [u8]>,
+        output: &'a mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<Call<'a>> {
+        let count = elements(output.len(), dtype)?;
+        let (w, rank, chunk) = (
+            self.config.world_size,
+            self.config.rank,
+            self.chunk_elems(dtype),
+        );
+        let algo = tuner::choose(self.config.algo, output.len(), w);
+        tracing::debug!(count, %dtype, %op, %algo, "all_reduce");
+        let steps = match algo {
+            Algorithm::Ring => ring::all_reduce(rank, w, count, chunk),
+            Algorithm::Tree => tree::all_reduce(rank, w, count, chunk),
+        };
+        let bufs = Buffers::same_len(input, output)?;
+        Ok(Call {
+            kind: Kind::AllReduce,
+            dtype,
+            op,
+            root: 0,
+            bufs,
+            steps,
+            _borrow: PhantomData,
+        })
+    }
+
+    pub(super) fn broadcast_call<'a>(
+        &self,
+        input: Option<&'a [u8]>,
+        output: &'a mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<Call<'a>> {
+        let count = elements(output.len(), dtype)?;
+        let (w, rank, chunk) = (
+            self.config.world_size,
+            self.config.rank,
+            self.chunk_elems(dtype),
+        );
+        self.check_root(root)?;
+        let algo = tuner::choose(self.config.algo, output.len(), w);
+        tracing::debug!(count, %dtype, root, %algo, "broadcast");
+        let steps = match algo {
+            Algorithm::Ring => broadcast::chain(rank, w, root, count, chunk),
+            Algorithm::Tree => broadcast::tree(rank, w, root, count, chunk),
+        };
+        let bufs = Buffers::same_len(input, output)?;
+        Ok(Call {
+            kind: Kind::Broadcast,
+            dtype,
+            op: ReduceOp::Sum,
+            root,
+            bufs,
+            steps,
+            _borrow: PhantomData,
+        })
+    }
+
+    pub(super) fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.config.world_size {
+            return Err(Error::InvalidArgument(format!(
+                "root {root} is not a rank (world size {})",
+                self.config.world_size
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,382 @@
+//! The communicator: a group of ranks and the collectives they run together.
+//!
+//! Every call takes a ticket when it is issued and runs when its turn comes,
+//! so operations on one communicator complete in issue order whether they
+//! are blocking or asynchronous, and whichever thread issues them.
+
+mod collectives;
+mod more;
+mod p2p;
+mod split;
+mod work;
+
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use chorus_kernels::{DType, ReduceOp};
+use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore};
+use chorus_transport::tcp::{TcpConfig, TcpTransport};
+use chorus_transport::Transport;
+
+use crate::executor::{self, Buffers, Job, Workspace};
+use crate::schedule::Step;
+use crate::{Config, Error, Result};
+
+pub use p2p::Group;
+pub use work::Work;
+use work::Worker;
+
+/// Receive-and-reduce chunks in flight per call.
+const PIPELINE_DEPTH: usize = 4;
+
+/// Communicators created from scratch by this process, so each gets its own store keys.
+static CREATED: AtomicU64 = AtomicU64::new(0);
+
+/// The kinds of operation, as carried in message tags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    AllReduce = 1,
+    Broadcast = 2,
+    Barrier = 3,
+    Reduce = 4,
+    AllGather = 5,
+    ReduceScatter = 6,
+    AllToAll = 7,
+    Gather = 8,
+    Scatter = 9,
+    PointToPoint = 10,
+}
+
+/// A group of ranks that run collectives together, like an NCCL communicator
+/// or a torch.distributed process group.
+///
+/// Blocking calls return when this rank's part is done; `*_async` calls
+/// return a [`Work`] handle at once. All ranks must issue the same
+/// collectives in the same order with matching arguments. Calls from
+/// several threads are serialised in the order they were issued. After a
+/// failure (a timeout, a dead peer, [`abort`](Self::abort)) the
+/// communicator is broken and every later call fails.
+pub struct Communicator {
+    inner: Arc<Inner>,
+}
+
+/// What blocking calls and the asynchronous worker share.
+pub(crate) struct Inner {
+    config: Config,
+    transport: Option<TcpTransport>,
+    state: Mutex<State>,
+    /// Signalled whenever `State::serving` advances.
+    turn: Condvar,
+    /// Ticket dispenser and the asynchronous worker, under one lock so that
+    /// tickets reach the worker in the order they were handed out.
+    issue: Mutex<Issue>,
+    /// The rendezvous store client and this communicator's key prefix (absent for one rank).
+    store: Option<(Arc<TcpStore>, String)>,
+    /// The store server, when this process hosts it; shared with sub-communicators.
+    server: Option<Arc<StoreServer>>,
+}
+
+pub(crate) struct State {
+    /// Collectives run so far; part of every collective's message tag.
+    seq: u64,
+    /// The ticket whose turn it is.
+    serving: u64,
+    work: Workspace,
+    broken: Option<String>,
+    /// Sub-communicators created so far (names their store keys).
+    splits: u64,
+}
+
+struct Issue {
+    next: u64,
+    worker: Option<Worker>,
+}
+
+/// One operation, ready to run: its schedule and the memory it works on.
+pub(crate) struct Call<'a> {
+    pub kind: Kind,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub root: usize,
+    pub bufs: Buffers,
+    pub steps: Vec<Step>,
+    /// Ties the raw buffers to the caller's borrows.
+    pub _borrow: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Communicator {
+    /// Joins the job described by the environment (torchrun's contract).
+    ///
+    /// Fails as [`Config::from_env`] and [`Communicator::new`] do.
+    pub fn from_env() -> Result<Communicator> {
+        Communicator::new(Config::from_env()?)
+    }
+
+    /// Joins the job: rendezvous through rank 0's store, then connect to every peer.
+    ///
+    /// Fails with a clear error if the store's port is busy (rank 0), the
+    /// store cannot be reached, or a peer does not show up, all within
+    /// `config.timeout`.
+    pub fn new(config: Config) -> Result<Communicator> {
+        if config.world_size == 0 || config.rank >= config.world_size {
+            return Err(Error::InvalidArgument(format!(
+                "rank {} is not below world size {}",
+                config.rank, config.world_size
+            )));
+        }
+        if config.world_size == 1 {
+            return Ok(Communicator::assemble(config, None, None, None));
+        }
+        let server = if config.rank == 0 {
+            let addr = SocketAddr::from(([0, 0, 0, 0], config.master_port));
+            Some(Arc::new(StoreServer::bind(addr)?))
+        } else {
+            None
+        };
+        let client = Arc::new(TcpStore::connect(
+            &config.master_addr,
+            config.master_port,
+            config.timeout,
+        )?);
+        let prefix = format!("chorus/{}", CREATED.fetch_add(1, Ordering::Relaxed));
+        Communicator::join(config, client, prefix, server)
+    }
+
+    /// Connects `config.rank` to the other ranks through the store under `prefix`.
+    fn join(
+        config: Config,
+        client: Arc<TcpStore>,
+        prefix: String,
+        server: Option<Arc<StoreServer>>,
+    ) -> Result<Communicator> {
+        let rank = config.rank;
+        let store = PrefixStore::new(prefix.clone(), client.clone());
+        let tcp = TcpConfig {
+            nsocks: config.nsocks,
+            addr: advertised_addr(&config)?,
+            timeout: config.timeout,
+            ..TcpConfig::default()
+        };
+        let transport = TcpTransport::connect(rank, config.world_size, &store, &tcp)
+            .map_err(|e| Error::from(e).on_rank(rank))?;
+        // The store's host keeps it up until every rank is done with it.
+        store.set(&format!("ready/{rank}"), b"1")?;
+        if rank == 0 {
+            let keys: Vec<String> = (0..config.world_size)
+                .map(|r| format!("ready/{r}"))
+                .collect();
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            store.wait(&keys, config.timeout)?;
+        }
+        tracing::info!(rank, world_size = config.world_size, nsocks = config.nsocks, %prefix, "communicator ready");
+        Ok(Communicator::assemble(
+            config,
+            Some(transport),
+            Some((client, prefix)),
+            server,
+        ))
+    }
+
+    fn assemble(
+        config: Config,
+        transport: Option<TcpTransport>,
+        store: Option<(Arc<TcpStore>, String)>,
+        server: Option<Arc<StoreServer>>,
+    ) -> Communicator {
+        let state = State {
+            seq: 0,
+            serving: 0,
+            work: Workspace::default(),
+            broken: None,
+            splits: 0,
+        };
+        let inner = Inner {
+            config,
+            transport,
+            state: Mutex::new(state),
+            turn: Condvar::new(),
+            issue: Mutex::new(Issue {
+                next: 0,
+                worker: None,
+            }),
+            store,
+            server,
+        };
+        Communicator {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.inner.config.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.inner.config.world_size
+    }
+
+    /// This process's rank among those on its host.
+    pub fn local_rank(&self) -> usize {
+        self.inner.config.local_rank
+    }
+
+    /// Number of ranks on this host.
+    pub fn local_world_size(&self) -> usize {
+        self.inner.config.local_world_size
+    }
+
+    /// The configuration this communicator was built from.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// Fails every operation in flight and every later one with an error, promptly.
+    ///
+    /// Callable from any thread; peers see this rank's connections close.
+    pub fn abort(&self) {
+        if let Some(t) = &self.inner.transport {
+            t.abort("the communicator was aborted");
+        }
+        lock(&self.inner.state)
+            .broken
+            .get_or_insert_with(|| "the communicator was aborted".into());
+    }
+
+    /// Runs `call` now, in issue order with every other call.
+    pub(crate) fn run_now(&self, call: Call<'_>) -> Result<()> {
+        let ticket = self.inner.ticket();
+        self.inner.run(ticket, call)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Let queued asynchronous work finish (each call is bounded by the timeout).
+        let worker = lock(&self.inner.issue).worker.take();
+        drop(worker);
+    }
+}
+
+impl Inner {
+    /// Pipeline chunk in elements of `dtype`.
+    fn chunk_elems(&self, dtype: DType) -> usize {
+        (self.config.chunk_bytes / dtype.size()).max(1)
+    }
+
+    /// Hands out the next ticket.
+    fn ticket(&self) -> u64 {
+        let mut issue = lock(&self.issue);
+        issue.next += 1;
+        issue.next - 1
+    }
+
+    /// Waits for `ticket`'s turn, runs `call`, and passes the turn on.
+    ///
+    /// A failure breaks the communicator: later calls fail at once.
+    pub(crate) fn run(&self, ticket: u64, call: Call<'_>) -> Result<()> {
+        self.run_with(ticket, |inner, state| inner.execute(state, call))
+    }
+
+    /// Waits for `ticket`'s turn, runs `f` unless the communicator is broken, and passes the turn on.
+    pub(crate) fn run_with(
+        &self,
+        ticket: u64,
+        f: impl FnOnce(&Inner, &mut State) -> Result<()>,
+    ) -> Result<()> {
+        self.run_then(ticket, f, || {})
+    }
+
+    /// Like `run_with`, calling `done` after `f` and before the next ticket's turn.
+    pub(crate) fn run_then(
+        &self,
+        ticket: u64,
+        f: impl FnOnce(&Inner, &mut State) -> Result<()>,
+        done: impl FnOnce(),
+    ) -> Result<()> {
+        let mut state = lock(&self.state);
+        while state.serving != ticket {
+            state = self.turn.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+        let result = match &state.broken {
+            Some(why) => Err(Error::Broken(why.clone())),
+            None => f(self, &mut state),
+        };
+        if let Err(e) = &result {
+            state.broken.get_or_insert_with(|| e.to_string());
+        }
+        done();
+        state.serving += 1;
+        self.turn.notify_all();
+        result
+    }
+
+    pub(crate) fn execute(&self, state: &mut State, call: Call<'_>) -> Result<()> {
+        state.seq += 1;
+        let tag = tag(state.seq, call.kind, call.dtype, call.op, call.root);
+        let job = Job {
+            transport: self.transport.as_ref().map(|t| t as &dyn Transport),
+            tag,
+            dtype: call.dtype,
+            op: call.op,
+            world_size: self.config.world_size,
+            deadline: Instant::now() + self.config.timeout,
+            depth: PIPELINE_DEPTH,
+        };
+        executor::execute(&job, &call.bufs, &call.steps, &mut state.work)
+            .map_err(|e| e.on_rank(self.config.rank))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Number of `dtype` elements in `bytes` bytes; fails if not a whole number.
+fn elements(bytes: usize, dtype: DType) -> Result<usize> {
+    if bytes % dtype.size() != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{bytes} bytes is not a whole number of {dtype} elements ({} bytes each)",
+            dtype.size()
+        )));
+    }
+    Ok(bytes / dtype.size())
+}
+
+/// The message tag: sequence number and a fingerprint of the call, so ranks
+/// that disagree on what they are running fail instead of mixing data.
+fn tag(seq: u64, kind: Kind, dtype: DType, op: ReduceOp, root: usize) -> u64 {
+    let dtype = DType::ALL.iter().position(|&d| d == dtype).unwrap_or(0) as u64;
+    let op = ReduceOp::ALL.iter().position(|&o| o == op).unwrap_or(0) as u64;
+    (seq << 32) | (kind as u64) << 28 | dtype << 24 | op << 20 | (root as u64 & 0xF_FFFF)
+}
+
+/// The address other ranks reach this one at: configured, or the local end
+/// of the route to MASTER_ADDR (no packet is sent).
+fn advertised_addr(config: &Config) -> Result<IpAddr> {
+    if let Some(addr) = config.socket_addr {
+        return Ok(addr);
+    }
+    let route = || -> std::io::Result<IpAddr> {
+        let probe = UdpSocket::bind("0.0.0.0:0")?;
+        probe.connect((config.master_addr.as_str(), config.master_port.max(1)))?;
+        Ok(probe.local_addr()?.ip())
+    };
+    route().map_err(|e| Error::Config {
+        var: "MASTER_ADDR",
+        value: config.master_addr.clone(),
+        reason: format!("no route to it from this host ({e}); set CHORUS_SOCKET_ADDR"),
+    })
+}

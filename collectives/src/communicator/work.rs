@@ -1,0 +1,158 @@
+//! Asynchronous operations: a per-communicator worker thread and the
+//! [`Work`] handles it completes.
+//!
+//! An asynchronous call takes ownership of its buffer and gives it back
+//! through the handle, so the buffer cannot be touched or freed while the
+//! operation runs: the type system, not a comment, rules out use-after-free.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
+
+use super::{lock, Call, Communicator, Inner, Issue, State};
+use crate::{Element, Error, ReduceOp, Result};
+
+type Task = Box<dyn FnOnce() + Send>;
+
+/// The thread that runs a communicator's asynchronous operations in issue order.
+pub(super) struct Worker {
+    tasks: Option<Sender<Task>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    fn start(rank: usize) -> Result<Worker> {
+        let (tasks, queue) = channel::unbounded::<Task>();
+        let thread = std::thread::Builder::new()
+            .name(format!("chorus-work-{rank}"))
+            .spawn(move || queue.into_iter().for_each(|task| task()))
+            .map_err(|e| Error::InvalidArgument(format!("cannot start the worker thread: {e}")))?;
+        Ok(Worker {
+            tasks: Some(tasks),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        drop(self.tasks.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A handle to an operation in flight; gives its buffer back when it completes.
+#[derive(Debug)]
+#[must_use = "an operation's result is only seen through its handle"]
+pub struct Work<B> {
+    done: Receiver<(Result<()>, B)>,
+    finished: Arc<AtomicBool>,
+}
+
+impl<B> Work<B> {
+    /// Whether the operation has finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        self.finished.load(Ordering::Acquire) || !self.done.is_empty()
+    }
+
+    /// Waits for the operation and returns the buffer.
+    ///
+    /// Fails with the operation's error (the buffer's contents are then unspecified and it is dropped).
+    pub fn wait(self) -> Result<B> {
+        match self.done.recv() {
+            Ok((result, buf)) => result.map(|()| buf),
+            Err(_) => Err(Error::Broken(
+                "the worker stopped before the operation finished".into(),
+            )),
+        }
+    }
+
+    /// Waits at most `timeout`: the outcome if the operation finished, else the handle back.
+    pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<B>, Work<B>> {
+        match self.done.recv_timeout(timeout) {
+            Ok((result, buf)) => Ok(result.map(|()| buf)),
+            Err(RecvTimeoutError::Timeout) => Err(self),
+            Err(RecvTimeoutError::Disconnected) => Ok(Err(Error::Broken(
+                "the worker stopped before the operation finished".into(),
+            ))),
+        }
+    }
+}
+
+impl Communicator {
+    /// Queues `build(buf)` to run after every operation issued before it; returns at once.
+    ///
+    /// `build` turns the owned buffer's bytes into a call; errors it returns
+    /// (bad arguments) surface through the handle.
+    pub(super) fn submit<B, F>(&self, mut buf: B, build: F) -> Work<B>
+    where
+        B: Send + 'static,
+        F: for<'a> FnOnce(&Inner, &'a mut B) -> Result<Call<'a>> + Send + 'static,
+    {
+        let (done_tx, done) = channel::bounded(1);
+        let finished = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&finished);
+        let inner = Arc::clone(&self.inner);
+        let mut issue = lock(&self.inner.issue);
+        let ticket = issue.next;
+        issue.next += 1;
+        let task: Task = Box::new(move || {
+            // Completion is visible before the next operation's turn begins.
+            let run =
+                |inner: &Inner, state: &mut State| inner.execute(state, build(inner, &mut buf)?);
+            let result = inner.run_then(ticket, run, || flag.store(true, Ordering::Release));
+            let _ = done_tx.send((result, buf));
+        });
+        if let Err(e) = send(&mut issue, self.rank(), task) {
+            tracing::error!("cannot queue an asynchronous operation: {e}");
+            // The handle reports the worker as stopped.
+            return Work { done, finished };
+        }
+        Work { done, finished }
+    }
+
+    /// Starts an in-place all-reduce of `buf` and returns at once.
+    ///
+    /// The buffer comes back from [`Work::wait`]; errors surface there.
+    pub fn all_reduce_async<T, B>(&self, buf: B, op: ReduceOp) -> Work<B>
+    where
+        T: Element,
+        B: AsMut<[T]> + Send + 'static,
+    {
+        self.submit(buf, move |inner, buf| {
+            inner.all_reduce_call(None, bytemuck::cast_slice_mut(buf.as_mut()), T::DTYPE, op)
+        })
+    }
+
+    /// Starts an in-place broadcast of `root`'s `buf` and returns at once.
+    ///
+    /// The buffer comes back from [`Work::wait`]; errors surface there.
+    pub fn broadcast_async<T, B>(&self, buf: B, root: usize) -> Work<B>
+    where
+        T: Element,
+        B: AsMut<[T]> + Send + 'static,
+    {
+        self.submit(buf, move |inner, buf| {
+            inner.broadcast_call(None, bytemuck::cast_slice_mut(buf.as_mut()), T::DTYPE, root)
+        })
+    }
+}
+
+fn send(issue: &mut Issue, rank: usize, task: Task) -> Result<()> {
+    if issue.worker.is_none() {
+        issue.worker = Some(Worker::start(rank)?);
+    }
+    let tasks = issue
+        .worker
+        .as_ref()
+        .and_then(|w| w.tasks.as_ref())
+        .expect("worker running");
+    tasks
+        .send(task)
+        .map_err(|_| Error::Broken("the worker thread has stopped".into()))
+}

@@ -1,0 +1,85 @@
+//! Reduce to a root: a pipelined binary tree, or a pipelined chain.
+//!
+//! Both move the buffer chunk by chunk so that every link works at once.
+//! Tree: the in-order binary tree with ranks renumbered so the root is 0;
+//! ceil(log2 W) hops, an interior rank receives up to 2x and sends 1x the
+//! buffer, so it suits small and medium messages. Chain: root+W-1 -> ... ->
+//! root+1 -> root (the broadcast chain reversed); W-1 hops, every rank
+//! receives and sends the buffer once, so large messages move at link speed.
+//! The root finishes each chunk once, as its last contribution arrives.
+//! Non-root ranks use their output as the partial-sum buffer.
+
+use super::tree::{btree, Node};
+use super::{chunks, Loc, Schedule, Step};
+
+/// The tree reduce program of `rank`: `count` elements reduced into `root`'s output.
+pub fn tree(rank: usize, world_size: usize, root: usize, count: usize, chunk: usize) -> Schedule {
+    let w = world_size;
+    let virt = btree((rank + w - root) % w, w);
+    let real = |v: usize| (v + root) % w;
+    let node = Node {
+        parent: virt.parent.map(real),
+        children: virt.children.into_iter().map(real).collect(),
+    };
+    let mut steps = Vec::new();
+    for r in chunks(0..count, chunk) {
+        reduce_up(&mut steps, &node, r);
+    }
+    steps
+}
+
+/// The chain reduce program of `rank`: `count` elements reduced into `root`'s output.
+pub fn chain(rank: usize, world_size: usize, root: usize, count: usize, chunk: usize) -> Schedule {
+    let w = world_size;
+    let pos = (rank + w - root) % w;
+    // Data flows from position w-1 down to position 0 (the root).
+    let node = Node {
+        parent: (pos > 0).then_some((rank + w - 1) % w),
+        children: if pos + 1 < w {
+            vec![(rank + 1) % w]
+        } else {
+            Vec::new()
+        },
+    };
+    let mut steps = Vec::new();
+    for r in chunks(0..count, chunk) {
+        reduce_up(&mut steps, &node, r);
+    }
+    steps
+}
+
+/// Reduces elements `r` from the children into the output and passes the
+/// result to the parent; the root (no parent) finishes it in its output.
+pub(super) fn reduce_up(steps: &mut Schedule, node: &Node, r: std::ops::Range<usize>) {
+    // The first child's data is combined with the input, later ones with the partial result.
+    for (i, &child) in node.children.iter().enumerate() {
+        let with = if i == 0 {
+            Loc::input(r.clone())
+        } else {
+            Loc::output(r.clone())
+        };
+        steps.push(Step::RecvReduce {
+            peer: child,
+            with,
+            into: Loc::output(r.clone()),
+        });
+    }
+    let result = if node.children.is_empty() {
+        Loc::input(r.clone())
+    } else {
+        Loc::output(r.clone())
+    };
+    match node.parent {
+        Some(parent) => steps.push(Step::Send {
+            peer: parent,
+            from: result,
+        }),
+        None => {
+            steps.push(Step::Copy {
+                from: result,
+                into: Loc::output(r.clone()),
+            });
+            steps.push(Step::Finish { at: Loc::output(r) });
+        }
+    }
+}
