@@ -10,6 +10,7 @@ pub mod all_to_all;
 pub mod barrier;
 pub mod broadcast;
 pub mod gather;
+pub mod hierarchical;
 pub mod recursive;
 pub mod reduce;
 pub mod reduce_scatter;

@@ -10,8 +10,8 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::{
-    all_gather, all_to_all, barrier, broadcast, gather, recursive, reduce, reduce_scatter, ring,
-    scatter, tree, Buf, Loc, Schedule, Step,
+    all_gather, all_to_all, barrier, broadcast, gather, hierarchical, recursive, reduce,
+    reduce_scatter, ring, scatter, tree, Buf, Loc, Schedule, Step,
 };
 
 /// A symbolic element: the wrapping sum of its contributions' labels,
@@ -263,7 +263,7 @@ fn all_reduce_layouts(world: usize, count: usize, in_place: bool) -> Vec<Layout>
 }
 
 fn check_all_reduce(
-    make: fn(usize, usize, usize, usize) -> Schedule,
+    make: impl Fn(usize, usize, usize, usize) -> Schedule,
     world: usize,
     count: usize,
     chunk: usize,
@@ -747,4 +747,27 @@ fn recursive_all_reduces_are_bit_identical_on_every_rank() {
     let outputs = run(&programs, &all_reduce_layouts(world, 1, false));
     assert!(outputs.iter().all(|out| out[0] == Val::reduced(world, 0)));
     assert_ne!(outputs[0][0].shape, outputs[2][0].shape);
+}
+
+#[test]
+fn hierarchical_all_reduce_is_correct() {
+    for (world, local) in [
+        (1, 1),
+        (2, 1),
+        (2, 2),
+        (4, 2),
+        (6, 3),
+        (6, 2),
+        (8, 4),
+        (9, 3),
+        (12, 4),
+        (16, 8),
+    ] {
+        for count in [0, 1, 7, world + 1, 100] {
+            for chunk in [1, 4, 1 << 20] {
+                let make = |r, w, c, k| hierarchical::all_reduce(r, w, local, c, k);
+                check_all_reduce(make, world, count, chunk);
+            }
+        }
+    }
 }
