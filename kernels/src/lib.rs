@@ -30,6 +30,12 @@
 //!   only meaningful when the sum did not overflow. `n == 0` is rejected with
 //!   [`KernelError::ZeroCount`].
 //!
+//! # GPU kernels
+//!
+//! With the cargo feature `cuda` (off by default), the `cuda` module offers the same
+//! operations on device memory, compiled at run time by NVRTC; the crate still builds and
+//! its CPU tests still run on machines without CUDA.
+//!
 //! # Performance
 //!
 //! The inner loops are plain element-wise loops over typed slices, which LLVM vectorises.
@@ -50,6 +56,8 @@
 
 mod arith;
 mod convert;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 mod error;
 mod op;

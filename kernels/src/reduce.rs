@@ -101,7 +101,11 @@ pub fn finish_avg(dtype: DType, buf: &mut [u8], n: usize) -> Result<(), KernelEr
 }
 
 /// Checks that every source length equals `dst_len` and that it is a whole number of elements.
-fn check_lengths(dtype: DType, dst_len: usize, srcs: &[usize]) -> Result<(), KernelError> {
+pub(crate) fn check_lengths(
+    dtype: DType,
+    dst_len: usize,
+    srcs: &[usize],
+) -> Result<(), KernelError> {
     if let Some(&src) = srcs.iter().find(|&&s| s != dst_len) {
         return Err(KernelError::LengthMismatch { dst: dst_len, src });
     }
