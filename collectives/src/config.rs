@@ -3,8 +3,12 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
+use crate::rendezvous::{self, Ranks};
 use crate::tuner::Algorithm;
 use crate::Error;
+
+/// How configuration reads a variable: its value, or `None` when unset.
+pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// Everything a communicator needs to know before it starts.
 #[derive(Debug, Clone)]
@@ -63,48 +67,26 @@ impl Config {
         }
     }
 
-    /// Reads torchrun's contract and the `CHORUS_*` variables.
+    /// Reads the job's shape from the launcher's variables, and the `CHORUS_*` variables.
     ///
-    /// Fails naming the variable when one is missing or malformed, or when
-    /// RANK is not below WORLD_SIZE.
+    /// The launcher is detected in this order, and the one used is logged (`tracing` info):
+    /// `CHORUS_INIT_METHOD` (`env://`, `tcp://HOST:PORT`, `file:///shared/path`), torchrun's
+    /// contract (`RANK`, `WORLD_SIZE`, ..., as chorusrun sets it), SLURM (`srun`), Open MPI,
+    /// MPICH/Intel MPI (PMI) and MVAPICH2; see the README's "Launching jobs".
+    ///
+    /// Fails naming the variable when one is missing, malformed or contradicts another (listing
+    /// the related variables found), when RANK is not below WORLD_SIZE, or, for `file://`,
+    /// when rank 0's address does not appear in the file within `CHORUS_TIMEOUT`.
     pub fn from_env() -> Result<Config, Error> {
         Config::from_lookup(|k| std::env::var(k).ok())
     }
 
     /// Like `from_env`, reading variables through `get` (for tests and launchers).
+    ///
+    /// With `CHORUS_INIT_METHOD=file://...` this reads or writes that file.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
-        let world_size: usize = require(&get, "WORLD_SIZE")?;
-        let rank: usize = require(&get, "RANK")?;
-        if world_size == 0 {
-            return Err(bad("WORLD_SIZE", "0", "must be at least 1"));
-        }
-        if rank >= world_size {
-            return Err(bad(
-                "RANK",
-                &rank.to_string(),
-                &format!("must be below WORLD_SIZE={world_size}"),
-            ));
-        }
-        let single = world_size == 1;
-        let master_addr = match get("MASTER_ADDR") {
-            Some(a) if !a.is_empty() => a,
-            _ if single => "127.0.0.1".into(),
-            _ => return Err(bad("MASTER_ADDR", "", "not set (the host of rank 0)")),
-        };
-        let master_port = match get("MASTER_PORT") {
-            None if single => 0,
-            _ => require(&get, "MASTER_PORT")?,
-        };
-        let local_rank = optional(&get, "LOCAL_RANK")?.unwrap_or(rank);
-        let local_world_size = optional(&get, "LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
-        if local_rank >= local_world_size {
-            return Err(bad(
-                "LOCAL_RANK",
-                &local_rank.to_string(),
-                &format!("must be below LOCAL_WORLD_SIZE={local_world_size}"),
-            ));
-        }
-        let timeout = match optional::<f64>(&get, "CHORUS_TIMEOUT")? {
+        let get: Lookup<'_> = &get;
+        let timeout = match optional::<f64>(get, "CHORUS_TIMEOUT")? {
             Some(s) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s),
             Some(s) => {
                 return Err(bad(
@@ -115,7 +97,8 @@ impl Config {
             }
             None => DEFAULT_TIMEOUT,
         };
-        let nsocks = optional(&get, "CHORUS_NSOCKS")?.unwrap_or(DEFAULT_NSOCKS);
+        let found = rendezvous::detect(get)?;
+        let nsocks = optional(get, "CHORUS_NSOCKS")?.unwrap_or(DEFAULT_NSOCKS);
         if !(1..=64).contains(&nsocks) {
             return Err(bad(
                 "CHORUS_NSOCKS",
@@ -123,7 +106,7 @@ impl Config {
                 "must be between 1 and 64",
             ));
         }
-        let chunk_bytes = optional(&get, "CHORUS_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES);
+        let chunk_bytes = optional(get, "CHORUS_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES);
         if chunk_bytes < 64 {
             return Err(bad(
                 "CHORUS_CHUNK_BYTES",
@@ -131,6 +114,25 @@ impl Config {
                 "must be at least 64",
             ));
         }
+        let algo = optional(get, "CHORUS_ALGO")?;
+        let socket_addr = optional(get, "CHORUS_SOCKET_ADDR")?;
+        // Last, since for file:// rank 0 publishes its address here.
+        let (master_addr, master_port) = found.master.resolve(&found.ranks, timeout, get)?;
+        let Ranks {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        } = found.ranks;
+        tracing::info!(
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master = %format!("{master_addr}:{master_port}"),
+            "rendezvous through {}",
+            found.method
+        );
         Ok(Config {
             rank,
             world_size,
@@ -140,14 +142,14 @@ impl Config {
             master_port,
             timeout,
             nsocks,
-            algo: optional(&get, "CHORUS_ALGO")?,
+            algo,
             chunk_bytes,
-            socket_addr: optional(&get, "CHORUS_SOCKET_ADDR")?,
+            socket_addr,
         })
     }
 }
 
-fn bad(var: &'static str, value: &str, reason: &str) -> Error {
+pub(crate) fn bad(var: &'static str, value: &str, reason: &str) -> Error {
     Error::Config {
         var,
         value: value.to_string(),
@@ -155,8 +157,8 @@ fn bad(var: &'static str, value: &str, reason: &str) -> Error {
     }
 }
 
-fn optional<T: std::str::FromStr>(
-    get: &impl Fn(&str) -> Option<String>,
+pub(crate) fn optional<T: std::str::FromStr>(
+    get: Lookup<'_>,
     var: &'static str,
 ) -> Result<Option<T>, Error>
 where
@@ -171,16 +173,6 @@ where
             .map(Some)
             .map_err(|e: T::Err| bad(var, &v, &e.to_string())),
     }
-}
-
-fn require<T: std::str::FromStr>(
-    get: &impl Fn(&str) -> Option<String>,
-    var: &'static str,
-) -> Result<T, Error>
-where
-    T::Err: std::fmt::Display,
-{
-    optional(get, var)?.ok_or_else(|| bad(var, "", "not set"))
 }
 
 #[cfg(test)]
@@ -259,5 +251,54 @@ mod tests {
     fn a_single_process_needs_no_master() {
         let c = from(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap();
         assert_eq!(c.world_size, 1);
+    }
+
+    #[test]
+    fn reads_slurm_and_mpi_too() {
+        let c = from(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_TASKS_PER_NODE", "2(x4)"),
+            ("SLURM_JOB_NODELIST", "gpu[08-11]"),
+            ("SLURM_JOB_ID", "31337"),
+            ("CHORUS_TIMEOUT", "7"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (5, 8, 1, 2)
+        );
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("gpu08", 21_337));
+        assert_eq!(c.timeout, Duration::from_secs(7));
+        let err = from(&[("PMI_RANK", "1"), ("PMI_SIZE", "2")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("but MPI_LOCALRANKID is missing"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_variable_fails_before_the_file_is_written() {
+        let dir = std::env::temp_dir().join(format!("chorus-config-file-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rdzv");
+        let url = format!("file://{}", path.display());
+        let vars = [
+            ("CHORUS_INIT_METHOD", url.as_str()),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("CHORUS_NSOCKS", "0"),
+        ];
+        assert!(from(&vars)
+            .unwrap_err()
+            .to_string()
+            .contains("CHORUS_NSOCKS"));
+        assert!(!path.exists());
+        let c = from(&vars[..3]).unwrap();
+        assert_eq!(c.master_addr, "127.0.0.1");
+        assert!(path.exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -1,12 +1,22 @@
-//! Local multi-process launcher: runs `world_size` copies of a worker program on this host.
+//! The launcher: runs `nproc_per_node` copies of a worker program on this host, as node
+//! `node_rank` of a job of `nnodes` nodes.
 //!
 //! Every worker gets torchrun's environment contract ([`ENV_MASTER_ADDR`], [`ENV_MASTER_PORT`],
 //! [`ENV_RANK`], [`ENV_WORLD_SIZE`], [`ENV_LOCAL_RANK`], [`ENV_LOCAL_WORLD_SIZE`],
-//! [`ENV_GROUP_RANK`], [`ENV_GROUP_WORLD_SIZE`]) on top of the launcher's own environment and
-//! the caller's extra variables. The launcher captures (and optionally forwards) every worker's
-//! stdout/stderr, watches the workers, and as soon as one fails or the job's time limit passes it
-//! kills all the others with SIGKILL. No worker is ever left running (or unreaped) when
-//! [`launch`] returns, also when it returns an error or unwinds from a panic.
+//! [`ENV_GROUP_RANK`], [`ENV_GROUP_WORLD_SIZE`], [`ENV_RESTART_COUNT`], [`ENV_MAX_RESTARTS`],
+//! [`ENV_RUN_ID`]) and, when the node's GPUs are given, its share of them
+//! ([`ENV_CUDA_VISIBLE_DEVICES`], [`ENV_DEVICE_IDS`], see [`gpus_for_local_rank`]), on top of
+//! the launcher's own environment and the caller's extra variables. `RANK` is
+//! `node_rank * nproc_per_node + LOCAL_RANK`.
+//!
+//! The launcher captures (and optionally forwards, and writes to per-rank log files) every
+//! worker's stdout/stderr, watches the workers, and as soon as one fails or the job's time
+//! limit passes it kills all the others with SIGKILL. While restarts remain
+//! ([`LaunchSpec::max_restarts`]) a failure restarts the whole local group with
+//! `TORCHELASTIC_RESTART_COUNT` one higher. An [`Interrupt`] (chorusrun raises it on SIGINT and
+//! SIGTERM) forwards its signal to every worker and stops the job. No worker is ever left
+//! running (or unreaped) when [`launch`] returns, also when it returns an error or unwinds from
+//! a panic.
 //!
 //! Used by the test harness, `allreduce_perf -np W` and `chorusrun`.
 //!
@@ -24,24 +34,31 @@
 //! }
 //! ```
 //!
-//! Limitations: only the worker processes themselves are killed, not processes they spawned;
-//! output of such descendants that keep a worker's pipe open is collected for at most
-//! [`READER_GRACE`] after the worker exits. Nothing is cleaned up if the launcher process itself
-//! is killed by a signal (workers share the launcher's process group, so a terminal's Ctrl-C
-//! reaches them too).
+//! Limitations: without [`LaunchSpec::own_process_group`] only the worker processes themselves
+//! are killed, not processes they spawned; with it, a worker's whole process group is signalled
+//! and killed while the worker runs, but descendants that outlive a worker that exited by
+//! itself are left alone. Output of descendants that keep a worker's pipe open is collected for
+//! at most [`READER_GRACE`] after the worker exits. Nothing is cleaned up if the launcher
+//! process itself is killed by SIGKILL. Restarts are per node: there is no elastic rendezvous
+//! between the launchers of different nodes, so with several nodes each restarts its own group
+//! when its workers fail (the peers of a dead worker fail in turn and restart too) and the
+//! store port stays the same.
 
 use std::ffi::OsString;
 use std::fmt;
+use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// Env var: address of the rank-0 rendezvous host.
 pub const ENV_MASTER_ADDR: &str = "MASTER_ADDR";
@@ -55,15 +72,30 @@ pub const ENV_WORLD_SIZE: &str = "WORLD_SIZE";
 pub const ENV_LOCAL_RANK: &str = "LOCAL_RANK";
 /// Env var: number of workers on the worker's node.
 pub const ENV_LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
-/// Env var: rank of the worker's node (always 0 for this single-node launcher).
+/// Env var: rank of the worker's node, `0..GROUP_WORLD_SIZE`.
 pub const ENV_GROUP_RANK: &str = "GROUP_RANK";
-/// Env var: number of nodes in the job (always 1 for this single-node launcher).
+/// Env var: number of nodes in the job.
 pub const ENV_GROUP_WORLD_SIZE: &str = "GROUP_WORLD_SIZE";
+/// Env var: how many times this node's workers have been restarted (0 at first).
+pub const ENV_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
+/// Env var: how many restarts the launcher allows.
+pub const ENV_MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
+/// Env var: the job's run id (`--run-id`).
+pub const ENV_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
+/// Env var: the GPUs CUDA lets the worker see (comma list).
+pub const ENV_CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
+/// Env var: the node's GPU ids given to the worker (comma list, same as
+/// `CUDA_VISIBLE_DEVICES`; inside the worker they are CUDA devices `0..n`).
+pub const ENV_DEVICE_IDS: &str = "CHORUS_DEVICE_IDS";
 
 /// Master address used by [`LaunchSpec::new`].
 pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 /// Whole-job time limit used by [`LaunchSpec::new`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Run id used by [`LaunchSpec::new`] (torchrun's default).
+pub const DEFAULT_RUN_ID: &str = "none";
+/// How long workers may take to exit after an interrupt's signal before they are killed.
+pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(10);
 /// Most bytes of each worker stream kept in the report; older output is dropped beyond this.
 pub const MAX_CAPTURED_BYTES: usize = 16 << 20;
 /// How long the launcher waits, after the last worker is reaped, for output still in flight.
@@ -74,8 +106,9 @@ const POLL_INTERVAL: Duration = Duration::from_millis(5);
 /// Longest line forwarded in one piece; longer lines are split.
 const MAX_LINE_BYTES: u64 = 64 << 10;
 /// Signal number of SIGKILL (the same on every Unix Chorus runs on).
-#[cfg(unix)]
 const SIGKILL: i32 = 9;
+/// Signal number of SIGTERM (the same on every Unix Chorus runs on).
+const SIGTERM: i32 = 15;
 
 /// How the launcher treats each worker's stdout/stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,7 +116,7 @@ pub enum Output {
     /// Capture both streams in memory (returned in the report); nothing printed. For tests.
     Capture,
     /// Stream both to the launcher's stdout/stderr line by line, each line prefixed
-    /// `[rank{r}]: `, and also keep them in the report. The default.
+    /// `[rank{r}]: ` (the global rank), and also keep them in the report. The default.
     #[default]
     Prefixed,
     /// Stream rank 0's lines unprefixed to the launcher's stdout/stderr (like nccl-tests under
@@ -91,40 +124,142 @@ pub enum Output {
     RankZero,
 }
 
-/// What to launch: `world_size` copies of `program args..` on this host.
+/// The GPUs local rank `local_rank` of `nproc_per_node` gets on a node of `gpus` GPUs: indices
+/// into the node's GPU list.
+///
+/// With `nproc_per_node <= gpus` the GPUs are split into contiguous blocks,
+/// `[r*G/L, (r+1)*G/L)`: every GPU goes to exactly one rank, and the blocks differ in size by at
+/// most one when `L` does not divide `G`. With more ranks than GPUs, ranks share GPUs: rank `r`
+/// gets the single GPU `r*G/L`, so neighbouring local ranks share one (4 ranks on 2 GPUs:
+/// ranks 0 and 1 on GPU 0, ranks 2 and 3 on GPU 1). With no GPUs the range is empty.
+///
+/// Panics if `local_rank >= nproc_per_node`.
+pub fn gpus_for_local_rank(local_rank: usize, nproc_per_node: usize, gpus: usize) -> Range<usize> {
+    assert!(
+        local_rank < nproc_per_node,
+        "local rank {local_rank} is not below nproc_per_node {nproc_per_node}"
+    );
+    let first = local_rank * gpus / nproc_per_node;
+    if gpus == 0 {
+        0..0
+    } else if nproc_per_node <= gpus {
+        first..(local_rank + 1) * gpus / nproc_per_node
+    } else {
+        first..first + 1
+    }
+}
+
+/// A request from outside the launch (a signal handler's thread) to stop the job with a
+/// signal: [`launch`] forwards the signal to every worker, waits up to
+/// [`LaunchSpec::stop_grace`] for them to exit, then kills the rest; a second request kills
+/// them at once. No restart follows. Cloning shares the request.
+#[derive(Debug, Clone, Default)]
+pub struct Interrupt {
+    inner: Arc<InterruptState>,
+}
+
+#[derive(Debug, Default)]
+struct InterruptState {
+    signal: AtomicI32,
+    count: AtomicU32,
+}
+
+impl Interrupt {
+    /// A request not raised yet.
+    pub fn new() -> Interrupt {
+        Interrupt::default()
+    }
+
+    /// Asks the launch to forward `signal` (e.g. 15 for SIGTERM) to the workers and stop.
+    pub fn raise(&self, signal: i32) {
+        self.inner.signal.store(signal, Ordering::SeqCst);
+        self.inner.count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The last signal raised, if any.
+    pub fn signal(&self) -> Option<i32> {
+        (self.count() > 0).then(|| self.inner.signal.load(Ordering::SeqCst))
+    }
+
+    fn count(&self) -> u32 {
+        self.inner.count.load(Ordering::SeqCst)
+    }
+}
+
+/// What to launch: `nproc_per_node` copies of `program args..` on this host.
 #[derive(Debug, Clone)]
 pub struct LaunchSpec {
     /// Worker executable (a bare name is looked up in `PATH`).
     pub program: PathBuf,
     /// Arguments passed to every worker.
     pub args: Vec<OsString>,
-    /// Number of workers to start (must be at least 1).
-    pub world_size: usize,
+    /// Number of workers to start on this node (must be at least 1): `LOCAL_WORLD_SIZE`.
+    pub nproc_per_node: usize,
+    /// Number of nodes in the job (default 1): `GROUP_WORLD_SIZE`.
+    pub nnodes: usize,
+    /// This node's rank, `0..nnodes` (default 0): `GROUP_RANK`.
+    pub node_rank: usize,
     /// Value of `MASTER_ADDR` (default `127.0.0.1`).
     pub master_addr: String,
-    /// Value of `MASTER_PORT`; `None` (or `Some(0)`) picks a free port.
+    /// Value of `MASTER_PORT`; `None` (or `Some(0)`) picks a free port (single node only).
     pub master_port: Option<u16>,
     /// Extra variables for every worker; the contract variables (`RANK`, ...) take precedence.
     pub env: Vec<(String, String)>,
-    /// Whole-job limit, counted from the start of [`launch`]; `Duration::MAX` means none.
+    /// Whole-job limit, counted from the start of [`launch`] over all restarts;
+    /// `Duration::MAX` means none.
     pub timeout: Duration,
     /// What happens to the workers' output.
     pub output: Output,
+    /// How many times a failed local group is restarted (default 0).
+    pub max_restarts: u32,
+    /// `TORCHELASTIC_RUN_ID` (default `none`).
+    pub run_id: String,
+    /// When set, every rank's stdout and stderr are also written, unprefixed, to
+    /// `<log_dir>/attempt_<restart>/rank<RANK>.{stdout,stderr}.log`.
+    pub log_dir: Option<PathBuf>,
+    /// The node's GPU ids (as CUDA numbers them without `CUDA_VISIBLE_DEVICES`); when not
+    /// empty each worker gets its share ([`gpus_for_local_rank`]) in `CUDA_VISIBLE_DEVICES`
+    /// and `CHORUS_DEVICE_IDS`.
+    pub devices: Vec<String>,
+    /// A stop request to watch (see [`Interrupt`]).
+    pub interrupt: Option<Interrupt>,
+    /// Start each worker in a process group of its own (Unix), so that a terminal's Ctrl-C
+    /// reaches only the launcher (which forwards it through an [`Interrupt`]) and signals and
+    /// kills reach the worker's children too. Default false: workers share the launcher's
+    /// group, so a launcher without a signal handler still has its workers stopped by Ctrl-C.
+    pub own_process_group: bool,
+    /// After an interrupt's signal, how long workers may take to exit before they are killed.
+    pub stop_grace: Duration,
 }
 
 impl LaunchSpec {
-    /// A spec for `world_size` copies of `program` with no arguments and the defaults.
-    pub fn new(program: impl Into<PathBuf>, world_size: usize) -> Self {
+    /// A spec for `nproc_per_node` copies of `program` on a single node, with no arguments and
+    /// the defaults.
+    pub fn new(program: impl Into<PathBuf>, nproc_per_node: usize) -> Self {
         LaunchSpec {
             program: program.into(),
             args: Vec::new(),
-            world_size,
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
             master_addr: DEFAULT_MASTER_ADDR.to_string(),
             master_port: None,
             env: Vec::new(),
             timeout: DEFAULT_TIMEOUT,
             output: Output::default(),
+            max_restarts: 0,
+            run_id: DEFAULT_RUN_ID.to_string(),
+            log_dir: None,
+            devices: Vec::new(),
+            interrupt: None,
+            own_process_group: false,
+            stop_grace: DEFAULT_STOP_GRACE,
         }
+    }
+
+    /// The job's `WORLD_SIZE`: `nnodes * nproc_per_node`.
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
     }
 
     /// Appends one argument.
@@ -179,6 +314,67 @@ impl LaunchSpec {
         self.master_addr = addr.into();
         self
     }
+
+    /// Makes this launch node `node_rank` of a job of `nnodes` nodes.
+    #[must_use]
+    pub fn nodes(mut self, nnodes: usize, node_rank: usize) -> Self {
+        self.nnodes = nnodes;
+        self.node_rank = node_rank;
+        self
+    }
+
+    /// Allows `max_restarts` restarts of the local group after failures.
+    #[must_use]
+    pub fn max_restarts(mut self, max_restarts: u32) -> Self {
+        self.max_restarts = max_restarts;
+        self
+    }
+
+    /// Sets `TORCHELASTIC_RUN_ID`.
+    #[must_use]
+    pub fn run_id(mut self, run_id: impl Into<String>) -> Self {
+        self.run_id = run_id.into();
+        self
+    }
+
+    /// Also writes every rank's output to files under `dir`.
+    #[must_use]
+    pub fn log_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.log_dir = Some(dir.into());
+        self
+    }
+
+    /// Sets the node's GPU ids, shared out among the local ranks.
+    #[must_use]
+    pub fn devices<I, S>(mut self, ids: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.devices = ids.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Watches `interrupt` for stop requests.
+    #[must_use]
+    pub fn interrupt(mut self, interrupt: Interrupt) -> Self {
+        self.interrupt = Some(interrupt);
+        self
+    }
+
+    /// Starts each worker in a process group of its own (see the field).
+    #[must_use]
+    pub fn own_process_group(mut self, own: bool) -> Self {
+        self.own_process_group = own;
+        self
+    }
+
+    /// Sets how long workers may take to exit after an interrupt's signal.
+    #[must_use]
+    pub fn stop_grace(mut self, grace: Duration) -> Self {
+        self.stop_grace = grace;
+        self
+    }
 }
 
 /// How one rank ended.
@@ -186,9 +382,9 @@ impl LaunchSpec {
 pub enum Exit {
     /// The worker exited by itself with this code.
     Code(i32),
-    /// The worker was terminated by this signal (not sent by the launcher).
+    /// The worker was terminated by this signal (not SIGKILL sent by the launcher).
     Signal(i32),
-    /// Stopped by the launcher because of another rank's failure or the timeout.
+    /// Stopped by the launcher because of another rank's failure, the timeout or an interrupt.
     KilledByLauncher,
 }
 
@@ -212,10 +408,7 @@ impl fmt::Display for Exit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
             Exit::Code(code) => write!(f, "exit code {code}"),
-            Exit::Signal(sig) => match signal_name(sig) {
-                Some(name) => write!(f, "killed by signal {sig} ({name})"),
-                None => write!(f, "killed by signal {sig}"),
-            },
+            Exit::Signal(sig) => write!(f, "killed by {}", describe_signal(sig)),
             Exit::KilledByLauncher => f.write_str("stopped by the launcher"),
         }
     }
@@ -224,8 +417,10 @@ impl fmt::Display for Exit {
 /// How one rank ended, with its output.
 #[derive(Debug, Clone)]
 pub struct RankOutcome {
-    /// The worker's rank.
+    /// The worker's global rank (`RANK`).
     pub rank: usize,
+    /// The worker's rank on this node (`LOCAL_RANK`); also its index in [`LaunchReport::ranks`].
+    pub local_rank: usize,
     /// How it ended.
     pub status: Exit,
     /// Everything it wrote to stdout (lossy UTF-8; see [`MAX_CAPTURED_BYTES`]).
@@ -247,10 +442,10 @@ impl RankOutcome {
     }
 }
 
-/// The result of a whole launch.
+/// The result of a whole launch (of its last attempt, when the group was restarted).
 #[derive(Debug, Clone)]
 pub struct LaunchReport {
-    /// One entry per rank, in rank order.
+    /// One entry per local rank, in order.
     pub ranks: Vec<RankOutcome>,
     /// The `MASTER_PORT` the workers were given.
     pub port: u16,
@@ -260,32 +455,83 @@ pub struct LaunchReport {
     pub timed_out: bool,
     /// The time limit the job ran under.
     pub timeout: Duration,
-    /// The rank whose failure (non-zero exit or signal) the launcher saw first, if any.
+    /// The local rank (index into `ranks`) whose failure (non-zero exit or signal) the launcher
+    /// saw first, if any.
     pub first_failed: Option<usize>,
+    /// How many times the group was restarted before this last attempt.
+    pub restarts: u32,
+    /// The signal an [`Interrupt`] forwarded to the workers, if the job was interrupted.
+    pub interrupted: Option<i32>,
 }
 
 impl LaunchReport {
-    /// Whether every rank exited with code 0.
+    /// Whether every rank exited with code 0 (and the job was neither timed out nor interrupted).
     pub fn success(&self) -> bool {
         !self.timed_out
+            && self.interrupted.is_none()
             && !self.ranks.is_empty()
             && self.ranks.iter().all(|r| r.status.is_success())
     }
 
     /// The rank that failed first in time (not the lowest failed rank); ranks the launcher
-    /// killed never count.
+    /// killed, and ranks that died of an interrupt's forwarded signal, never count.
     pub fn first_failure(&self) -> Option<&RankOutcome> {
         let first = self.first_failed.and_then(|r| self.ranks.get(r));
-        first
-            .filter(|r| r.status.is_failure())
-            .or_else(|| self.ranks.iter().find(|r| r.status.is_failure()))
+        first.filter(|r| r.status.is_failure()).or_else(|| {
+            self.interrupted
+                .is_none()
+                .then(|| self.ranks.iter().find(|r| r.status.is_failure()))
+                .flatten()
+        })
+    }
+
+    /// The exit code a launcher process should end with: 0 on success; `128 + signal` when
+    /// interrupted; the first failed rank's exit code (or `128 + signal` if a signal killed
+    /// it); 124 on timeout; 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        if self.success() {
+            return 0;
+        }
+        if let Some(sig) = self.interrupted {
+            return 128 + sig;
+        }
+        match self.first_failure().map(|r| r.status) {
+            Some(Exit::Code(code)) if (1..=255).contains(&code) => code,
+            Some(Exit::Signal(sig)) => 128 + sig,
+            _ if self.timed_out => 124,
+            _ => 1,
+        }
     }
 
     /// One line describing how the job ended, for logs and error messages.
     pub fn summary(&self) -> String {
         let n = self.ranks.len();
+        let restarts = match self.restarts {
+            0 => String::new(),
+            1 => " after 1 restart".to_string(),
+            r => format!(" after {r} restarts"),
+        };
         if self.success() {
-            return format!("all {n} ranks succeeded in {:.2}s", secs(self.elapsed));
+            return format!(
+                "all {n} ranks succeeded in {:.2}s{restarts}",
+                secs(self.elapsed)
+            );
+        }
+        let mut parts = Vec::new();
+        if let Some(sig) = self.interrupted {
+            parts.push(format!(
+                "interrupted by {}, forwarded to the workers",
+                describe_signal(sig)
+            ));
+            let each: Vec<String> = self
+                .ranks
+                .iter()
+                .map(|r| format!("rank {}: {}", r.rank, r.status))
+                .collect();
+            parts.push(each.join(", "));
+            let mut line = parts.join("; ");
+            line.push_str(&restarts);
+            return line;
         }
         let killed: Vec<usize> = self
             .ranks
@@ -293,7 +539,6 @@ impl LaunchReport {
             .filter(|r| r.status == Exit::KilledByLauncher)
             .map(|r| r.rank)
             .collect();
-        let mut parts = Vec::new();
         let first = self.first_failure();
         if let Some(first) = first {
             parts.push(format!(
@@ -332,7 +577,9 @@ impl LaunchReport {
                 parts.push(format!("ranks {list} stopped by the launcher"));
             }
         }
-        parts.join("; ")
+        let mut line = parts.join("; ");
+        line.push_str(&restarts);
+        line
     }
 }
 
@@ -343,7 +590,7 @@ pub enum LaunchError {
     /// Starting the worker for `rank` failed (e.g. the program does not exist).
     #[error("failed to start rank {rank} ({program}): {source}", program = program.display())]
     Spawn {
-        /// The rank that could not be started.
+        /// The (global) rank that could not be started.
         rank: usize,
         /// The program that was being started.
         program: PathBuf,
@@ -351,12 +598,32 @@ pub enum LaunchError {
         #[source]
         source: io::Error,
     },
-    /// The world size is not usable (it must be at least 1).
+    /// The number of workers per node is not usable (it must be at least 1).
     #[error("invalid world size {0}: need at least one worker")]
     InvalidWorldSize(usize),
+    /// The node count or node rank is not usable.
+    #[error("invalid nodes: node rank {node_rank} of {nnodes} nodes (need node_rank < nnodes)")]
+    InvalidNodes {
+        /// Number of nodes.
+        nnodes: usize,
+        /// This node's rank.
+        node_rank: usize,
+    },
+    /// A job of several nodes needs the same fixed master port on every node.
+    #[error("a job of {0} nodes needs a fixed master port (the same on every node)")]
+    MasterPortRequired(usize),
     /// No free master port could be found.
     #[error("could not find a free master port: {0}")]
     Port(#[source] io::Error),
+    /// A log directory or file could not be created.
+    #[error("cannot create log file {path}: {source}", path = path.display())]
+    LogFile {
+        /// The directory or file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
 }
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0 and read it back).
@@ -367,7 +634,7 @@ pub fn free_port() -> io::Result<u16> {
 }
 
 /// A port that was free on `addr` a moment ago; loopback names use 127.0.0.1.
-fn free_port_on(addr: &str) -> io::Result<u16> {
+pub(crate) fn free_port_on(addr: &str) -> io::Result<u16> {
     let host = match addr {
         "" | "localhost" => DEFAULT_MASTER_ADDR,
         other => other,
@@ -379,49 +646,142 @@ fn free_port_on(addr: &str) -> io::Result<u16> {
 /// Starts the workers, waits for them, and returns how each ended.
 ///
 /// As soon as one rank fails (non-zero exit or signal), or the timeout passes, every other
-/// worker is killed. Fails only if the launch itself fails (program not found, world_size 0,
-/// no free port): [`LaunchError`] names what; workers already started are then killed.
+/// worker is killed; after a failure, while restarts remain, the group starts again. Fails only
+/// if the launch itself fails (program not found, no workers, bad node rank, no free port, a
+/// log file that cannot be created): [`LaunchError`] names what; workers already started are
+/// then killed.
 pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, LaunchError> {
-    let world = spec.world_size;
-    if world == 0 {
-        return Err(LaunchError::InvalidWorldSize(world));
+    if spec.nproc_per_node == 0 {
+        return Err(LaunchError::InvalidWorldSize(0));
+    }
+    if spec.nnodes == 0 || spec.node_rank >= spec.nnodes {
+        return Err(LaunchError::InvalidNodes {
+            nnodes: spec.nnodes,
+            node_rank: spec.node_rank,
+        });
     }
     let port = match spec.master_port {
         Some(port) if port != 0 => port,
+        _ if spec.nnodes > 1 => return Err(LaunchError::MasterPortRequired(spec.nnodes)),
         _ => free_port_on(&spec.master_addr).map_err(LaunchError::Port)?,
     };
     let start = Instant::now();
     let deadline = start.checked_add(spec.timeout);
     debug!(
         program = %spec.program.display(),
-        world,
+        nproc_per_node = spec.nproc_per_node,
+        nnodes = spec.nnodes,
+        node_rank = spec.node_rank,
         port,
         timeout = ?spec.timeout,
         "launching workers"
     );
+    let mut restarts = 0;
+    loop {
+        let attempt = run_attempt(spec, port, restarts, start, deadline)?;
+        let report = LaunchReport {
+            ranks: attempt.ranks,
+            port,
+            elapsed: start.elapsed(),
+            timed_out: attempt.timed_out,
+            timeout: spec.timeout,
+            first_failed: attempt.first_failed,
+            restarts,
+            interrupted: attempt.interrupted,
+        };
+        let interrupted = spec.interrupt.as_ref().and_then(Interrupt::signal);
+        let retry = report.first_failed.is_some()
+            && !report.timed_out
+            && interrupted.is_none()
+            && restarts < spec.max_restarts;
+        if !retry {
+            debug!(summary = %report.summary(), "launch finished");
+            return Ok(report);
+        }
+        restarts += 1;
+        warn!(
+            "{}; restarting the workers (restart {restarts} of {})",
+            report.summary(),
+            spec.max_restarts
+        );
+    }
+}
 
+/// How one attempt (one start of the local group) ended.
+struct Attempt {
+    ranks: Vec<RankOutcome>,
+    first_failed: Option<usize>,
+    timed_out: bool,
+    interrupted: Option<i32>,
+}
+
+/// Starts the local group once and waits until it succeeds, fails, times out or is
+/// interrupted; every worker is reaped on return.
+fn run_attempt(
+    spec: &LaunchSpec,
+    port: u16,
+    restart: u32,
+    start: Instant,
+    deadline: Option<Instant>,
+) -> Result<Attempt, LaunchError> {
+    let nproc = spec.nproc_per_node;
+    let logs = match &spec.log_dir {
+        Some(dir) => {
+            let dir = dir.join(format!("attempt_{restart}"));
+            std::fs::create_dir_all(&dir).map_err(|source| LaunchError::LogFile {
+                path: dir.clone(),
+                source,
+            })?;
+            Some(dir)
+        }
+        None => None,
+    };
     let (tx, rx) = mpsc::channel();
-    let mut workers = Workers::default();
-    let mut streams: Vec<[Pump; 2]> = Vec::with_capacity(world);
-    for rank in 0..world {
+    let mut workers = Workers {
+        procs: Vec::with_capacity(nproc),
+        own_group: spec.own_process_group,
+    };
+    let mut streams: Vec<[Pump; 2]> = Vec::with_capacity(nproc);
+    for local in 0..nproc {
+        let rank = spec.node_rank * nproc + local;
         let spawn_err = |source| LaunchError::Spawn {
             rank,
             program: spec.program.clone(),
             source,
         };
-        let mut child = worker_command(spec, rank, port)
+        let log = |stream: Stream| -> Result<Option<File>, LaunchError> {
+            let Some(dir) = &logs else { return Ok(None) };
+            log_file(&dir.join(format!("rank{rank}.{}.log", stream.name()))).map(Some)
+        };
+        let (out_log, err_log) = (log(Stream::Stdout)?, log(Stream::Stderr)?);
+        let mut child = worker_command(spec, local, port, restart)
             .spawn()
             .map_err(spawn_err)?;
         let stdout = child.stdout.take();
         let stderr = child.stderr.take();
-        debug!(rank, pid = child.id(), "worker started");
+        debug!(rank, local, pid = child.id(), restart, "worker started");
         workers.procs.push(Proc {
             child,
             exit: None,
             ended: Duration::ZERO,
         });
-        let out = Pump::start(rank, Stream::Stdout, stdout, spec.output, tx.clone());
-        let err = Pump::start(rank, Stream::Stderr, stderr, spec.output, tx.clone());
+        let ids = (rank, local);
+        let out = Pump::start(
+            ids,
+            Stream::Stdout,
+            stdout,
+            spec.output,
+            out_log,
+            tx.clone(),
+        );
+        let err = Pump::start(
+            ids,
+            Stream::Stderr,
+            stderr,
+            spec.output,
+            err_log,
+            tx.clone(),
+        );
         streams.push([out.map_err(spawn_err)?, err.map_err(spawn_err)?]);
     }
     drop(tx);
@@ -429,27 +789,47 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, LaunchError> {
     let mut closed = 0usize;
     let mut first_failed = None;
     let mut timed_out = false;
+    let mut interrupted = None;
+    let mut stop_by: Option<Instant> = None;
     let mut hints: Vec<usize> = Vec::new();
     loop {
-        while let Ok(Event::Closed(rank)) = rx.try_recv() {
+        while let Ok(Event::Closed(local)) = rx.try_recv() {
             closed += 1;
-            hints.push(rank);
+            hints.push(local);
         }
         // Ranks whose streams just closed are checked first, in the order they closed, so
         // that the first failure in time wins when several are seen in one sweep.
-        let order: Vec<usize> = hints.drain(..).chain(0..world).collect();
-        for rank in order {
-            if let Some(exit) = workers.poll(rank, start) {
-                if exit.is_failure() && first_failed.is_none() {
-                    debug!(rank, %exit, "first failure");
-                    first_failed = Some(rank);
+        let order: Vec<usize> = hints.drain(..).chain(0..nproc).collect();
+        for local in order {
+            if let Some(exit) = workers.poll(local, start) {
+                if exit.is_failure() && first_failed.is_none() && interrupted.is_none() {
+                    debug!(local, %exit, "first failure");
+                    first_failed = Some(local);
                 }
             }
         }
         if first_failed.is_some() || workers.all_ended() {
             break;
         }
+        if let Some(interrupt) = &spec.interrupt {
+            let requests = interrupt.count();
+            if requests > 0 && interrupted.is_none() {
+                let sig = interrupt.signal().unwrap_or(SIGTERM);
+                warn!("got {}: forwarding it to the workers", describe_signal(sig));
+                workers.signal_all(sig);
+                interrupted = Some(sig);
+                stop_by = Instant::now().checked_add(spec.stop_grace);
+            }
+            if requests > 1 {
+                debug!("second interrupt: killing the workers");
+                break;
+            }
+        }
         let now = Instant::now();
+        if stop_by.is_some_and(|d| now >= d) {
+            debug!(grace = ?spec.stop_grace, "workers still running after the grace period");
+            break;
+        }
         if deadline.is_some_and(|d| now >= d) {
             debug!(timeout = ?spec.timeout, "job timed out");
             timed_out = true;
@@ -457,9 +837,9 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, LaunchError> {
         }
         let wait = deadline.map_or(POLL_INTERVAL, |d| (d - now).min(POLL_INTERVAL));
         match rx.recv_timeout(wait) {
-            Ok(Event::Closed(rank)) => {
+            Ok(Event::Closed(local)) => {
                 closed += 1;
-                hints.push(rank);
+                hints.push(local);
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => thread::sleep(wait),
@@ -470,7 +850,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, LaunchError> {
     // Every worker is reaped; collect the output still in flight (bounded, since processes the
     // workers spawned may hold their pipes open).
     let grace_end = Instant::now() + READER_GRACE;
-    while closed < 2 * world {
+    while closed < 2 * nproc {
         let now = Instant::now();
         if now >= grace_end {
             break;
@@ -486,47 +866,89 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, LaunchError> {
         .iter()
         .zip(streams)
         .enumerate()
-        .map(|(rank, (proc_, [out, err]))| RankOutcome {
-            rank,
+        .map(|(local, (proc_, [out, err]))| RankOutcome {
+            rank: spec.node_rank * nproc + local,
+            local_rank: local,
             status: proc_.exit.unwrap_or(Exit::KilledByLauncher),
             stdout: out.finish(),
             stderr: err.finish(),
             elapsed: proc_.ended,
         })
         .collect();
-    let report = LaunchReport {
+    Ok(Attempt {
         ranks,
-        port,
-        elapsed: start.elapsed(),
-        timed_out,
-        timeout: spec.timeout,
         first_failed,
-    };
-    debug!(summary = %report.summary(), "launch finished");
-    Ok(report)
+        timed_out,
+        interrupted,
+    })
 }
 
-/// The command for one worker: program, args, inherited env + extras + the contract.
-fn worker_command(spec: &LaunchSpec, rank: usize, port: u16) -> Command {
-    let world = spec.world_size.to_string();
-    let rank = rank.to_string();
+/// Creates (truncates) one log file.
+fn log_file(path: &Path) -> Result<File, LaunchError> {
+    File::create(path).map_err(|source| LaunchError::LogFile {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The command for one worker: program, args, inherited env + extras + devices + the contract.
+fn worker_command(spec: &LaunchSpec, local: usize, port: u16, restart: u32) -> Command {
+    let nproc = spec.nproc_per_node;
+    let rank = (spec.node_rank * nproc + local).to_string();
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    #[cfg(unix)]
+    if spec.own_process_group {
+        use std::os::unix::process::CommandExt;
+        cmd.process_group(0);
+    }
     for (key, value) in &spec.env {
         cmd.env(key, value);
+    }
+    if !spec.devices.is_empty() {
+        let mine = &spec.devices[gpus_for_local_rank(local, nproc, spec.devices.len())];
+        let list = mine.join(",");
+        cmd.env(ENV_CUDA_VISIBLE_DEVICES, &list)
+            .env(ENV_DEVICE_IDS, &list);
     }
     cmd.env(ENV_MASTER_ADDR, &spec.master_addr)
         .env(ENV_MASTER_PORT, port.to_string())
         .env(ENV_RANK, &rank)
-        .env(ENV_WORLD_SIZE, &world)
-        .env(ENV_LOCAL_RANK, &rank)
-        .env(ENV_LOCAL_WORLD_SIZE, &world)
-        .env(ENV_GROUP_RANK, "0")
-        .env(ENV_GROUP_WORLD_SIZE, "1");
+        .env(ENV_WORLD_SIZE, spec.world_size().to_string())
+        .env(ENV_LOCAL_RANK, local.to_string())
+        .env(ENV_LOCAL_WORLD_SIZE, nproc.to_string())
+        .env(ENV_GROUP_RANK, spec.node_rank.to_string())
+        .env(ENV_GROUP_WORLD_SIZE, spec.nnodes.to_string())
+        .env(ENV_RESTART_COUNT, restart.to_string())
+        .env(ENV_MAX_RESTARTS, spec.max_restarts.to_string())
+        .env(ENV_RUN_ID, &spec.run_id);
     cmd
+}
+
+/// Sends `sig` to process `pid`, or to its whole process group.
+#[cfg(unix)]
+fn send_signal(pid: u32, sig: i32, group: bool) -> io::Result<()> {
+    use nix::sys::signal::{kill, killpg, Signal};
+    use nix::unistd::Pid;
+    let sig = Signal::try_from(sig)?;
+    let pid = Pid::from_raw(i32::try_from(pid).map_err(io::Error::other)?);
+    if group {
+        killpg(pid, sig)?;
+    } else {
+        kill(pid, sig)?;
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn send_signal(_pid: u32, _sig: i32, _group: bool) -> io::Result<()> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "signals are Unix only",
+    ))
 }
 
 /// One started worker.
@@ -539,15 +961,17 @@ struct Proc {
 }
 
 /// The started workers; kills and reaps any still running when dropped.
-#[derive(Default)]
 struct Workers {
     procs: Vec<Proc>,
+    /// Whether each worker leads a process group of its own.
+    own_group: bool,
 }
 
 impl Workers {
-    /// Checks (without blocking) whether `rank` has ended; returns its exit if it just did.
-    fn poll(&mut self, rank: usize, start: Instant) -> Option<Exit> {
-        let proc_ = &mut self.procs[rank];
+    /// Checks (without blocking) whether local rank `local` has ended; returns its exit if it
+    /// just did.
+    fn poll(&mut self, local: usize, start: Instant) -> Option<Exit> {
+        let proc_ = &mut self.procs[local];
         if proc_.exit.is_some() {
             return None;
         }
@@ -557,13 +981,13 @@ impl Workers {
             Err(e) => {
                 // Cannot happen for our own children unless something reaped them behind our
                 // back; count the worker as failed rather than waiting forever.
-                debug!(rank, error = %e, "cannot wait for worker");
+                debug!(local, error = %e, "cannot wait for worker");
                 Exit::Code(-1)
             }
         };
         proc_.exit = Some(exit);
         proc_.ended = start.elapsed();
-        debug!(rank, %exit, "worker ended");
+        debug!(local, %exit, "worker ended");
         Some(exit)
     }
 
@@ -571,24 +995,39 @@ impl Workers {
         self.procs.iter().all(|p| p.exit.is_some())
     }
 
-    /// SIGKILLs every worker still running, then reaps them all.
-    fn kill_remaining(&mut self, start: Instant) {
-        let mut killed = Vec::new();
-        for (rank, proc_) in self.procs.iter_mut().enumerate() {
+    /// Sends `sig` to every worker not yet reaped (and its group, with `own_group`).
+    fn signal_all(&self, sig: i32) {
+        for (local, proc_) in self.procs.iter().enumerate() {
             if proc_.exit.is_none() {
-                debug!(rank, "killing worker");
-                if let Err(e) = proc_.child.kill() {
-                    debug!(rank, error = %e, "kill failed");
+                // A worker that exited but is not reaped yet still holds its pid: no reuse.
+                if let Err(e) = send_signal(proc_.child.id(), sig, self.own_group) {
+                    debug!(local, sig, error = %e, "cannot signal worker");
                 }
-                killed.push(rank);
             }
         }
-        for rank in killed {
-            let proc_ = &mut self.procs[rank];
+    }
+
+    /// SIGKILLs every worker still running (its whole group with `own_group`), then reaps them.
+    fn kill_remaining(&mut self, start: Instant) {
+        let mut killed = Vec::new();
+        for (local, proc_) in self.procs.iter_mut().enumerate() {
+            if proc_.exit.is_none() {
+                debug!(local, "killing worker");
+                let group = self.own_group && send_signal(proc_.child.id(), SIGKILL, true).is_ok();
+                if !group {
+                    if let Err(e) = proc_.child.kill() {
+                        debug!(local, error = %e, "kill failed");
+                    }
+                }
+                killed.push(local);
+            }
+        }
+        for local in killed {
+            let proc_ = &mut self.procs[local];
             proc_.exit = Some(match proc_.child.wait() {
                 Ok(status) => classify(status, true),
                 Err(e) => {
-                    debug!(rank, error = %e, "cannot reap worker");
+                    debug!(local, error = %e, "cannot reap worker");
                     Exit::KilledByLauncher
                 }
             });
@@ -634,7 +1073,16 @@ enum Stream {
     Stderr,
 }
 
-/// Sent by a reader thread when its stream reaches end of file.
+impl Stream {
+    fn name(self) -> &'static str {
+        match self {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        }
+    }
+}
+
+/// Sent by a reader thread when its stream reaches end of file (with the local rank).
 enum Event {
     Closed(usize),
 }
@@ -693,12 +1141,14 @@ struct Pump {
 }
 
 impl Pump {
-    /// Starts the thread (none when the stream is missing).
+    /// Starts the thread (none when the stream is missing) for the worker of global rank
+    /// `rank` and local rank `local`; `tee` also gets every line, unprefixed.
     fn start(
-        rank: usize,
+        (rank, local): (usize, usize),
         stream: Stream,
         source: Option<impl Read + Send + 'static>,
         output: Output,
+        tee: Option<File>,
         tx: Sender<Event>,
     ) -> io::Result<Pump> {
         let buf = Arc::new(Mutex::new(Captured::default()));
@@ -713,12 +1163,12 @@ impl Pump {
                 let shared = Arc::clone(&buf);
                 let name = format!("chorus-launch-r{rank}-{stream:?}").to_lowercase();
                 Some(thread::Builder::new().name(name).spawn(move || {
-                    pump(source, stream, prefix.as_deref(), &shared);
-                    let _ = tx.send(Event::Closed(rank));
+                    pump(source, stream, prefix.as_deref(), tee, &shared);
+                    let _ = tx.send(Event::Closed(local));
                 })?)
             }
             None => {
-                let _ = tx.send(Event::Closed(rank));
+                let _ = tx.send(Event::Closed(local));
                 None
             }
         };
@@ -760,9 +1210,15 @@ impl Pump {
     }
 }
 
-/// Reads `source` line by line until EOF, forwarding each line (when `prefix` is set) and
-/// appending it to `buf`.
-fn pump(source: impl Read, stream: Stream, prefix: Option<&str>, buf: &Mutex<Captured>) {
+/// Reads `source` line by line until EOF, forwarding each line (when `prefix` is set), writing
+/// it to `tee` (if any) and appending it to `buf`.
+fn pump(
+    source: impl Read,
+    stream: Stream,
+    prefix: Option<&str>,
+    mut tee: Option<File>,
+    buf: &Mutex<Captured>,
+) {
     let mut reader = BufReader::new(source);
     let mut line = Vec::new();
     loop {
@@ -773,6 +1229,12 @@ fn pump(source: impl Read, stream: Stream, prefix: Option<&str>, buf: &Mutex<Cap
         {
             Ok(0) => break,
             Ok(_) => {
+                if let Some(file) = &mut tee {
+                    if let Err(e) = file.write_all(&line) {
+                        debug!(error = %e, "cannot write the log file; no more lines go to it");
+                        tee = None;
+                    }
+                }
                 let text = String::from_utf8_lossy(&line);
                 if let Some(prefix) = prefix {
                     forward(stream, prefix, &text);
@@ -816,6 +1278,14 @@ fn clip(s: &str, max: usize) -> &str {
     match s.char_indices().nth(max) {
         Some((i, _)) => &s[..i],
         None => s,
+    }
+}
+
+/// `signal 15 (SIGTERM)`, or `signal 99` for signals without a portable name.
+fn describe_signal(sig: i32) -> String {
+    match signal_name(sig) {
+        Some(name) => format!("signal {sig} ({name})"),
+        None => format!("signal {sig}"),
     }
 }
 
@@ -1149,6 +1619,7 @@ mod tests {
     fn summary_of_a_constructed_report() {
         let outcome = |rank, status, stderr: &str| RankOutcome {
             rank,
+            local_rank: rank,
             status,
             stdout: String::new(),
             stderr: stderr.to_string(),
@@ -1165,6 +1636,8 @@ mod tests {
             timed_out: false,
             timeout: Duration::from_secs(30),
             first_failed: Some(2),
+            restarts: 0,
+            interrupted: None,
         };
         assert!(!report.success());
         assert_eq!(report.first_failure().unwrap().rank, 2);
@@ -1174,5 +1647,347 @@ mod tests {
              last stderr line: partial; also failed: rank 0 (exit code 1); \
              ranks 1 stopped by the launcher"
         );
+    }
+
+    #[test]
+    fn exit_codes_and_restart_and_interrupt_summaries() {
+        let outcome = |rank, status| RankOutcome {
+            rank,
+            local_rank: rank,
+            status,
+            stdout: String::new(),
+            stderr: String::new(),
+            elapsed: Duration::from_millis(100),
+        };
+        let report = |statuses: &[Exit], first_failed, timed_out, interrupted| LaunchReport {
+            ranks: statuses
+                .iter()
+                .enumerate()
+                .map(|(r, &s)| outcome(r, s))
+                .collect(),
+            port: 1,
+            elapsed: Duration::from_millis(200),
+            timed_out,
+            timeout: Duration::from_secs(1),
+            first_failed,
+            restarts: 2,
+            interrupted,
+        };
+        let ok = report(&[Exit::Code(0), Exit::Code(0)], None, false, None);
+        assert_eq!(ok.exit_code(), 0);
+        assert!(
+            ok.summary().ends_with("s after 2 restarts"),
+            "{}",
+            ok.summary()
+        );
+        let failed = report(
+            &[Exit::KilledByLauncher, Exit::Code(3)],
+            Some(1),
+            false,
+            None,
+        );
+        assert_eq!(failed.exit_code(), 3);
+        assert!(failed
+            .summary()
+            .ends_with("; ranks 0 stopped by the launcher after 2 restarts"));
+        let signalled = report(
+            &[Exit::Signal(11), Exit::KilledByLauncher],
+            Some(0),
+            false,
+            None,
+        );
+        assert_eq!(signalled.exit_code(), 128 + 11);
+        let timed_out = report(&[Exit::KilledByLauncher], None, true, None);
+        assert_eq!(timed_out.exit_code(), 124);
+        let interrupted = report(&[Exit::Signal(15), Exit::Code(42)], None, false, Some(15));
+        assert!(!interrupted.success());
+        assert_eq!(interrupted.exit_code(), 128 + 15);
+        assert!(interrupted.first_failure().is_none());
+        assert_eq!(
+            interrupted.summary(),
+            "interrupted by signal 15 (SIGTERM), forwarded to the workers; \
+             rank 0: killed by signal 15 (SIGTERM), rank 1: exit code 42 after 2 restarts"
+        );
+        // Workers that exit 0 on the forwarded signal still make an interrupted job.
+        let clean = report(&[Exit::Code(0)], None, false, Some(2));
+        assert!(!clean.success());
+        assert_eq!(clean.exit_code(), 130);
+    }
+
+    #[test]
+    fn gpu_mapping() {
+        let all = |l: usize, g: usize| -> Vec<Range<usize>> {
+            (0..l).map(|r| gpus_for_local_rank(r, l, g)).collect()
+        };
+        // Fewer ranks than GPUs: contiguous blocks (the seeds' 2 ranks on 8 GPUs).
+        assert_eq!(all(2, 8), [0..4, 4..8]);
+        assert_eq!(all(1, 4)[0], 0..4);
+        // Uneven: every GPU used once, block sizes differ by at most one.
+        assert_eq!(all(2, 3), [0..1, 1..3]);
+        assert_eq!(all(3, 8), [0..2, 2..5, 5..8]);
+        // One rank per GPU.
+        assert_eq!(all(4, 4), [0..1, 1..2, 2..3, 3..4]);
+        // More ranks than GPUs: neighbours share one GPU.
+        assert_eq!(all(4, 2), [0..1, 0..1, 1..2, 1..2]);
+        assert_eq!(all(3, 2), [0..1, 0..1, 1..2]);
+        assert_eq!(all(5, 1), vec![0..1; 5]);
+        // No GPUs: nothing.
+        assert_eq!(all(3, 0), vec![0..0; 3]);
+        // Every GPU is used by some rank, and ranges stay in bounds.
+        for l in 1..=9 {
+            for g in 1..=9 {
+                let ranges = all(l, g);
+                let mut used = vec![false; g];
+                for r in &ranges {
+                    assert!(!r.is_empty() && r.end <= g, "L={l} G={g}: {ranges:?}");
+                    used[r.clone()].iter_mut().for_each(|u| *u = true);
+                }
+                assert!(used.iter().all(|&u| u), "L={l} G={g}: {ranges:?}");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "local rank 2 is not below nproc_per_node 2")]
+    fn gpu_mapping_rejects_a_bad_rank() {
+        let _ = gpus_for_local_rank(2, 2, 4);
+    }
+
+    #[test]
+    fn multi_node_contract_and_devices() {
+        let script = "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK \
+                      $GROUP_WORLD_SIZE $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS \
+                      $TORCHELASTIC_RUN_ID ${CUDA_VISIBLE_DEVICES-unset} ${CHORUS_DEVICE_IDS-unset}";
+        let spec = sh(3, script)
+            .nodes(2, 1)
+            .master_port(29_999)
+            .max_restarts(4)
+            .run_id("job9")
+            .devices(["4", "5"]);
+        assert_eq!(spec.world_size(), 6);
+        let report = launch(&spec).unwrap();
+        assert!(report.success(), "{}", report.summary());
+        let got: Vec<&str> = report.ranks.iter().map(|r| r.stdout.as_str()).collect();
+        assert_eq!(
+            got,
+            [
+                "3 6 0 3 1 2 0 4 job9 4 4\n",
+                "4 6 1 3 1 2 0 4 job9 4 4\n",
+                "5 6 2 3 1 2 0 4 job9 5 5\n"
+            ]
+        );
+        assert_eq!(
+            report
+                .ranks
+                .iter()
+                .map(|r| (r.rank, r.local_rank))
+                .collect::<Vec<_>>(),
+            [(3, 0), (4, 1), (5, 2)]
+        );
+        // Without devices nothing is set.
+        let report = launch(&sh(1, script)).unwrap();
+        assert_eq!(report.ranks[0].stdout, "0 1 0 1 0 1 0 0 none unset unset\n");
+    }
+
+    #[test]
+    fn bad_node_settings_are_errors() {
+        let err = launch(&sh(2, "exit 0").nodes(2, 2).master_port(1)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                LaunchError::InvalidNodes {
+                    nnodes: 2,
+                    node_rank: 2
+                }
+            ),
+            "{err}"
+        );
+        let err = launch(&sh(2, "exit 0").nodes(0, 0)).unwrap_err();
+        assert!(matches!(err, LaunchError::InvalidNodes { .. }), "{err}");
+        let err = launch(&sh(2, "exit 0").nodes(2, 0)).unwrap_err();
+        assert!(matches!(err, LaunchError::MasterPortRequired(2)), "{err}");
+    }
+
+    #[test]
+    fn restarts_the_group_after_a_failure() {
+        // Rank 1 fails on the first attempt only; everyone else waits to be stopped.
+        let script = "if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then \
+                        if [ $RANK = 1 ]; then echo 'first try fails' >&2; exit 7; fi; \
+                        exec sleep 30; \
+                      fi; echo attempt $TORCHELASTIC_RESTART_COUNT";
+        let report = launch(&sh(3, script).max_restarts(1)).unwrap();
+        assert!(report.success(), "{}", report.summary());
+        assert_eq!(report.restarts, 1);
+        for r in &report.ranks {
+            assert_eq!(r.stdout, "attempt 1\n");
+        }
+        assert!(
+            report.summary().ends_with("after 1 restart"),
+            "{}",
+            report.summary()
+        );
+
+        // Always failing: restarts run out and the last failure is reported.
+        let report =
+            launch(&sh(2, "[ $RANK = 0 ] && exit 9; exec sleep 30").max_restarts(2)).unwrap();
+        assert!(!report.success());
+        assert_eq!(report.restarts, 2);
+        assert_eq!(report.exit_code(), 9);
+        let summary = report.summary();
+        assert!(
+            summary.starts_with("rank 0 failed first: exit code 9"),
+            "{summary}"
+        );
+        assert!(summary.ends_with("after 2 restarts"), "{summary}");
+
+        // A timeout is not restarted.
+        let spec = sh(1, "exec sleep 30")
+            .max_restarts(3)
+            .timeout(Duration::from_millis(200));
+        let report = launch(&spec).unwrap();
+        assert!(report.timed_out);
+        assert_eq!(report.restarts, 0);
+    }
+
+    #[test]
+    fn log_files_per_rank_and_attempt() {
+        let dir = scratch("logs");
+        let script = "echo out $RANK $TORCHELASTIC_RESTART_COUNT; echo err $RANK >&2; \
+                      [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $LOCAL_RANK = 1 ] && exit 1; \
+                      [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exec sleep 30; exit 0";
+        let spec = sh(2, script)
+            .nodes(2, 1)
+            .master_port(1)
+            .max_restarts(1)
+            .log_dir(&dir);
+        let report = launch(&spec).unwrap();
+        assert!(report.success(), "{}", report.summary());
+        let read = |attempt: u32, rank: usize, stream: &str| {
+            let path = dir.join(format!("attempt_{attempt}/rank{rank}.{stream}.log"));
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        };
+        for rank in [2, 3] {
+            assert_eq!(read(1, rank, "stdout"), format!("out {rank} 1\n"));
+            assert_eq!(read(1, rank, "stderr"), format!("err {rank}\n"));
+        }
+        assert_eq!(read(0, 3, "stdout"), "out 3 0\n");
+        // A log directory that cannot be created is a launch error.
+        let blocked = dir.join("file");
+        std::fs::write(&blocked, "").unwrap();
+        let err = launch(&sh(1, "exit 0").log_dir(&blocked)).unwrap_err();
+        assert!(matches!(err, LaunchError::LogFile { .. }), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Waits (bounded) until every `pid{r}` file exists in `dir`.
+    fn wait_for_pids(dir: &Path, ranks: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while (0..ranks).any(|r| !dir.join(format!("pid{r}")).exists()) {
+            assert!(Instant::now() < deadline, "workers did not start");
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn interrupt_forwards_the_signal() {
+        let dir = scratch("interrupt");
+        // Each worker (and its child, in the worker's own group) records the signal it got.
+        let script = format!(
+            "trap 'echo got TERM; echo $RANK > {d}/got$RANK; exit 42' TERM; \
+             echo $$ > {d}/tmp$RANK; mv {d}/tmp$RANK {d}/pid$RANK; \
+             sleep 30 & wait $!; exit 1",
+            d = dir.display()
+        );
+        let interrupt = Interrupt::new();
+        assert_eq!(interrupt.signal(), None);
+        let spec = sh(3, &script)
+            .interrupt(interrupt.clone())
+            .own_process_group(true)
+            .max_restarts(5);
+        let raiser = {
+            let dir = dir.clone();
+            thread::spawn(move || {
+                wait_for_pids(&dir, 3);
+                interrupt.raise(15);
+            })
+        };
+        let report = launch(&spec).unwrap();
+        raiser.join().unwrap();
+        assert_eq!(report.interrupted, Some(15));
+        assert_eq!(report.restarts, 0, "an interrupt is never restarted");
+        assert_eq!(report.exit_code(), 143);
+        for r in &report.ranks {
+            assert_eq!(r.status, Exit::Code(42), "{}", report.summary());
+            assert_eq!(r.stdout, "got TERM\n");
+            assert!(dir.join(format!("got{}", r.rank)).exists());
+        }
+        assert!(report.summary().starts_with(
+            "interrupted by signal 15 (SIGTERM), forwarded to the workers; rank 0: exit code 42"
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn interrupt_kills_workers_that_ignore_it() {
+        let dir = scratch("ignore");
+        let script = format!(
+            "trap '' INT TERM; echo $$ > {d}/tmp$RANK; mv {d}/tmp$RANK {d}/pid$RANK; \
+             while :; do sleep 0.05; done",
+            d = dir.display()
+        );
+        let interrupt = Interrupt::new();
+        let spec = sh(2, &script)
+            .interrupt(interrupt.clone())
+            .stop_grace(Duration::from_millis(300));
+        let raiser = {
+            let dir = dir.clone();
+            thread::spawn(move || {
+                wait_for_pids(&dir, 2);
+                interrupt.raise(2);
+            })
+        };
+        let report = launch(&spec).unwrap();
+        raiser.join().unwrap();
+        assert_eq!(report.interrupted, Some(2));
+        for r in &report.ranks {
+            assert_eq!(r.status, Exit::KilledByLauncher);
+            assert_gone(&dir.join(format!("pid{}", r.rank)));
+        }
+        assert!(report.elapsed < Duration::from_secs(20), "{report:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_second_interrupt_kills_at_once() {
+        let dir = scratch("second");
+        let script = format!(
+            "trap '' INT TERM; echo $$ > {d}/tmp$RANK; mv {d}/tmp$RANK {d}/pid$RANK; \
+             while :; do sleep 0.05; done",
+            d = dir.display()
+        );
+        let interrupt = Interrupt::new();
+        // No grace limit: only the second request can end the job before its timeout.
+        let spec = sh(2, &script)
+            .interrupt(interrupt.clone())
+            .stop_grace(Duration::MAX);
+        let raiser = {
+            let dir = dir.clone();
+            thread::spawn(move || {
+                wait_for_pids(&dir, 2);
+                interrupt.raise(15);
+                interrupt.raise(15);
+            })
+        };
+        let report = launch(&spec).unwrap();
+        raiser.join().unwrap();
+        assert!(!report.timed_out, "{}", report.summary());
+        assert_eq!(report.interrupted, Some(15));
+        for r in &report.ranks {
+            assert_eq!(r.status, Exit::KilledByLauncher);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

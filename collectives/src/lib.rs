@@ -27,6 +27,7 @@ mod error;
 pub mod executor;
 pub mod launch;
 pub mod pattern;
+mod rendezvous;
 pub mod schedule;
 pub mod tuner;
 
