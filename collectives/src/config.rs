@@ -4,7 +4,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use crate::rendezvous::{self, Ranks};
-use crate::tuner::Algorithm;
+use crate::tuner::{Forced, DEFAULT_ALPHA, DEFAULT_BETA};
 use crate::Error;
 
 /// How configuration reads a variable: its value, or `None` when unset.
@@ -29,8 +29,12 @@ pub struct Config {
     pub timeout: Duration,
     /// TCP sockets per peer (`CHORUS_NSOCKS`).
     pub nsocks: usize,
-    /// Forced algorithm, or `None` to let the tuner pick (`CHORUS_ALGO`).
-    pub algo: Option<Algorithm>,
+    /// Algorithms forced per collective; the tuner picks the rest (`CHORUS_ALGO`).
+    pub algo: Forced,
+    /// Per-message latency the tuner assumes, in seconds (`CHORUS_ALPHA_US`, microseconds).
+    pub alpha: f64,
+    /// Link bandwidth the tuner assumes, in bytes/s (`CHORUS_BANDWIDTH_GBS`, GB/s).
+    pub beta: f64,
     /// Pipeline chunk size in bytes (`CHORUS_CHUNK_BYTES`).
     pub chunk_bytes: usize,
     /// Address peers use to reach this rank (`CHORUS_SOCKET_ADDR`); derived from the route to MASTER_ADDR if unset.
@@ -61,7 +65,9 @@ impl Config {
             master_port,
             timeout: DEFAULT_TIMEOUT,
             nsocks: DEFAULT_NSOCKS,
-            algo: None,
+            algo: Forced::none(),
+            alpha: DEFAULT_ALPHA,
+            beta: DEFAULT_BETA,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             socket_addr: None,
         }
@@ -114,7 +120,9 @@ impl Config {
                 "must be at least 64",
             ));
         }
-        let algo = optional(get, "CHORUS_ALGO")?;
+        let algo = optional(get, "CHORUS_ALGO")?.unwrap_or_default();
+        let alpha = positive(get, "CHORUS_ALPHA_US")?.map_or(DEFAULT_ALPHA, |us| us * 1e-6);
+        let beta = positive(get, "CHORUS_BANDWIDTH_GBS")?.map_or(DEFAULT_BETA, |gbs| gbs * 1e9);
         let socket_addr = optional(get, "CHORUS_SOCKET_ADDR")?;
         // Last, since for file:// rank 0 publishes its address here.
         let (master_addr, master_port) = found.master.resolve(&found.ranks, timeout, get)?;
@@ -143,9 +151,20 @@ impl Config {
             timeout,
             nsocks,
             algo,
+            alpha,
+            beta,
             chunk_bytes,
             socket_addr,
         })
+    }
+}
+
+/// An optional positive, finite number.
+fn positive(get: Lookup<'_>, var: &'static str) -> Result<Option<f64>, Error> {
+    match optional::<f64>(get, var)? {
+        Some(v) if v > 0.0 && v.is_finite() => Ok(Some(v)),
+        Some(v) => Err(bad(var, &v.to_string(), "must be a positive number")),
+        None => Ok(None),
     }
 }
 
@@ -214,7 +233,7 @@ mod tests {
         let c = from(&vars).unwrap();
         assert_eq!((c.local_rank, c.local_world_size), (0, 2));
         assert_eq!(c.timeout, Duration::from_millis(2500));
-        assert_eq!(c.algo, Some(Algorithm::Tree));
+        assert_eq!(c.algo, "tree".parse::<Forced>().unwrap());
     }
 
     #[test]

@@ -23,6 +23,7 @@
 
 mod communicator;
 mod config;
+pub mod cost;
 mod error;
 pub mod executor;
 pub mod launch;

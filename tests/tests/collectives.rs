@@ -167,3 +167,18 @@ fn rooted_and_data_movement_collectives() {
         );
     }
 }
+
+#[test]
+fn all_reduce_recursive_doubling_w3() {
+    all_reduce_with(3, "rd", "1");
+}
+
+#[test]
+fn all_reduce_halving_doubling_w4() {
+    all_reduce_with(4, "rhd", "1");
+}
+
+#[test]
+fn all_reduce_halving_doubling_w5() {
+    all_reduce_with(5, "allreduce:rhd,broadcast:tree", "1");
+}

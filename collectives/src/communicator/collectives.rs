@@ -7,7 +7,8 @@ use chorus_kernels::{DType, Element, ReduceOp};
 use super::{elements, Call, Communicator, Inner, Kind};
 use crate::executor::Buffers;
 use crate::schedule::{barrier, broadcast, ring, tree};
-use crate::tuner::{self, Algorithm};
+use crate::schedule::{hierarchical, recursive};
+use crate::tuner::{Algorithm, Collective};
 use crate::{Error, Result};
 
 impl Communicator {
@@ -131,11 +132,19 @@ impl Inner {
             self.config.rank,
             self.chunk_elems(dtype),
         );
-        let algo = tuner::choose(self.config.algo, output.len(), w);
-        tracing::debug!(count, %dtype, %op, %algo, "all_reduce");
-        let steps = match algo {
-            Algorithm::Ring => ring::all_reduce(rank, w, count, chunk),
-            Algorithm::Tree => tree::all_reduce(rank, w, count, chunk),
+        let local = self.config.local_world_size;
+        let hosts_with_peers = local > 1 && local < w && w % local == 0;
+        let steps = if hosts_with_peers && self.config.algo.get(Collective::AllReduce).is_none() {
+            // Several hosts with several ranks each: keep most traffic inside hosts.
+            tracing::debug!(count, %dtype, %op, local, "all_reduce: hierarchical");
+            hierarchical::all_reduce(rank, w, local, count, chunk)
+        } else {
+            match self.pick(Collective::AllReduce, output.len()) {
+                Algorithm::Tree => tree::all_reduce(rank, w, count, chunk),
+                Algorithm::RecursiveDoubling => recursive::doubling(rank, w, count, chunk),
+                Algorithm::HalvingDoubling => recursive::halving_doubling(rank, w, count, chunk),
+                Algorithm::Ring | Algorithm::Direct => ring::all_reduce(rank, w, count, chunk),
+            }
         };
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
@@ -163,11 +172,9 @@ impl Inner {
             self.chunk_elems(dtype),
         );
         self.check_root(root)?;
-        let algo = tuner::choose(self.config.algo, output.len(), w);
-        tracing::debug!(count, %dtype, root, %algo, "broadcast");
-        let steps = match algo {
-            Algorithm::Ring => broadcast::chain(rank, w, root, count, chunk),
+        let steps = match self.pick(Collective::Broadcast, output.len()) {
             Algorithm::Tree => broadcast::tree(rank, w, root, count, chunk),
+            _ => broadcast::chain(rank, w, root, count, chunk),
         };
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
@@ -189,5 +196,18 @@ impl Inner {
             )));
         }
         Ok(())
+    }
+
+    /// The tuner's algorithm for `c` on `bytes`; logs the reasoning when the pick changes.
+    pub(super) fn pick(&self, c: Collective, bytes: usize) -> Algorithm {
+        let w = self.config.world_size;
+        let choice = self.tuner.decide(c, bytes, w);
+        let mut last = super::lock(&self.picks);
+        if last.insert(c, choice.algorithm) != Some(choice.algorithm) {
+            tracing::info!("{}", self.tuner.explain(c, bytes, w));
+        } else {
+            tracing::debug!(%c, bytes, algorithm = %choice.algorithm, "tuner");
+        }
+        choice.algorithm
     }
 }

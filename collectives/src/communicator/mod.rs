@@ -10,6 +10,7 @@ mod p2p;
 mod split;
 mod work;
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -22,6 +23,7 @@ use chorus_transport::Transport;
 
 use crate::executor::{self, Buffers, Job, Workspace};
 use crate::schedule::Step;
+use crate::tuner::{Algorithm, Collective, Tuner};
 use crate::{Config, Error, Result};
 
 pub use p2p::Group;
@@ -76,6 +78,10 @@ pub(crate) struct Inner {
     store: Option<(Arc<TcpStore>, String)>,
     /// The store server, when this process hosts it; shared with sub-communicators.
     server: Option<Arc<StoreServer>>,
+    /// Picks algorithms from the cost model and `CHORUS_ALGO`.
+    tuner: Tuner,
+    /// The last pick per collective, to log changes.
+    picks: Mutex<HashMap<Collective, Algorithm>>,
 }
 
 pub(crate) struct State {
@@ -201,7 +207,11 @@ impl Communicator {
             broken: None,
             splits: 0,
         };
+        let tuner =
+            Tuner::new(config.alpha, config.beta, config.algo).with_chunk_bytes(config.chunk_bytes);
         let inner = Inner {
+            tuner,
+            picks: Mutex::new(HashMap::new()),
             config,
             transport,
             state: Mutex::new(state),

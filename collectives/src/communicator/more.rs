@@ -8,7 +8,7 @@ use chorus_kernels::{DType, Element, ReduceOp};
 use super::{Call, Communicator, Kind};
 use crate::executor::Buffers;
 use crate::schedule::{all_gather, all_to_all, gather, reduce, reduce_scatter, scatter, Schedule};
-use crate::tuner::{self, Algorithm};
+use crate::tuner::{Algorithm, Collective};
 use crate::{Error, Result};
 
 impl Communicator {
@@ -54,9 +54,9 @@ impl Communicator {
             self.inner.chunk_elems(dtype),
         );
         let count = bytes / dtype.size();
-        Ok(match tuner::choose(self.config().algo, bytes, w) {
-            Algorithm::Ring => reduce::chain(rank, w, root, count, chunk),
+        Ok(match self.inner.pick(Collective::Reduce, bytes) {
             Algorithm::Tree => reduce::tree(rank, w, root, count, chunk),
+            _ => reduce::chain(rank, w, root, count, chunk),
         })
     }
 

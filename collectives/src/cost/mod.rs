@@ -1,0 +1,120 @@
+//! The cost model: what a schedule costs on a network of alpha-beta links.
+//!
+//! Every message costs `alpha + bytes / beta` seconds of link time: `alpha`
+//! is a per-message latency (wire, stack, syscalls), `beta` the link
+//! bandwidth in bytes/s. Each rank has one outgoing and one incoming link (a
+//! NIC) that serialise its sends and its receives; a received chunk that is
+//! reduced costs `bytes / gamma` more on the receiving rank (`gamma` is
+//! infinite, reductions free, unless set).
+//!
+//! - [`closed`]: closed forms per collective and algorithm (what the
+//!   [`crate::tuner`] uses at run time; no schedule is built).
+//! - [`eval`]: a discrete-event evaluator that runs the real schedules of
+//!   every rank through the model, with the executor's semantics.
+
+pub mod closed;
+pub mod eval;
+mod regions;
+
+pub use eval::{evaluate, EvalConfig, EvalError, Evaluation};
+
+use crate::schedule::{
+    all_gather, all_to_all, broadcast, gather, recursive, reduce, reduce_scatter, ring, scatter,
+    tree, Schedule,
+};
+use crate::tuner::{Algorithm, Collective};
+
+/// Per-message latency assumed when nothing is measured: 10 us (TCP over loopback or a LAN).
+pub const DEFAULT_ALPHA: f64 = 10e-6;
+
+/// Link bandwidth assumed when nothing is measured: 1.5 GB/s (loopback TCP, one stream).
+pub const DEFAULT_BETA: f64 = 1.5e9;
+
+/// The alpha-beta(-gamma) link model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkModel {
+    /// Seconds of link time every message costs, whatever its size.
+    pub alpha: f64,
+    /// Link bandwidth in bytes per second.
+    pub beta: f64,
+    /// Reduction bandwidth in bytes per second (infinite: reductions are free).
+    pub gamma: f64,
+}
+
+impl Default for LinkModel {
+    fn default() -> LinkModel {
+        LinkModel::new(DEFAULT_ALPHA, DEFAULT_BETA)
+    }
+}
+
+impl LinkModel {
+    /// Links of `alpha` seconds per message and `beta` bytes/s; free reductions.
+    pub fn new(alpha: f64, beta: f64) -> LinkModel {
+        LinkModel {
+            alpha,
+            beta,
+            gamma: f64::INFINITY,
+        }
+    }
+
+    /// This model with reductions at `gamma` bytes/s.
+    pub fn with_gamma(mut self, gamma: f64) -> LinkModel {
+        self.gamma = gamma;
+        self
+    }
+
+    /// Link time of one message of `bytes`: `alpha + bytes / beta`.
+    pub fn message(&self, bytes: f64) -> f64 {
+        self.alpha + bytes / self.beta
+    }
+
+    /// Time to reduce `bytes` of received data: `bytes / gamma`.
+    pub fn reduce(&self, bytes: f64) -> f64 {
+        if self.gamma.is_finite() {
+            bytes / self.gamma
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The schedule `rank` runs for `c` by `a`, or `None` if `a` does not implement `c`.
+///
+/// `count` is nccl-tests' size in elements (see [`crate::tuner::Tuner::estimate`]):
+/// the buffer of all-reduce, broadcast and reduce; the whole output of
+/// all-gather and gather, the whole input of reduce-scatter and scatter,
+/// each rank's buffer of all-to-all, of which every rank's block is
+/// `count / world_size` elements. `chunk` is the pipeline chunk in elements;
+/// `root` the root of broadcast, reduce, gather and scatter.
+pub fn schedule_for(
+    c: Collective,
+    a: Algorithm,
+    rank: usize,
+    world_size: usize,
+    count: usize,
+    chunk: usize,
+    root: usize,
+) -> Option<Schedule> {
+    use Algorithm::*;
+    use Collective::*;
+    let (w, block) = (world_size, count / world_size.max(1));
+    Some(match (c, a) {
+        (AllReduce, Ring) => ring::all_reduce(rank, w, count, chunk),
+        (AllReduce, Tree) => tree::all_reduce(rank, w, count, chunk),
+        (AllReduce, RecursiveDoubling) => recursive::doubling(rank, w, count, chunk),
+        (AllReduce, HalvingDoubling) => recursive::halving_doubling(rank, w, count, chunk),
+        (Broadcast, Ring) => broadcast::chain(rank, w, root, count, chunk),
+        (Broadcast, Tree) => broadcast::tree(rank, w, root, count, chunk),
+        (Reduce, Ring) => reduce::chain(rank, w, root, count, chunk),
+        (Reduce, Tree) => reduce::tree(rank, w, root, count, chunk),
+        (AllGather, Ring) => all_gather::ring(rank, w, block, chunk),
+        (ReduceScatter, Ring) => reduce_scatter::ring(rank, w, block, chunk),
+        (AllToAll, Direct) => {
+            let counts = vec![block; w];
+            all_to_all::pairwise(rank, w, &counts, &counts)
+        }
+        (Gather, Direct) => gather::direct(rank, w, root, block),
+        (Scatter, Direct) => scatter::direct(rank, w, root, block),
+        _ => return None,
+    })
+}
