@@ -84,39 +84,7 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
     for c in 0..rounds {
         for (node, part) in trees.iter().zip(&parts) {
             let Some(r) = part.get(c) else { continue };
-            // The first child's data is combined with the input, later ones with the partial result.
-            for (i, &child) in node.children.iter().enumerate() {
-                let with = if i == 0 {
-                    Loc::input(r.clone())
-                } else {
-                    Loc::output(r.clone())
-                };
-                steps.push(Step::RecvReduce {
-                    peer: child,
-                    with,
-                    into: Loc::output(r.clone()),
-                });
-            }
-            let result = if node.children.is_empty() {
-                Loc::input(r.clone())
-            } else {
-                Loc::output(r.clone())
-            };
-            match node.parent {
-                Some(parent) => steps.push(Step::Send {
-                    peer: parent,
-                    from: result,
-                }),
-                None => {
-                    steps.push(Step::Copy {
-                        from: result,
-                        into: Loc::output(r.clone()),
-                    });
-                    steps.push(Step::Finish {
-                        at: Loc::output(r.clone()),
-                    });
-                }
-            }
+            super::reduce::reduce_up(&mut steps, node, r.clone());
         }
     }
     // Broadcast the finished halves down the same trees.
