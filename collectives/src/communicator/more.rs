@@ -71,11 +71,7 @@ impl Communicator {
             n,
             self.inner.chunk_elems(T::DTYPE),
         );
-        let bufs = Buffers::new(
-            Some(bytemuck::cast_slice(input)),
-            bytemuck::cast_slice_mut(output),
-        );
-        self.run_typed::<T>(Kind::AllGather, ReduceOp::Sum, 0, bufs, steps)
+        self.run_apart(Kind::AllGather, ReduceOp::Sum, 0, input, output, steps)
     }
 
     /// All-gather in place: this rank's block already sits at `buf[rank * n..(rank + 1) * n]`.
@@ -110,11 +106,7 @@ impl Communicator {
             n,
             self.inner.chunk_elems(T::DTYPE),
         );
-        let bufs = Buffers::new(
-            Some(bytemuck::cast_slice(input)),
-            bytemuck::cast_slice_mut(output),
-        );
-        self.run_typed::<T>(Kind::ReduceScatter, op, 0, bufs, steps)
+        self.run_apart(Kind::ReduceScatter, op, 0, input, output, steps)
     }
 
     /// Sends block `q` of `input` to rank `q` and receives rank `q`'s block into block `q` of `output`.
@@ -156,11 +148,7 @@ impl Communicator {
             )));
         }
         let steps = all_to_all::pairwise(rank, w, send_counts, recv_counts);
-        let bufs = Buffers::new(
-            Some(bytemuck::cast_slice(input)),
-            bytemuck::cast_slice_mut(output),
-        );
-        self.run_typed::<T>(Kind::AllToAll, ReduceOp::Sum, 0, bufs, steps)
+        self.run_apart(Kind::AllToAll, ReduceOp::Sum, 0, input, output, steps)
     }
 
     /// Gathers every rank's `input` into `root`'s `output` (world_size blocks); other outputs are untouched.
@@ -172,11 +160,7 @@ impl Communicator {
             self.blocks("gather", "output", output.len(), input.len())?;
         }
         let steps = gather::direct(self.rank(), self.world_size(), root, input.len());
-        let bufs = Buffers::new(
-            Some(bytemuck::cast_slice(input)),
-            bytemuck::cast_slice_mut(output),
-        );
-        self.run_typed::<T>(Kind::Gather, ReduceOp::Sum, root, bufs, steps)
+        self.run_apart(Kind::Gather, ReduceOp::Sum, root, input, output, steps)
     }
 
     /// Sends block `q` of `root`'s `input` (world_size blocks) to rank `q`'s `output`.
@@ -188,11 +172,7 @@ impl Communicator {
             self.blocks("scatter", "input", input.len(), output.len())?;
         }
         let steps = scatter::direct(self.rank(), self.world_size(), root, output.len());
-        let bufs = Buffers::new(
-            Some(bytemuck::cast_slice(input)),
-            bytemuck::cast_slice_mut(output),
-        );
-        self.run_typed::<T>(Kind::Scatter, ReduceOp::Sum, root, bufs, steps)
+        self.run_apart(Kind::Scatter, ReduceOp::Sum, root, input, output, steps)
     }
 
     /// Checks that `whole` holds world_size blocks of `block` elements; returns `block`.
@@ -205,6 +185,23 @@ impl Communicator {
             )));
         }
         Ok(block)
+    }
+
+    /// Runs `steps` from `input` into a separate `output`.
+    fn run_apart<T: Element>(
+        &self,
+        kind: Kind,
+        op: ReduceOp,
+        root: usize,
+        input: &[T],
+        output: &mut [T],
+        steps: Schedule,
+    ) -> Result<()> {
+        let bufs = Buffers::new(
+            Some(bytemuck::cast_slice(input)),
+            bytemuck::cast_slice_mut(output),
+        );
+        self.run_typed::<T>(kind, op, root, bufs, steps)
     }
 
     fn run_typed<T: Element>(
