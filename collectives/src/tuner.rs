@@ -9,10 +9,6 @@
 //! on values every rank shares (the model, the size, the world size) and
 //! near-ties go to the earlier candidate, so every rank picks the same
 //! algorithm as long as every rank uses the same `alpha`, `beta` and chunk.
-//!
-//! [`Algorithm`] and the free function [`choose`] are the older pair (ring
-//! or tree; tree up to 64 KiB on more than two ranks) that the communicator
-//! still matches on exhaustively; they stay until it switches to [`Tuner`].
 
 use std::fmt;
 use std::str::FromStr;
