@@ -182,3 +182,20 @@ fn all_reduce_halving_doubling_w4() {
 fn all_reduce_halving_doubling_w5() {
     all_reduce_with(5, "allreduce:rhd,broadcast:tree", "1");
 }
+
+/// The recursive algorithms at the remaining world sizes, on smaller counts.
+#[test]
+fn all_reduce_recursive_at_every_world_size() {
+    for world in [1, 2, 8] {
+        for algo in ["rd", "rhd"] {
+            let env = [("CHORUS_ALGO", algo)];
+            let report = run(world, worker(), &["all_reduce", "0,1,7,1023,65543"], &env);
+            assert_success(&report);
+            assert_eq!(
+                assert_identical_digests(&report),
+                500,
+                "{algo} at W={world}"
+            );
+        }
+    }
+}
