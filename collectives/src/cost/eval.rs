@@ -1284,26 +1284,4 @@ mod tests {
             }
         }
     }
-
-    #[test]
-    #[ignore = "timing: cargo test --release -p chorus -- --ignored --nocapture scale"]
-    fn scale() {
-        let m = model();
-        let worlds: Vec<usize> =
-            std::env::var("SCALE_W").map_or(vec![1024, 4096], |v| vec![v.parse().unwrap()]);
-        for w in worlds {
-            let count = w * 1024;
-            let t = std::time::Instant::now();
-            let n: usize = (0..w)
-                .map(|r| ring::all_reduce(r, w, count, UNCHUNKED).len())
-                .sum();
-            println!("generate ring W={w}: {:?} {n} steps", t.elapsed());
-            let t = std::time::Instant::now();
-            let e = eval(w, &m, |r| ring::all_reduce(r, w, count, UNCHUNKED));
-            println!("ring W={w}: {:?} {e:?}", t.elapsed());
-            let t = std::time::Instant::now();
-            let e = eval(w, &m, |r| tree::all_reduce(r, w, count, 1 << 17));
-            println!("tree W={w}: {:?} {e:?}", t.elapsed());
-        }
-    }
 }
