@@ -159,6 +159,12 @@ impl Config {
     }
 }
 
+/// This machine's name (it decides which ranks share a host).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map_or_else(|_| "localhost".into(), |h| h.trim().to_string())
+}
+
 /// An optional positive, finite number.
 fn positive(get: Lookup<'_>, var: &'static str) -> Result<Option<f64>, Error> {
     match optional::<f64>(get, var)? {

@@ -34,5 +34,5 @@ pub mod tuner;
 
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
 pub use communicator::{Communicator, Group, Work};
-pub use config::{Config, DEFAULT_CHUNK_BYTES, DEFAULT_NSOCKS, DEFAULT_TIMEOUT};
+pub use config::{hostname, Config, DEFAULT_CHUNK_BYTES, DEFAULT_NSOCKS, DEFAULT_TIMEOUT};
 pub use error::{Error, Result};

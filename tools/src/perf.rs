@@ -329,7 +329,10 @@ fn print_header(collective: &Collective, args: &Args, world: usize) {
     );
     println!("#");
     println!("# Using devices");
-    println!("#  {world} ranks on {} (host memory, TCP)", hostname());
+    println!(
+        "#  {world} ranks on {} (host memory, TCP)",
+        chorus::hostname()
+    );
     println!("#");
     println!(
         "# {:>10} {:>12} {:>9} {:>7} {:>7}   {:>8} {:>7} {:>7} {:>6}   {:>8} {:>7} {:>7} {:>6}",
@@ -367,11 +370,6 @@ fn print_header(collective: &Collective, args: &Args, world: usize) {
         "(GB/s)",
         ""
     );
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map_or_else(|_| "localhost".into(), |h| h.trim().to_string())
 }
 
 #[cfg(test)]

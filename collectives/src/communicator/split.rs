@@ -46,7 +46,7 @@ impl Communicator {
 impl super::Inner {
     fn split(&self, n: u64, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         let config = &self.config;
-        let host = hostname();
+        let host = crate::hostname();
         let members: Vec<(Option<u32>, i64, String)> = match &self.store {
             None => vec![(color, key, host.clone())],
             Some((client, prefix)) => {
@@ -115,12 +115,6 @@ fn parse_member(rank: usize, raw: &[u8]) -> Result<(Option<u32>, i64, String)> {
     let key = parts.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
     let host = parts.next().ok_or_else(bad)?.to_string();
     Ok((color, key, host))
-}
-
-/// This machine's name, which decides local ranks in sub-communicators.
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map_or_else(|_| "localhost".into(), |h| h.trim().to_string())
 }
 
 #[cfg(test)]

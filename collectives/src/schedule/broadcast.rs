@@ -1,6 +1,6 @@
 //! Broadcast: a pipelined chain, or a pipelined binary tree.
 
-use super::tree::{btree, push_down, Node};
+use super::tree::{push_down, rooted};
 use super::{chunks, Loc, Schedule, Step};
 
 /// Chain broadcast: root -> root+1 -> ... -> root-1, chunk by chunk.
@@ -40,13 +40,7 @@ pub fn chain(rank: usize, world_size: usize, root: usize, count: usize, chunk: u
 ///
 /// Latency grows with log2(W); interior ranks send twice per chunk.
 pub fn tree(rank: usize, world_size: usize, root: usize, count: usize, chunk: usize) -> Schedule {
-    let w = world_size;
-    let virt = btree((rank + w - root) % w, w);
-    let real = |v: usize| (v + root) % w;
-    let node = Node {
-        parent: virt.parent.map(real),
-        children: virt.children.into_iter().map(real).collect(),
-    };
+    let node = rooted(rank, world_size, root);
     let mut steps = Vec::new();
     for r in chunks(0..count, chunk) {
         if rank == root {

@@ -9,18 +9,12 @@
 //! The root finishes each chunk once, as its last contribution arrives.
 //! Non-root ranks use their output as the partial-sum buffer.
 
-use super::tree::{btree, Node};
+use super::tree::{rooted, Node};
 use super::{chunks, Loc, Schedule, Step};
 
 /// The tree reduce program of `rank`: `count` elements reduced into `root`'s output.
 pub fn tree(rank: usize, world_size: usize, root: usize, count: usize, chunk: usize) -> Schedule {
-    let w = world_size;
-    let virt = btree((rank + w - root) % w, w);
-    let real = |v: usize| (v + root) % w;
-    let node = Node {
-        parent: virt.parent.map(real),
-        children: virt.children.into_iter().map(real).collect(),
-    };
+    let node = rooted(rank, world_size, root);
     let mut steps = Vec::new();
     for r in chunks(0..count, chunk) {
         reduce_up(&mut steps, &node, r);

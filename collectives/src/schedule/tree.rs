@@ -53,6 +53,16 @@ pub fn btree(rank: usize, n: usize) -> Node {
     }
 }
 
+/// `rank`'s place in the binary tree over `0..n` renumbered so that `root` is its root.
+pub fn rooted(rank: usize, n: usize, root: usize) -> Node {
+    let virt = btree((rank + n - root) % n, n);
+    let real = |v: usize| (v + root) % n;
+    Node {
+        parent: virt.parent.map(real),
+        children: virt.children.into_iter().map(real).collect(),
+    }
+}
+
 /// `rank`'s place in tree `t` (0 or 1) of the double binary tree over `0..n`.
 pub fn dtree(rank: usize, n: usize, t: usize) -> Node {
     if t == 0 {
