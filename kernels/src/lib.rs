@@ -62,6 +62,8 @@ mod dtype;
 mod error;
 mod op;
 mod reduce;
+#[cfg(test)]
+mod test_rng;
 
 pub use dtype::{DType, Element};
 pub use error::KernelError;

@@ -12,6 +12,14 @@ use std::time::Duration;
 use chorus::launch::{launch, LaunchReport, LaunchSpec, Output};
 use chorus::{DType, ReduceOp};
 
+/// Sends `tracing` output to stderr, filtered by `CHORUS_DEBUG` (for the test binaries).
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 /// Bound on one whole multi-process test.
 pub const JOB_TIMEOUT: Duration = Duration::from_secs(240);
 

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use super::compile::{self, Origin, Target};
 use super::source;
 use super::*;
+use crate::test_rng::Rng;
 use crate::{bf16, f16, DType, KernelError, ReduceOp};
 
 // ---------------------------------------------------------------- skipping
@@ -261,18 +262,7 @@ fn nvrtc_image_is_cached_on_disk() {
 
 // ---------------------------------------------------------------- GPU
 
-/// Deterministic splitmix64 generator.
-struct Rng(u64);
-
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     /// Uniform in [-range, range).
     fn uniform(&mut self, range: f64) -> f64 {
         ((self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * range

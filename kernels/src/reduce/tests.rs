@@ -3,19 +3,9 @@
 use std::fmt::Debug;
 
 use super::*;
-
-/// Deterministic splitmix64 generator.
-struct Rng(u64);
+use crate::test_rng::Rng;
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     /// A float in [-range, range), with about 1 in 16 draws a special value.
     fn float(&mut self, range: f64) -> f64 {
         let r = self.next();

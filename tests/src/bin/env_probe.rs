@@ -53,10 +53,7 @@ const VARS: [&str; 16] = [
 ];
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
-        .with_writer(std::io::stderr)
-        .init();
+    chorus_tests::init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match run(&args) {
         Ok(code) => ExitCode::from(code),

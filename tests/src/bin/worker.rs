@@ -11,10 +11,7 @@ use chorus::{Communicator, DType, Element, ReduceOp};
 use chorus_tests::Case;
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
-        .with_writer(std::io::stderr)
-        .init();
+    chorus_tests::init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
