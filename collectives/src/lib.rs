@@ -24,6 +24,7 @@
 mod communicator;
 mod config;
 pub mod cost;
+pub mod ddp;
 mod error;
 pub mod executor;
 pub mod launch;

@@ -1,0 +1,17 @@
+//! Data parallelism on flat gradient buffers: the gradient-bucket reducer
+//! ([`Ddp`]) and the [`DistributedSampler`].
+//!
+//! Framework-agnostic: a trainer registers its parameters as
+//! ([`ParamSpec`]: name, length, dtype), writes gradients into the views
+//! [`Ddp`] hands out, and marks them ready as backward produces them.
+
+mod bucket;
+mod fingerprint;
+mod hook;
+mod reducer;
+mod sampler;
+
+pub use bucket::ParamSpec;
+pub use hook::Compression;
+pub use reducer::{Ddp, DdpOptions};
+pub use sampler::DistributedSampler;
