@@ -1,0 +1,8 @@
+//! `broadcast_perf`: broadcast from one root (-r; -1 for every root in turn), nccl-tests style.
+//!
+//! `broadcast_perf -b 8 -e 256M -f 2 -np 4` starts four local ranks;
+//! under torchrun, chorusrun, SLURM or mpirun it runs as one rank.
+
+fn main() -> std::process::ExitCode {
+    chorus_tools::perf::main(&chorus_tools::perf::BROADCAST)
+}

@@ -1,0 +1,295 @@
+//! The nccl-tests-style measuring harness shared by every `*_perf` binary:
+//! flags, size sweep, timing, the correctness check, the table and its files.
+
+pub mod args;
+pub mod buffer;
+pub mod collective;
+pub mod report;
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::{Duration, Instant, SystemTime};
+
+use chorus::launch::{launch, LaunchSpec, Output};
+use chorus::{Communicator, ReduceOp};
+
+pub use args::{parse_size, Args, Average};
+use buffer::Buffer;
+use collective::{Bufs, Shape};
+pub use collective::{
+    Collective, Layout, Params, ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, BROADCAST, REDUCE,
+    REDUCE_SCATTER, SEND_RECV,
+};
+use report::{Device, Row, Timing};
+
+/// The main of a perf binary: starts local ranks for `-np`, or runs as one rank.
+pub fn main(collective: &Collective) -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::from_env();
+    let program = program_name();
+    let result = match args.np {
+        Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
+        _ => run_rank(collective, &args, &program),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{program}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// This program's file name, e.g. "allreduce_perf".
+fn program_name() -> String {
+    std::env::args_os()
+        .next()
+        .map(std::path::PathBuf::from)
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "perf".into())
+}
+
+/// Starts `np` copies of this program on this host, each one rank; rank 0's output is shown.
+fn spawn_ranks(args: &Args, np: usize) -> Result<(), String> {
+    if np == 0 {
+        return Err("-np must be at least 1".into());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let forwarded: Vec<OsString> = args::strip_np(std::env::args_os().skip(1).collect());
+    let spec = LaunchSpec::new(exe, np)
+        .args(forwarded)
+        .output(Output::RankZero)
+        .timeout(Duration::from_secs(args.job_timeout));
+    let report = launch(&spec).map_err(|e| e.to_string())?;
+    if report.success() {
+        return Ok(());
+    }
+    if let Some(failed) = report.first_failure() {
+        eprintln!(
+            "--- rank {} stderr:\n{}",
+            failed.rank,
+            failed.stderr.trim_end()
+        );
+    }
+    Err(report.summary())
+}
+
+/// One rank's run: every root and size, timed and checked, with the table on rank 0.
+fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), String> {
+    let start = SystemTime::now();
+    let sizes = match collective.shape {
+        Shape::Empty => vec![0],
+        _ => args.sizes()?,
+    };
+    if args.iters == 0 || args.agg_iters == 0 {
+        return Err("-n and -m must be at least 1".into());
+    }
+    let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let roots = if collective.rooted {
+        args.roots(world)?
+    } else {
+        vec![0]
+    };
+    let devices = gather_devices(&comm)?;
+    if rank == 0 {
+        print!("{}", report::banner(program, args, &devices));
+        print!("{}", report::column_header());
+    }
+    let elem = args.dtype.size();
+    let largest = sizes
+        .iter()
+        .map(|&s| Layout::new(collective.shape, s / elem, elem, world))
+        .fold(0, |m, l| m.max(l.size()))
+        * elem;
+    let mut bufs = Bench {
+        input: Buffer::zeroed(largest),
+        output: Buffer::zeroed(largest),
+        scratch: Buffer::default(),
+    };
+    let mut rows = Vec::new();
+    for &root in &roots {
+        let p = Params {
+            dtype: args.dtype,
+            op: args.op,
+            root,
+        };
+        for &size in &sizes {
+            let layout = Layout::new(collective.shape, size / elem, elem, world);
+            let input = bufs.input.bytes_mut(layout.send * elem);
+            collective.fill_input(p, &layout, rank, world, input);
+            let mut timings = [None, None];
+            for (slot, in_place) in timings.iter_mut().zip([false, true]) {
+                let (seconds, wrong) =
+                    measure(collective, &comm, args, p, &layout, &mut bufs, in_place)?;
+                let algbw = if seconds > 0.0 {
+                    (layout.size() * elem) as f64 / seconds / 1e9
+                } else {
+                    0.0
+                };
+                *slot = Some(Timing {
+                    time_us: seconds * 1e6,
+                    algbw,
+                    busbw: algbw * (collective.bus_factor)(world),
+                    wrong,
+                });
+            }
+            let [Some(out_of_place), Some(in_place)] = timings else {
+                unreachable!("both columns are measured")
+            };
+            let row = Row {
+                size: layout.size() * elem,
+                count: layout.block,
+                dtype: args.dtype.name(),
+                redop: if collective.reduces() {
+                    args.op.name()
+                } else {
+                    "none"
+                },
+                root: if collective.rooted { root as i64 } else { -1 },
+                out_of_place,
+                in_place,
+            };
+            if rank == 0 {
+                println!("{}", report::row_line(&row));
+            }
+            rows.push(row);
+        }
+    }
+    let wrong: u64 = rows
+        .iter()
+        .flat_map(|r| [r.out_of_place.wrong, r.in_place.wrong])
+        .map(|w| w.unwrap_or(0))
+        .sum();
+    if rank == 0 {
+        print!(
+            "{}",
+            report::footer(program, wrong, report::average_busbw(&rows))
+        );
+        if let Some(path) = &args.json {
+            report::write_json(path, &report::json(program, args, &devices, &rows, start))?;
+        }
+    }
+    if wrong > 0 {
+        return Err(format!("{wrong} wrong values"));
+    }
+    Ok(())
+}
+
+/// The buffers of one rank's run.
+struct Bench {
+    input: Buffer,
+    output: Buffer,
+    scratch: Buffer,
+}
+
+/// Times `-n` iterations of `-m` operations after `-w` warm-up ones, then checks `-c` times.
+///
+/// Returns the reported time per operation in seconds and the wrong elements over all ranks.
+fn measure(
+    collective: &Collective,
+    comm: &Communicator,
+    args: &Args,
+    p: Params,
+    layout: &Layout,
+    bufs: &mut Bench,
+    in_place: bool,
+) -> Result<(f64, Option<u64>), String> {
+    let err = |e: chorus::Error| e.to_string();
+    let (rank, world, elem) = (comm.rank(), comm.world_size(), p.dtype.size());
+    let input = bufs.input.bytes(layout.send * elem);
+    let output_len = if in_place { layout.size() } else { layout.recv } * elem;
+    let scratch = &mut bufs.scratch;
+    let output = bufs.output.bytes_mut(output_len);
+    // Puts the input where an in-place call expects it.
+    let prepare = |output: &mut [u8]| {
+        if in_place {
+            let at = collective.in_place_input(layout, rank) * elem;
+            output[at..at + input.len()].copy_from_slice(input);
+        }
+    };
+    let mut once = |output: &mut [u8]| {
+        let b = if in_place {
+            Bufs::InPlace {
+                buf: output,
+                scratch: &mut *scratch,
+            }
+        } else {
+            Bufs::Apart { input, output }
+        };
+        (collective.run)(comm, b, p).map_err(err)
+    };
+    prepare(output);
+    for _ in 0..args.warmup {
+        once(output)?;
+    }
+    comm.barrier().map_err(err)?;
+    let start = Instant::now();
+    for _ in 0..args.iters * args.agg_iters {
+        once(output)?;
+    }
+    let mine = start.elapsed().as_secs_f64() / (args.iters * args.agg_iters) as f64;
+    let seconds = combine_times(comm, mine, args.average).map_err(err)?;
+    if args.check == 0 {
+        return Ok((seconds, None));
+    }
+    let result = if in_place {
+        collective.in_place_output(layout, rank)
+    } else {
+        0..layout.recv
+    };
+    let mut wrong = [0u64];
+    for _ in 0..args.check {
+        // Stale results from the timed runs must not pass for fresh ones.
+        output.fill(0xa5);
+        prepare(output);
+        once(output)?;
+        let region = &output[result.start * elem..result.end * elem];
+        wrong[0] = collective.count_wrong(p, layout, rank, world, region) as u64;
+        comm.all_reduce(&mut wrong, ReduceOp::Sum).map_err(err)?;
+        if wrong[0] > 0 {
+            break;
+        }
+    }
+    Ok((seconds, Some(wrong[0])))
+}
+
+/// Combines the ranks' times as `-a` asks.
+fn combine_times(comm: &Communicator, mine: f64, average: Average) -> chorus::Result<f64> {
+    let mut t = [mine];
+    match average {
+        Average::RankZero => comm.broadcast(&mut t, 0)?,
+        Average::Mean => comm.all_reduce(&mut t, ReduceOp::Avg)?,
+        Average::Min => comm.all_reduce(&mut t, ReduceOp::Min)?,
+        Average::Max => comm.all_reduce(&mut t, ReduceOp::Max)?,
+    }
+    Ok(t[0])
+}
+
+/// Bytes of one rank's record in the device list: pid, name length, name.
+const DEVICE_RECORD: usize = 72;
+
+/// Every rank's pid and host name, in rank order.
+fn gather_devices(comm: &Communicator) -> Result<Vec<Device>, String> {
+    let mut mine = [0u8; DEVICE_RECORD];
+    let host = chorus::hostname();
+    let name = &host.as_bytes()[..host.len().min(DEVICE_RECORD - 5)];
+    mine[..4].copy_from_slice(&std::process::id().to_le_bytes());
+    mine[4] = name.len() as u8;
+    mine[5..5 + name.len()].copy_from_slice(name);
+    let mut all = vec![0u8; DEVICE_RECORD * comm.world_size()];
+    comm.all_gather(&mine, &mut all)
+        .map_err(|e| e.to_string())?;
+    Ok(all
+        .chunks_exact(DEVICE_RECORD)
+        .enumerate()
+        .map(|(rank, r)| Device {
+            rank,
+            pid: u32::from_le_bytes([r[0], r[1], r[2], r[3]]),
+            hostname: String::from_utf8_lossy(&r[5..5 + r[4] as usize]).into_owned(),
+        })
+        .collect())
+}

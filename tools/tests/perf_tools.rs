@@ -1,0 +1,259 @@
+//! Runs every perf binary over real local ranks with the check on, and parses
+//! its output back the way an nccl-tests parser would.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// The table columns, in nccl-tests' order.
+const COLUMNS: [&str; 13] = [
+    "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw",
+    "busbw", "#wrong",
+];
+
+/// A small sweep that still moves enough bytes for nonzero bandwidth.
+const SWEEP: [&str; 12] = [
+    "-b", "8", "-e", "512K", "-f", "16", "-n", "3", "-w", "1", "-c", "1",
+];
+
+/// One parsed row: numbers of the out-of-place and in-place groups.
+#[derive(Debug)]
+struct Row {
+    size: usize,
+    count: usize,
+    dtype: String,
+    redop: String,
+    root: i64,
+    /// (time us, algbw, busbw, wrong) out of place, then in place.
+    groups: [(f64, f64, f64, u64); 2],
+}
+
+struct Parsed {
+    rows: Vec<Row>,
+    wrong_total: u64,
+    avg_busbw: f64,
+}
+
+fn run(exe: &str, args: &[&str]) -> Output {
+    Command::new(exe)
+        .args(args)
+        .args(["--job-timeout", "60"])
+        .env_remove("RANK")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot start {exe}: {e}"))
+}
+
+fn run_ok(exe: &str, args: &[&str]) -> String {
+    let out = run(exe, args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{exe} {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// Parses the table and footer of nccl-tests-format output.
+fn parse(text: &str) -> Parsed {
+    let header = text
+        .lines()
+        .find(|l| l.starts_with('#') && l.contains("redop"))
+        .expect("a column header line");
+    let names: Vec<&str> = header.trim_start_matches('#').split_whitespace().collect();
+    assert_eq!(names, COLUMNS, "header: {header}");
+    let rows = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(f.len(), 13, "row: {l}");
+            let num = |i: usize| -> f64 { f[i].parse().unwrap_or_else(|_| panic!("{l}")) };
+            let group = |i: usize| (num(i), num(i + 1), num(i + 2), num(i + 3) as u64);
+            Row {
+                size: f[0].parse().unwrap(),
+                count: f[1].parse().unwrap(),
+                dtype: f[2].into(),
+                redop: f[3].into(),
+                root: f[4].parse().unwrap(),
+                groups: [group(5), group(9)],
+            }
+        })
+        .collect();
+    let footer = |key: &str| -> String {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("# {key}")))
+            .unwrap_or_else(|| panic!("no '{key}' line in:\n{text}"));
+        line.split(':').nth(1).unwrap().trim().to_string()
+    };
+    let oob = footer("Out of bounds values");
+    let (count, verdict) = oob.split_once(' ').unwrap();
+    let wrong_total: u64 = count.parse().unwrap();
+    assert_eq!(verdict, if wrong_total == 0 { "OK" } else { "FAILED" });
+    Parsed {
+        rows,
+        wrong_total,
+        avg_busbw: footer("Avg bus bandwidth").parse().unwrap(),
+    }
+}
+
+/// Checks a run of `program` over `world` ranks: sizes and counts as nccl-tests lays
+/// them out, no wrong values, bandwidths consistent with the times and the bus factor.
+fn check(parsed: &Parsed, world: usize, shape: Shape, redop: &str, root: i64) {
+    let sizes: Vec<usize> = (0..5).map(|i| 8 << (4 * i)).collect();
+    assert_eq!(parsed.rows.len(), sizes.len());
+    assert_eq!(parsed.wrong_total, 0);
+    let mut busbw_sum = 0.0;
+    for (row, size) in parsed.rows.iter().zip(sizes) {
+        let count = size / 4;
+        let block = (count / world) / 4 * 4;
+        let (want_size, want_count, factor) = match shape {
+            Shape::Whole(factor) => (size, count, factor),
+            Shape::Blocks => (block * world * 4, block, (world - 1) as f64 / world as f64),
+        };
+        assert_eq!((row.size, row.count), (want_size, want_count), "{row:?}");
+        assert_eq!(
+            (row.dtype.as_str(), row.redop.as_str(), row.root),
+            ("float", redop, root)
+        );
+        for (time, algbw, busbw, wrong) in row.groups {
+            assert_eq!(wrong, 0, "{row:?}");
+            assert!(time > 0.0, "{row:?}");
+            let exact = row.size as f64 / time / 1e3;
+            let close = |got: f64, want: f64| (got - want).abs() <= 0.006 + 0.01 * want;
+            assert!(close(algbw, exact), "algbw {algbw} vs {exact}: {row:?}");
+            assert!(close(busbw, exact * factor), "busbw {busbw}: {row:?}");
+            busbw_sum += busbw;
+        }
+    }
+    let mean = busbw_sum / (2 * parsed.rows.len()) as f64;
+    assert!(
+        (parsed.avg_busbw - mean).abs() <= 0.006,
+        "{} vs {mean}",
+        parsed.avg_busbw
+    );
+}
+
+#[derive(Clone, Copy)]
+enum Shape {
+    /// Same size in and out, with this bus factor.
+    Whole(f64),
+    /// World-size blocks of count/W elements (rounded to 16 bytes), factor (W-1)/W.
+    Blocks,
+}
+
+fn sweep(exe: &str, np: usize, extra: &[&str]) -> Parsed {
+    let np = np.to_string();
+    let mut args = SWEEP.to_vec();
+    args.extend(["-np", &np]);
+    args.extend(extra);
+    parse(&run_ok(exe, &args))
+}
+
+#[test]
+fn allreduce_perf_reports_and_checks() {
+    let parsed = sweep(env!("CARGO_BIN_EXE_allreduce_perf"), 2, &[]);
+    check(&parsed, 2, Shape::Whole(1.0), "sum", -1);
+}
+
+#[test]
+fn broadcast_perf_from_a_chosen_root() {
+    let parsed = sweep(env!("CARGO_BIN_EXE_broadcast_perf"), 2, &["-r", "1"]);
+    check(&parsed, 2, Shape::Whole(1.0), "none", 1);
+}
+
+#[test]
+fn reduce_perf_over_every_root_in_turn() {
+    let exe = env!("CARGO_BIN_EXE_reduce_perf");
+    let parsed = parse(&run_ok(
+        exe,
+        &[
+            "-b", "1K", "-e", "1K", "-n", "2", "-w", "1", "-r", "-1", "-o", "max", "-np", "2",
+        ],
+    ));
+    let roots: Vec<i64> = parsed.rows.iter().map(|r| r.root).collect();
+    assert_eq!(roots, [0, 1]);
+    assert!(parsed
+        .rows
+        .iter()
+        .all(|r| r.redop == "max" && r.count == 256));
+    assert_eq!(parsed.wrong_total, 0);
+}
+
+#[test]
+fn all_gather_perf_reports_and_checks() {
+    let parsed = sweep(env!("CARGO_BIN_EXE_all_gather_perf"), 2, &[]);
+    check(&parsed, 2, Shape::Blocks, "none", -1);
+}
+
+#[test]
+fn reduce_scatter_perf_over_three_ranks() {
+    let parsed = sweep(env!("CARGO_BIN_EXE_reduce_scatter_perf"), 3, &[]);
+    check(&parsed, 3, Shape::Blocks, "sum", -1);
+}
+
+#[test]
+fn alltoall_perf_reports_and_checks() {
+    let parsed = sweep(env!("CARGO_BIN_EXE_alltoall_perf"), 2, &[]);
+    check(&parsed, 2, Shape::Blocks, "none", -1);
+}
+
+#[test]
+fn sendrecv_perf_reports_and_checks() {
+    let parsed = sweep(env!("CARGO_BIN_EXE_sendrecv_perf"), 2, &["-a", "3"]);
+    check(&parsed, 2, Shape::Whole(1.0), "none", -1);
+}
+
+#[test]
+fn barrier_perf_reports_one_latency_row() {
+    let exe = env!("CARGO_BIN_EXE_barrier_perf");
+    let parsed = parse(&run_ok(exe, &["-n", "50", "-w", "5", "-np", "2"]));
+    assert_eq!(parsed.rows.len(), 1);
+    let row = &parsed.rows[0];
+    assert_eq!((row.size, row.count, row.redop.as_str()), (0, 0, "none"));
+    assert!(row.groups.iter().all(|g| g.0 > 0.0 && g.2 == 0.0));
+}
+
+#[test]
+fn json_results_match_the_table() {
+    let dir = std::env::temp_dir().join(format!("chorus-perf-json-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("results.json");
+    let exe = env!("CARGO_BIN_EXE_allreduce_perf");
+    let text = run_ok(
+        exe,
+        &[
+            &SWEEP[..],
+            &["-np", "2", "-m", "2", "-J", file.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    let parsed = parse(&text);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(json["config"]["aggregated_iterations"], 2);
+    assert_eq!(json["config"]["devices"].as_array().unwrap().len(), 2);
+    let results = json["results"].as_array().unwrap();
+    assert_eq!(results.len(), parsed.rows.len());
+    for (r, row) in results.iter().zip(&parsed.rows) {
+        assert_eq!(r["size"].as_u64().unwrap() as usize, row.size);
+        assert_eq!(r["redop"], "sum");
+        let busbw = r["out_of_place"]["bus_bw"].as_f64().unwrap();
+        assert!((busbw - row.groups[0].2).abs() <= 0.006, "{r} vs {row:?}");
+        assert_eq!(r["in_place"]["nwrong"], 0);
+    }
+    assert_eq!(json["out_of_bounds"]["okay"], true);
+}
+
+#[test]
+fn a_root_outside_the_job_is_a_clear_error() {
+    let out = run(
+        env!("CARGO_BIN_EXE_broadcast_perf"),
+        &["-b", "8", "-e", "8", "-r", "2", "-np", "2"],
+    );
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("-r 2 is not a rank"), "{stderr}");
+    assert!(Path::new(env!("CARGO_BIN_EXE_broadcast_perf")).exists());
+}
