@@ -3,6 +3,8 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
+use chorus_transport::TransportKind;
+
 use crate::rendezvous::{self, Ranks};
 use crate::tuner::{Forced, DEFAULT_ALPHA, DEFAULT_BETA};
 use crate::Error;
@@ -39,6 +41,11 @@ pub struct Config {
     pub chunk_bytes: usize,
     /// Address peers use to reach this rank (`CHORUS_SOCKET_ADDR`); derived from the route to MASTER_ADDR if unset.
     pub socket_addr: Option<IpAddr>,
+    /// Shared memory within a host and TCP across, or one of them only (`CHORUS_TRANSPORT`).
+    pub transport: TransportKind,
+    /// This rank's host identity: ranks with equal ones use shared memory (`CHORUS_HOST_ID`);
+    /// hostname, boot id and namespaces if unset.
+    pub host_id: Option<String>,
 }
 
 /// Defaults shared by `Config::new` and `Config::from_env`.
@@ -70,6 +77,8 @@ impl Config {
             beta: DEFAULT_BETA,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             socket_addr: None,
+            transport: TransportKind::Auto,
+            host_id: None,
         }
     }
 
@@ -124,6 +133,8 @@ impl Config {
         let alpha = positive(get, "CHORUS_ALPHA_US")?.map_or(DEFAULT_ALPHA, |us| us * 1e-6);
         let beta = positive(get, "CHORUS_BANDWIDTH_GBS")?.map_or(DEFAULT_BETA, |gbs| gbs * 1e9);
         let socket_addr = optional(get, "CHORUS_SOCKET_ADDR")?;
+        let transport = optional(get, "CHORUS_TRANSPORT")?.unwrap_or_default();
+        let host_id = get("CHORUS_HOST_ID").filter(|h| !h.trim().is_empty());
         // Last, since for file:// rank 0 publishes its address here.
         let (master_addr, master_port) = found.master.resolve(&found.ranks, timeout, get)?;
         let Ranks {
@@ -155,6 +166,8 @@ impl Config {
             beta,
             chunk_bytes,
             socket_addr,
+            transport,
+            host_id,
         })
     }
 }
@@ -240,6 +253,14 @@ mod tests {
         assert_eq!((c.local_rank, c.local_world_size), (0, 2));
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.algo, "tree".parse::<Forced>().unwrap());
+        assert_eq!((c.transport, c.host_id), (TransportKind::Auto, None));
+        vars.extend([
+            ("CHORUS_TRANSPORT", "tcp"),
+            ("CHORUS_HOST_ID", "rack1-node7"),
+        ]);
+        let c = from(&vars).unwrap();
+        assert_eq!(c.transport, TransportKind::Tcp);
+        assert_eq!(c.host_id.as_deref(), Some("rack1-node7"));
     }
 
     #[test]
@@ -270,6 +291,13 @@ mod tests {
         let mut vars = BASE.to_vec();
         vars.push(("CHORUS_ALGO", "spiral"));
         assert!(from(&vars).unwrap_err().to_string().contains("CHORUS_ALGO"));
+        let mut vars = BASE.to_vec();
+        vars.push(("CHORUS_TRANSPORT", "carrier-pigeon"));
+        let err = from(&vars).unwrap_err().to_string();
+        assert!(
+            err.contains("CHORUS_TRANSPORT") && err.contains("auto, tcp or shm"),
+            "{err}"
+        );
     }
 
     #[test]

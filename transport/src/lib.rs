@@ -5,15 +5,20 @@
 //!   the peer rank).
 //! * [`tcp::TcpTransport`]: TCP sockets (several per peer, striped), driven
 //!   by a progress thread.
+//! * [`shm::ShmTransport`]: shared-memory rings between the ranks of a host.
+//! * [`RoutedTransport`]: shared memory within a host, TCP across hosts.
 //! * [`store`]: the rendezvous key-value store through which ranks find each
 //!   other.
 
 mod error;
 mod request;
+mod routed;
+pub mod shm;
 pub mod store;
 pub mod tcp;
 mod transport;
 
 pub use error::TransportError;
 pub use request::{Completion, Direction, Progress, Request};
+pub use routed::{host_identity, RouteConfig, RoutedTransport, TransportKind};
 pub use transport::{wait_all, Transport};

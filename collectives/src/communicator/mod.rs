@@ -18,7 +18,9 @@ use std::time::Instant;
 
 use chorus_kernels::{DType, ReduceOp};
 use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore};
-use chorus_transport::tcp::{TcpConfig, TcpTransport};
+use chorus_transport::shm::ShmConfig;
+use chorus_transport::tcp::TcpConfig;
+use chorus_transport::{RouteConfig, RoutedTransport};
 use chorus_transport::Transport;
 
 use crate::executor::{self, Buffers, Job, Workspace};
@@ -67,7 +69,7 @@ pub struct Communicator {
 /// What blocking calls and the asynchronous worker share.
 pub(crate) struct Inner {
     config: Config,
-    transport: Option<TcpTransport>,
+    transport: Option<RoutedTransport>,
     state: Mutex<State>,
     /// Signalled whenever `State::serving` advances.
     turn: Condvar,
@@ -168,13 +170,21 @@ impl Communicator {
     ) -> Result<Communicator> {
         let rank = config.rank;
         let store = PrefixStore::new(prefix.clone(), client.clone());
-        let tcp = TcpConfig {
-            nsocks: config.nsocks,
-            addr: advertised_addr(&config)?,
-            timeout: config.timeout,
-            ..TcpConfig::default()
+        let routes = RouteConfig {
+            kind: config.transport,
+            host_id: config.host_id.clone(),
+            tcp: TcpConfig {
+                nsocks: config.nsocks,
+                addr: advertised_addr(&config)?,
+                timeout: config.timeout,
+                ..TcpConfig::default()
+            },
+            shm: ShmConfig {
+                timeout: config.timeout,
+                ..ShmConfig::default()
+            },
         };
-        let transport = TcpTransport::connect(rank, config.world_size, &store, &tcp)
+        let transport = RoutedTransport::connect(rank, config.world_size, &store, &routes)
             .map_err(|e| Error::from(e).on_rank(rank))?;
         // The store's host keeps it up until every rank is done with it.
         store.set(&format!("ready/{rank}"), b"1")?;
@@ -196,7 +206,7 @@ impl Communicator {
 
     fn assemble(
         config: Config,
-        transport: Option<TcpTransport>,
+        transport: Option<RoutedTransport>,
         store: Option<(Arc<TcpStore>, String)>,
         server: Option<Arc<StoreServer>>,
     ) -> Communicator {

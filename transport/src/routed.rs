@@ -1,0 +1,261 @@
+//! The transport a communicator uses: shared memory to the ranks on this
+//! host, TCP to the others, chosen per peer at set-up.
+//!
+//! Each rank publishes its host identity in the store (hostname, boot id and
+//! the network, IPC and PID namespaces it runs in, or an explicit override)
+//! and reads everyone else's; ranks with equal identities share a host.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::shm::{ShmConfig, ShmTransport};
+use crate::store::Store;
+use crate::tcp::{TcpConfig, TcpTransport};
+use crate::{Request, Transport, TransportError};
+
+/// Which transports a job may use (`CHORUS_TRANSPORT`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TransportKind {
+    /// Shared memory within a host, TCP across hosts.
+    #[default]
+    Auto,
+    /// TCP to every peer.
+    Tcp,
+    /// Shared memory to every peer; set-up fails if a peer is on another host.
+    Shm,
+}
+
+impl FromStr for TransportKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(TransportKind::Auto),
+            "tcp" => Ok(TransportKind::Tcp),
+            "shm" => Ok(TransportKind::Shm),
+            other => Err(format!(
+                "unknown transport '{other}' (expected auto, tcp or shm)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+        })
+    }
+}
+
+/// Settings of a [`RoutedTransport`].
+#[derive(Debug, Clone, Default)]
+pub struct RouteConfig {
+    /// Which transports may be used.
+    pub kind: TransportKind,
+    /// This rank's host identity; [`host_identity`] when `None`.
+    pub host_id: Option<String>,
+    /// Settings of the TCP transport (used to ranks on other hosts).
+    pub tcp: TcpConfig,
+    /// Settings of the shared-memory transport (used to ranks on this host).
+    pub shm: ShmConfig,
+}
+
+/// What identifies this host: ranks that report the same string can share memory.
+///
+/// The hostname and boot id, and the network, IPC and PID namespaces of this
+/// process (so containers and network namespaces on one machine count as
+/// separate hosts).
+pub fn host_identity() -> String {
+    let read = |path: &str| {
+        std::fs::read_to_string(path).map_or_else(|_| "?".into(), |s| s.trim().to_string())
+    };
+    let ns = |name: &str| {
+        std::fs::read_link(format!("/proc/self/ns/{name}"))
+            .map_or_else(|_| "?".into(), |p| p.to_string_lossy().into_owned())
+    };
+    format!(
+        "{} {} {} {} {}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id"),
+        ns("net"),
+        ns("ipc"),
+        ns("pid")
+    )
+}
+
+/// How one peer is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Shm,
+    Tcp,
+}
+
+/// A [`Transport`] that reaches each peer through shared memory (same host)
+/// or TCP (other hosts).
+#[derive(Debug)]
+pub struct RoutedTransport {
+    rank: usize,
+    world_size: usize,
+    routes: Vec<Route>,
+    shm: Option<ShmTransport>,
+    tcp: Option<TcpTransport>,
+}
+
+impl RoutedTransport {
+    /// Finds which ranks share this rank's host and connects to every rank.
+    ///
+    /// Fails as [`ShmTransport::connect`] and [`TcpTransport::connect`] do,
+    /// and, with [`TransportKind::Shm`], if some rank is on another host.
+    pub fn connect(
+        rank: usize,
+        world_size: usize,
+        store: &dyn Store,
+        config: &RouteConfig,
+    ) -> Result<RoutedTransport, TransportError> {
+        if rank >= world_size {
+            return Err(TransportError::Setup(format!(
+                "rank {rank} is not below the world size {world_size}"
+            )));
+        }
+        // A rank that wants TCP only publishes an identity nobody else has,
+        // so every rank agrees on who talks shared memory to whom.
+        let host = match config.kind {
+            TransportKind::Tcp => format!("tcp-only rank {rank}"),
+            _ => config.host_id.clone().unwrap_or_else(host_identity),
+        };
+        store.set(&format!("host/{rank}"), host.as_bytes())?;
+        let mut local = Vec::new();
+        for r in 0..world_size {
+            if store.get(&format!("host/{r}"))? == host.as_bytes() {
+                local.push(r);
+            }
+        }
+        if config.kind == TransportKind::Shm && local.len() < world_size {
+            let others: Vec<usize> = (0..world_size).filter(|r| !local.contains(r)).collect();
+            return Err(TransportError::Setup(format!(
+                "CHORUS_TRANSPORT=shm, but ranks {others:?} are on other hosts than rank {rank} \
+                 (use auto or tcp)"
+            )));
+        }
+        let routes: Vec<Route> = (0..world_size)
+            .map(|r| {
+                if local.contains(&r) {
+                    Route::Shm
+                } else {
+                    Route::Tcp
+                }
+            })
+            .collect();
+        let shm = if local.len() > 1 {
+            Some(ShmTransport::connect(
+                rank,
+                world_size,
+                &local,
+                store,
+                &config.shm,
+            )?)
+        } else {
+            None
+        };
+        let tcp = if local.len() < world_size {
+            Some(TcpTransport::connect(rank, world_size, store, &config.tcp)?)
+        } else {
+            None
+        };
+        let shm_peers: Vec<usize> = local.iter().copied().filter(|&r| r != rank).collect();
+        tracing::info!(
+            rank,
+            ?shm_peers,
+            tcp_peers = world_size - local.len(),
+            "transport routes"
+        );
+        Ok(RoutedTransport {
+            rank,
+            world_size,
+            routes,
+            shm,
+            tcp,
+        })
+    }
+
+    /// The transport that reaches `peer`.
+    fn to(&self, peer: usize) -> Result<&dyn Transport, TransportError> {
+        let invalid = || TransportError::InvalidPeer {
+            peer,
+            rank: self.rank,
+            world_size: self.world_size,
+        };
+        if peer == self.rank {
+            return Err(invalid());
+        }
+        let t: Option<&dyn Transport> = match self.routes.get(peer).ok_or_else(invalid)? {
+            Route::Shm => self.shm.as_ref().map(|t| t as &dyn Transport),
+            Route::Tcp => self.tcp.as_ref().map(|t| t as &dyn Transport),
+        };
+        t.ok_or_else(invalid)
+    }
+
+    /// Whether `peer` is reached through shared memory.
+    pub fn uses_shm(&self, peer: usize) -> bool {
+        peer != self.rank && self.routes.get(peer) == Some(&Route::Shm)
+    }
+}
+
+impl Transport for RoutedTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
+        // SAFETY: the caller's guarantee is passed on unchanged.
+        unsafe { self.to(peer)?.isend(peer, tag, data) }
+    }
+
+    unsafe fn irecv(
+        &self,
+        peer: usize,
+        tag: u64,
+        buf: &mut [u8],
+    ) -> Result<Request, TransportError> {
+        // SAFETY: the caller's guarantee is passed on unchanged.
+        unsafe { self.to(peer)?.irecv(peer, tag, buf) }
+    }
+
+    fn abort(&self, reason: &str) {
+        if let Some(t) = &self.shm {
+            t.abort(reason);
+        }
+        if let Some(t) = &self.tcp {
+            t.abort(reason);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_parse_and_print() {
+        for kind in [TransportKind::Auto, TransportKind::Tcp, TransportKind::Shm] {
+            assert_eq!(kind.to_string().parse::<TransportKind>(), Ok(kind));
+        }
+        assert_eq!(" SHM ".parse::<TransportKind>(), Ok(TransportKind::Shm));
+        assert!("ib".parse::<TransportKind>().unwrap_err().contains("'ib'"));
+    }
+
+    #[test]
+    fn the_host_identity_is_stable_and_names_the_boot() {
+        let id = host_identity();
+        assert_eq!(id, host_identity());
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+        assert!(id.contains(boot.trim()), "{id}");
+    }
+}

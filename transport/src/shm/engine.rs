@@ -1,0 +1,543 @@
+//! The shared-memory progress engine: per-peer queues of posted sends and
+//! receives, moved chunk by chunk through the rings of the shared region.
+//!
+//! A send is split into slot-sized chunks copied into the ring to the peer;
+//! each chunk is published on its own (release store of the tail), so the
+//! receiver copies one chunk out while the sender copies the next one in. A
+//! receive checks every chunk's header (sequence, tag, length) before copying
+//! it into the caller's buffer, then frees the slot (release store of the
+//! head). A sleeping peer is woken through its doorbell after each chunk.
+//!
+//! All local state sits behind one mutex. Posting threads and waiting
+//! threads move bytes inline; the progress thread takes over when nobody is
+//! waiting, and watches peers' liveness.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::region::{Region, Ring, SlotHeader};
+use super::wake::{self, Liveness};
+use crate::request::{Completion, Direction, Progress, Request};
+use crate::TransportError;
+
+/// How often the progress thread checks that peers with pending work are alive.
+const LIVENESS_EVERY: Duration = Duration::from_millis(20);
+/// How long the progress thread naps while a waiting thread moves bytes itself.
+const NAP: Duration = Duration::from_micros(100);
+/// Longest sleep of the progress thread (it re-checks liveness after each).
+const SLEEP: Duration = Duration::from_millis(20);
+/// Polls of the rings before the progress thread naps or sleeps.
+const SPINS: u32 = 200;
+
+/// A posted send.
+#[derive(Debug)]
+struct SendOp {
+    data: *const u8,
+    len: usize,
+    tag: u64,
+    seq: u64,
+    done: usize,
+    chunks_left: u64,
+    completion: Arc<Completion>,
+}
+
+/// A posted receive.
+#[derive(Debug)]
+struct RecvOp {
+    buf: *mut u8,
+    len: usize,
+    tag: u64,
+    seq: u64,
+    done: usize,
+    chunks_left: u64,
+    completion: Arc<Completion>,
+}
+
+/// Everything about one local peer.
+#[derive(Debug)]
+struct Link {
+    peer: usize,
+    peer_local: usize,
+    tx: Ring,
+    rx: Ring,
+    /// Chunks this rank published to the peer, and the peer's head as last seen.
+    tx_tail: u64,
+    tx_head: u64,
+    /// Chunks this rank consumed from the peer, and the peer's tail as last seen.
+    rx_head: u64,
+    rx_tail: u64,
+    sends: VecDeque<SendOp>,
+    recvs: VecDeque<RecvOp>,
+    send_seq: u64,
+    recv_seq: u64,
+    failed: Option<TransportError>,
+    /// The peer process exited or closed its transport.
+    gone: bool,
+    live: Liveness,
+}
+
+/// The engine's state; guarded by the mutex in [`Shared`].
+#[derive(Debug)]
+pub(crate) struct Engine {
+    rank: usize,
+    world_size: usize,
+    region: Arc<Region>,
+    own_local: usize,
+    /// Links by global peer rank; `None` for ranks on other hosts and self.
+    links: Vec<Option<Link>>,
+    aborted: Option<String>,
+}
+
+// SAFETY: the raw pointers (caller buffers, ring slots) are only dereferenced
+// under the engine mutex; callers keep their buffers valid until completion
+// or abort (both under that mutex), and the rings stay mapped as long as the
+// engine holds `region`.
+unsafe impl Send for Engine {}
+
+/// A peer to link to: its global and local rank, and its process id.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PeerInfo {
+    pub rank: usize,
+    pub local: usize,
+    pub pid: u32,
+}
+
+/// The engine and what the progress thread needs beside it.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    engine: Mutex<Engine>,
+    region: Arc<Region>,
+    own_local: usize,
+    stop: AtomicBool,
+    /// Counts progress-hook calls: while it moves, a waiter is spinning.
+    hooks: AtomicU64,
+}
+
+impl Shared {
+    /// Builds the engine over `region` for local rank `own_local`, linked to `peers`.
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        region: Arc<Region>,
+        own_local: usize,
+        peers: &[PeerInfo],
+    ) -> Shared {
+        let mut links: Vec<Option<Link>> = (0..world_size).map(|_| None).collect();
+        for p in peers {
+            links[p.rank] = Some(Link {
+                peer: p.rank,
+                peer_local: p.local,
+                tx: region.ring(own_local, p.local),
+                rx: region.ring(p.local, own_local),
+                tx_tail: 0,
+                tx_head: 0,
+                rx_head: 0,
+                rx_tail: 0,
+                sends: VecDeque::new(),
+                recvs: VecDeque::new(),
+                send_seq: 0,
+                recv_seq: 0,
+                failed: None,
+                gone: false,
+                live: Liveness::watch(p.pid),
+            });
+        }
+        let engine = Engine {
+            rank,
+            world_size,
+            region: region.clone(),
+            own_local,
+            links,
+            aborted: None,
+        };
+        Shared {
+            engine: Mutex::new(engine),
+            region,
+            own_local,
+            stop: AtomicBool::new(false),
+            hooks: AtomicU64::new(0),
+        }
+    }
+
+    /// Locks the engine (a panic elsewhere does not poison progress).
+    pub fn lock(&self) -> MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Asks the progress thread to exit and wakes it.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        wake::ring(self.region.control(self.own_local));
+    }
+
+    /// The progress thread: moves bytes nobody else is moving, sleeps when
+    /// nothing can move, and fails peers that died.
+    pub fn run(&self) {
+        let own = self.region.control(self.own_local);
+        let mut last_check = Instant::now();
+        let mut idle_spins = 0;
+        let mut hooks_seen = self.hooks.load(Ordering::Relaxed);
+        while !self.stop.load(Ordering::Acquire) {
+            let seen = own.doorbell.load(Ordering::Acquire);
+            let (moved, pending) = {
+                let mut engine = self.lock();
+                let moved = engine.progress();
+                if last_check.elapsed() >= LIVENESS_EVERY {
+                    engine.check_liveness();
+                    last_check = Instant::now();
+                }
+                (moved, engine.pending())
+            };
+            if moved {
+                idle_spins = 0;
+                continue;
+            }
+            if pending && idle_spins < SPINS {
+                idle_spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            idle_spins = 0;
+            let hooks = self.hooks.load(Ordering::Relaxed);
+            if pending && hooks != hooks_seen {
+                // A waiter is moving bytes itself: stay out of its way, and
+                // out of the peers' way (no doorbell wanted).
+                hooks_seen = hooks;
+                wake::futex_wait(own.doorbell, seen, NAP);
+                continue;
+            }
+            // Nobody is waiting on the rings: ask peers for a doorbell, then
+            // look once more before sleeping (pairs with `ring_if_sleeping`).
+            own.sleeping.store(1, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            let moved = self.lock().progress();
+            if !moved && !self.stop.load(Ordering::Acquire) {
+                wake::futex_wait(own.doorbell, seen, SLEEP);
+            }
+            own.sleeping.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Progress for Shared {
+    fn poll(&self, _peer: usize) {
+        self.hooks.fetch_add(1, Ordering::Relaxed);
+        // Never wait for the lock: whoever holds it is moving bytes anyway.
+        // Every peer is served, since a receive may wait on a send to another.
+        if let Ok(mut engine) = self.engine.try_lock() {
+            engine.progress();
+        }
+    }
+}
+
+impl Engine {
+    fn link(&mut self, peer: usize) -> Result<&mut Link, TransportError> {
+        if let Some(reason) = &self.aborted {
+            return Err(TransportError::Aborted(reason.clone()));
+        }
+        let (rank, world_size) = (self.rank, self.world_size);
+        let invalid = TransportError::InvalidPeer {
+            peer,
+            rank,
+            world_size,
+        };
+        let link = self
+            .links
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .ok_or(invalid)?;
+        match &link.failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(link),
+        }
+    }
+
+    /// Queues a send to `peer` and moves what fits now.
+    ///
+    /// # Safety
+    ///
+    /// `data..data+len` must stay valid until the request completes or the
+    /// engine is aborted.
+    pub unsafe fn post_send(
+        &mut self,
+        peer: usize,
+        tag: u64,
+        data: *const u8,
+        len: usize,
+    ) -> Result<Request, TransportError> {
+        let link = self.link(peer)?;
+        let (req, completion) = Request::new(peer, Direction::Send, len);
+        let seq = link.send_seq;
+        link.send_seq += 1;
+        let chunks_left = chunks(len, link.tx.slot_bytes());
+        link.sends.push_back(SendOp {
+            data,
+            len,
+            tag,
+            seq,
+            done: 0,
+            chunks_left,
+            completion,
+        });
+        self.serve(peer);
+        Ok(req)
+    }
+
+    /// Queues a receive from `peer` and takes what has already arrived.
+    ///
+    /// # Safety
+    ///
+    /// `buf..buf+len` must stay valid and unaliased until the request
+    /// completes or the engine is aborted.
+    pub unsafe fn post_recv(
+        &mut self,
+        peer: usize,
+        tag: u64,
+        buf: *mut u8,
+        len: usize,
+    ) -> Result<Request, TransportError> {
+        let link = self.link(peer)?;
+        let (req, completion) = Request::new(peer, Direction::Recv, len);
+        let seq = link.recv_seq;
+        link.recv_seq += 1;
+        let chunks_left = chunks(len, link.rx.slot_bytes());
+        link.recvs.push_back(RecvOp {
+            buf,
+            len,
+            tag,
+            seq,
+            done: 0,
+            chunks_left,
+            completion,
+        });
+        self.serve(peer);
+        Ok(req)
+    }
+
+    /// Moves whatever can move on every link; true if anything moved.
+    pub fn progress(&mut self) -> bool {
+        let mut moved = false;
+        for peer in 0..self.links.len() {
+            moved |= self.serve(peer);
+        }
+        moved
+    }
+
+    /// Whether any request is still queued.
+    pub fn pending(&self) -> bool {
+        self.links
+            .iter()
+            .flatten()
+            .any(|l| !l.sends.is_empty() || !l.recvs.is_empty())
+    }
+
+    /// Marks peers with pending work whose process has exited, and fails their requests.
+    pub fn check_liveness(&mut self) {
+        for peer in 0..self.links.len() {
+            let Some(link) = self.links[peer].as_mut() else {
+                continue;
+            };
+            let busy = !link.sends.is_empty() || !link.recvs.is_empty();
+            if busy && !link.gone && link.live.dead() {
+                tracing::debug!(rank = self.rank, peer, "peer process exited");
+                link.gone = true;
+                self.serve(peer);
+            }
+        }
+    }
+
+    /// Moves bytes to and from `peer`; true if anything moved.
+    fn serve(&mut self, peer: usize) -> bool {
+        let Some(link) = self.links[peer].as_mut() else {
+            return false;
+        };
+        if link.failed.is_some() {
+            return false;
+        }
+        let region = &self.region;
+        let peer_control = region.control(link.peer_local);
+        if !link.gone && peer_control.closed.load(Ordering::Acquire) != 0 {
+            link.gone = true;
+        }
+        let result = link.push(|| wake::ring_if_sleeping(peer_control));
+        let result = result.and_then(|sent| {
+            link.pull(|| wake::ring_if_sleeping(peer_control))
+                .map(|got| sent | got)
+        });
+        match result {
+            Ok(moved) => {
+                if link.gone && (!link.sends.is_empty() || !link.recvs.is_empty()) {
+                    // Whatever the peer published before leaving has been taken.
+                    self.fail_peer(peer, TransportError::PeerClosed { peer });
+                }
+                moved
+            }
+            Err(e) => {
+                self.fail_peer(peer, e);
+                true
+            }
+        }
+    }
+
+    /// Fails every request to `peer`, now and later.
+    fn fail_peer(&mut self, peer: usize, err: TransportError) {
+        let Some(link) = self.links[peer].as_mut() else {
+            return;
+        };
+        if link.failed.is_some() {
+            return;
+        }
+        tracing::debug!(rank = self.rank, peer, error = %err, "peer failed");
+        for op in link.sends.drain(..) {
+            op.completion.complete(Err(err.clone()));
+        }
+        for op in link.recvs.drain(..) {
+            op.completion.complete(Err(err.clone()));
+        }
+        link.failed = Some(err);
+    }
+
+    /// Fails everything with `Aborted(reason)`, marks this rank closed in the
+    /// region, and wakes every local peer so they notice at once.
+    pub fn abort(&mut self, reason: &str) {
+        if self.aborted.is_some() {
+            return;
+        }
+        for peer in 0..self.links.len() {
+            self.fail_peer(peer, TransportError::Aborted(reason.to_string()));
+        }
+        self.aborted = Some(reason.to_string());
+        self.region
+            .control(self.own_local)
+            .closed
+            .store(1, Ordering::Release);
+        for link in self.links.iter().flatten() {
+            wake::ring(self.region.control(link.peer_local));
+        }
+    }
+}
+
+impl Link {
+    /// Copies queued sends into free slots; true if any chunk was published.
+    fn push(&mut self, notify: impl Fn()) -> Result<bool, TransportError> {
+        if self.gone {
+            return Ok(false);
+        }
+        let slots = self.tx.slots() as u64;
+        let slot_bytes = self.tx.slot_bytes();
+        let mut moved = false;
+        while let Some(op) = self.sends.front_mut() {
+            if self.tx_tail - self.tx_head >= slots {
+                self.tx_head = self.tx.head().load(Ordering::Acquire);
+                if self.tx_tail - self.tx_head >= slots {
+                    break;
+                }
+            }
+            let chunk = (op.len - op.done).min(slot_bytes);
+            self.tx.write_header(
+                self.tx_tail,
+                SlotHeader {
+                    seq: op.seq,
+                    tag: op.tag,
+                    msg_len: op.len as u64,
+                    chunk_len: chunk as u64,
+                },
+            );
+            // SAFETY: the caller's buffer holds `len` bytes (post_send's
+            // contract) and `done + chunk <= len`; the slot holds
+            // `slot_bytes >= chunk` and is ours until the tail passes it.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    op.data.add(op.done),
+                    self.tx.payload(self.tx_tail),
+                    chunk,
+                );
+            }
+            self.tx_tail += 1;
+            self.tx.tail().store(self.tx_tail, Ordering::Release);
+            notify();
+            moved = true;
+            op.done += chunk;
+            op.chunks_left -= 1;
+            if op.chunks_left == 0 {
+                let op = self.sends.pop_front().expect("front exists");
+                op.completion.complete(Ok(()));
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Copies published chunks into posted receives; true if any slot was freed.
+    fn pull(&mut self, notify: impl Fn()) -> Result<bool, TransportError> {
+        let slot_bytes = self.rx.slot_bytes();
+        let mut moved = false;
+        while let Some(op) = self.recvs.front_mut() {
+            if self.rx_head == self.rx_tail {
+                self.rx_tail = self.rx.tail().load(Ordering::Acquire);
+                if self.rx_head == self.rx_tail {
+                    break;
+                }
+            }
+            let got = self.rx.read_header(self.rx_head);
+            let chunk = (op.len - op.done).min(slot_bytes);
+            check_header(self.peer, &got, op, chunk)?;
+            // SAFETY: the header matched, so `chunk` bytes of payload are in
+            // the slot (published by the tail we acquired) and `done + chunk
+            // <= len` fits the caller's buffer (post_recv's contract).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.rx.payload(self.rx_head),
+                    op.buf.add(op.done),
+                    chunk,
+                );
+            }
+            self.rx_head += 1;
+            self.rx.head().store(self.rx_head, Ordering::Release);
+            notify();
+            moved = true;
+            op.done += chunk;
+            op.chunks_left -= 1;
+            if op.chunks_left == 0 {
+                let op = self.recvs.pop_front().expect("front exists");
+                op.completion.complete(Ok(()));
+            }
+        }
+        Ok(moved)
+    }
+}
+
+/// Slot-sized chunks of a `len`-byte message (one, carrying only the header, if empty).
+fn chunks(len: usize, slot_bytes: usize) -> u64 {
+    len.div_ceil(slot_bytes).max(1) as u64
+}
+
+/// Checks an arrived chunk's header against the receive it is for.
+fn check_header(
+    peer: usize,
+    got: &SlotHeader,
+    op: &RecvOp,
+    chunk: usize,
+) -> Result<(), TransportError> {
+    let protocol = |detail: String| TransportError::Protocol { peer, detail };
+    if got.seq != op.seq {
+        return Err(protocol(format!(
+            "message sequence {} arrived where {} was expected (stream out of step)",
+            got.seq, op.seq
+        )));
+    }
+    if got.tag != op.tag {
+        return Err(protocol(format!(
+            "message {} has tag {:#x}, expected {:#x}: the ranks are running different operations",
+            got.seq, got.tag, op.tag
+        )));
+    }
+    if got.msg_len != op.len as u64 || got.chunk_len != chunk as u64 {
+        return Err(protocol(format!(
+            "message {} is {} bytes, expected {} bytes: do all ranks pass buffers of the same length?",
+            got.seq, got.msg_len, op.len
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,321 @@
+//! The shared-memory transport, for ranks on one host: per ordered pair of
+//! ranks a ring of chunk slots in a mapping of a file in `/dev/shm`
+//! (unlinked once every rank has mapped it), futex sleeps, and pidfds to
+//! notice a peer process that died.
+
+mod engine;
+mod region;
+mod setup;
+mod wake;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::store::Store;
+use crate::{Request, Transport, TransportError};
+use engine::{PeerInfo, Shared};
+
+/// Settings of the shared-memory transport.
+#[derive(Debug, Clone)]
+pub struct ShmConfig {
+    /// Slots per ring (one ring per ordered pair of local ranks).
+    pub slots: usize,
+    /// Payload bytes per slot; messages are moved in chunks of this size.
+    pub slot_bytes: usize,
+    /// Directory of the shared file (a tmpfs).
+    pub dir: PathBuf,
+    /// Bound on set-up: waiting for the other local ranks to map the file.
+    pub timeout: Duration,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig {
+            slots: 8,
+            slot_bytes: 128 << 10,
+            dir: PathBuf::from("/dev/shm"),
+            timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// A [`Transport`] through shared memory between the ranks of one host.
+///
+/// Connects `rank` to the other ranks of its host only; posting to a rank
+/// elsewhere fails with `InvalidPeer` (see [`RoutedTransport`](crate::RoutedTransport)
+/// for a transport that reaches every rank).
+#[derive(Debug)]
+pub struct ShmTransport {
+    rank: usize,
+    world_size: usize,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ShmTransport {
+    /// Links `rank` to the ranks in `local` (global ranks on this host,
+    /// including `rank`), exchanging the file's name and process ids through `store`.
+    ///
+    /// Fails if `rank` is not in `local`, if the file cannot be created,
+    /// sized or mapped, or if a local rank does not map it within `config.timeout`.
+    pub fn connect(
+        rank: usize,
+        world_size: usize,
+        local: &[usize],
+        store: &dyn Store,
+        config: &ShmConfig,
+    ) -> Result<ShmTransport, TransportError> {
+        let mut local = local.to_vec();
+        local.sort_unstable();
+        local.dedup();
+        let own_local = local.iter().position(|&r| r == rank).ok_or_else(|| {
+            TransportError::Setup(format!(
+                "rank {rank} is not among the local ranks {local:?}"
+            ))
+        })?;
+        if let Some(&r) = local.iter().find(|&&r| r >= world_size) {
+            return Err(TransportError::Setup(format!(
+                "local rank list names rank {r}, not below the world size {world_size}"
+            )));
+        }
+        let joined = setup::join(rank, &local, store, config)?;
+        let peers: Vec<PeerInfo> = local
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != own_local)
+            .map(|(i, &r)| PeerInfo {
+                rank: r,
+                local: i,
+                pid: joined.pids[i],
+            })
+            .collect();
+        let region = Arc::new(joined.region);
+        let shared = Arc::new(Shared::new(rank, world_size, region, own_local, &peers));
+        let runner = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("chorus-shm-{rank}"))
+            .spawn(move || runner.run())
+            .map_err(|e| TransportError::Setup(format!("cannot start the progress thread: {e}")))?;
+        tracing::debug!(rank, ?local, "shm transport connected");
+        Ok(ShmTransport {
+            rank,
+            world_size,
+            shared,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Transport for ShmTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
+        let mut engine = self.shared.lock();
+        // SAFETY: the caller keeps `data` valid until completion or abort (trait contract).
+        let req = unsafe { engine.post_send(peer, tag, data.as_ptr(), data.len()) };
+        req.map(|r| r.with_progress(self.shared.clone()))
+    }
+
+    unsafe fn irecv(
+        &self,
+        peer: usize,
+        tag: u64,
+        buf: &mut [u8],
+    ) -> Result<Request, TransportError> {
+        let mut engine = self.shared.lock();
+        // SAFETY: the caller keeps `buf` valid and unaliased until completion or abort.
+        let req = unsafe { engine.post_recv(peer, tag, buf.as_mut_ptr(), buf.len()) };
+        req.map(|r| r.with_progress(self.shared.clone()))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.shared.lock().abort(reason);
+    }
+}
+
+impl Drop for ShmTransport {
+    fn drop(&mut self) {
+        self.shared.stop();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        self.shared.lock().abort("transport dropped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::store::{StoreServer, TcpStore};
+
+    /// `n` transports on one host, one per thread's rank, small slots so messages span several.
+    fn pair(n: usize) -> Vec<ShmTransport> {
+        pair_in(n, ShmConfig::default().dir)
+    }
+
+    /// Like `pair`, with the shared file in `dir`.
+    fn pair_in(n: usize, dir: PathBuf) -> Vec<ShmTransport> {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = server.local_addr().port();
+        let config = ShmConfig {
+            slots: 4,
+            slot_bytes: 256,
+            timeout: Duration::from_secs(20),
+            dir,
+        };
+        let local: Vec<usize> = (0..n).collect();
+        let threads: Vec<_> = (0..n)
+            .map(|rank| {
+                let (config, local) = (config.clone(), local.clone());
+                std::thread::spawn(move || {
+                    let store =
+                        TcpStore::connect("127.0.0.1", port, Duration::from_secs(20)).unwrap();
+                    ShmTransport::connect(rank, n, &local, &store, &config).unwrap()
+                })
+            })
+            .collect();
+        let out = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        drop(server);
+        out
+    }
+
+    fn deadline() -> Instant {
+        Instant::now() + Duration::from_secs(20)
+    }
+
+    #[test]
+    fn messages_of_every_size_arrive_in_order() {
+        let t = pair(3);
+        let sizes = [0usize, 1, 255, 256, 257, 1000, 4096, 10_000];
+        let data: Vec<Vec<u8>> = sizes
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 7 + n) as u8).collect())
+            .collect();
+        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+        let mut reqs = Vec::new();
+        // SAFETY: buffers outlive the requests, which are all waited for below.
+        unsafe {
+            for (i, b) in bufs.iter_mut().enumerate() {
+                reqs.push(t[2].irecv(0, i as u64, b).unwrap());
+            }
+            for (i, d) in data.iter().enumerate() {
+                reqs.push(t[0].isend(2, i as u64, d).unwrap());
+            }
+        }
+        crate::wait_all(&reqs, deadline()).unwrap();
+        assert_eq!(bufs, data);
+    }
+
+    #[test]
+    fn a_wrong_tag_or_length_fails_naming_the_peer() {
+        let t = pair(2);
+        let data = [1u8; 100];
+        let mut buf = [0u8; 100];
+        // SAFETY: both buffers outlive the waits.
+        let (s, r) = unsafe {
+            (
+                t[0].isend(1, 7, &data).unwrap(),
+                t[1].irecv(0, 8, &mut buf).unwrap(),
+            )
+        };
+        let err = r.wait(deadline()).unwrap_err();
+        assert!(
+            matches!(err, TransportError::Protocol { peer: 0, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("tag 0x7"), "{err}");
+        s.wait(deadline()).unwrap();
+        // The link stays failed: later receives from rank 0 fail at once.
+        // SAFETY: as above.
+        assert!(unsafe { t[1].irecv(0, 9, &mut buf) }.is_err());
+    }
+
+    #[test]
+    fn abort_fails_waiters_here_and_on_the_peer() {
+        let t = pair(2);
+        let mut buf = [0u8; 10_000];
+        let mut other = [0u8; 8];
+        // SAFETY: the buffers outlive the requests; abort ends them.
+        let (mine, theirs) = unsafe {
+            (
+                t[0].irecv(1, 1, &mut buf).unwrap(),
+                t[1].irecv(0, 1, &mut other).unwrap(),
+            )
+        };
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                t[0].abort("test abort");
+            });
+            let err = mine.wait(deadline()).unwrap_err();
+            assert!(
+                matches!(err, TransportError::Aborted(ref why) if why == "test abort"),
+                "{err}"
+            );
+        });
+        let err = theirs.wait(deadline()).unwrap_err();
+        assert!(
+            matches!(err, TransportError::PeerClosed { peer: 0 }),
+            "{err}"
+        );
+        // SAFETY: fails before touching the buffer.
+        let late = unsafe { t[0].isend(1, 2, &other) };
+        assert!(matches!(late, Err(TransportError::Aborted(_))));
+    }
+
+    #[test]
+    fn data_sent_before_a_peer_leaves_is_still_received() {
+        let mut t = pair(2);
+        let data = [3u8; 600];
+        // SAFETY: `data` outlives the send, which completes (fits the ring) before the drop.
+        let s = unsafe { t[0].isend(1, 5, &data).unwrap() };
+        s.wait(deadline()).unwrap();
+        drop(t.remove(0));
+        let mut buf = [0u8; 600];
+        let mut more = [0u8; 1];
+        // SAFETY: the buffers outlive the waits.
+        let (r, r2) = unsafe {
+            (
+                t[0].irecv(0, 5, &mut buf).unwrap(),
+                t[0].irecv(0, 6, &mut more).unwrap(),
+            )
+        };
+        r.wait(deadline()).unwrap();
+        assert_eq!(buf, data);
+        assert!(matches!(
+            r2.wait(deadline()),
+            Err(TransportError::PeerClosed { peer: 0 })
+        ));
+    }
+
+    #[test]
+    fn the_file_is_gone_once_connected() {
+        let dir = std::env::temp_dir().join(format!("chorus-shm-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let t = pair_in(2, dir.clone());
+        let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+        // The mapping still works without the file.
+        let mut buf = [0u8; 4];
+        // SAFETY: both buffers outlive the waits.
+        let reqs = unsafe {
+            [
+                t[0].isend(1, 1, b"ring").unwrap(),
+                t[1].irecv(0, 1, &mut buf).unwrap(),
+            ]
+        };
+        crate::wait_all(&reqs, deadline()).unwrap();
+        assert_eq!(&buf, b"ring");
+        std::fs::remove_dir(&dir).unwrap();
+    }
+}

@@ -1,0 +1,136 @@
+//! Setting up the shared region: the lowest local rank creates a file in the
+//! shared-memory directory and publishes its name; every local rank maps it,
+//! publishes its process id, and says so; the creator unlinks the file as
+//! soon as all have mapped it, so a crash later leaves nothing behind.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use memmap2::MmapRaw;
+
+use super::region::{Layout, Region};
+use super::ShmConfig;
+use crate::store::Store;
+use crate::TransportError;
+
+/// The region of a local group, and the process ids of its ranks (by local rank).
+pub(crate) struct Joined {
+    pub region: Region,
+    pub pids: Vec<u32>,
+}
+
+/// Creates or opens the region shared by the ranks `local` (global ranks,
+/// ascending), of which `rank` is one.
+pub(crate) fn join(
+    rank: usize,
+    local: &[usize],
+    store: &dyn Store,
+    config: &ShmConfig,
+) -> Result<Joined, TransportError> {
+    let leader = local[0];
+    let layout = Layout {
+        locals: local.len(),
+        slots: config.slots,
+        slot_bytes: config.slot_bytes.div_ceil(64) * 64,
+    };
+    let key = |what: &str, r: usize| format!("shm/{leader}/{what}/{r}");
+    let (region, created) = if rank == leader {
+        let (path, file) = create(&config.dir, layout)?;
+        // Unlinked on every path out of this function: after the others have
+        // mapped it, or at once if set-up fails.
+        let created = Unlink(path.clone());
+        let region = Region::init(map(&file, &path)?, layout);
+        let name = path.to_string_lossy().into_owned();
+        store.set(&format!("shm/{leader}/path"), name.as_bytes())?;
+        (region, Some(created))
+    } else {
+        let raw = store.get(&format!("shm/{leader}/path"))?;
+        let path = PathBuf::from(String::from_utf8_lossy(&raw).into_owned());
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| {
+                TransportError::Setup(format!(
+                    "rank {rank} cannot open the shared-memory file {} of rank {leader}: {e} \
+                     (do the ranks share /dev/shm? set CHORUS_HOST_ID per host, or CHORUS_TRANSPORT=tcp)",
+                    path.display()
+                ))
+            })?;
+        let region = Region::open(map(&file, &path)?, layout)
+            .map_err(|e| TransportError::Setup(format!("{}: {e}", path.display())))?;
+        (region, None)
+    };
+    store.set(&key("pid", rank), std::process::id().to_string().as_bytes())?;
+    let mut pids = Vec::with_capacity(local.len());
+    for &r in local {
+        let raw = store.get(&key("pid", r))?;
+        let pid = String::from_utf8_lossy(&raw)
+            .parse()
+            .map_err(|_| TransportError::Setup(format!("rank {r} published a bad process id")))?;
+        pids.push(pid);
+    }
+    if let Some(created) = created {
+        let keys: Vec<String> = local.iter().map(|&r| key("pid", r)).collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        store.wait(&keys, config.timeout)?;
+        drop(created);
+    }
+    Ok(Joined { region, pids })
+}
+
+/// Removes the file at its path when dropped.
+struct Unlink(PathBuf);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.0) {
+            tracing::warn!(path = %self.0.display(), "cannot unlink the shared-memory file: {e}");
+        }
+    }
+}
+
+/// Creates a fresh, sized file named for this process in `dir`.
+fn create(dir: &Path, layout: Layout) -> Result<(PathBuf, File), TransportError> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_nanos();
+    let path = dir.join(format!("chorus-{}-{:x}", std::process::id(), nanos));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| {
+            TransportError::Setup(format!(
+                "cannot create the shared-memory file {}: {e} (set CHORUS_TRANSPORT=tcp where there is no {})",
+                path.display(),
+                dir.display()
+            ))
+        })?;
+    let size = layout.total_bytes();
+    // Allocate every page now: a full tmpfs then fails here, not with SIGBUS later.
+    // SAFETY: a valid open fd; offset and length are plain integers.
+    let err = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
+    if err != 0 {
+        let _ = std::fs::remove_file(&path);
+        return Err(TransportError::Setup(format!(
+            "cannot allocate {size} bytes for the shared-memory file {}: {} \
+             (is {} full? set CHORUS_TRANSPORT=tcp to avoid it)",
+            path.display(),
+            std::io::Error::from_raw_os_error(err),
+            dir.display()
+        )));
+    }
+    Ok((path, file))
+}
+
+fn map(file: &File, path: &Path) -> Result<MmapRaw, TransportError> {
+    MmapRaw::map_raw(file)
+        .map_err(|e| TransportError::Setup(format!("cannot map {}: {e}", path.display())))
+}
