@@ -1,0 +1,542 @@
+//! `train`: data-parallel training of an MLP on Fashion-MNIST, built only on
+//! Chorus's public API ([`chorus::ddp`] and the [`Communicator`]).
+//!
+//! `train -np 2` starts two local ranks; under chorusrun, torchrun, SLURM or
+//! mpirun it runs as one rank of the job.
+
+pub mod checkpoint;
+pub mod idx;
+pub mod mlp;
+pub mod report;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use chorus::ddp::{Compression, Ddp, DdpOptions, DistributedSampler};
+use chorus::launch::{launch, LaunchSpec, Output};
+use chorus::{Communicator, Config, ReduceOp};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use checkpoint::{Checkpoint, Header};
+use idx::FashionMnist;
+use mlp::{Mlp, Score, Sgd, Workspace};
+use report::EpochLog;
+
+/// The trainer's flags.
+#[derive(Debug, Clone, Parser)]
+#[command(version, about = "Data-parallel MLP training on Fashion-MNIST")]
+pub struct Args {
+    /// Directory holding the four Fashion-MNIST IDX files (plain or .gz).
+    #[arg(long, default_value = idx::DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    /// Where the checkpoint, the JSON log and the curves go.
+    #[arg(long, default_value = "train-out")]
+    pub out_dir: PathBuf,
+    /// Epochs to train (in total, counting those of a resumed checkpoint).
+    #[arg(long, default_value_t = 3)]
+    pub epochs: u64,
+    /// Samples per batch on each rank.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f32,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    /// Hidden layer widths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "256,128")]
+    pub hidden: Vec<usize>,
+    /// Seed of the initial parameters and of the shuffling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// DDP bucket size in MiB.
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_cap_mb: f64,
+    /// Size of the first DDP bucket in MiB.
+    #[arg(long, default_value_t = 1.0)]
+    pub first_bucket_cap_mb: f64,
+    /// Gradient compression on the wire: none, bf16 or fp16.
+    #[arg(long, default_value = "none")]
+    pub compression: Compression,
+    /// Micro-batches per optimizer step (all but the last without synchronisation).
+    #[arg(long, default_value_t = 1)]
+    pub accumulate: usize,
+    /// Continue from the checkpoint in --out-dir.
+    #[arg(long)]
+    pub resume: bool,
+    /// Stop after this many optimizer steps in total (the last epoch is cut short).
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Measure throughput over this many steps instead of training (no evaluation, no files).
+    #[arg(long)]
+    pub bench: Option<u64>,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Start this many local ranks (`-np W`); without it, run as one rank of an existing job.
+    #[arg(long = "np")]
+    pub np: Option<usize>,
+    /// Whole-job time limit in seconds when starting ranks with -np.
+    #[arg(long, default_value_t = 86_400)]
+    pub job_timeout: u64,
+}
+
+/// File names under `--out-dir`.
+const CHECKPOINT: &str = "checkpoint.bin";
+const LOG: &str = "train_log.json";
+const CURVES: &str = "curves.png";
+
+/// Untimed steps before a `--bench` measurement.
+const BENCH_WARMUP: u64 = 20;
+
+/// Test images per evaluation batch.
+const EVAL_BATCH: usize = 500;
+
+/// The `train` binary: starts local ranks for `-np`, or runs as one rank.
+pub fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let argv = std::env::args_os().map(|a| if a == "-np" { "--np".into() } else { a });
+    let args = Args::parse_from(argv);
+    let result = match args.np {
+        Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
+        _ => run_rank(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("train: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Starts `np` ranks of this program on this host (they see `RANK` and ignore `-np`).
+fn spawn_ranks(args: &Args, np: usize) -> Result<(), String> {
+    if np == 0 {
+        return Err("-np must be at least 1".into());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let spec = LaunchSpec::new(exe, np)
+        .args(std::env::args_os().skip(1))
+        .output(Output::RankZero)
+        .timeout(Duration::from_secs(args.job_timeout));
+    let report = launch(&spec).map_err(|e| e.to_string())?;
+    match report.first_failure() {
+        None => Ok(()),
+        Some(failed) => Err(format!(
+            "{}\n--- rank {} stderr:\n{}",
+            report.summary(),
+            failed.rank,
+            failed.stderr.trim_end()
+        )),
+    }
+}
+
+/// Everything one rank trains with.
+struct Trainer<'c> {
+    args: &'c Args,
+    comm: &'c Communicator,
+    data: FashionMnist,
+    mlp: Mlp,
+    ddp: Ddp<'c>,
+    params: Vec<Vec<f32>>,
+    sgd: Sgd,
+    ws: Workspace,
+    /// The current batch's pixels and labels.
+    x: Vec<f32>,
+    y: Vec<u8>,
+    steps: u64,
+}
+
+fn run_rank(args: &Args) -> Result<(), String> {
+    if args.batch_size == 0 || args.accumulate == 0 {
+        return Err("--batch-size and --accumulate must be at least 1".into());
+    }
+    let comm = join()?;
+    let data =
+        FashionMnist::load(&args.data_dir).map_err(|e| format!("rank {}: {e}", comm.rank()))?;
+    let mut widths = vec![data.train.features];
+    widths.extend(&args.hidden);
+    widths.push(data.classes);
+    let mlp = Mlp::new(widths)?;
+    let options = DdpOptions {
+        bucket_cap_mb: args.bucket_cap_mb,
+        first_bucket_cap_mb: args.first_bucket_cap_mb,
+        compression: args.compression,
+        ..DdpOptions::from_env().map_err(|e| e.to_string())?
+    };
+    let ddp = Ddp::new(&comm, mlp.params(), options).map_err(|e| e.to_string())?;
+    let params = mlp.init(args.seed);
+    let sgd = Sgd::new(args.lr, args.momentum, &params);
+    let mut t = Trainer {
+        args,
+        comm: &comm,
+        data,
+        mlp,
+        ddp,
+        params,
+        sgd,
+        ws: Workspace::default(),
+        x: Vec::new(),
+        y: Vec::new(),
+        steps: 0,
+    };
+    let history = t.start()?;
+    match args.bench {
+        Some(steps) => t.bench(steps),
+        None => t.train(history),
+    }
+}
+
+/// Joins the job the environment describes, or, with no launcher at all, runs as the only rank.
+fn join() -> Result<Communicator, String> {
+    let config = match Config::from_env() {
+        Err(chorus::Error::Config {
+            var: "RANK", value, ..
+        }) if value.is_empty() => Config::new(0, 1, "127.0.0.1", 0),
+        other => other.map_err(|e| e.to_string())?,
+    };
+    Communicator::new(config).map_err(|e| e.to_string())
+}
+
+impl Trainer<'_> {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Rank 0's parameters (and, resuming, its checkpoint) on every rank; the history so far.
+    fn start(&mut self) -> Result<Vec<EpochLog>, String> {
+        let err = |e: chorus::Error| e.to_string();
+        // Rank 0 reads the checkpoint and tells everyone how it went, so all fail together.
+        let mut loaded = None;
+        let mut status = [0u64];
+        let mut problem = String::new();
+        if self.args.resume && self.rank() == 0 {
+            match self.load_checkpoint() {
+                Ok(c) => loaded = Some(c),
+                Err(e) => {
+                    status[0] = 1;
+                    problem = e;
+                }
+            }
+        }
+        self.comm.broadcast(&mut status, 0).map_err(err)?;
+        if status[0] != 0 {
+            return Err(if problem.is_empty() {
+                "rank 0 could not resume from its checkpoint".into()
+            } else {
+                problem
+            });
+        }
+        let mut history = Vec::new();
+        if let Some(c) = loaded {
+            self.params = c.params;
+            self.sgd.buffers = c.momentum;
+            history = c.header.history;
+        }
+        let mut views: Vec<&mut [f32]> = self.params.iter_mut().map(|p| &mut p[..]).collect();
+        self.ddp.broadcast_parameters(&mut views).map_err(err)?;
+        if self.args.resume {
+            for buf in &mut self.sgd.buffers {
+                self.comm.broadcast(buf, 0).map_err(err)?;
+            }
+        }
+        let mut done = [history.len() as u64];
+        self.comm.broadcast(&mut done, 0).map_err(err)?;
+        if self.rank() != 0 {
+            // Only the number of epochs matters off rank 0.
+            history = (1..=done[0])
+                .map(|epoch| EpochLog {
+                    epoch,
+                    train_loss: 0.0,
+                    train_acc: 0.0,
+                    test_loss: 0.0,
+                    test_acc: 0.0,
+                    train_seconds: 0.0,
+                    samples_per_sec: 0.0,
+                })
+                .collect();
+        }
+        Ok(history)
+    }
+
+    fn load_checkpoint(&self) -> Result<Checkpoint, String> {
+        let path = self.args.out_dir.join(CHECKPOINT);
+        if !path.exists() {
+            return Err(format!(
+                "--resume: no checkpoint at {} (train without --resume first)",
+                path.display()
+            ));
+        }
+        let c = Checkpoint::load(&path)?;
+        let lens: Vec<usize> = self.params.iter().map(Vec::len).collect();
+        if c.header.lens != lens {
+            return Err(format!(
+                "{}: saved for a network of widths {:?}, this one is {:?}",
+                path.display(),
+                c.header.widths,
+                self.mlp.widths()
+            ));
+        }
+        if c.header.world_size != self.comm.world_size()
+            || c.header.batch_size != self.args.batch_size
+        {
+            tracing::warn!(
+                "resuming a run of {} ranks x batch {} with {} x {}: it will not match an uninterrupted run bit for bit",
+                c.header.world_size,
+                c.header.batch_size,
+                self.comm.world_size(),
+                self.args.batch_size
+            );
+        }
+        Ok(c)
+    }
+
+    /// Copies the samples `indices` into the batch buffers.
+    fn gather(&mut self, indices: &[usize]) {
+        let train = &self.data.train;
+        self.x.clear();
+        self.y.clear();
+        for &i in indices {
+            self.x.extend_from_slice(train.image(i));
+            self.y.push(train.labels[i]);
+        }
+    }
+
+    /// One optimizer step over `batch` (split into `--accumulate` micro-batches).
+    fn step(&mut self, batch: &[usize]) -> Result<Score, String> {
+        let err = |e: chorus::Error| e.to_string();
+        self.ddp.zero_grad().map_err(err)?;
+        let micro = batch.len().div_ceil(self.args.accumulate);
+        let chunks: Vec<&[usize]> = batch.chunks(micro.max(1)).collect();
+        let mut total = Score::default();
+        for (k, chunk) in chunks.iter().enumerate() {
+            self.gather(chunk);
+            let rows = chunk.len();
+            self.mlp.forward(&self.params, &self.x, rows, &mut self.ws);
+            let score = self.mlp.loss(&self.y, batch.len() as f32, &mut self.ws);
+            total.loss += score.loss;
+            total.correct += score.correct;
+            let (mlp, params, x, ws) = (&self.mlp, &self.params, &self.x, &mut self.ws);
+            if k + 1 < chunks.len() {
+                self.ddp.no_sync(|ddp| {
+                    mlp.backward(params, x, rows, ws, ddp)?;
+                    ddp.finish()
+                })
+            } else {
+                mlp.backward(params, x, rows, ws, &mut self.ddp)
+                    .and_then(|()| self.ddp.finish())
+            }
+            .map_err(err)?;
+        }
+        self.sgd.step(&mut self.params, &self.ddp).map_err(err)?;
+        self.steps += 1;
+        Ok(total)
+    }
+
+    /// This rank's batches for `epoch`.
+    fn batches(&self, epoch: u64) -> Result<Vec<Vec<usize>>, String> {
+        let mut sampler =
+            DistributedSampler::new(self.data.train.len(), self.comm.world_size(), self.rank())
+                .map_err(|e| e.to_string())?
+                .seed(self.args.seed);
+        sampler.set_epoch(epoch);
+        Ok(sampler
+            .indices()
+            .chunks(self.args.batch_size)
+            .map(<[usize]>::to_vec)
+            .collect())
+    }
+
+    fn train(&mut self, mut history: Vec<EpochLog>) -> Result<(), String> {
+        let out = self.args.out_dir.clone();
+        if self.rank() == 0 {
+            std::fs::create_dir_all(&out)
+                .map_err(|e| format!("cannot create --out-dir {}: {e}", out.display()))?;
+        }
+        let first = history.len() as u64;
+        for epoch in first..self.args.epochs {
+            if self.args.max_steps.is_some_and(|m| self.steps >= m) {
+                break;
+            }
+            let batches = self.batches(epoch)?;
+            let bar = self.progress(epoch, batches.len());
+            let (mut score, mut seen) = (Score::default(), 0usize);
+            let start = Instant::now();
+            for batch in &batches {
+                if self.args.max_steps.is_some_and(|m| self.steps >= m) {
+                    break;
+                }
+                let s = self.step(batch)?;
+                score.loss += s.loss;
+                score.correct += s.correct;
+                seen += batch.len();
+                bar.inc(1);
+            }
+            let seconds = start.elapsed().as_secs_f64();
+            bar.finish_and_clear();
+            let test = self.evaluate();
+            let mut sums = [
+                score.loss,
+                score.correct as f64,
+                seen as f64,
+                test.loss,
+                test.correct as f64,
+                self.test_share() as f64,
+            ];
+            self.comm
+                .all_reduce(&mut sums, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            let mut slowest = [seconds];
+            self.comm
+                .all_reduce(&mut slowest, ReduceOp::Max)
+                .map_err(|e| e.to_string())?;
+            let log = EpochLog {
+                epoch: epoch + 1,
+                train_loss: sums[0] / sums[2].max(1.0),
+                train_acc: sums[1] / sums[2].max(1.0),
+                test_loss: sums[3] / sums[5].max(1.0),
+                test_acc: sums[4] / sums[5].max(1.0),
+                train_seconds: slowest[0],
+                samples_per_sec: sums[2] / slowest[0].max(1e-9),
+            };
+            history.push(log);
+            if self.rank() == 0 {
+                self.save(&history)?;
+                println!("{}", history[history.len() - 1].line());
+            }
+        }
+        if self.rank() == 0 {
+            println!(
+                "checkpoint {}  log {}  curves {}",
+                out.join(CHECKPOINT).display(),
+                out.join(LOG).display(),
+                out.join(CURVES).display()
+            );
+        }
+        Ok(())
+    }
+
+    /// Test images this rank scores: `rank, rank + W, ...`.
+    fn test_share(&self) -> usize {
+        let (n, w, r) = (self.data.test.len(), self.comm.world_size(), self.rank());
+        n.saturating_sub(r).div_ceil(w)
+    }
+
+    /// This rank's share of the test set, scored (summed, not averaged).
+    fn evaluate(&mut self) -> Score {
+        let split = &self.data.test;
+        let mine: Vec<usize> = (self.comm.rank()..split.len())
+            .step_by(self.comm.world_size())
+            .collect();
+        let mut total = Score::default();
+        let mut x = Vec::new();
+        for chunk in mine.chunks(EVAL_BATCH) {
+            x.clear();
+            chunk
+                .iter()
+                .for_each(|&i| x.extend_from_slice(split.image(i)));
+            let labels: Vec<u8> = chunk.iter().map(|&i| split.labels[i]).collect();
+            self.mlp
+                .forward(&self.params, &x, chunk.len(), &mut self.ws);
+            let s = self.mlp.loss(&labels, 1.0, &mut self.ws);
+            total.loss += s.loss;
+            total.correct += s.correct;
+        }
+        total
+    }
+
+    /// Rank 0: checkpoint, JSON log and curves for the epochs so far.
+    fn save(&self, history: &[EpochLog]) -> Result<(), String> {
+        let out = &self.args.out_dir;
+        Checkpoint {
+            header: Header {
+                epochs_done: history.len() as u64,
+                widths: self.mlp.widths().to_vec(),
+                seed: self.args.seed,
+                world_size: self.comm.world_size(),
+                batch_size: self.args.batch_size,
+                lens: self.params.iter().map(Vec::len).collect(),
+                history: history.to_vec(),
+            },
+            params: self.params.clone(),
+            momentum: self.sgd.buffers.clone(),
+        }
+        .save(&out.join(CHECKPOINT))?;
+        let config = serde_json::json!({
+            "world_size": self.comm.world_size(),
+            "batch_size_per_rank": self.args.batch_size,
+            "lr": self.args.lr,
+            "momentum": self.args.momentum,
+            "hidden": self.args.hidden,
+            "seed": self.args.seed,
+            "bucket_cap_mb": self.args.bucket_cap_mb,
+            "compression": format!("{:?}", self.args.compression).to_lowercase(),
+            "accumulate": self.args.accumulate,
+        });
+        report::write_log(&out.join(LOG), &config, history)?;
+        report::plot(&out.join(CURVES), history)
+    }
+
+    /// Rank 0's progress bar over an epoch's steps (hidden elsewhere and when stderr is not a terminal).
+    fn progress(&self, epoch: u64, steps: usize) -> ProgressBar {
+        if self.rank() != 0 || self.args.no_progress {
+            return ProgressBar::hidden();
+        }
+        let bar = ProgressBar::new(steps as u64);
+        if let Ok(style) = ProgressStyle::with_template(
+            "epoch {msg} [{bar:40}] {pos}/{len} steps  {per_sec}  eta {eta}",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_message((epoch + 1).to_string());
+        bar
+    }
+
+    /// Times `steps` training steps after a warm-up; rank 0 prints step time and samples per second.
+    fn bench(&mut self, steps: u64) -> Result<(), String> {
+        let batches = self.batches(0)?;
+        let full: Vec<&Vec<usize>> = batches
+            .iter()
+            .filter(|b| b.len() == self.args.batch_size)
+            .collect();
+        if full.is_empty() {
+            return Err("--bench: no full batch in the data set".into());
+        }
+        let err = |e: chorus::Error| e.to_string();
+        let mut start = Instant::now();
+        for i in 0..BENCH_WARMUP + steps {
+            if i == BENCH_WARMUP {
+                self.comm.barrier().map_err(err)?;
+                start = Instant::now();
+            }
+            let batch = full[i as usize % full.len()];
+            self.step(batch)?;
+        }
+        self.comm.barrier().map_err(err)?;
+        let mut seconds = [start.elapsed().as_secs_f64()];
+        self.comm
+            .all_reduce(&mut seconds, ReduceOp::Max)
+            .map_err(err)?;
+        let world = self.comm.world_size();
+        let samples = (world * self.args.batch_size) as f64 * steps as f64;
+        if self.rank() == 0 {
+            let overlap = DdpOptions::from_env().map_err(err)?.overlap;
+            println!(
+                "bench  world {world}  batch/rank {}  buckets {}  overlap {}  steps {steps}  step_ms {:.3}  samples/s {:.0}",
+                self.args.batch_size,
+                self.ddp.buckets().len(),
+                if overlap { "on" } else { "off" },
+                seconds[0] * 1e3 / steps.max(1) as f64,
+                samples / seconds[0]
+            );
+        }
+        Ok(())
+    }
+}
