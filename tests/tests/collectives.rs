@@ -25,10 +25,16 @@ fn all_reduce(world: usize, algo: &str) {
     all_reduce_with(world, algo, "1");
 }
 
-/// Runs the matrix with `nsocks` sockets per peer (more than one stripes large messages).
+/// Runs the matrix with `nsocks` sockets per peer; more than one stripes large messages over
+/// TCP (which then carries every peer: ranks on one host otherwise talk shared memory).
 fn all_reduce_with(world: usize, algo: &str, nsocks: &str) {
     let counts = counts(world);
-    let env = [("CHORUS_ALGO", algo), ("CHORUS_NSOCKS", nsocks)];
+    let transport = if nsocks == "1" { "auto" } else { "tcp" };
+    let env = [
+        ("CHORUS_ALGO", algo),
+        ("CHORUS_NSOCKS", nsocks),
+        ("CHORUS_TRANSPORT", transport),
+    ];
     let report = run(world, worker(), &["all_reduce", &counts], &env);
     assert_success(&report);
     // 10 dtypes x 5 ops x 2 placements per distinct count.

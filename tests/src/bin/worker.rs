@@ -40,12 +40,41 @@ fn run(args: &[String]) -> Result<(), String> {
         "more" => more_collectives(&connect()?, &counts()?),
         "split" => split_and_dup(&connect()?),
         "p2p" => point_to_point(&connect()?),
+        "hold" => hold(&connect()?),
         other => Err(format!("unknown scenario '{other}'")),
     }
 }
 
+/// Joins the job; with `CHORUS_TEST_RANKS_PER_HOST=k`, ranks `k*h..k*(h+1)` claim to share
+/// host `h` (a host-identity override, so one machine can stand in for several hosts).
 fn connect() -> Result<Communicator, String> {
-    Communicator::from_env().map_err(|e| e.to_string())
+    let mut config = chorus::Config::from_env().map_err(|e| e.to_string())?;
+    if let Ok(k) = std::env::var("CHORUS_TEST_RANKS_PER_HOST") {
+        let k: usize = k
+            .parse()
+            .map_err(|e| format!("CHORUS_TEST_RANKS_PER_HOST={k}: {e}"))?;
+        config.host_id = Some(format!("test-host-{}", config.rank / k.max(1)));
+    }
+    Communicator::new(config).map_err(|e| e.to_string())
+}
+
+/// All-reduces until a peer fails (or for at most a minute), saying when the first one is done;
+/// for tests that kill a rank mid-job.
+fn hold(comm: &Communicator) -> Result<(), String> {
+    use std::io::Write;
+    let mut buf = vec![1.0f32; 1 << 18];
+    let start = std::time::Instant::now();
+    let mut rounds = 0u64;
+    while start.elapsed() < std::time::Duration::from_secs(60) {
+        comm.all_reduce(&mut buf, ReduceOp::Max)
+            .map_err(|e| format!("all-reduce {rounds} failed: {e}"))?;
+        if rounds == 0 {
+            println!("ready rank={} pid={}", comm.rank(), std::process::id());
+            std::io::stdout().flush().map_err(|e| e.to_string())?;
+        }
+        rounds += 1;
+    }
+    Ok(())
 }
 
 /// Every dtype x op x count, in place and out of place.

@@ -1,0 +1,185 @@
+//! The shared-memory transport across real processes: hosts told apart by their identity
+//! (shared memory inside a host, TCP across), TCP still carrying every collective when asked
+//! for, and a rank killed with SIGKILL: its peer fails naming it, and nothing is left in
+//! /dev/shm.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use chorus::launch::free_port;
+use chorus_tests::{assert_identical_digests, assert_success, run};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
+
+fn worker() -> &'static Path {
+    Path::new(WORKER)
+}
+
+/// The line where a rank logged its transport routes, without colour codes.
+fn routes(stderr: &str) -> Option<String> {
+    let line = stderr.lines().find(|l| l.contains("transport routes"))?;
+    let mut plain = String::new();
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            plain.push(c);
+        }
+    }
+    Some(plain)
+}
+
+#[test]
+fn two_hosts_of_two_ranks_use_shm_inside_and_tcp_across() {
+    let env = [
+        ("CHORUS_TEST_RANKS_PER_HOST", "2"),
+        ("CHORUS_DEBUG", "info"),
+    ];
+    let report = run(4, worker(), &["all_reduce", "1,1023,300007"], &env);
+    assert_success(&report);
+    assert_eq!(assert_identical_digests(&report), 300);
+    for r in &report.ranks {
+        let partner = r.rank ^ 1;
+        let routes = routes(&r.stderr)
+            .unwrap_or_else(|| panic!("rank {} logged no routes:\n{}", r.rank, r.stderr));
+        assert!(
+            routes.contains(&format!("shm_peers=[{partner}]")) && routes.contains("tcp_peers=2"),
+            "rank {}: {routes}",
+            r.rank
+        );
+    }
+    let report = run(4, worker(), &["broadcast", "0,7,300007"], &env);
+    assert_success(&report);
+    assert_eq!(assert_identical_digests(&report), 24 * 4);
+}
+
+#[test]
+fn tcp_alone_still_carries_every_collective() {
+    let tcp = [("CHORUS_TRANSPORT", "tcp"), ("CHORUS_DEBUG", "info")];
+    let report = run(3, worker(), &["all_reduce", "0,7,1048579"], &tcp);
+    assert_success(&report);
+    assert_eq!(assert_identical_digests(&report), 300);
+    for r in &report.ranks {
+        let routes = routes(&r.stderr).unwrap_or_default();
+        assert!(routes.contains("shm_peers=[] tcp_peers=2"), "{routes}");
+    }
+    for scenario in [&["more", "0,5,70001"][..], &["p2p"], &["split"]] {
+        let report = run(3, worker(), scenario, &tcp);
+        assert_success(&report);
+        assert_identical_digests(&report);
+    }
+}
+
+#[test]
+fn forcing_shm_across_hosts_is_a_clear_error() {
+    let env = [
+        ("CHORUS_TRANSPORT", "shm"),
+        ("CHORUS_TEST_RANKS_PER_HOST", "1"),
+    ];
+    let report = run(2, worker(), &["connect"], &env);
+    assert!(!report.success(), "{}", report.summary());
+    let failed = report
+        .ranks
+        .iter()
+        .find(|r| r.stderr.contains("CHORUS_TRANSPORT=shm"))
+        .unwrap_or_else(|| panic!("no rank explained the failure: {:?}", report.ranks));
+    assert!(
+        failed.stderr.contains("on other hosts"),
+        "{}",
+        failed.stderr
+    );
+}
+
+/// Kills its processes when dropped, so a failing test leaves none behind.
+struct Ranks(Vec<Child>);
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Files in /dev/shm that a Chorus process among `pids` created.
+fn leftovers(pids: &[u32]) -> Vec<String> {
+    let names = std::fs::read_dir("/dev/shm").map_or_else(
+        |_| Vec::new(),
+        |dir| {
+            dir.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        },
+    );
+    names
+        .into_iter()
+        .filter(|n| pids.iter().any(|p| n.starts_with(&format!("chorus-{p}-"))))
+        .collect()
+}
+
+#[test]
+fn a_killed_rank_fails_its_peer_promptly_and_leaves_nothing_in_dev_shm() {
+    let port = free_port().unwrap().to_string();
+    let mut ranks = Ranks(Vec::new());
+    for rank in 0..2 {
+        let child = Command::new(worker())
+            .arg("hold")
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            // Far longer than the test waits: only noticing the death can end the survivor's wait.
+            .env("CHORUS_TIMEOUT", "120")
+            .env_remove("CHORUS_TRANSPORT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start a worker");
+        ranks.0.push(child);
+    }
+    let pids: Vec<u32> = ranks.0.iter().map(Child::id).collect();
+    for child in &mut ranks.0 {
+        let mut line = String::new();
+        let stdout = child.stdout.as_mut().expect("piped stdout");
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read a worker's first line");
+        assert!(line.starts_with("ready"), "worker said {line:?}");
+    }
+    assert_eq!(leftovers(&pids), Vec::<String>::new(), "while running");
+
+    ranks.0[1].kill().expect("SIGKILL rank 1");
+    ranks.0[1].wait().expect("reap rank 1");
+    let survivor = &mut ranks.0[0];
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = survivor.try_wait().expect("wait for rank 0") {
+            break status;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "rank 0 did not notice that rank 1 died"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(survivor.stderr.as_mut().expect("piped stderr"), &mut stderr)
+        .expect("read rank 0's stderr");
+    assert!(!status.success(), "rank 0 went on without rank 1");
+    let error = stderr
+        .lines()
+        .find(|l| l.starts_with("worker error"))
+        .unwrap_or_else(|| panic!("no error line:\n{stderr}"));
+    assert!(
+        error.contains("rank 1") && !error.contains("timed out"),
+        "{error}"
+    );
+    assert_eq!(leftovers(&pids), Vec::<String>::new(), "after SIGKILL");
+}
