@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use chorus_transport::TransportKind;
 
+use chorus_transport::auth::Auth;
+
 use crate::rendezvous::{self, Ranks};
 use crate::tuner::{Forced, DEFAULT_ALPHA, DEFAULT_BETA};
 use crate::Error;
@@ -46,6 +48,15 @@ pub struct Config {
     /// This rank's host identity: ranks with equal ones use shared memory (`CHORUS_HOST_ID`);
     /// hostname, boot id and namespaces if unset.
     pub host_id: Option<String>,
+    /// Smallest message that shared memory moves with one copy, read straight from the
+    /// sender's memory (`CHORUS_SHM_SINGLE_COPY`, bytes; 0 turns it off).
+    pub shm_single_copy: usize,
+    /// Fraction of `timeout` after which a waiting collective reports which ranks hold it
+    /// up (`CHORUS_WATCHDOG`; 0 turns the report off).
+    pub watchdog: f64,
+    /// The job's id and shared secret, proven on every connection (`CHORUS_JOB_ID`, else
+    /// `TORCHELASTIC_RUN_ID` or `SLURM_JOB_ID`; `CHORUS_AUTH_TOKEN`).
+    pub auth: Auth,
 }
 
 /// Defaults shared by `Config::new` and `Config::from_env`.
@@ -54,6 +65,10 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 pub const DEFAULT_NSOCKS: usize = 1;
 /// Default pipeline chunk in bytes.
 pub const DEFAULT_CHUNK_BYTES: usize = 512 << 10;
+/// Default smallest message moved by a single copy over shared memory.
+pub const DEFAULT_SHM_SINGLE_COPY: usize = 64 << 10;
+/// Default fraction of the timeout after which the watchdog reports a stalled collective.
+pub const DEFAULT_WATCHDOG: f64 = 0.5;
 
 impl Config {
     /// A configuration for `rank` of `world_size` on one host, with defaults.
@@ -79,6 +94,9 @@ impl Config {
             socket_addr: None,
             transport: TransportKind::Auto,
             host_id: None,
+            shm_single_copy: DEFAULT_SHM_SINGLE_COPY,
+            watchdog: DEFAULT_WATCHDOG,
+            auth: Auth::default(),
         }
     }
 
@@ -135,6 +153,20 @@ impl Config {
         let socket_addr = optional(get, "CHORUS_SOCKET_ADDR")?;
         let transport = optional(get, "CHORUS_TRANSPORT")?.unwrap_or_default();
         let host_id = get("CHORUS_HOST_ID").filter(|h| !h.trim().is_empty());
+        let shm_single_copy =
+            optional(get, "CHORUS_SHM_SINGLE_COPY")?.unwrap_or(DEFAULT_SHM_SINGLE_COPY);
+        let watchdog = match optional::<f64>(get, "CHORUS_WATCHDOG")? {
+            Some(f) if (0.0..1.0).contains(&f) => f,
+            Some(f) => {
+                return Err(bad(
+                    "CHORUS_WATCHDOG",
+                    &f.to_string(),
+                    "must be a fraction of CHORUS_TIMEOUT, at least 0 and below 1",
+                ))
+            }
+            None => DEFAULT_WATCHDOG,
+        };
+        let auth = job_auth(get)?;
         // Last, since for file:// rank 0 publishes its address here.
         let (master_addr, master_port) = found.master.resolve(&found.ranks, timeout, get)?;
         let Ranks {
@@ -166,10 +198,23 @@ impl Config {
             beta,
             chunk_bytes,
             socket_addr,
+            watchdog,
+            auth,
             transport,
             host_id,
+            shm_single_copy,
         })
     }
+}
+
+/// The job's identity from the environment; every rank of a job reads the same values.
+fn job_auth(get: Lookup<'_>) -> Result<Auth, Error> {
+    let (var, job_id) = ["CHORUS_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"]
+        .into_iter()
+        .find_map(|var| get(var).filter(|v| !v.is_empty()).map(|v| (var, v)))
+        .unwrap_or(("CHORUS_JOB_ID", String::new()));
+    let token = get("CHORUS_AUTH_TOKEN").unwrap_or_default();
+    Auth::new(job_id.clone(), token).map_err(|reason| bad(var, &job_id, &reason))
 }
 
 /// This machine's name (it decides which ranks share a host).

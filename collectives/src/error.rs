@@ -35,9 +35,29 @@ pub enum Error {
     /// A call's arguments are invalid (lengths, root rank).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// An earlier operation failed or the communicator was aborted; it cannot be used.
+    /// An earlier operation failed; the communicator cannot be used.
     #[error("communicator unusable after an earlier failure: {0}")]
     Broken(String),
+    /// The operation was aborted: by [`abort`](crate::Communicator::abort), or because a rank
+    /// found a fault (the text names it: a dead rank, a mismatched call, a stall).
+    #[error("aborted: {0}")]
+    Aborted(String),
+    /// A collective did not finish within `CHORUS_TIMEOUT`; says which ranks held it up.
+    #[error("rank {rank}: {detail}")]
+    Timeout {
+        /// This process's rank.
+        rank: usize,
+        /// The call, how long it waited, and what the other ranks were doing.
+        detail: String,
+    },
+    /// Ranks called different collectives (or the same one with different arguments).
+    #[error("rank {rank}: mismatched collectives: {detail}")]
+    Mismatch {
+        /// This process's rank.
+        rank: usize,
+        /// What each side called.
+        detail: String,
+    },
 }
 
 impl From<TransportError> for Error {

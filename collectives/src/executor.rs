@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use chorus_kernels::{reduce, reduce_into, DType, ReduceOp};
-use chorus_transport::{Request, Transport};
+use chorus_transport::{Request, Transport, TransportError};
 
 use crate::schedule::{scratch_len, Buf, Loc, Step};
 use crate::Error;
@@ -56,6 +56,18 @@ pub struct Job<'a> {
     pub deadline: Instant,
     /// Most receive-and-reduce chunks in flight at once.
     pub depth: usize,
+    /// Watches the call: told when it stalls, and asked to explain a failure.
+    pub watch: Option<&'a dyn Watch>,
+}
+
+/// A watchdog over one call.
+pub trait Watch {
+    /// When a wait still pending should be reported as stalled (`None`: never).
+    fn warn_at(&self) -> Option<Instant>;
+    /// Called once, when a wait outlasts [`warn_at`](Self::warn_at); the call goes on waiting.
+    fn stalled(&self);
+    /// Turns a failure into the error to report, before the transport is aborted.
+    fn failed(&self, error: Error) -> Error;
 }
 
 /// The caller's memory: raw because the transport reads and writes it in
@@ -183,17 +195,22 @@ pub fn execute(
         free: (0..job.depth.max(1)).collect(),
         pending: VecDeque::new(),
         next_id: 0,
+        warned: false,
     };
     let result = steps
         .iter()
         .try_for_each(|step| run.step(step))
         .and_then(|()| run.settle_all());
-    if result.is_err() {
+    result.map_err(|error| {
+        let error = match job.watch {
+            Some(watch) => watch.failed(error),
+            None => error,
+        };
         if let Some(transport) = job.transport {
-            transport.abort("a collective failed on this rank");
+            transport.abort(&format!("a collective failed on this rank: {error}"));
         }
-    }
-    result
+        error
+    })
 }
 
 struct Run<'a, 'j> {
@@ -206,6 +223,8 @@ struct Run<'a, 'j> {
     free: Vec<usize>,
     pending: VecDeque<Pending>,
     next_id: u64,
+    /// Whether the watchdog has reported this call as stalled.
+    warned: bool,
 }
 
 impl Run<'_, '_> {
@@ -380,6 +399,23 @@ impl Run<'_, '_> {
             .expect("pending step exists")
     }
 
+    /// Waits for `req` until the deadline, reporting a stall to the watchdog once on the way.
+    fn wait(&mut self, req: &Request) -> Result<(), Error> {
+        let deadline = self.job.deadline;
+        if let Some(watch) = self.job.watch.filter(|_| !self.warned) {
+            if let Some(warn_at) = watch.warn_at().filter(|&t| t < deadline) {
+                match req.wait(warn_at) {
+                    Err(TransportError::Timeout { .. }) => {
+                        self.warned = true;
+                        watch.stalled();
+                    }
+                    done => return Ok(done?),
+                }
+            }
+        }
+        Ok(req.wait(deadline)?)
+    }
+
     /// Waits for pending step `i` (and the earlier steps it depends on) and applies it.
     fn settle(&mut self, i: usize) -> Result<(), Error> {
         let id = self.pending[i].id;
@@ -399,7 +435,7 @@ impl Run<'_, '_> {
             .pending
             .remove(self.position(id))
             .expect("pending step exists");
-        p.req.wait(self.job.deadline)?;
+        self.wait(&p.req)?;
         if let Kind::Staged {
             slot,
             with,

@@ -87,6 +87,8 @@ pub const ENV_CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 /// Env var: the node's GPU ids given to the worker (comma list, same as
 /// `CUDA_VISIBLE_DEVICES`; inside the worker they are CUDA devices `0..n`).
 pub const ENV_DEVICE_IDS: &str = "CHORUS_DEVICE_IDS";
+/// The job's shared secret; a single-node launch generates one when none is given.
+pub const ENV_AUTH_TOKEN: &str = "CHORUS_AUTH_TOKEN";
 
 /// Master address used by [`LaunchSpec::new`].
 pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
@@ -230,6 +232,9 @@ pub struct LaunchSpec {
     pub own_process_group: bool,
     /// After an interrupt's signal, how long workers may take to exit before they are killed.
     pub stop_grace: Duration,
+    /// After a worker fails, let the others run until they end by themselves (or the
+    /// timeout) instead of stopping them: for watching how the survivors fail.
+    pub wait_all: bool,
 }
 
 impl LaunchSpec {
@@ -254,6 +259,7 @@ impl LaunchSpec {
             interrupt: None,
             own_process_group: false,
             stop_grace: DEFAULT_STOP_GRACE,
+            wait_all: false,
         }
     }
 
@@ -373,6 +379,13 @@ impl LaunchSpec {
     #[must_use]
     pub fn stop_grace(mut self, grace: Duration) -> Self {
         self.stop_grace = grace;
+        self
+    }
+
+    /// Lets the other workers run on after one fails (see the field).
+    #[must_use]
+    pub fn wait_all(mut self, wait_all: bool) -> Self {
+        self.wait_all = wait_all;
         self
     }
 }
@@ -643,10 +656,27 @@ pub(crate) fn free_port_on(addr: &str) -> io::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+/// `spec`, plus a fresh `CHORUS_AUTH_TOKEN` for a single-node job that has none, so that only
+/// its own workers can join its store and sockets. (The nodes of a multi-node job could not
+/// agree on generated secrets: there the user sets one on every node.)
+fn with_job_secret(spec: &LaunchSpec) -> LaunchSpec {
+    let mut spec = spec.clone();
+    let given = spec.env.iter().any(|(k, _)| k == ENV_AUTH_TOKEN)
+        || std::env::var_os(ENV_AUTH_TOKEN).is_some();
+    if given || spec.nnodes > 1 {
+        return spec;
+    }
+    match chorus_transport::auth::random_token() {
+        Ok(token) => spec.env.push((ENV_AUTH_TOKEN.to_string(), token)),
+        Err(e) => warn!("the workers get no secret of their own: {e}"),
+    }
+    spec
+}
+
 /// Starts the workers, waits for them, and returns how each ended.
 ///
 /// As soon as one rank fails (non-zero exit or signal), or the timeout passes, every other
-/// worker is killed; after a failure, while restarts remain, the group starts again. Fails only
+/// worker is killed (unless [`LaunchSpec::wait_all`]); after a failure, while restarts remain, the group starts again. Fails only
 /// if the launch itself fails (program not found, no workers, bad node rank, no free port, a
 /// log file that cannot be created): [`LaunchError`] names what; workers already started are
 /// then killed.
@@ -665,6 +695,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, LaunchError> {
         _ if spec.nnodes > 1 => return Err(LaunchError::MasterPortRequired(spec.nnodes)),
         _ => free_port_on(&spec.master_addr).map_err(LaunchError::Port)?,
     };
+    let spec = &with_job_secret(spec);
     let start = Instant::now();
     let deadline = start.checked_add(spec.timeout);
     debug!(
@@ -808,7 +839,7 @@ fn run_attempt(
                 }
             }
         }
-        if first_failed.is_some() || workers.all_ended() {
+        if (first_failed.is_some() && !spec.wait_all) || workers.all_ended() {
             break;
         }
         if let Some(interrupt) = &spec.interrupt {

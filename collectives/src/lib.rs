@@ -34,6 +34,7 @@ pub mod schedule;
 pub mod tuner;
 
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
+pub use chorus_transport::auth::Auth;
 pub use communicator::{Communicator, Group, Work};
 pub use config::{hostname, Config, DEFAULT_CHUNK_BYTES, DEFAULT_NSOCKS, DEFAULT_TIMEOUT};
 pub use error::{Error, Result};

@@ -125,8 +125,53 @@ fn mismatched_lengths_fail_on_every_rank() {
         assert!(
             errors
                 .iter()
-                .any(|e| e.contains("4004 bytes") || e.contains("bytes, expected")),
-            "some rank should name the sizes: {errors:?}"
+                .all(|e| e.contains("1000 elements") && e.contains("1001 elements")),
+            "every rank should name both sizes: {errors:?}"
         );
+    }
+}
+
+/// A rank with another job's id or another secret is refused by the store, saying why; the
+/// rank it never joins is named by the others.
+#[test]
+fn ranks_of_another_job_or_secret_are_refused() {
+    let intruders: [(&[(&str, &str)], &str); 2] = [
+        (&[("CHORUS_AUTH_TOKEN", "guess")], "CHORUS_AUTH_TOKEN"),
+        (
+            &[("CHORUS_AUTH_TOKEN", "s3cret"), ("CHORUS_JOB_ID", "job-b")],
+            "job-b",
+        ),
+    ];
+    for (intruder, needle) in intruders {
+        let port = free_port().unwrap().to_string();
+        let base = [
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("CHORUS_TIMEOUT", "3"),
+            ("CHORUS_JOB_ID", "job-a"),
+        ];
+        let owner: Vec<_> = base
+            .iter()
+            .copied()
+            .chain([("RANK", "0"), ("CHORUS_AUTH_TOKEN", "s3cret")])
+            .collect();
+        // Later entries win: the intruder's job id and secret replace the owner's.
+        let stranger: Vec<_> = base
+            .iter()
+            .copied()
+            .chain([("RANK", "1")])
+            .chain(intruder.iter().copied())
+            .collect();
+        let (waited, refused) = thread::scope(|s| {
+            let first = s.spawn(|| run_one(worker(), &["connect"], &owner, LIMIT));
+            let refused = run_one(worker(), &["connect"], &stranger, LIMIT);
+            (first.join().unwrap(), refused)
+        });
+        assert!(!refused.success && !waited.success);
+        assert_clean_failure(&refused.stderr, &["refused", needle]);
+        assert_clean_failure(&waited.stderr, &["timed out"]);
+        let names_rank_1 = waited.stderr.contains("[1]") || waited.stderr.contains("/1\"]");
+        assert!(names_rank_1, "rank 1 should be named:\n{}", waited.stderr);
     }
 }

@@ -9,7 +9,9 @@
 //! * [`RoutedTransport`]: shared memory within a host, TCP across hosts.
 //! * [`store`]: the rendezvous key-value store through which ranks find each
 //!   other.
+//! * [`auth`]: the handshake that keeps other jobs and strangers out.
 
+pub mod auth;
 mod error;
 mod request;
 mod routed;

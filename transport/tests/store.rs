@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use chorus_transport::auth::Auth;
 use chorus_transport::store::{
-    PrefixStore, Store, StoreError, StoreServer, TcpStore, MAX_VALUE_LEN,
+    handshake, PrefixStore, Store, StoreError, StoreServer, TcpStore, MAX_VALUE_LEN,
 };
 
 /// Long enough never to pass on a working machine; only a hang would reach it.
@@ -278,18 +279,35 @@ fn a_client_started_before_the_server_retries_until_it_is_up() {
     assert_eq!(client(&server, BOUND).get("up").unwrap(), b"yes");
 }
 
-/// Sends `bytes` on a fresh raw connection and reports whether the server closed it.
-fn server_closes_after(addr: SocketAddr, bytes: &[u8]) -> bool {
+/// A raw connection that has passed the handshake (no job id, no secret).
+fn admitted(addr: SocketAddr) -> TcpStream {
     let mut raw = TcpStream::connect(addr).unwrap();
     raw.set_read_timeout(Some(BOUND)).unwrap();
+    handshake::client(&mut raw, &Auth::default()).expect("handshake");
+    raw
+}
+
+/// Sends `bytes` on a fresh raw connection (admitted first, or not) and reports whether the
+/// server closed it, reading past the challenge and anything else it sent first.
+fn server_closes_after(addr: SocketAddr, admit: bool, bytes: &[u8]) -> bool {
+    let mut raw = if admit {
+        admitted(addr)
+    } else {
+        TcpStream::connect(addr).unwrap()
+    };
+    raw.set_read_timeout(Some(SHORT * 10)).unwrap();
     // The server may close before everything is written; that is what we test for.
     let _ = raw.write_all(bytes);
     let mut buf = [0u8; 64];
-    match raw.read(&mut buf) {
-        Ok(0) => true,
-        Err(e) if e.kind() == ErrorKind::ConnectionReset => true,
-        Ok(_) => false,
-        Err(e) => panic!("no answer from the server: {e}"),
+    let mut unanswered = 0;
+    loop {
+        match raw.read(&mut buf) {
+            Ok(0) => return true,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return true,
+            Ok(n) => unanswered += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
+            Err(e) => panic!("no answer from the server after {unanswered} bytes: {e}"),
+        }
     }
 }
 
@@ -333,9 +351,14 @@ fn garbage_connections_are_dropped_while_good_clients_keep_working() {
         ("unknown opcode", frame_header(42, 1, 1)),
     ];
     for (what, bytes) in garbage {
-        assert!(server_closes_after(addr, &bytes), "{what} was not dropped");
-        good.set(what, b"ok").unwrap();
-        assert_eq!(good.get(what).unwrap(), b"ok");
+        for admit in [false, true] {
+            assert!(
+                server_closes_after(addr, admit, &bytes),
+                "{what} was not dropped (admitted: {admit})"
+            );
+            good.set(what, b"ok").unwrap();
+            assert_eq!(good.get(what).unwrap(), b"ok");
+        }
     }
 
     // A truncated frame, then close.
@@ -352,8 +375,7 @@ fn garbage_connections_are_dropped_while_good_clients_keep_working() {
 #[test]
 fn pipelined_requests_are_answered_in_order() {
     let server = start_server();
-    let mut raw = TcpStream::connect(server.local_addr()).unwrap();
-    raw.set_read_timeout(Some(BOUND)).unwrap();
+    let mut raw = admitted(server.local_addr());
     let mut requests = Vec::new();
     for key in ["p", "q"] {
         requests.extend_from_slice(&frame_header(2, 1, 0));
@@ -406,4 +428,29 @@ fn many_clients_share_one_server_thread() {
         let peer = (rank + 1) % CLIENTS;
         assert_eq!(store.get(keys[peer]).unwrap(), peer.to_string().as_bytes());
     }
+}
+
+#[test]
+fn only_clients_of_the_same_job_with_the_secret_are_admitted() {
+    let job = |id: &str, token: &str| Auth::new(id, token).unwrap();
+    let server =
+        StoreServer::bind_with_auth("127.0.0.1:0".parse().unwrap(), job("job-a", "s3cret"))
+            .unwrap();
+    let port = server.local_addr().port();
+    let member =
+        TcpStore::connect_with_auth("127.0.0.1", port, BOUND, job("job-a", "s3cret")).unwrap();
+    member.set("k", b"v").unwrap();
+    let refusals = [
+        (job("job-a", "wrong"), "CHORUS_AUTH_TOKEN"),
+        (job("job-b", "s3cret"), "job-b"),
+        (Auth::default(), "job-a"),
+    ];
+    for (auth, needle) in refusals {
+        let start = Instant::now();
+        let err = TcpStore::connect_with_auth("127.0.0.1", port, BOUND, auth.clone()).unwrap_err();
+        assert!(matches!(err, StoreError::Refused(_)), "{auth:?}: {err}");
+        assert!(err.to_string().contains(needle), "{auth:?}: {err}");
+        assert!(start.elapsed() < BOUND / 2, "a refusal is not retried");
+    }
+    assert_eq!(member.get("k").unwrap(), b"v");
 }

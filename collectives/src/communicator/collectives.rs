@@ -4,7 +4,7 @@ use std::marker::PhantomData;
 
 use chorus_kernels::{DType, Element, ReduceOp};
 
-use super::{elements, Call, Communicator, Inner, Kind};
+use super::{elements, Call, CallInfo, Communicator, Inner, Kind};
 use crate::executor::Buffers;
 use crate::schedule::{barrier, broadcast, ring, tree};
 use crate::schedule::{hierarchical, recursive};
@@ -107,10 +107,7 @@ impl Communicator {
         let steps = barrier::dissemination(self.rank(), self.world_size());
         let bufs = Buffers::new(None, &mut []);
         self.run_now(Call {
-            kind: Kind::Barrier,
-            dtype: DType::U8,
-            op: ReduceOp::Sum,
-            root: 0,
+            info: CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0),
             bufs,
             steps,
             _borrow: PhantomData,
@@ -148,10 +145,7 @@ impl Inner {
         };
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
-            kind: Kind::AllReduce,
-            dtype,
-            op,
-            root: 0,
+            info: CallInfo::new(Kind::AllReduce, dtype, op, 0, count),
             bufs,
             steps,
             _borrow: PhantomData,
@@ -178,10 +172,7 @@ impl Inner {
         };
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
-            kind: Kind::Broadcast,
-            dtype,
-            op: ReduceOp::Sum,
-            root,
+            info: CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count),
             bufs,
             steps,
             _borrow: PhantomData,

@@ -5,6 +5,7 @@
 //! are blocking or asynchronous, and whichever thread issues them.
 
 mod collectives;
+mod monitor;
 mod more;
 mod p2p;
 mod split;
@@ -14,26 +15,31 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use chorus_kernels::{DType, ReduceOp};
-use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore};
 use chorus_transport::shm::ShmConfig;
+use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore};
 use chorus_transport::tcp::TcpConfig;
-use chorus_transport::{RouteConfig, RoutedTransport};
 use chorus_transport::Transport;
+use chorus_transport::{RouteConfig, RoutedTransport};
 
-use crate::executor::{self, Buffers, Job, Workspace};
+use crate::executor::{self, Buffers, Job, Watch, Workspace};
 use crate::schedule::Step;
 use crate::tuner::{Algorithm, Collective, Tuner};
 use crate::{Config, Error, Result};
 
+pub(crate) use monitor::CallInfo;
+use monitor::{Monitor, Watcher};
 pub use p2p::Group;
 pub use work::Work;
 use work::Worker;
 
 /// Receive-and-reduce chunks in flight per call.
 const PIPELINE_DEPTH: usize = 4;
+
+/// How long dropping a communicator waits for its queued operations before failing them.
+const DROP_GRACE: Duration = Duration::from_secs(2);
 
 /// Communicators created from scratch by this process, so each gets its own store keys.
 static CREATED: AtomicU64 = AtomicU64::new(0);
@@ -51,6 +57,24 @@ pub(crate) enum Kind {
     Gather = 8,
     Scatter = 9,
     PointToPoint = 10,
+}
+
+impl Kind {
+    /// The operation's name, as users call it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all_reduce",
+            Kind::Broadcast => "broadcast",
+            Kind::Barrier => "barrier",
+            Kind::Reduce => "reduce",
+            Kind::AllGather => "all_gather",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::AllToAll => "all_to_all",
+            Kind::Gather => "gather",
+            Kind::Scatter => "scatter",
+            Kind::PointToPoint => "send/recv",
+        }
+    }
 }
 
 /// A group of ranks that run collectives together, like an NCCL communicator
@@ -84,6 +108,19 @@ pub(crate) struct Inner {
     tuner: Tuner,
     /// The last pick per collective, to log changes.
     picks: Mutex<HashMap<Collective, Algorithm>>,
+    /// Why the communicator can no longer be used, once it cannot.
+    fault: Mutex<Option<Fault>>,
+    /// The watchdog and fault reports (absent for one rank).
+    monitor: Option<Arc<Monitor>>,
+}
+
+/// Why a communicator can no longer be used.
+#[derive(Debug, Clone)]
+enum Fault {
+    /// An operation failed.
+    Failed(String),
+    /// The communicator was aborted, here or because a rank found a fault.
+    Aborted(String),
 }
 
 pub(crate) struct State {
@@ -92,7 +129,6 @@ pub(crate) struct State {
     /// The ticket whose turn it is.
     serving: u64,
     work: Workspace,
-    broken: Option<String>,
     /// Sub-communicators created so far (names their store keys).
     splits: u64,
 }
@@ -104,10 +140,7 @@ struct Issue {
 
 /// One operation, ready to run: its schedule and the memory it works on.
 pub(crate) struct Call<'a> {
-    pub kind: Kind,
-    pub dtype: DType,
-    pub op: ReduceOp,
-    pub root: usize,
+    pub info: CallInfo,
     pub bufs: Buffers,
     pub steps: Vec<Step>,
     /// Ties the raw buffers to the caller's borrows.
@@ -148,14 +181,18 @@ impl Communicator {
         }
         let server = if config.rank == 0 {
             let addr = SocketAddr::from(([0, 0, 0, 0], config.master_port));
-            Some(Arc::new(StoreServer::bind(addr)?))
+            Some(Arc::new(StoreServer::bind_with_auth(
+                addr,
+                config.auth.clone(),
+            )?))
         } else {
             None
         };
-        let client = Arc::new(TcpStore::connect(
+        let client = Arc::new(TcpStore::connect_with_auth(
             &config.master_addr,
             config.master_port,
             config.timeout,
+            config.auth.clone(),
         )?);
         let prefix = format!("chorus/{}", CREATED.fetch_add(1, Ordering::Relaxed));
         Communicator::join(config, client, prefix, server)
@@ -177,10 +214,13 @@ impl Communicator {
                 nsocks: config.nsocks,
                 addr: advertised_addr(&config)?,
                 timeout: config.timeout,
+                auth: config.auth.clone(),
                 ..TcpConfig::default()
             },
             shm: ShmConfig {
                 timeout: config.timeout,
+                single_copy: config.shm_single_copy > 0,
+                single_copy_min: config.shm_single_copy,
                 ..ShmConfig::default()
             },
         };
@@ -214,28 +254,36 @@ impl Communicator {
             seq: 0,
             serving: 0,
             work: Workspace::default(),
-            broken: None,
             splits: 0,
         };
         let tuner =
             Tuner::new(config.alpha, config.beta, config.algo).with_chunk_bytes(config.chunk_bytes);
-        let inner = Inner {
-            tuner,
-            picks: Mutex::new(HashMap::new()),
-            config,
-            transport,
-            state: Mutex::new(state),
-            turn: Condvar::new(),
-            issue: Mutex::new(Issue {
-                next: 0,
-                worker: None,
-            }),
-            store,
-            server,
-        };
-        Communicator {
-            inner: Arc::new(inner),
-        }
+        let inner = Arc::new_cyclic(|weak| {
+            let monitor = store.as_ref().and_then(|(_, prefix)| {
+                Monitor::start(&config, prefix, weak.clone())
+                    .map_err(|e| {
+                        tracing::warn!(rank = config.rank, "no watchdog or fault reports: {e}")
+                    })
+                    .ok()
+            });
+            Inner {
+                tuner,
+                picks: Mutex::new(HashMap::new()),
+                config,
+                transport,
+                state: Mutex::new(state),
+                turn: Condvar::new(),
+                issue: Mutex::new(Issue {
+                    next: 0,
+                    worker: None,
+                }),
+                store,
+                server,
+                fault: Mutex::new(None),
+                monitor,
+            }
+        });
+        Communicator { inner }
     }
 
     /// This process's rank.
@@ -267,12 +315,12 @@ impl Communicator {
     ///
     /// Callable from any thread; peers see this rank's connections close.
     pub fn abort(&self) {
-        if let Some(t) = &self.inner.transport {
-            t.abort("the communicator was aborted");
+        let reason = format!("rank {} aborted its communicator", self.rank());
+        self.inner.fail(&reason, true);
+        if let Some(monitor) = self.inner.monitor.clone() {
+            // Tell the other ranks why this one's connections closed, without waiting for the store.
+            std::thread::spawn(move || monitor.raise(&reason).ok());
         }
-        lock(&self.inner.state)
-            .broken
-            .get_or_insert_with(|| "the communicator was aborted".into());
     }
 
     /// Runs `call` now, in issue order with every other call.
@@ -284,9 +332,28 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        // Let queued asynchronous work finish (each call is bounded by the timeout).
+        // Queued asynchronous work gets a short grace period to finish, then fails.
         let worker = lock(&self.inner.issue).worker.take();
-        drop(worker);
+        if let Some(worker) = worker {
+            worker.finish(DROP_GRACE, || {
+                self.inner.fail(
+                    "the communicator was dropped with operations in flight",
+                    true,
+                )
+            });
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(monitor) = &self.monitor {
+            let hosts_store = self
+                .server
+                .as_ref()
+                .is_some_and(|s| Arc::strong_count(s) == 1);
+            monitor.stop(hosts_store);
+        }
     }
 }
 
@@ -330,12 +397,18 @@ impl Inner {
         while state.serving != ticket {
             state = self.turn.wait(state).unwrap_or_else(|p| p.into_inner());
         }
-        let result = match &state.broken {
-            Some(why) => Err(Error::Broken(why.clone())),
+        let fault = lock(&self.fault).clone();
+        let result = match fault {
+            Some(Fault::Failed(why)) => Err(Error::Broken(why)),
+            Some(Fault::Aborted(why)) => Err(Error::Aborted(why)),
             None => f(self, &mut state),
         };
         if let Err(e) = &result {
-            state.broken.get_or_insert_with(|| e.to_string());
+            let fault = match e {
+                Error::Aborted(why) => Fault::Aborted(why.clone()),
+                other => Fault::Failed(other.to_string()),
+            };
+            lock(&self.fault).get_or_insert(fault);
         }
         done();
         state.serving += 1;
@@ -343,20 +416,48 @@ impl Inner {
         result
     }
 
+    /// Fails every operation in flight and every later one; the first reason stays.
+    fn fail(&self, reason: &str, aborted: bool) {
+        if let Some(t) = &self.transport {
+            t.abort(reason);
+        }
+        let reason = reason.to_string();
+        let fault = if aborted {
+            Fault::Aborted(reason)
+        } else {
+            Fault::Failed(reason)
+        };
+        lock(&self.fault).get_or_insert(fault);
+    }
+
     pub(crate) fn execute(&self, state: &mut State, call: Call<'_>) -> Result<()> {
         state.seq += 1;
-        let tag = tag(state.seq, call.kind, call.dtype, call.op, call.root);
+        let info = call.info;
+        let watcher = self.monitor.as_deref().map(|monitor| {
+            monitor.activity.begin(state.seq, info);
+            Watcher {
+                monitor,
+                seq: state.seq,
+                call: info,
+                started: Instant::now(),
+            }
+        });
         let job = Job {
             transport: self.transport.as_ref().map(|t| t as &dyn Transport),
-            tag,
-            dtype: call.dtype,
-            op: call.op,
+            tag: tag(state.seq, &info),
+            dtype: info.dtype,
+            op: info.op,
             world_size: self.config.world_size,
             deadline: Instant::now() + self.config.timeout,
             depth: PIPELINE_DEPTH,
+            watch: watcher.as_ref().map(|w| w as &dyn Watch),
         };
-        executor::execute(&job, &call.bufs, &call.steps, &mut state.work)
-            .map_err(|e| e.on_rank(self.config.rank))
+        let result = executor::execute(&job, &call.bufs, &call.steps, &mut state.work)
+            .map_err(|e| e.on_rank(self.config.rank));
+        if let Some(monitor) = &self.monitor {
+            monitor.activity.end();
+        }
+        result
     }
 }
 
@@ -375,12 +476,19 @@ fn elements(bytes: usize, dtype: DType) -> Result<usize> {
     Ok(bytes / dtype.size())
 }
 
-/// The message tag: sequence number and a fingerprint of the call, so ranks
-/// that disagree on what they are running fail instead of mixing data.
-fn tag(seq: u64, kind: Kind, dtype: DType, op: ReduceOp, root: usize) -> u64 {
-    let dtype = DType::ALL.iter().position(|&d| d == dtype).unwrap_or(0) as u64;
-    let op = ReduceOp::ALL.iter().position(|&o| o == op).unwrap_or(0) as u64;
-    (seq << 32) | (kind as u64) << 28 | dtype << 24 | op << 20 | (root as u64 & 0xF_FFFF)
+/// The message tag: sequence number and a fingerprint of the call (kind, dtype, op, and
+/// 20 bits standing for root and count), so ranks that disagree on what they are running
+/// fail instead of mixing data.
+fn tag(seq: u64, call: &CallInfo) -> u64 {
+    let dtype = DType::ALL
+        .iter()
+        .position(|&d| d == call.dtype)
+        .unwrap_or(0) as u64;
+    let op = ReduceOp::ALL
+        .iter()
+        .position(|&o| o == call.op)
+        .unwrap_or(0) as u64;
+    (seq << 32) | (call.kind as u64) << 28 | dtype << 24 | op << 20 | call.fingerprint()
 }
 
 /// The address other ranks reach this one at: configured, or the local end

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 
 use chorus_kernels::{DType, Element, ReduceOp};
 
-use super::{Call, Communicator, Kind};
+use super::{Call, CallInfo, Communicator, Kind};
 use crate::executor::Buffers;
 use crate::schedule::{all_gather, all_to_all, gather, reduce, reduce_scatter, scatter, Schedule};
 use crate::tuner::{Algorithm, Collective};
@@ -19,7 +19,9 @@ impl Communicator {
     pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
         let output = bytemuck::cast_slice_mut(buf);
         let steps = self.reduce_steps(output.len(), T::DTYPE, root)?;
-        self.run_typed::<T>(Kind::Reduce, op, root, Buffers::new(None, output), steps)
+        let count = output.len() / T::DTYPE.size();
+        let info = CallInfo::new(Kind::Reduce, T::DTYPE, op, root, count);
+        self.run_typed(info, Buffers::new(None, output), steps)
     }
 
     /// Reduces every rank's `input` into `root`'s `output` (same length as `input`).
@@ -37,13 +39,14 @@ impl Communicator {
             bytemuck::cast_slice_mut(output),
         );
         let steps = self.reduce_steps(output.len(), T::DTYPE, root)?;
-        self.run_typed::<T>(
+        let info = CallInfo::new(
             Kind::Reduce,
+            T::DTYPE,
             op,
             root,
-            Buffers::same_len(Some(input), output)?,
-            steps,
-        )
+            input.len() / T::DTYPE.size(),
+        );
+        self.run_typed(info, Buffers::same_len(Some(input), output)?, steps)
     }
 
     fn reduce_steps(&self, bytes: usize, dtype: DType, root: usize) -> Result<Schedule> {
@@ -71,7 +74,12 @@ impl Communicator {
             n,
             self.inner.chunk_elems(T::DTYPE),
         );
-        self.run_apart(Kind::AllGather, ReduceOp::Sum, 0, input, output, steps)
+        self.run_apart(
+            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n),
+            input,
+            output,
+            steps,
+        )
     }
 
     /// All-gather in place: this rank's block already sits at `buf[rank * n..(rank + 1) * n]`.
@@ -87,7 +95,11 @@ impl Communicator {
             self.rank() * n * size,
             n * size,
         );
-        self.run_typed::<T>(Kind::AllGather, ReduceOp::Sum, 0, bufs, steps)
+        self.run_typed(
+            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n),
+            bufs,
+            steps,
+        )
     }
 
     /// Reduces `input` (world_size blocks) across ranks; `output` receives block `rank` of the result.
@@ -106,7 +118,12 @@ impl Communicator {
             n,
             self.inner.chunk_elems(T::DTYPE),
         );
-        self.run_apart(Kind::ReduceScatter, op, 0, input, output, steps)
+        self.run_apart(
+            CallInfo::new(Kind::ReduceScatter, T::DTYPE, op, 0, n),
+            input,
+            output,
+            steps,
+        )
     }
 
     /// Sends block `q` of `input` to rank `q` and receives rank `q`'s block into block `q` of `output`.
@@ -148,7 +165,9 @@ impl Communicator {
             )));
         }
         let steps = all_to_all::pairwise(rank, w, send_counts, recv_counts);
-        self.run_apart(Kind::AllToAll, ReduceOp::Sum, 0, input, output, steps)
+        // Counts may differ between ranks; each message's length is checked instead.
+        let info = CallInfo::new(Kind::AllToAll, T::DTYPE, ReduceOp::Sum, 0, 0);
+        self.run_apart(info, input, output, steps)
     }
 
     /// Gathers every rank's `input` into `root`'s `output` (world_size blocks); other outputs are untouched.
@@ -160,7 +179,8 @@ impl Communicator {
             self.blocks("gather", "output", output.len(), input.len())?;
         }
         let steps = gather::direct(self.rank(), self.world_size(), root, input.len());
-        self.run_apart(Kind::Gather, ReduceOp::Sum, root, input, output, steps)
+        let info = CallInfo::new(Kind::Gather, T::DTYPE, ReduceOp::Sum, root, input.len());
+        self.run_apart(info, input, output, steps)
     }
 
     /// Sends block `q` of `root`'s `input` (world_size blocks) to rank `q`'s `output`.
@@ -172,7 +192,8 @@ impl Communicator {
             self.blocks("scatter", "input", input.len(), output.len())?;
         }
         let steps = scatter::direct(self.rank(), self.world_size(), root, output.len());
-        self.run_apart(Kind::Scatter, ReduceOp::Sum, root, input, output, steps)
+        let info = CallInfo::new(Kind::Scatter, T::DTYPE, ReduceOp::Sum, root, output.len());
+        self.run_apart(info, input, output, steps)
     }
 
     /// Checks that `whole` holds world_size blocks of `block` elements; returns `block`.
@@ -190,9 +211,7 @@ impl Communicator {
     /// Runs `steps` from `input` into a separate `output`.
     fn run_apart<T: Element>(
         &self,
-        kind: Kind,
-        op: ReduceOp,
-        root: usize,
+        info: CallInfo,
         input: &[T],
         output: &mut [T],
         steps: Schedule,
@@ -201,22 +220,12 @@ impl Communicator {
             Some(bytemuck::cast_slice(input)),
             bytemuck::cast_slice_mut(output),
         );
-        self.run_typed::<T>(kind, op, root, bufs, steps)
+        self.run_typed(info, bufs, steps)
     }
 
-    fn run_typed<T: Element>(
-        &self,
-        kind: Kind,
-        op: ReduceOp,
-        root: usize,
-        bufs: Buffers,
-        steps: Schedule,
-    ) -> Result<()> {
+    fn run_typed(&self, info: CallInfo, bufs: Buffers, steps: Schedule) -> Result<()> {
         self.run_now(Call {
-            kind,
-            dtype: T::DTYPE,
-            op,
-            root,
+            info,
             bufs,
             steps,
             _borrow: PhantomData,

@@ -21,19 +21,35 @@ type Task = Box<dyn FnOnce() + Send>;
 pub(super) struct Worker {
     tasks: Option<Sender<Task>>,
     thread: Option<JoinHandle<()>>,
+    /// Disconnects when the thread ends.
+    ended: Receiver<()>,
 }
 
 impl Worker {
     fn start(rank: usize) -> Result<Worker> {
         let (tasks, queue) = channel::unbounded::<Task>();
+        let (alive, ended) = channel::bounded::<()>(0);
         let thread = std::thread::Builder::new()
             .name(format!("chorus-work-{rank}"))
-            .spawn(move || queue.into_iter().for_each(|task| task()))
+            .spawn(move || {
+                let _alive = alive;
+                queue.into_iter().for_each(|task| task());
+            })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the worker thread: {e}")))?;
         Ok(Worker {
             tasks: Some(tasks),
             thread: Some(thread),
+            ended,
         })
+    }
+
+    /// Lets queued operations run for up to `grace`, then calls `overdue` (which must make
+    /// them fail promptly) and waits for the thread.
+    pub(super) fn finish(mut self, grace: Duration, overdue: impl FnOnce()) {
+        drop(self.tasks.take());
+        if let Err(RecvTimeoutError::Timeout) = self.ended.recv_timeout(grace) {
+            overdue();
+        }
     }
 }
 

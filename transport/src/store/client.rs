@@ -16,8 +16,10 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, trace};
 
+use super::handshake;
 use super::protocol::{self, RESPONSE_HEADER_LEN, STATUS_OK};
 use super::{Store, StoreError};
+use crate::auth::Auth;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
@@ -32,6 +34,7 @@ const MISSING_KEYS_BUDGET: Duration = Duration::from_secs(2);
 /// timeout or a connection failure that connection is closed and later requests reconnect.
 #[derive(Debug)]
 pub struct TcpStore {
+    auth: Auth,
     host: String,
     port: u16,
     timeout: Duration,
@@ -44,8 +47,22 @@ impl TcpStore {
     ///
     /// Fails with [`StoreError::Connect`] naming the address and how long it tried.
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<TcpStore, StoreError> {
-        let stream = connect_with_retry(host, port, Instant::now() + timeout)?;
+        TcpStore::connect_with_auth(host, port, timeout, Auth::default())
+    }
+
+    /// Like [`connect`](Self::connect), proving membership of `auth`'s job on every connection.
+    ///
+    /// Fails at once with [`StoreError::Refused`] if the server belongs to another job or
+    /// expects another secret.
+    pub fn connect_with_auth(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        auth: Auth,
+    ) -> Result<TcpStore, StoreError> {
+        let stream = connect_with_retry(host, port, &auth, Instant::now() + timeout)?;
         Ok(TcpStore {
+            auth,
             host: host.to_owned(),
             port,
             timeout,
@@ -63,7 +80,7 @@ impl TcpStore {
         let pooled = self.with_idle(Vec::pop);
         let stream = match pooled {
             Some(stream) => stream,
-            None => connect_with_retry(&self.host, self.port, deadline)?,
+            None => connect_with_retry(&self.host, self.port, &self.auth, deadline)?,
         };
         let (status, payload) = exchange(&stream, request, deadline)?;
         // Only a completed exchange leaves the connection in a known state.
@@ -263,13 +280,26 @@ fn io_failure(context: &str, e: io::Error) -> Failure {
     StoreError::io(context, e).into()
 }
 
-/// Connects to `host:port`, retrying with a doubling backoff until `deadline`.
-fn connect_with_retry(host: &str, port: u16, deadline: Instant) -> Result<TcpStream, StoreError> {
+/// Connects to `host:port` and passes the handshake, retrying unreachable servers with a
+/// doubling backoff until `deadline`.
+fn connect_with_retry(
+    host: &str,
+    port: u16,
+    auth: &Auth,
+    deadline: Instant,
+) -> Result<TcpStream, StoreError> {
     let start = Instant::now();
     let mut backoff = FIRST_BACKOFF;
     loop {
         let error = match try_connect(host, port, deadline) {
-            Ok(stream) => {
+            Ok(mut stream) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let bound = Some(left.max(Duration::from_millis(1)));
+                stream
+                    .set_read_timeout(bound)
+                    .and_then(|()| stream.set_write_timeout(bound))
+                    .map_err(|e| StoreError::io("store handshake", e))?;
+                handshake::client(&mut stream, auth)?;
                 debug!(host, port, "connected to the rendezvous store");
                 return Ok(stream);
             }
@@ -328,6 +358,7 @@ fn is_self_connected(stream: &TcpStream) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::{MAC_LEN, NONCE_LEN};
 
     #[test]
     fn remaining_is_a_timeout_once_the_deadline_passed() {
@@ -359,7 +390,7 @@ mod tests {
 
     #[test]
     fn a_zero_timeout_connect_fails_without_blocking() {
-        let err = connect_with_retry("127.0.0.1", 9, Instant::now()).unwrap_err();
+        let err = connect_with_retry("127.0.0.1", 9, &Auth::default(), Instant::now()).unwrap_err();
         assert!(matches!(err, StoreError::Connect { .. }), "{err}");
     }
 
@@ -367,9 +398,18 @@ mod tests {
     fn a_timed_out_request_leaves_its_connection_out_of_the_pool() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        // A "server" that accepts but never answers.
-        let store = TcpStore::connect("127.0.0.1", port, Duration::from_millis(50)).unwrap();
-        let (_silent, _) = listener.accept().unwrap();
+        // A "server" that admits the client, then never answers.
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            conn.write_all(&handshake::challenge(&[0; NONCE_LEN]))
+                .unwrap();
+            let mut answer = [0u8; 5 + MAC_LEN];
+            conn.read_exact(&mut answer).unwrap();
+            conn.write_all(&[0]).unwrap();
+            conn
+        });
+        let store = TcpStore::connect("127.0.0.1", port, Duration::from_millis(200)).unwrap();
+        let _silent = server.join().unwrap();
         assert_eq!(store.with_idle(|idle| idle.len()), 1);
         let err = store.set("k", b"v").unwrap_err();
         assert!(matches!(err, StoreError::Io { .. }), "{err}");

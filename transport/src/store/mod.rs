@@ -20,7 +20,8 @@
 //! ```
 
 mod client;
-mod protocol;
+pub mod handshake;
+pub mod protocol;
 mod server;
 
 use std::net::SocketAddr;
@@ -93,6 +94,9 @@ pub enum StoreError {
     /// The server closed the connection.
     #[error("the rendezvous store server closed the connection (did rank 0 exit?)")]
     Closed,
+    /// The server refused this client's handshake (another job, or a different secret).
+    #[error("the rendezvous store refused this connection: {0}")]
+    Refused(String),
 }
 
 impl StoreError {

@@ -17,8 +17,10 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use socket2::{Domain, Socket, Type};
 use tracing::{debug, error, warn};
 
+use super::handshake;
 use super::protocol::{self, Request, MAX_REQUEST_LEN, STATUS_ERROR, STATUS_OK};
 use super::StoreError;
+use crate::auth::{nonce, Auth, NONCE_LEN};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -47,6 +49,11 @@ impl StoreServer {
     ///
     /// Fails with [`StoreError::Bind`] naming the address if it is busy or not local.
     pub fn bind(addr: SocketAddr) -> Result<StoreServer, StoreError> {
+        StoreServer::bind_with_auth(addr, Auth::default())
+    }
+
+    /// Like [`bind`](Self::bind), admitting only clients of `auth`'s job that know its secret.
+    pub fn bind_with_auth(addr: SocketAddr, auth: Auth) -> Result<StoreServer, StoreError> {
         let listener = listen(addr).map_err(|source| StoreError::Bind { addr, source })?;
         let local_addr = listener
             .local_addr()
@@ -54,7 +61,7 @@ impl StoreServer {
         let poll = Poll::new().map_err(|e| StoreError::io("creating the store poller", e))?;
         let waker = Waker::new(poll.registry(), WAKER)
             .map_err(|e| StoreError::io("creating the store waker", e))?;
-        let mut server = Server::new(poll, listener);
+        let mut server = Server::new(poll, listener, auth);
         server
             .poll
             .registry()
@@ -123,6 +130,8 @@ struct Conn {
     watching: Option<String>,
     /// The peer closed its side; serve what was received, then drop.
     eof: bool,
+    /// The challenge sent, until the client has answered it.
+    challenge: Option<[u8; NONCE_LEN]>,
 }
 
 impl Conn {
@@ -136,6 +145,7 @@ impl Conn {
             parked: None,
             watching: None,
             eof: false,
+            challenge: None,
         }
     }
 
@@ -199,6 +209,8 @@ enum Disconnect {
     Io(io::Error),
     /// It closed its side and has nothing more to be served.
     Closed,
+    /// Its handshake failed: another job, or the wrong secret.
+    Refused(String),
 }
 
 /// The key-value data and the parked connections waiting on keys.
@@ -254,6 +266,7 @@ impl State {
 
 /// The serving thread's world.
 struct Server {
+    auth: Auth,
     poll: Poll,
     listener: TcpListener,
     conns: HashMap<Token, Conn>,
@@ -263,8 +276,9 @@ struct Server {
 }
 
 impl Server {
-    fn new(poll: Poll, listener: TcpListener) -> Self {
+    fn new(poll: Poll, listener: TcpListener, auth: Auth) -> Self {
         Server {
+            auth,
             poll,
             listener,
             conns: HashMap::new(),
@@ -324,8 +338,16 @@ impl Server {
             warn!(%peer, error = %e, "store server cannot register a connection");
             return;
         }
+        let nonce = match nonce() {
+            Ok(nonce) => nonce,
+            Err(e) => return warn!(%peer, "store server cannot challenge a client: {e}"),
+        };
         debug!(%peer, "store client connected");
-        self.conns.insert(token, Conn::new(stream, peer));
+        let mut conn = Conn::new(stream, peer);
+        conn.write_buf
+            .extend_from_slice(&handshake::challenge(&nonce));
+        conn.challenge = Some(nonce);
+        self.conns.insert(token, conn);
     }
 
     /// Drives `first`, then every connection its requests woke, and so on.
@@ -377,6 +399,20 @@ impl Server {
     ) -> Result<(), Disconnect> {
         self.try_unpark(token, conn);
         conn.flush().map_err(Disconnect::Io)?;
+        if let Some(nonce) = conn.challenge {
+            let Some((answer, used)) =
+                handshake::decode_answer(&conn.read_buf).map_err(Disconnect::Protocol)?
+            else {
+                return Ok(());
+            };
+            conn.read_buf.drain(..used);
+            let outcome = handshake::check(&self.auth, &nonce, &answer);
+            conn.write_buf
+                .extend_from_slice(&handshake::verdict(&outcome));
+            conn.flush().map_err(Disconnect::Io)?;
+            outcome.map_err(Disconnect::Refused)?;
+            conn.challenge = None;
+        }
         while conn.is_idle() {
             let Some((request, used)) =
                 protocol::decode_request(&conn.read_buf).map_err(Disconnect::Protocol)?
@@ -463,6 +499,7 @@ impl Server {
             Disconnect::Protocol(e) => {
                 warn!(%peer, error = %e, "dropping store client that broke the protocol")
             }
+            Disconnect::Refused(reason) => warn!(%peer, "refusing a store client: {reason}"),
             Disconnect::Io(e) => debug!(%peer, error = %e, "store client connection failed"),
             Disconnect::Closed if !conn.read_buf.is_empty() && conn.is_idle() => {
                 warn!(%peer, bytes = conn.read_buf.len(), "store client closed mid-frame");

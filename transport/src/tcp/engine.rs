@@ -370,9 +370,12 @@ impl Engine {
         }
     }
 
-    /// Fails every request to `peer`, now and later, and closes its sockets.
+    /// Fails every request to `peer`, now and later, and closes its sockets, except after a
+    /// protocol error: then the sockets stay open until the caller aborts, so it can first
+    /// tell the other ranks what went wrong (a peer that saw them close would blame this rank).
     pub(crate) fn fail_peer(&mut self, peer: usize, err: TransportError) {
-        self.fail_requests(peer, err, true);
+        let close = !matches!(err, TransportError::Protocol { .. });
+        self.fail_requests(peer, err, close);
     }
 
     /// Fails every request to `peer`, now and later; with `close`, also shuts

@@ -2,9 +2,9 @@
 //! connects to every lower rank and accepts every higher one.
 //!
 //! Each socket opens with a hello naming the job session, the world size,
-//! the sender's rank and the socket's index; the acceptor checks it (a
-//! stranger's connection is logged and dropped) and answers with one ack
-//! byte. Connecting never waits on an accept (the listen backlog holds the
+//! the sender's rank and the socket's index, sealed with an HMAC of the job's
+//! secret ([`crate::auth`]); the acceptor checks it (a stranger's or another
+//! job's connection is logged and dropped) and answers with one ack byte. Connecting never waits on an accept (the listen backlog holds the
 //! connection), and acks are read only after this rank has accepted all of
 //! its own peers, so set-up cannot deadlock.
 
@@ -15,11 +15,15 @@ use std::time::{Duration, Instant};
 use socket2::{Domain, Socket, Type};
 
 use super::TcpConfig;
+use crate::auth::{Auth, MAC_LEN};
 use crate::store::Store;
 use crate::TransportError;
 
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"CHRH");
-const HELLO_LEN: usize = 28;
+const FIELDS_LEN: usize = 28;
+const HELLO_LEN: usize = FIELDS_LEN + MAC_LEN;
+/// The domain separating transport MACs from store MACs.
+const DOMAIN: &str = "chorus-tcp";
 const ACK: u8 = 0xA5;
 
 /// Opens `nsocks` sockets to every peer; result indexed by peer rank.
@@ -56,12 +60,12 @@ pub(super) fn connect_all(
         for (sock, slot) in streams.iter_mut().enumerate() {
             let mut stream = connect(peer, addr, deadline)?;
             stream
-                .write_all(&hello(sock).encode())
+                .write_all(&hello(sock).encode(&config.auth))
                 .map_err(|e| io_setup(peer, "send the hello", e))?;
             *slot = Some(stream);
         }
     }
-    accept_higher(&listener, rank, &hello(0), deadline, &mut sockets)?;
+    accept_higher(&listener, &hello(0), &config.auth, deadline, &mut sockets)?;
     for (peer, streams) in sockets.iter_mut().enumerate().take(rank) {
         for stream in streams.iter_mut().flatten() {
             read_ack(stream, peer, deadline)?;
@@ -165,11 +169,12 @@ fn connect(peer: usize, addr: SocketAddr, deadline: Instant) -> Result<TcpStream
 /// Accepts `nsocks` sockets from every rank above `rank`.
 fn accept_higher(
     listener: &TcpListener,
-    rank: usize,
     own: &Hello,
+    auth: &Auth,
     deadline: Instant,
     sockets: &mut [Vec<Option<TcpStream>>],
 ) -> Result<(), TransportError> {
+    let rank = own.rank;
     let missing = |sockets: &[Vec<Option<TcpStream>>]| -> Vec<usize> {
         (rank + 1..sockets.len())
             .filter(|&p| sockets[p].iter().any(Option::is_none))
@@ -193,7 +198,7 @@ fn accept_higher(
             Err(e) => return Err(TransportError::Setup(format!("accept failed: {e}"))),
         };
         pause = Duration::from_micros(100);
-        match read_hello(&mut stream, deadline).and_then(|h| own.admit(&h, sockets)) {
+        match read_hello(&mut stream, auth, deadline).and_then(|h| own.admit(&h, sockets)) {
             Ok((peer, sock)) => {
                 stream
                     .write_all(&[ACK])
@@ -206,7 +211,7 @@ fn accept_higher(
     Ok(())
 }
 
-fn read_hello(stream: &mut TcpStream, deadline: Instant) -> Result<Hello, String> {
+fn read_hello(stream: &mut TcpStream, auth: &Auth, deadline: Instant) -> Result<Hello, String> {
     let wait = deadline
         .saturating_duration_since(Instant::now())
         .clamp(Duration::from_millis(1), Duration::from_secs(5));
@@ -218,7 +223,7 @@ fn read_hello(stream: &mut TcpStream, deadline: Instant) -> Result<Hello, String
     stream
         .read_exact(&mut buf)
         .map_err(|e| format!("no hello: {e}"))?;
-    Hello::decode(&buf)
+    Hello::decode(&buf, auth)
 }
 
 fn read_ack(stream: &mut TcpStream, peer: usize, deadline: Instant) -> Result<(), TransportError> {
@@ -256,7 +261,8 @@ struct Hello {
 }
 
 impl Hello {
-    fn encode(&self) -> [u8; HELLO_LEN] {
+    /// The hello's bytes, sealed with `auth`'s MAC.
+    fn encode(&self, auth: &Auth) -> [u8; HELLO_LEN] {
         let mut out = [0u8; HELLO_LEN];
         out[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
         out[4..12].copy_from_slice(&self.session.to_le_bytes());
@@ -267,13 +273,21 @@ impl Hello {
             let at = 12 + 4 * i;
             out[at..at + 4].copy_from_slice(&(v as u32).to_le_bytes());
         }
+        let mac = auth.mac(DOMAIN, &[&out[..FIELDS_LEN]]);
+        out[FIELDS_LEN..].copy_from_slice(&mac);
         out
     }
 
-    fn decode(buf: &[u8; HELLO_LEN]) -> Result<Hello, String> {
+    /// Decodes a hello, checking its magic number and that `auth`'s job sealed it.
+    fn decode(buf: &[u8; HELLO_LEN], auth: &Auth) -> Result<Hello, String> {
         let word = |at: usize| u32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
         if word(0) != HELLO_MAGIC {
             return Err("bad hello magic: not a Chorus peer".into());
+        }
+        if !auth.verify(DOMAIN, &[&buf[..FIELDS_LEN]], &buf[FIELDS_LEN..]) {
+            return Err(
+                "hello not sealed with this job's secret (another job, or a different CHORUS_AUTH_TOKEN)".into(),
+            );
         }
         Ok(Hello {
             session: u64::from_le_bytes(buf[4..12].try_into().expect("8 bytes")),
@@ -329,10 +343,25 @@ mod tests {
             sock: 1,
             nsocks: 2,
         };
-        assert_eq!(Hello::decode(&h.encode()), Ok(h.clone()));
-        let mut bad = h.encode();
+        let auth = Auth::new("job", "secret").unwrap();
+        assert_eq!(Hello::decode(&h.encode(&auth), &auth), Ok(h.clone()));
+        let mut bad = h.encode(&auth);
         bad[0] = b'X';
-        assert!(Hello::decode(&bad).is_err());
+        assert!(Hello::decode(&bad, &auth).is_err());
+        let mut forged = h.encode(&auth);
+        forged[16] ^= 1; // Claims another rank under the same seal.
+        assert!(Hello::decode(&forged, &auth)
+            .unwrap_err()
+            .contains("secret"));
+        for other in [
+            Auth::new("job", "guess").unwrap(),
+            Auth::new("job2", "secret").unwrap(),
+        ] {
+            assert!(
+                Hello::decode(&h.encode(&other), &auth).is_err(),
+                "{other:?}"
+            );
+        }
 
         let own = Hello {
             rank: 1,

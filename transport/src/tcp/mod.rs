@@ -9,6 +9,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::auth::Auth;
+
 use crate::store::Store;
 use crate::{Request, Transport, TransportError};
 use engine::Shared;
@@ -24,6 +26,8 @@ pub struct TcpConfig {
     pub addr: IpAddr,
     /// Bound on connection set-up: waiting for peers to publish and connect.
     pub timeout: Duration,
+    /// The job's identity and secret, proven on every socket.
+    pub auth: Auth,
 }
 
 impl Default for TcpConfig {
@@ -33,6 +37,7 @@ impl Default for TcpConfig {
             min_stripe: 256 << 10,
             addr: IpAddr::from([127, 0, 0, 1]),
             timeout: Duration::from_secs(300),
+            auth: Auth::default(),
         }
     }
 }

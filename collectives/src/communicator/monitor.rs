@@ -1,0 +1,497 @@
+//! Watching collectives from the side: who is stuck, who died, who called what.
+//!
+//! Every communicator with peers runs a listener thread on the rendezvous
+//! store. Ranks post numbered events under the communicator's key prefix:
+//!
+//! - an *alarm*: a rank found a fault (a dead peer, a mismatched call, a
+//!   stall). Every listener aborts its transport with the alarm's text, so
+//!   all ranks fail promptly and name the same culprit. The first alarm wins
+//!   and stays readable, so a rank that only saw the fallout (a neighbour
+//!   closing its sockets as it gave up) reports the cause instead.
+//! - a *question*: every listener answers with what its rank is doing, so a
+//!   waiting rank can say which ranks have not joined its call.
+//!
+//! Nothing touches the store on the hot path: a collective only records its
+//! [`Activity`] under an uncontended mutex.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use chorus_kernels::{DType, ReduceOp};
+use chorus_transport::store::{PrefixStore, Store, StoreError, TcpStore};
+use chorus_transport::TransportError;
+
+use super::{lock, Inner, Kind};
+use crate::executor::Watch;
+use crate::{Config, Error};
+
+/// How long one wait for the next event lasts before the listener looks around.
+const LISTEN_TICK: Duration = Duration::from_secs(5);
+
+/// What one collective call is, as ranks compare and report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CallInfo {
+    pub kind: Kind,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub root: usize,
+    /// Elements per rank as every rank must agree on it (0 where counts may differ).
+    pub count: usize,
+}
+
+impl CallInfo {
+    pub fn new(kind: Kind, dtype: DType, op: ReduceOp, root: usize, count: usize) -> CallInfo {
+        CallInfo {
+            kind,
+            dtype,
+            op,
+            root,
+            count,
+        }
+    }
+
+    /// 20 bits standing for the root and the count in the message tag.
+    pub fn fingerprint(&self) -> u64 {
+        // splitmix64's finaliser spreads both numbers over all the bits.
+        let mut z = (self.root as u64) ^ (self.count as u64).rotate_left(24);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) & 0xF_FFFF
+    }
+}
+
+impl fmt::Display for CallInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (name, dtype, op, n) = (self.kind.name(), self.dtype, self.op, self.count);
+        match self.kind {
+            Kind::Barrier => write!(f, "{name}"),
+            Kind::AllToAll | Kind::PointToPoint => write!(f, "{name}({dtype})"),
+            Kind::AllReduce | Kind::ReduceScatter => {
+                write!(f, "{name}({dtype} {op}, {n} elements)")
+            }
+            Kind::Reduce => write!(f, "{name}({dtype} {op}, {n} elements, root {})", self.root),
+            Kind::AllGather => write!(f, "{name}({dtype}, {n} elements per rank)"),
+            Kind::Broadcast | Kind::Gather | Kind::Scatter => {
+                write!(f, "{name}({dtype}, {n} elements, root {})", self.root)
+            }
+        }
+    }
+}
+
+/// What this rank is doing: its latest collective and whether it is still in it.
+#[derive(Debug, Default)]
+pub(crate) struct Activity(Mutex<Doing>);
+
+#[derive(Debug, Default)]
+struct Doing {
+    seq: u64,
+    call: Option<CallInfo>,
+    running: bool,
+    since: Option<Instant>,
+}
+
+impl Activity {
+    pub fn begin(&self, seq: u64, call: CallInfo) {
+        *lock(&self.0) = Doing {
+            seq,
+            call: Some(call),
+            running: true,
+            since: Some(Instant::now()),
+        };
+    }
+
+    pub fn end(&self) {
+        let mut doing = lock(&self.0);
+        doing.running = false;
+        doing.since = Some(Instant::now());
+    }
+
+    /// The status line peers read: `seq running elapsed_ms call`.
+    fn encode(&self) -> String {
+        let doing = lock(&self.0);
+        let elapsed = doing.since.map_or(0, |t| t.elapsed().as_millis());
+        let call = doing
+            .call
+            .map_or_else(|| "nothing".to_string(), |c| c.to_string());
+        format!("{} {} {elapsed} {call}", doing.seq, u8::from(doing.running))
+    }
+}
+
+/// One rank's answer to a question.
+#[derive(Debug, Clone, PartialEq)]
+struct Status {
+    seq: u64,
+    running: bool,
+    elapsed: Duration,
+    call: String,
+}
+
+impl Status {
+    fn decode(text: &str) -> Option<Status> {
+        let mut parts = text.splitn(4, ' ');
+        Some(Status {
+            seq: parts.next()?.parse().ok()?,
+            running: parts.next()? == "1",
+            elapsed: Duration::from_millis(parts.next()?.parse().ok()?),
+            call: parts.next()?.to_string(),
+        })
+    }
+}
+
+/// This rank's side of the monitoring: its store client, its activity and its listener.
+#[derive(Debug)]
+pub(crate) struct Monitor {
+    rank: usize,
+    world_size: usize,
+    /// A client of its own whose short timeout bounds every question and alarm.
+    store: PrefixStore<TcpStore>,
+    /// How long to wait for answers.
+    grace: Duration,
+    /// When, into a call, the watchdog asks around (`None`: never).
+    warn_after: Option<Duration>,
+    pub activity: Activity,
+    stop: AtomicBool,
+}
+
+impl Monitor {
+    /// Connects a client for the communicator under `prefix` and starts listening.
+    ///
+    /// The listener holds `inner` weakly, so it never keeps a dropped communicator alive.
+    pub fn start(config: &Config, prefix: &str, inner: Weak<Inner>) -> Result<Arc<Monitor>, Error> {
+        let grace = (config.timeout / 10).clamp(Duration::from_secs(1), Duration::from_secs(5));
+        let client = TcpStore::connect_with_auth(
+            &config.master_addr,
+            config.master_port,
+            grace,
+            config.auth.clone(),
+        )?;
+        let warn_after = (config.watchdog > 0.0).then(|| config.timeout.mul_f64(config.watchdog));
+        let monitor = Arc::new(Monitor {
+            rank: config.rank,
+            world_size: config.world_size,
+            store: PrefixStore::new(format!("{prefix}/monitor"), client),
+            grace,
+            warn_after,
+            activity: Activity::default(),
+            stop: AtomicBool::new(false),
+        });
+        let listener = monitor.clone();
+        std::thread::Builder::new()
+            .name(format!("chorus-monitor-{}", config.rank))
+            .spawn(move || listener.listen(&inner))
+            .map_err(|e| Error::InvalidArgument(format!("cannot start the monitor thread: {e}")))?;
+        Ok(monitor)
+    }
+
+    /// Lets the listener go (it exits at its next event or tick) and says goodbye.
+    ///
+    /// The store's host (`hosts_store`) first waits, up to the grace period, for every rank's
+    /// goodbye, so ranks that are failing can still read the alarm that explains why.
+    pub fn stop(&self, hosts_store: bool) {
+        self.stop.store(true, Ordering::Release);
+        if self.store.set(&format!("bye/{}", self.rank), b"").is_err() || !hosts_store {
+            return;
+        }
+        let keys: Vec<String> = (0..self.world_size).map(|r| format!("bye/{r}")).collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        if let Err(e) = self.store.wait(&keys, self.grace) {
+            tracing::debug!(rank = self.rank, error = %e, "closing the store before every rank said goodbye");
+        }
+    }
+
+    /// Serves events until stopped or the store goes away.
+    fn listen(&self, inner: &Weak<Inner>) {
+        let mut next: i64 = 1;
+        while !self.stop.load(Ordering::Acquire) {
+            let key = format!("event/{next}");
+            match self.store.wait(&[&key], LISTEN_TICK) {
+                Ok(()) => {
+                    match self.store.get(&key) {
+                        Ok(event) => self.handle(next, &event, inner),
+                        Err(e) => return self.lost(&e),
+                    }
+                    next += 1;
+                }
+                Err(StoreError::Timeout { .. }) => {
+                    // An event whose poster died between numbering and posting it
+                    // would block the ones after it: skip it once later ones exist.
+                    match self.store.add("events", 0) {
+                        Ok(posted) if posted > next => next += 1,
+                        Ok(_) => {}
+                        Err(e) => return self.lost(&e),
+                    }
+                }
+                Err(e) => return self.lost(&e),
+            }
+        }
+    }
+
+    fn lost(&self, e: &StoreError) {
+        if !self.stop.load(Ordering::Acquire) {
+            tracing::debug!(rank = self.rank, error = %e, "monitor: the store is gone; no more fault reports");
+        }
+    }
+
+    fn handle(&self, number: i64, event: &[u8], inner: &Weak<Inner>) {
+        let event = String::from_utf8_lossy(event);
+        tracing::debug!(rank = self.rank, number, %event, "monitor event");
+        if event == "ask" {
+            let answer = self.activity.encode();
+            if let Err(e) = self
+                .store
+                .set(&format!("status/{number}/{}", self.rank), answer.as_bytes())
+            {
+                tracing::debug!(rank = self.rank, error = %e, "monitor: cannot answer");
+            }
+        } else if let Some(reason) = event.strip_prefix("alarm ") {
+            if let Some(inner) = inner.upgrade() {
+                tracing::error!(rank = self.rank, "{reason}");
+                inner.fail(reason, true);
+            }
+        }
+    }
+
+    /// Posts an event; returns its number.
+    fn post(&self, event: &str) -> Result<i64, StoreError> {
+        let number = self.store.add("events", 1)?;
+        self.store
+            .set(&format!("event/{number}"), event.as_bytes())?;
+        Ok(number)
+    }
+
+    /// Tells every rank to fail with `reason`, unless another alarm came first; returns the
+    /// alarm that stands (this one or the earlier one).
+    pub fn raise(&self, reason: &str) -> Result<String, StoreError> {
+        if self.store.add("alarms", 1)? > 1 {
+            return Ok(self.alarm()?.unwrap_or_else(|| reason.to_string()));
+        }
+        // The alarm's text is readable before anyone is woken by it.
+        self.store.set("alarm", reason.as_bytes())?;
+        self.post(&format!("alarm {reason}"))?;
+        Ok(reason.to_string())
+    }
+
+    /// The alarm raised so far, if any (waiting briefly for its text if it is being written).
+    fn alarm(&self) -> Result<Option<String>, StoreError> {
+        if self.store.add("alarms", 0)? == 0 {
+            return Ok(None);
+        }
+        self.store.wait(&["alarm"], self.grace)?;
+        let text = self.store.get("alarm")?;
+        Ok(Some(String::from_utf8_lossy(&text).into_owned()))
+    }
+
+    /// Asks every rank what it is doing; `None` for ranks that did not answer in time.
+    fn ask(&self) -> Result<Vec<Option<Status>>, StoreError> {
+        let number = self.post("ask")?;
+        let keys: Vec<String> = (0..self.world_size)
+            .map(|r| format!("status/{number}/{r}"))
+            .collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        // A timeout here just means some ranks stayed silent; read what came.
+        let _ = self.store.wait(&refs, self.grace);
+        Ok(keys
+            .iter()
+            .map(|k| {
+                let text = self.store.get(k).ok()?;
+                Status::decode(&String::from_utf8_lossy(&text))
+            })
+            .collect())
+    }
+
+    /// Explains what the other ranks are doing while this one waits in call `seq`.
+    fn survey(&self, seq: u64, call: &CallInfo) -> String {
+        let statuses = match self.ask() {
+            Ok(s) => s,
+            Err(e) => return format!("cannot ask the other ranks ({e})"),
+        };
+        let mut silent = Vec::new();
+        let mut waiting = Vec::new();
+        let mut notes = Vec::new();
+        let mine = call.to_string();
+        for (rank, status) in statuses.into_iter().enumerate() {
+            if rank == self.rank {
+                continue;
+            }
+            let Some(s) = status else {
+                silent.push(rank);
+                continue;
+            };
+            let secs = s.elapsed.as_secs_f64();
+            if s.seq == seq && s.running && s.call == mine {
+                waiting.push(rank);
+            } else if s.seq == seq && s.call != mine {
+                notes.push(format!("rank {rank} called {} as #{seq}", s.call));
+            } else if s.seq < seq && !s.running {
+                notes.push(format!(
+                    "rank {rank} has not joined it (last finished #{} {}, {secs:.1} s ago)",
+                    s.seq, s.call
+                ));
+            } else if s.seq < seq {
+                notes.push(format!(
+                    "rank {rank} is still in #{} {} ({secs:.1} s)",
+                    s.seq, s.call
+                ));
+            } else if s.seq > seq {
+                notes.push(format!("rank {rank} is already at #{} {}", s.seq, s.call));
+            } else {
+                notes.push(format!(
+                    "rank {rank} finished #{seq} {} {secs:.1} s ago",
+                    s.call
+                ));
+            }
+        }
+        if !silent.is_empty() {
+            notes.push(format!(
+                "{} did not answer within {:.1} s (stopped, or hung outside Chorus?)",
+                ranks(&silent),
+                self.grace.as_secs_f64()
+            ));
+        }
+        if !waiting.is_empty() {
+            notes.push(format!("{} waiting in the same call", ranks(&waiting)));
+        }
+        notes.join("; ")
+    }
+}
+
+/// "rank 3" or "ranks 1, 2".
+fn ranks(list: &[usize]) -> String {
+    let names: Vec<String> = list.iter().map(usize::to_string).collect();
+    match list {
+        [one] => format!("rank {one}"),
+        _ => format!("ranks {}", names.join(", ")),
+    }
+}
+
+/// The watchdog for one call: warns when it stalls and explains how it failed.
+pub(crate) struct Watcher<'a> {
+    pub monitor: &'a Monitor,
+    pub seq: u64,
+    pub call: CallInfo,
+    pub started: Instant,
+}
+
+impl Watch for Watcher<'_> {
+    fn warn_at(&self) -> Option<Instant> {
+        self.monitor.warn_after.map(|d| self.started + d)
+    }
+
+    fn stalled(&self) {
+        let (rank, seq, call) = (self.monitor.rank, self.seq, self.call);
+        let waited = self.started.elapsed().as_secs_f64();
+        let survey = self.monitor.survey(seq, &call);
+        tracing::warn!("rank {rank}: {call} #{seq} has waited {waited:.1} s: {survey}");
+    }
+
+    fn failed(&self, error: Error) -> Error {
+        let (rank, seq, call) = (self.monitor.rank, self.seq, self.call);
+        let error = error.on_rank(rank);
+        let Error::Transport { source, .. } = &error else {
+            return error;
+        };
+        if let TransportError::Aborted(reason) = source {
+            return Error::Aborted(reason.clone());
+        }
+        // A rank that found the fault first has explained it; this one may only see its fallout.
+        match self.monitor.alarm() {
+            Ok(Some(cause)) => return Error::Aborted(cause),
+            Ok(None) => {}
+            Err(e) => {
+                return Error::Aborted(format!(
+                    "{source}; rank {rank} noticed in {call} #{seq}; the rendezvous store is unreachable too ({e}): rank 0 (its host) probably failed first"
+                ))
+            }
+        }
+        let (detail, error) = match source {
+            TransportError::Timeout { .. } => {
+                let waited = self.started.elapsed().as_secs_f64();
+                let survey = self.monitor.survey(seq, &call);
+                let detail =
+                    format!("{call} #{seq} on rank {rank} timed out after {waited:.1} s: {survey}");
+                (detail.clone(), Error::Timeout { rank, detail })
+            }
+            TransportError::Protocol { .. } => {
+                let survey = self.monitor.survey(seq, &call);
+                let detail =
+                    format!("rank {rank} called {call} as #{seq}, but {survey} ({source})");
+                (detail.clone(), Error::Mismatch { rank, detail })
+            }
+            _ => (
+                format!("{source}; rank {rank} noticed in {call} #{seq}"),
+                error,
+            ),
+        };
+        match self.monitor.raise(&detail) {
+            Ok(cause) if cause != detail => Error::Aborted(cause),
+            Ok(_) => error,
+            Err(e) => {
+                tracing::warn!(rank, "cannot tell the other ranks: {e}");
+                error
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(kind: Kind, root: usize, count: usize) -> CallInfo {
+        CallInfo::new(kind, DType::F32, ReduceOp::Sum, root, count)
+    }
+
+    #[test]
+    fn fingerprints_tell_roots_and_counts_apart() {
+        let base = call(Kind::AllReduce, 0, 1024).fingerprint();
+        assert_eq!(base, call(Kind::AllReduce, 0, 1024).fingerprint());
+        assert!(base < 1 << 20);
+        for count in [0, 1, 1023, 1025, 2048, 1 << 30] {
+            assert_ne!(
+                base,
+                call(Kind::AllReduce, 0, count).fingerprint(),
+                "count {count}"
+            );
+        }
+        for root in 1..64 {
+            assert_ne!(
+                base,
+                call(Kind::AllReduce, root, 1024).fingerprint(),
+                "root {root}"
+            );
+        }
+    }
+
+    #[test]
+    fn calls_read_as_users_write_them() {
+        assert_eq!(
+            call(Kind::AllReduce, 0, 8).to_string(),
+            "all_reduce(float sum, 8 elements)"
+        );
+        assert_eq!(
+            call(Kind::Broadcast, 2, 8).to_string(),
+            "broadcast(float, 8 elements, root 2)"
+        );
+        assert_eq!(call(Kind::Barrier, 0, 0).to_string(), "barrier");
+    }
+
+    #[test]
+    fn status_lines_round_trip() {
+        let activity = Activity::default();
+        activity.begin(17, call(Kind::Reduce, 1, 5));
+        let status = Status::decode(&activity.encode()).expect("decodes");
+        assert_eq!((status.seq, status.running), (17, true));
+        assert_eq!(status.call, "reduce(float sum, 5 elements, root 1)");
+        activity.end();
+        assert!(!Status::decode(&activity.encode()).unwrap().running);
+        assert_eq!(Status::decode("garbage"), None);
+    }
+
+    #[test]
+    fn rank_lists_read_naturally() {
+        assert_eq!(ranks(&[3]), "rank 3");
+        assert_eq!(ranks(&[1, 2]), "ranks 1, 2");
+    }
+}

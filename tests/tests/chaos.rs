@@ -1,0 +1,157 @@
+//! Breaking jobs on purpose: a rank killed or stopped mid-job, mismatched
+//! calls, aborts and drops. Every survivor must fail promptly with an error
+//! naming the culprit; nothing may hang, and no process may be left behind.
+
+use std::time::Duration;
+
+use chorus::launch::{launch, Exit, LaunchReport, LaunchSpec, Output};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_chorus-chaos-worker");
+
+/// Runs `world` chaos workers to the end, letting survivors run on after a rank fails.
+fn chaos(world: usize, args: &[&str], timeout_s: &str) -> LaunchReport {
+    let spec = LaunchSpec::new(WORKER, world)
+        .args(args.iter().copied())
+        .timeout(Duration::from_secs(120))
+        .output(Output::Capture)
+        .wait_all(true)
+        .env("CHORUS_TIMEOUT", timeout_s);
+    let report = launch(&spec).expect("launch");
+    assert!(!report.timed_out, "the job hung:\n{}", dump(&report));
+    report
+}
+
+fn dump(report: &LaunchReport) -> String {
+    let mut text = report.summary();
+    for r in &report.ranks {
+        text.push_str(&format!(
+            "\n--- rank {} ({}):\n{}",
+            r.rank, r.status, r.stderr
+        ));
+    }
+    text
+}
+
+/// The survivor's error line, with its own "rank N:" prefix removed.
+fn error_of(report: &LaunchReport, rank: usize) -> String {
+    let r = &report.ranks[rank];
+    assert_eq!(
+        r.status,
+        Exit::Code(1),
+        "rank {rank} should fail with an error:\n{}",
+        dump(report)
+    );
+    let line = r
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("failed: "))
+        .unwrap_or_else(|| panic!("rank {rank} printed no error:\n{}", dump(report)));
+    line.strip_prefix(&format!("rank {rank}: "))
+        .unwrap_or(line)
+        .to_string()
+}
+
+/// A rank killed with SIGKILL at a random moment during 200 all-reduces: every
+/// survivor fails at once (not by timing out) with an error naming it.
+#[test]
+fn a_killed_rank_is_named_by_every_survivor() {
+    for seed in [1u64, 2, 3, 4, 5] {
+        let victim = (seed % 4) as usize;
+        let report = chaos(4, &["kill", &victim.to_string(), &seed.to_string()], "60");
+        let ctx = || format!("seed {seed}, victim {victim}:\n{}", dump(&report));
+        assert_eq!(report.ranks[victim].status, Exit::Signal(9), "{}", ctx());
+        for rank in (0..4).filter(|&r| r != victim) {
+            let error = error_of(&report, rank);
+            assert!(
+                error.contains(&format!("rank {victim} ")),
+                "rank {rank}: {error}\n{}",
+                ctx()
+            );
+            assert!(
+                !error.contains("timed out"),
+                "rank {rank} waited for the timeout: {error}"
+            );
+        }
+    }
+}
+
+/// A rank stopped with SIGSTOP: the others time out naming it; once continued it fails too
+/// instead of computing with what is left.
+#[test]
+fn a_stopped_rank_is_named_and_fails_when_continued() {
+    let dir = std::env::temp_dir().join(format!("chorus-stop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let victim = 2;
+    let report = chaos(4, &["stop", "2", dir.to_str().unwrap()], "4");
+    for rank in [0, 1, 3] {
+        let error = error_of(&report, rank);
+        assert!(
+            error.contains("rank 2 did not answer"),
+            "rank {rank}: {error}\n{}",
+            dump(&report)
+        );
+    }
+    // Continued, the victim fails with an error rather than a wrong result.
+    let _ = error_of(&report, victim);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// One rank calls broadcast where the others call all_reduce: every rank fails saying both.
+#[test]
+fn mismatched_calls_fail_everywhere_saying_what_each_called() {
+    for world in [2, 4] {
+        let report = chaos(world, &["mismatch", "kind"], "30");
+        for rank in 0..world {
+            let error = error_of(&report, rank);
+            for needle in [
+                "broadcast(float, 64 elements, root 0)",
+                "all_reduce(float sum, 64 elements)",
+            ] {
+                assert!(error.contains(needle), "W={world} rank {rank}: {error}");
+            }
+        }
+    }
+    let report = chaos(2, &["mismatch", "count"], "30");
+    for rank in 0..2 {
+        let error = error_of(&report, rank);
+        for needle in [
+            "all_reduce(float sum, 64 elements)",
+            "all_reduce(float sum, 65 elements)",
+        ] {
+            assert!(error.contains(needle), "rank {rank}: {error}");
+        }
+    }
+}
+
+/// `abort()` from another thread fails the call in flight and later calls with `Aborted`;
+/// the peer that arrives later fails naming the aborted rank.
+#[test]
+fn abort_fails_in_flight_and_later_calls() {
+    let report = chaos(2, &["abort"], "30");
+    assert_eq!(report.ranks[0].status, Exit::Code(0), "{}", dump(&report));
+    assert!(
+        error_of(&report, 1).contains("rank 0 "),
+        "{}",
+        dump(&report)
+    );
+}
+
+/// Dropping a communicator with queued work it cannot finish returns after a short grace.
+#[test]
+fn drop_with_queued_work_returns_promptly() {
+    let report = chaos(2, &["drop"], "60");
+    assert_eq!(report.ranks[0].status, Exit::Code(0), "{}", dump(&report));
+    let dropped = report.ranks[0]
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("dropped in "))
+        .and_then(|l| l.trim_end_matches(" s").parse::<f64>().ok())
+        .expect("rank 0 timed its drop");
+    // The grace period is 2 s; the timeout (60 s) is what a hang would take.
+    assert!(dropped < 30.0, "drop blocked for {dropped} s");
+    assert!(
+        error_of(&report, 1).contains("rank 0 "),
+        "{}",
+        dump(&report)
+    );
+}
