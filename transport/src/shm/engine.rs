@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::cma;
 use super::region::{Region, Ring, SlotHeader};
 use super::wake::{self, Liveness};
 use crate::request::{Completion, Direction, Progress, Request};
@@ -70,6 +71,12 @@ struct Link {
     rx_tail: u64,
     sends: VecDeque<SendOp>,
     recvs: VecDeque<RecvOp>,
+    /// Single-copy sends published at a slot index, done once the peer's head passes it.
+    inflight: VecDeque<(u64, Arc<Completion>)>,
+    /// Sends of this many bytes or more are read by the peer from this
+    /// process's memory (`usize::MAX`: never).
+    single_copy_min: usize,
+    pid: u32,
     send_seq: u64,
     recv_seq: u64,
     failed: Option<TransportError>,
@@ -102,6 +109,8 @@ pub(crate) struct PeerInfo {
     pub rank: usize,
     pub local: usize,
     pub pid: u32,
+    /// Whether the peer can read this process's memory.
+    pub single_copy: bool,
 }
 
 /// The engine and what the progress thread needs beside it.
@@ -123,6 +132,7 @@ impl Shared {
         region: Arc<Region>,
         own_local: usize,
         peers: &[PeerInfo],
+        single_copy_min: usize,
     ) -> Shared {
         let mut links: Vec<Option<Link>> = (0..world_size).map(|_| None).collect();
         for p in peers {
@@ -137,6 +147,13 @@ impl Shared {
                 rx_tail: 0,
                 sends: VecDeque::new(),
                 recvs: VecDeque::new(),
+                inflight: VecDeque::new(),
+                single_copy_min: if p.single_copy {
+                    single_copy_min.max(1)
+                } else {
+                    usize::MAX
+                },
+                pid: p.pid,
                 send_seq: 0,
                 recv_seq: 0,
                 failed: None,
@@ -327,10 +344,7 @@ impl Engine {
 
     /// Whether any request is still queued.
     pub fn pending(&self) -> bool {
-        self.links
-            .iter()
-            .flatten()
-            .any(|l| !l.sends.is_empty() || !l.recvs.is_empty())
+        self.links.iter().flatten().any(Link::busy)
     }
 
     /// Marks peers with pending work whose process has exited, and fails their requests.
@@ -339,8 +353,7 @@ impl Engine {
             let Some(link) = self.links[peer].as_mut() else {
                 continue;
             };
-            let busy = !link.sends.is_empty() || !link.recvs.is_empty();
-            if busy && !link.gone && link.live.dead() {
+            if link.busy() && !link.gone && link.live.dead() {
                 tracing::debug!(rank = self.rank, peer, "peer process exited");
                 link.gone = true;
                 self.serve(peer);
@@ -363,12 +376,13 @@ impl Engine {
         }
         let result = link.push(|| wake::ring_if_sleeping(peer_control));
         let result = result.and_then(|sent| {
-            link.pull(|| wake::ring_if_sleeping(peer_control))
+            let closed = || peer_control.closed.load(Ordering::Acquire) != 0;
+            link.pull(|| wake::ring_if_sleeping(peer_control), closed)
                 .map(|got| sent | got)
         });
         match result {
             Ok(moved) => {
-                if link.gone && (!link.sends.is_empty() || !link.recvs.is_empty()) {
+                if link.gone && link.busy() {
                     // Whatever the peer published before leaving has been taken.
                     self.fail_peer(peer, TransportError::PeerClosed { peer });
                 }
@@ -396,6 +410,9 @@ impl Engine {
         for op in link.recvs.drain(..) {
             op.completion.complete(Err(err.clone()));
         }
+        for (_, completion) in link.inflight.drain(..) {
+            completion.complete(Err(err.clone()));
+        }
         link.failed = Some(err);
     }
 
@@ -405,14 +422,16 @@ impl Engine {
         if self.aborted.is_some() {
             return;
         }
+        // Closed first: a peer reading a single-copy send checks this flag
+        // after its read, before the send's buffer is handed back below.
+        self.region
+            .control(self.own_local)
+            .closed
+            .store(1, Ordering::SeqCst);
         for peer in 0..self.links.len() {
             self.fail_peer(peer, TransportError::Aborted(reason.to_string()));
         }
         self.aborted = Some(reason.to_string());
-        self.region
-            .control(self.own_local)
-            .closed
-            .store(1, Ordering::Release);
         for link in self.links.iter().flatten() {
             wake::ring(self.region.control(link.peer_local));
         }
@@ -420,20 +439,63 @@ impl Engine {
 }
 
 impl Link {
-    /// Copies queued sends into free slots; true if any chunk was published.
+    /// Whether any request to or from the peer is unfinished.
+    fn busy(&self) -> bool {
+        !self.sends.is_empty() || !self.recvs.is_empty() || !self.inflight.is_empty()
+    }
+
+    /// Completes single-copy sends the peer has finished reading; true if any.
+    fn reap(&mut self) -> bool {
+        if self.inflight.is_empty() {
+            return false;
+        }
+        self.tx_head = self.tx.head().load(Ordering::Acquire);
+        let mut moved = false;
+        while let Some(&(index, _)) = self.inflight.front() {
+            if index >= self.tx_head {
+                break;
+            }
+            let (_, completion) = self.inflight.pop_front().expect("front exists");
+            completion.complete(Ok(()));
+            moved = true;
+        }
+        moved
+    }
+
+    /// Copies queued sends into free slots (or, for a single copy, their
+    /// address); true if any slot was published.
     fn push(&mut self, notify: impl Fn()) -> Result<bool, TransportError> {
         if self.gone {
             return Ok(false);
         }
         let slots = self.tx.slots() as u64;
         let slot_bytes = self.tx.slot_bytes();
-        let mut moved = false;
+        let mut moved = self.reap();
         while let Some(op) = self.sends.front_mut() {
             if self.tx_tail - self.tx_head >= slots {
                 self.tx_head = self.tx.head().load(Ordering::Acquire);
                 if self.tx_tail - self.tx_head >= slots {
                     break;
                 }
+            }
+            if op.len >= self.single_copy_min {
+                self.tx.write_header(
+                    self.tx_tail,
+                    SlotHeader {
+                        seq: op.seq,
+                        tag: op.tag,
+                        msg_len: op.len as u64,
+                        chunk_len: op.len as u64,
+                        addr: op.data as u64,
+                    },
+                );
+                let op = self.sends.pop_front().expect("front exists");
+                self.inflight.push_back((self.tx_tail, op.completion));
+                self.tx_tail += 1;
+                self.tx.tail().store(self.tx_tail, Ordering::Release);
+                notify();
+                moved = true;
+                continue;
             }
             let chunk = (op.len - op.done).min(slot_bytes);
             self.tx.write_header(
@@ -443,6 +505,7 @@ impl Link {
                     tag: op.tag,
                     msg_len: op.len as u64,
                     chunk_len: chunk as u64,
+                    addr: 0,
                 },
             );
             // SAFETY: the caller's buffer holds `len` bytes (post_send's
@@ -469,8 +532,16 @@ impl Link {
         Ok(moved)
     }
 
-    /// Copies published chunks into posted receives; true if any slot was freed.
-    fn pull(&mut self, notify: impl Fn()) -> Result<bool, TransportError> {
+    /// Copies published chunks into posted receives, reading single-copy
+    /// messages from the sender's memory; true if any slot was freed.
+    ///
+    /// `closed` tells whether the sender has aborted: a single copy made
+    /// while it did may have read a buffer already handed back, so it fails.
+    fn pull(
+        &mut self,
+        notify: impl Fn(),
+        closed: impl Fn() -> bool,
+    ) -> Result<bool, TransportError> {
         let slot_bytes = self.rx.slot_bytes();
         let mut moved = false;
         while let Some(op) = self.recvs.front_mut() {
@@ -481,17 +552,39 @@ impl Link {
                 }
             }
             let got = self.rx.read_header(self.rx_head);
-            let chunk = (op.len - op.done).min(slot_bytes);
+            let chunk = match got.addr {
+                0 => (op.len - op.done).min(slot_bytes),
+                _ => op.len - op.done,
+            };
             check_header(self.peer, &got, op, chunk)?;
-            // SAFETY: the header matched, so `chunk` bytes of payload are in
-            // the slot (published by the tail we acquired) and `done + chunk
-            // <= len` fits the caller's buffer (post_recv's contract).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.rx.payload(self.rx_head),
-                    op.buf.add(op.done),
-                    chunk,
-                );
+            if got.addr != 0 {
+                // SAFETY: `done + chunk <= len` fits the caller's buffer.
+                let read =
+                    unsafe { cma::read_remote(self.pid, got.addr, op.buf.add(op.done), chunk) };
+                read.map_err(|e| match e.raw_os_error() {
+                    Some(libc::ESRCH) => TransportError::PeerClosed { peer: self.peer },
+                    _ => TransportError::Io {
+                        peer: self.peer,
+                        op: "recv",
+                        message: format!("cannot read the sender's memory: {e}"),
+                    },
+                })?;
+                if closed() {
+                    return Err(TransportError::PeerClosed { peer: self.peer });
+                }
+                // The whole message came in this one slot.
+                op.chunks_left = 1;
+            } else {
+                // SAFETY: the header matched, so `chunk` bytes of payload are
+                // in the slot (published by the tail we acquired) and `done +
+                // chunk <= len` fits the caller's buffer (post_recv's contract).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.rx.payload(self.rx_head),
+                        op.buf.add(op.done),
+                        chunk,
+                    );
+                }
             }
             self.rx_head += 1;
             self.rx.head().store(self.rx_head, Ordering::Release);

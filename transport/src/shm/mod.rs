@@ -3,6 +3,7 @@
 //! (unlinked once every rank has mapped it), futex sleeps, and pidfds to
 //! notice a peer process that died.
 
+mod cma;
 mod engine;
 mod region;
 mod setup;
@@ -28,6 +29,12 @@ pub struct ShmConfig {
     pub dir: PathBuf,
     /// Bound on set-up: waiting for the other local ranks to map the file.
     pub timeout: Duration,
+    /// Whether receivers may read messages of `single_copy_min` bytes or
+    /// more straight from the sender's memory (`process_vm_readv`), where
+    /// every local rank is allowed to.
+    pub single_copy: bool,
+    /// Smallest message moved by a single copy.
+    pub single_copy_min: usize,
 }
 
 impl Default for ShmConfig {
@@ -37,6 +44,8 @@ impl Default for ShmConfig {
             slot_bytes: 128 << 10,
             dir: PathBuf::from("/dev/shm"),
             timeout: Duration::from_secs(300),
+            single_copy: true,
+            single_copy_min: 64 << 10,
         }
     }
 }
@@ -89,10 +98,18 @@ impl ShmTransport {
                 rank: r,
                 local: i,
                 pid: joined.pids[i],
+                single_copy: joined.reads_peers[i],
             })
             .collect();
         let region = Arc::new(joined.region);
-        let shared = Arc::new(Shared::new(rank, world_size, region, own_local, &peers));
+        let shared = Arc::new(Shared::new(
+            rank,
+            world_size,
+            region,
+            own_local,
+            &peers,
+            config.single_copy_min,
+        ));
         let runner = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("chorus-shm-{rank}"))
@@ -172,6 +189,8 @@ mod tests {
             slot_bytes: 256,
             timeout: Duration::from_secs(20),
             dir,
+            single_copy_min: 1000,
+            ..ShmConfig::default()
         };
         let local: Vec<usize> = (0..n).collect();
         let threads: Vec<_> = (0..n)

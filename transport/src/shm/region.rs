@@ -179,6 +179,9 @@ pub(crate) struct SlotHeader {
     pub msg_len: u64,
     /// This chunk's payload bytes in the slot.
     pub chunk_len: u64,
+    /// Non-zero: the payload is not in the slot but at this address in the
+    /// sender's memory, for the receiver to read itself (single copy).
+    pub addr: u64,
 }
 
 impl Ring {
@@ -217,28 +220,33 @@ impl Ring {
         }
     }
 
-    fn header_words(&self, index: u64) -> [&AtomicU64; 4] {
+    fn header_words(&self, index: u64) -> [&AtomicU64; 5] {
         let slot = self.slot(index);
-        // SAFETY: the header's first 32 bytes lie in the slot, 64-aligned.
-        [0, 8, 16, 24].map(|at| unsafe { AtomicU64::from_ptr(slot.add(at).cast()) })
+        // SAFETY: the header's first 40 bytes lie in the slot, 64-aligned.
+        [0, 8, 16, 24, 32].map(|at| unsafe { AtomicU64::from_ptr(slot.add(at).cast()) })
     }
 
     /// Writes the header of slot `index` (the producer, before publishing it).
     pub fn write_header(&self, index: u64, h: SlotHeader) {
         let words = self.header_words(index);
-        for (w, v) in words.iter().zip([h.seq, h.tag, h.msg_len, h.chunk_len]) {
+        for (w, v) in words
+            .iter()
+            .zip([h.seq, h.tag, h.msg_len, h.chunk_len, h.addr])
+        {
             w.store(v, Relaxed);
         }
     }
 
     /// Reads the header of slot `index` (the consumer, after seeing it published).
     pub fn read_header(&self, index: u64) -> SlotHeader {
-        let [seq, tag, msg_len, chunk_len] = self.header_words(index).map(|w| w.load(Relaxed));
+        let [seq, tag, msg_len, chunk_len, addr] =
+            self.header_words(index).map(|w| w.load(Relaxed));
         SlotHeader {
             seq,
             tag,
             msg_len,
             chunk_len,
+            addr,
         }
     }
 

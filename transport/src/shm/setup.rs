@@ -11,15 +11,18 @@ use std::time::Duration;
 
 use memmap2::MmapRaw;
 
+use super::cma;
 use super::region::{Layout, Region};
 use super::ShmConfig;
 use crate::store::Store;
 use crate::TransportError;
 
-/// The region of a local group, and the process ids of its ranks (by local rank).
+/// The region of a local group, and about its ranks (by local rank): their
+/// process ids, and whether each can read its peers' memory (single copy).
 pub(crate) struct Joined {
     pub region: Region,
     pub pids: Vec<u32>,
+    pub reads_peers: Vec<bool>,
 }
 
 /// Creates or opens the region shared by the ranks `local` (global ranks,
@@ -64,14 +67,24 @@ pub(crate) fn join(
             .map_err(|e| TransportError::Setup(format!("{}: {e}", path.display())))?;
         (region, None)
     };
-    store.set(&key("pid", rank), std::process::id().to_string().as_bytes())?;
+    let me = format!("{} {}", std::process::id(), cma::probe_address());
+    store.set(&key("pid", rank), me.as_bytes())?;
     let mut pids = Vec::with_capacity(local.len());
+    let mut readable = true;
     for &r in local {
         let raw = store.get(&key("pid", r))?;
-        let pid = String::from_utf8_lossy(&raw)
-            .parse()
-            .map_err(|_| TransportError::Setup(format!("rank {r} published a bad process id")))?;
+        let text = String::from_utf8_lossy(&raw);
+        let bad = || TransportError::Setup(format!("rank {r} published a bad process id: {text}"));
+        let (pid, probe) = text.split_once(' ').ok_or_else(bad)?;
+        let pid: u32 = pid.parse().map_err(|_| bad())?;
+        let probe: u64 = probe.parse().map_err(|_| bad())?;
+        readable &= r == rank || !config.single_copy || cma::can_read(pid, probe);
         pids.push(pid);
+    }
+    store.set(&key("cma", rank), if readable { b"1" } else { b"0" })?;
+    let mut reads_peers = Vec::with_capacity(local.len());
+    for &r in local {
+        reads_peers.push(store.get(&key("cma", r))? == b"1");
     }
     if let Some(created) = created {
         let keys: Vec<String> = local.iter().map(|&r| key("pid", r)).collect();
@@ -79,7 +92,11 @@ pub(crate) fn join(
         store.wait(&keys, config.timeout)?;
         drop(created);
     }
-    Ok(Joined { region, pids })
+    Ok(Joined {
+        region,
+        pids,
+        reads_peers,
+    })
 }
 
 /// Removes the file at its path when dropped.
