@@ -191,14 +191,15 @@ impl Monitor {
     /// goodbye, so ranks that are failing can still read the alarm that explains why.
     pub fn stop(&self, hosts_store: bool) {
         self.stop.store(true, Ordering::Release);
-        if self.store.set(&format!("bye/{}", self.rank), b"").is_err() || !hosts_store {
-            return;
+        if self.store.set(&format!("bye/{}", self.rank), b"").is_ok() && hosts_store {
+            let keys: Vec<String> = (0..self.world_size).map(|r| format!("bye/{r}")).collect();
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            if let Err(e) = self.store.wait(&keys, self.grace) {
+                tracing::debug!(rank = self.rank, error = %e, "closing the store before every rank said goodbye");
+            }
         }
-        let keys: Vec<String> = (0..self.world_size).map(|r| format!("bye/{r}")).collect();
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        if let Err(e) = self.store.wait(&keys, self.grace) {
-            tracing::debug!(rank = self.rank, error = %e, "closing the store before every rank said goodbye");
-        }
+        // Wakes the listener from its wait, so its thread and connections go now.
+        self.store.inner().shutdown();
     }
 
     /// Serves events until stopped or the store goes away.

@@ -13,6 +13,12 @@
 //! - `drop`: rank 0 drops its communicator with work queued that cannot finish;
 //!   rank 1 joins late.
 //!
+//! - `rounds DELAY_MS`: rank 1 joins DELAY_MS late, then the 200 all-reduces
+//!   run to the end (strangers knock meanwhile; see the test).
+//! - `soak`: 20,000 small and 200 large all-reduces; open files and resident
+//!   memory must stay within small bounds (read from /proc).
+//! - `churn`: 100 communicators duplicated from one and dropped; no files or threads leak.
+//!
 //! Survivors print `failed: ERROR` on stderr and exit with status 1; a
 //! result that is wrong is reported as `WRONG` and exits with status 2.
 
@@ -34,6 +40,9 @@ fn main() -> ExitCode {
     chorus_tests::init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or("");
+    if arg(0) == "rounds" && std::env::var("RANK").as_deref() == Ok("1") {
+        std::thread::sleep(Duration::from_millis(parse(arg(1)) as u64));
+    }
     let comm = match Communicator::from_env() {
         Ok(comm) => comm,
         Err(e) => return failed(&e),
@@ -44,8 +53,15 @@ fn main() -> ExitCode {
         "mismatch" => mismatched(&comm, arg(1)),
         "abort" => aborted(comm),
         "drop" => dropped(comm),
+        "rounds" => rounds(&comm, 7, &AtomicUsize::new(0)),
+        "soak" => soak(&comm),
+        "churn" => churn(&comm),
         other => Outcome::Wrong(format!("unknown scenario {other:?}")),
     };
+    report(outcome)
+}
+
+fn report(outcome: Outcome) -> ExitCode {
     match outcome {
         Outcome::Done => ExitCode::SUCCESS,
         Outcome::Failed(e) => failed(&e),
@@ -54,6 +70,77 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// What this process holds: open files, threads, resident KiB.
+fn holdings() -> (usize, usize, u64) {
+    let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    (count("/proc/self/fd"), count("/proc/self/task"), rss)
+}
+
+/// Checks that files and threads grew by at most `slack` and memory by at most `rss_kib`.
+fn bounded(what: &str, before: (usize, usize, u64), slack: usize, rss_kib: u64) -> Outcome {
+    let after = holdings();
+    eprintln!(
+        "{what}: files {} -> {}, threads {} -> {}, resident {} -> {} KiB",
+        before.0, after.0, before.1, after.1, before.2, after.2
+    );
+    if after.0 > before.0 + slack || after.1 > before.1 + slack || after.2 > before.2 + rss_kib {
+        return Outcome::Wrong(format!("{what} leaked: {before:?} -> {after:?}"));
+    }
+    Outcome::Done
+}
+
+fn soak(comm: &Communicator) -> Outcome {
+    let run = |small: usize, large: usize| -> Outcome {
+        for i in 0..small + large {
+            let count =
+                if i % (small / large.max(1) + 1) == 0 && i / (small / large.max(1) + 1) < large {
+                    262_144
+                } else {
+                    4
+                };
+            match round(comm, count) {
+                Outcome::Done => {}
+                other => return other,
+            }
+        }
+        Outcome::Done
+    };
+    // Warm up: buffers, staging slots and the tuner's choices reach their steady state.
+    if let other @ (Outcome::Failed(_) | Outcome::Wrong(_)) = run(1000, 10) {
+        return other;
+    }
+    let before = holdings();
+    match run(20_000, 200) {
+        Outcome::Done => bounded("soak", before, 4, 16 << 10),
+        other => other,
+    }
+}
+
+fn churn(parent: &Communicator) -> Outcome {
+    let mut before = None;
+    for i in 0..101 {
+        let comm = match parent.dup() {
+            Ok(comm) => comm,
+            Err(e) => return Outcome::Failed(e),
+        };
+        if let other @ (Outcome::Failed(_) | Outcome::Wrong(_)) = round(&comm, 100) {
+            return other;
+        }
+        drop(comm);
+        if i == 0 {
+            before = Some(holdings());
+        }
+    }
+    // Monitor threads of the last communicators may still be closing: allow a few.
+    bounded("churn", before.expect("measured"), 12, 16 << 10)
 }
 
 enum Outcome {

@@ -9,9 +9,11 @@
 //! [`TcpStore::connect`]. A WAIT that times out asks the server, on another connection, which
 //! of its keys are still missing, to name them in the error.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::Mutex;
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, trace};
@@ -39,6 +41,11 @@ pub struct TcpStore {
     port: u16,
     timeout: Duration,
     idle: Mutex<Vec<TcpStream>>,
+    /// Handles on the connections requests are using, so [`shutdown`](Self::shutdown) can
+    /// interrupt them; keyed by a request counter.
+    busy: Mutex<HashMap<u64, TcpStream>>,
+    requests: AtomicU64,
+    closed: AtomicBool,
 }
 
 impl TcpStore {
@@ -67,7 +74,22 @@ impl TcpStore {
             port,
             timeout,
             idle: Mutex::new(vec![stream]),
+            busy: Mutex::new(HashMap::new()),
+            requests: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
         })
+    }
+
+    /// Closes every connection, interrupting requests in flight (they fail with
+    /// [`StoreError::Closed`]); later requests fail the same way.
+    pub fn shutdown(&self) {
+        self.closed.store(true, Ordering::Release);
+        for stream in self.with_idle(std::mem::take) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        for stream in lock(&self.busy).values() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
     }
 
     /// The timeout bounding connects, gets and every request's I/O.
@@ -77,14 +99,28 @@ impl TcpStore {
 
     /// Sends one request and returns the OK payload, reconnecting first if needed.
     fn call(&self, request: &[u8], deadline: Instant) -> Result<Vec<u8>, Failure> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(StoreError::Closed.into());
+        }
         let pooled = self.with_idle(Vec::pop);
         let stream = match pooled {
             Some(stream) => stream,
             None => connect_with_retry(&self.host, self.port, &self.auth, deadline)?,
         };
-        let (status, payload) = exchange(&stream, request, deadline)?;
+        let id = self.requests.fetch_add(1, Ordering::Relaxed);
+        if let Ok(handle) = stream.try_clone() {
+            lock(&self.busy).insert(id, handle);
+        }
+        if self.closed.load(Ordering::Acquire) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        let exchanged = exchange(&stream, request, deadline);
+        lock(&self.busy).remove(&id);
+        let (status, payload) = exchanged?;
         // Only a completed exchange leaves the connection in a known state.
-        self.with_idle(|idle| idle.push(stream));
+        if !self.closed.load(Ordering::Acquire) {
+            self.with_idle(|idle| idle.push(stream));
+        }
         if status != STATUS_OK {
             let message = String::from_utf8_lossy(&payload);
             return Err(
@@ -177,6 +213,10 @@ impl Store for TcpStore {
         })?;
         Ok(i64::from_le_bytes(bytes))
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// How a request failed: its deadline passed, or anything else.
