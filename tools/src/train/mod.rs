@@ -9,6 +9,7 @@ pub mod idx;
 pub mod mlp;
 pub mod report;
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -135,6 +136,34 @@ fn spawn_ranks(args: &Args, np: usize) -> Result<(), String> {
             failed.rank,
             failed.stderr.trim_end()
         )),
+    }
+}
+
+/// Progress through an epoch: an indicatif bar, or plain lines.
+struct Progress {
+    bar: ProgressBar,
+    /// Print a line at each quarter of the epoch (stderr is not a terminal).
+    lines: bool,
+    epoch: u64,
+    steps: usize,
+    start: Instant,
+}
+
+impl Progress {
+    /// One step of `samples` samples (all ranks) done.
+    fn step(&self, samples: usize) {
+        self.bar.inc(1);
+        let done = self.bar.position() as usize;
+        if self.lines
+            && done < self.steps
+            && (done * 4 / self.steps) > ((done - 1) * 4 / self.steps)
+        {
+            let rate = (done * samples) as f64 / self.start.elapsed().as_secs_f64().max(1e-9);
+            eprintln!(
+                "epoch {}  step {done}/{}  {rate:.0} samples/s",
+                self.epoch, self.steps
+            );
+        }
     }
 }
 
@@ -377,10 +406,10 @@ impl Trainer<'_> {
                 score.loss += s.loss;
                 score.correct += s.correct;
                 seen += batch.len();
-                bar.inc(1);
+                bar.step(self.args.batch_size * self.comm.world_size());
             }
             let seconds = start.elapsed().as_secs_f64();
-            bar.finish_and_clear();
+            bar.bar.finish_and_clear();
             let test = self.evaluate();
             let mut sums = [
                 score.loss,
@@ -484,19 +513,33 @@ impl Trainer<'_> {
         report::plot(&out.join(CURVES), history)
     }
 
-    /// Rank 0's progress bar over an epoch's steps (hidden elsewhere and when stderr is not a terminal).
-    fn progress(&self, epoch: u64, steps: usize) -> ProgressBar {
-        if self.rank() != 0 || self.args.no_progress {
-            return ProgressBar::hidden();
+    /// Rank 0's progress over an epoch's steps: a bar on a terminal, else a line
+    /// every quarter (which passes through `-np`'s and other launchers' pipes).
+    fn progress(&self, epoch: u64, steps: usize) -> Progress {
+        let shown = self.rank() == 0 && !self.args.no_progress;
+        if !shown || !std::io::stderr().is_terminal() {
+            return Progress {
+                bar: ProgressBar::hidden(),
+                lines: shown,
+                epoch: epoch + 1,
+                steps,
+                start: Instant::now(),
+            };
         }
         let bar = ProgressBar::new(steps as u64);
         if let Ok(style) = ProgressStyle::with_template(
-            "epoch {msg} [{bar:40}] {pos}/{len} steps  {per_sec}  eta {eta}",
+            "epoch {msg} [{bar:40}] {pos}/{len} steps  eta {eta}",
         ) {
             bar.set_style(style.progress_chars("=> "));
         }
         bar.set_message((epoch + 1).to_string());
-        bar
+        Progress {
+            bar,
+            lines: false,
+            epoch: epoch + 1,
+            steps,
+            start: Instant::now(),
+        }
     }
 
     /// Times `steps` training steps after a warm-up; rank 0 prints step time and samples per second.
