@@ -527,9 +527,9 @@ impl Trainer<'_> {
             };
         }
         let bar = ProgressBar::new(steps as u64);
-        if let Ok(style) = ProgressStyle::with_template(
-            "epoch {msg} [{bar:40}] {pos}/{len} steps  eta {eta}",
-        ) {
+        if let Ok(style) =
+            ProgressStyle::with_template("epoch {msg} [{bar:40}] {pos}/{len} steps  eta {eta}")
+        {
             bar.set_style(style.progress_chars("=> "));
         }
         bar.set_message((epoch + 1).to_string());
