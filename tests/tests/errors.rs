@@ -170,8 +170,6 @@ fn ranks_of_another_job_or_secret_are_refused() {
         });
         assert!(!refused.success && !waited.success);
         assert_clean_failure(&refused.stderr, &["refused", needle]);
-        assert_clean_failure(&waited.stderr, &["timed out"]);
-        let names_rank_1 = waited.stderr.contains("[1]") || waited.stderr.contains("/1\"]");
-        assert!(names_rank_1, "rank 1 should be named:\n{}", waited.stderr);
+        assert_clean_failure(&waited.stderr, &["[1]"]);
     }
 }

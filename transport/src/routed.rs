@@ -7,9 +7,10 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::Duration;
 
 use crate::shm::{ShmConfig, ShmTransport};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 use crate::tcp::{TcpConfig, TcpTransport};
 use crate::{Request, Transport, TransportError};
 
@@ -104,6 +105,26 @@ pub struct RoutedTransport {
     tcp: Option<TcpTransport>,
 }
 
+/// Waits until every rank has published its host, naming the ranks that never did.
+fn wait_for_ranks(
+    store: &dyn Store,
+    world_size: usize,
+    timeout: Duration,
+) -> Result<(), TransportError> {
+    let keys: Vec<String> = (0..world_size).map(|r| format!("host/{r}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    match store.wait(&keys, timeout) {
+        Err(StoreError::Timeout { keys, waited }) => {
+            let missing: Vec<&str> = keys.iter().filter_map(|k| k.rsplit('/').next()).collect();
+            Err(TransportError::Setup(format!(
+                "ranks [{}] did not join within {waited:?} (are they running, with the same MASTER_ADDR and MASTER_PORT?)",
+                missing.join(", ")
+            )))
+        }
+        other => Ok(other?),
+    }
+}
+
 impl RoutedTransport {
     /// Finds which ranks share this rank's host and connects to every rank.
     ///
@@ -127,6 +148,7 @@ impl RoutedTransport {
             _ => config.host_id.clone().unwrap_or_else(host_identity),
         };
         store.set(&format!("host/{rank}"), host.as_bytes())?;
+        wait_for_ranks(store, world_size, config.tcp.timeout)?;
         let mut local = Vec::new();
         for r in 0..world_size {
             if store.get(&format!("host/{r}"))? == host.as_bytes() {

@@ -38,6 +38,8 @@ use work::Worker;
 /// Receive-and-reduce chunks in flight per call.
 const PIPELINE_DEPTH: usize = 4;
 
+/// How long rank 0 keeps the store up after its own set-up failed.
+const SETUP_LINGER: Duration = Duration::from_secs(1);
 /// How long dropping a communicator waits for its queued operations before failing them.
 const DROP_GRACE: Duration = Duration::from_secs(2);
 
@@ -195,7 +197,13 @@ impl Communicator {
             config.auth.clone(),
         )?);
         let prefix = format!("chorus/{}", CREATED.fetch_add(1, Ordering::Relaxed));
-        Communicator::join(config, client, prefix, server)
+        let joined = Communicator::join(config, client, prefix, server.clone());
+        if joined.is_err() && server.is_some() {
+            // The others are failing too: keep the store up a moment so they read their own
+            // errors (naming the missing ranks) rather than "the store closed".
+            std::thread::sleep(SETUP_LINGER);
+        }
+        joined
     }
 
     /// Connects `config.rank` to the other ranks through the store under `prefix`.
