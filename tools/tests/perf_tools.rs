@@ -257,3 +257,35 @@ fn a_root_outside_the_job_is_a_clear_error() {
     assert!(stderr.contains("-r 2 is not a rank"), "{stderr}");
     assert!(Path::new(env!("CARGO_BIN_EXE_broadcast_perf")).exists());
 }
+
+#[test]
+fn plot_draws_a_png_with_or_without_a_font() {
+    let dir = std::env::temp_dir().join(format!("chorus-perf-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = env!("CARGO_BIN_EXE_all_gather_perf");
+    for font in ["", "none"] {
+        let file = dir.join(format!("plot{font}.png"));
+        let args = [&SWEEP[..], &["-np", "2", "--plot", file.to_str().unwrap()]].concat();
+        let mut cmd = Command::new(exe);
+        cmd.args(&args).env_remove("RANK");
+        if !font.is_empty() {
+            cmd.env("CHORUS_PLOT_FONT", font);
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let png = std::fs::read(&file).unwrap();
+        assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+        assert!(png.len() > 4096, "{} bytes: nothing drawn?", png.len());
+    }
+    let out = run(
+        env!("CARGO_BIN_EXE_barrier_perf"),
+        &["-np", "2", "--plot", dir.join("none.png").to_str().unwrap()],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nothing to draw"));
+}

@@ -4,6 +4,7 @@
 pub mod args;
 pub mod buffer;
 pub mod collective;
+pub mod plot;
 pub mod report;
 
 use std::ffi::OsString;
@@ -171,6 +172,10 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
         );
         if let Some(path) = &args.json {
             report::write_json(path, &report::json(program, args, &devices, &rows, start))?;
+        }
+        if let Some(path) = &args.plot {
+            let title = format!("{program}: {world} ranks, {}", args.dtype.name());
+            plot::draw(path, &title, &rows)?;
         }
     }
     if wrong > 0 {
