@@ -13,6 +13,7 @@
 
 pub mod auth;
 mod error;
+mod matching;
 mod request;
 mod routed;
 pub mod shm;

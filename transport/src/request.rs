@@ -65,6 +65,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub trait Progress: Send + Sync + std::fmt::Debug {
     /// Serves the connections to `peer` once, without blocking.
     fn poll(&self, peer: usize);
+
+    /// Called when a waiter on `peer` stops spinning and parks its thread:
+    /// whatever moves bytes in the background must take over now.
+    fn parking(&self, _peer: usize) {}
 }
 
 /// Which direction a request moves bytes.
@@ -171,6 +175,9 @@ impl Request {
                 continue;
             }
             *lock(&self.completion.waiter) = Some(std::thread::current());
+            if let Some(progress) = &self.progress {
+                progress.parking(self.peer);
+            }
             if self.completion.poll().is_none() {
                 std::thread::park_timeout(deadline - now);
             }

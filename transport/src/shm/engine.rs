@@ -13,40 +13,26 @@
 //! waiting, and watches peers' liveness.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::cma;
 use super::region::{Region, Ring, SlotHeader};
 use super::wake::{self, Liveness};
+use crate::matching::{self, MessageId};
 use crate::request::{Completion, Direction, Progress, Request};
 use crate::TransportError;
 
 /// How often the progress thread checks that peers with pending work are alive.
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
-/// How long the progress thread naps while a waiting thread moves bytes itself.
-const NAP: Duration = Duration::from_micros(100);
 /// Longest sleep of the progress thread (it re-checks liveness after each).
 const SLEEP: Duration = Duration::from_millis(20);
-/// Polls of the rings before the progress thread naps or sleeps.
-const SPINS: u32 = 200;
 
-/// A posted send.
+/// A posted send or receive: the caller's memory (only read for a send)
+/// and how much of it has moved.
 #[derive(Debug)]
-struct SendOp {
-    data: *const u8,
-    len: usize,
-    tag: u64,
-    seq: u64,
-    done: usize,
-    chunks_left: u64,
-    completion: Arc<Completion>,
-}
-
-/// A posted receive.
-#[derive(Debug)]
-struct RecvOp {
+struct Op {
     buf: *mut u8,
     len: usize,
     tag: u64,
@@ -69,8 +55,8 @@ struct Link {
     /// Chunks this rank consumed from the peer, and the peer's tail as last seen.
     rx_head: u64,
     rx_tail: u64,
-    sends: VecDeque<SendOp>,
-    recvs: VecDeque<RecvOp>,
+    sends: VecDeque<Op>,
+    recvs: VecDeque<Op>,
     /// Single-copy sends published at a slot index, done once the peer's head passes it.
     inflight: VecDeque<(u64, Arc<Completion>)>,
     /// Sends of this many bytes or more are read by the peer from this
@@ -120,8 +106,9 @@ pub(crate) struct Shared {
     region: Arc<Region>,
     own_local: usize,
     stop: AtomicBool,
-    /// Counts progress-hook calls: while it moves, a waiter is spinning.
-    hooks: AtomicU64,
+    /// Set by a waiter that parks: the progress thread must move bytes until
+    /// nothing is pending.
+    handoff: AtomicBool,
 }
 
 impl Shared {
@@ -174,7 +161,7 @@ impl Shared {
             region,
             own_local,
             stop: AtomicBool::new(false),
-            hooks: AtomicU64::new(0),
+            handoff: AtomicBool::new(false),
         }
     }
 
@@ -189,15 +176,17 @@ impl Shared {
         wake::ring(self.region.control(self.own_local));
     }
 
-    /// The progress thread: moves bytes nobody else is moving, sleeps when
-    /// nothing can move, and fails peers that died.
+    /// The progress thread: dormant while waiters move bytes themselves;
+    /// once one parks, moves bytes until nothing is pending, sleeping on its
+    /// doorbell (rung by peers) whenever nothing can move. Checks peers'
+    /// liveness while anything is pending.
     pub fn run(&self) {
         let own = self.region.control(self.own_local);
         let mut last_check = Instant::now();
-        let mut idle_spins = 0;
-        let mut hooks_seen = self.hooks.load(Ordering::Relaxed);
+        let mut active = false;
         while !self.stop.load(Ordering::Acquire) {
             let seen = own.doorbell.load(Ordering::Acquire);
+            active |= self.handoff.swap(false, Ordering::AcqRel);
             let (moved, pending) = {
                 let mut engine = self.lock();
                 let moved = engine.progress();
@@ -208,44 +197,43 @@ impl Shared {
                 (moved, engine.pending())
             };
             if moved {
-                idle_spins = 0;
                 continue;
             }
-            if pending && idle_spins < SPINS {
-                idle_spins += 1;
-                std::hint::spin_loop();
-                continue;
-            }
-            idle_spins = 0;
-            let hooks = self.hooks.load(Ordering::Relaxed);
-            if pending && hooks != hooks_seen {
-                // A waiter is moving bytes itself: stay out of its way, and
-                // out of the peers' way (no doorbell wanted).
-                hooks_seen = hooks;
-                wake::futex_wait(own.doorbell, seen, NAP);
-                continue;
-            }
-            // Nobody is waiting on the rings: ask peers for a doorbell, then
-            // look once more before sleeping (pairs with `ring_if_sleeping`).
-            own.sleeping.store(1, Ordering::SeqCst);
-            std::sync::atomic::fence(Ordering::SeqCst);
-            let moved = self.lock().progress();
-            if !moved && !self.stop.load(Ordering::Acquire) {
+            active &= pending;
+            if active {
+                // Ask peers for a doorbell, then look once more before
+                // sleeping (pairs with `ring_if_sleeping`).
+                own.sleeping.store(1, Ordering::SeqCst);
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if !self.lock().progress() {
+                    wake::futex_wait(own.doorbell, seen, SLEEP);
+                }
+                own.sleeping.store(0, Ordering::Relaxed);
+            } else {
+                // Dormant: a parking waiter, abort or stop rings the doorbell.
                 wake::futex_wait(own.doorbell, seen, SLEEP);
             }
-            own.sleeping.store(0, Ordering::Relaxed);
         }
     }
 }
 
 impl Progress for Shared {
     fn poll(&self, _peer: usize) {
-        self.hooks.fetch_add(1, Ordering::Relaxed);
         // Never wait for the lock: whoever holds it is moving bytes anyway.
         // Every peer is served, since a receive may wait on a send to another.
-        if let Ok(mut engine) = self.engine.try_lock() {
-            engine.progress();
+        let moved = match self.engine.try_lock() {
+            Ok(mut engine) => engine.progress(),
+            Err(_) => false,
+        };
+        if !moved {
+            // Let the peer this waiter waits for run, should it share the core.
+            std::thread::yield_now();
         }
+    }
+
+    fn parking(&self, _peer: usize) {
+        self.handoff.store(true, Ordering::Release);
+        wake::ring(self.region.control(self.own_local));
     }
 }
 
@@ -271,64 +259,37 @@ impl Engine {
         }
     }
 
-    /// Queues a send to `peer` and moves what fits now.
+    /// Queues a send (reading `buf`) or a receive (writing it) with `peer`,
+    /// and moves what can move now.
     ///
     /// # Safety
     ///
-    /// `data..data+len` must stay valid until the request completes or the
-    /// engine is aborted.
-    pub unsafe fn post_send(
+    /// `buf..buf+len` must stay valid (and, for a receive, unaliased) until
+    /// the request completes or the engine is aborted.
+    pub unsafe fn post(
         &mut self,
         peer: usize,
-        tag: u64,
-        data: *const u8,
-        len: usize,
-    ) -> Result<Request, TransportError> {
-        let link = self.link(peer)?;
-        let (req, completion) = Request::new(peer, Direction::Send, len);
-        let seq = link.send_seq;
-        link.send_seq += 1;
-        let chunks_left = chunks(len, link.tx.slot_bytes());
-        link.sends.push_back(SendOp {
-            data,
-            len,
-            tag,
-            seq,
-            done: 0,
-            chunks_left,
-            completion,
-        });
-        self.serve(peer);
-        Ok(req)
-    }
-
-    /// Queues a receive from `peer` and takes what has already arrived.
-    ///
-    /// # Safety
-    ///
-    /// `buf..buf+len` must stay valid and unaliased until the request
-    /// completes or the engine is aborted.
-    pub unsafe fn post_recv(
-        &mut self,
-        peer: usize,
+        direction: Direction,
         tag: u64,
         buf: *mut u8,
         len: usize,
     ) -> Result<Request, TransportError> {
         let link = self.link(peer)?;
-        let (req, completion) = Request::new(peer, Direction::Recv, len);
-        let seq = link.recv_seq;
-        link.recv_seq += 1;
-        let chunks_left = chunks(len, link.rx.slot_bytes());
-        link.recvs.push_back(RecvOp {
+        let (req, completion) = Request::new(peer, direction, len);
+        let (counter, queue) = match direction {
+            Direction::Send => (&mut link.send_seq, &mut link.sends),
+            Direction::Recv => (&mut link.recv_seq, &mut link.recvs),
+        };
+        queue.push_back(Op {
             buf,
             len,
             tag,
-            seq,
+            seq: *counter,
             done: 0,
-            chunks_left,
+            chunks_left: chunks(len, link.tx.slot_bytes()),
             completion,
         });
+        *counter += 1;
         self.serve(peer);
         Ok(req)
     }
@@ -465,12 +426,13 @@ impl Link {
     /// Copies queued sends into free slots (or, for a single copy, their
     /// address); true if any slot was published.
     fn push(&mut self, notify: impl Fn()) -> Result<bool, TransportError> {
+        // Reaped first: a peer that read a single copy and then left did finish it.
+        let mut moved = self.reap();
         if self.gone {
-            return Ok(false);
+            return Ok(moved);
         }
         let slots = self.tx.slots() as u64;
         let slot_bytes = self.tx.slot_bytes();
-        let mut moved = self.reap();
         while let Some(op) = self.sends.front_mut() {
             if self.tx_tail - self.tx_head >= slots {
                 self.tx_head = self.tx.head().load(Ordering::Acquire);
@@ -486,7 +448,7 @@ impl Link {
                         tag: op.tag,
                         msg_len: op.len as u64,
                         chunk_len: op.len as u64,
-                        addr: op.data as u64,
+                        addr: op.buf as u64,
                     },
                 );
                 let op = self.sends.pop_front().expect("front exists");
@@ -513,7 +475,7 @@ impl Link {
             // `slot_bytes >= chunk` and is ours until the tail passes it.
             unsafe {
                 std::ptr::copy_nonoverlapping(
-                    op.data.add(op.done),
+                    op.buf.add(op.done),
                     self.tx.payload(self.tx_tail),
                     chunk,
                 );
@@ -610,27 +572,20 @@ fn chunks(len: usize, slot_bytes: usize) -> u64 {
 fn check_header(
     peer: usize,
     got: &SlotHeader,
-    op: &RecvOp,
+    op: &Op,
     chunk: usize,
 ) -> Result<(), TransportError> {
-    let protocol = |detail: String| TransportError::Protocol { peer, detail };
-    if got.seq != op.seq {
-        return Err(protocol(format!(
-            "message sequence {} arrived where {} was expected (stream out of step)",
-            got.seq, op.seq
-        )));
-    }
-    if got.tag != op.tag {
-        return Err(protocol(format!(
-            "message {} has tag {:#x}, expected {:#x}: the ranks are running different operations",
-            got.seq, got.tag, op.tag
-        )));
-    }
-    if got.msg_len != op.len as u64 || got.chunk_len != chunk as u64 {
-        return Err(protocol(format!(
-            "message {} is {} bytes, expected {} bytes: do all ranks pass buffers of the same length?",
-            got.seq, got.msg_len, op.len
-        )));
-    }
-    Ok(())
+    let got = MessageId {
+        seq: got.seq,
+        tag: got.tag,
+        len: got.msg_len,
+        piece: got.chunk_len,
+    };
+    let want = MessageId {
+        seq: op.seq,
+        tag: op.tag,
+        len: op.len as u64,
+        piece: chunk as u64,
+    };
+    matching::check(peer, got, want)
 }

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::store::Store;
-use crate::{Request, Transport, TransportError};
+use crate::{Direction, Request, Transport, TransportError};
 use engine::{PeerInfo, Shared};
 
 /// Settings of the shared-memory transport.
@@ -137,7 +137,15 @@ impl Transport for ShmTransport {
     unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
         let mut engine = self.shared.lock();
         // SAFETY: the caller keeps `data` valid until completion or abort (trait contract).
-        let req = unsafe { engine.post_send(peer, tag, data.as_ptr(), data.len()) };
+        let req = unsafe {
+            engine.post(
+                peer,
+                Direction::Send,
+                tag,
+                data.as_ptr().cast_mut(),
+                data.len(),
+            )
+        };
         req.map(|r| r.with_progress(self.shared.clone()))
     }
 
@@ -149,7 +157,7 @@ impl Transport for ShmTransport {
     ) -> Result<Request, TransportError> {
         let mut engine = self.shared.lock();
         // SAFETY: the caller keeps `buf` valid and unaliased until completion or abort.
-        let req = unsafe { engine.post_recv(peer, tag, buf.as_mut_ptr(), buf.len()) };
+        let req = unsafe { engine.post(peer, Direction::Recv, tag, buf.as_mut_ptr(), buf.len()) };
         req.map(|r| r.with_progress(self.shared.clone()))
     }
 
@@ -315,6 +323,24 @@ mod tests {
             r2.wait(deadline()),
             Err(TransportError::PeerClosed { peer: 0 })
         ));
+    }
+
+    #[test]
+    fn a_single_copy_read_by_a_peer_that_then_leaves_completes() {
+        let mut t = pair(2);
+        let data: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+        let mut buf = vec![0u8; data.len()];
+        // SAFETY: both buffers outlive the waits.
+        let (s, r) = unsafe {
+            (
+                t[0].isend(1, 3, &data).unwrap(),
+                t[1].irecv(0, 3, &mut buf).unwrap(),
+            )
+        };
+        r.wait(deadline()).unwrap();
+        drop(t.remove(1));
+        s.wait(deadline()).unwrap();
+        assert_eq!(buf, data);
     }
 
     #[test]

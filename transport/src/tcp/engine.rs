@@ -18,6 +18,7 @@ use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::frame::{self, FrameHeader, HEADER_LEN};
+use crate::matching::{self, MessageId};
 use crate::request::{Completion, Direction, Progress, Request};
 use crate::TransportError;
 
@@ -519,27 +520,15 @@ fn check_header(
     bytes: &[u8; HEADER_LEN],
     expect: &FrameHeader,
 ) -> Result<(), TransportError> {
-    let protocol = |detail: String| TransportError::Protocol { peer, detail };
-    let got = FrameHeader::decode(bytes).map_err(protocol)?;
-    if got.seq != expect.seq {
-        return Err(protocol(format!(
-            "message sequence {} arrived where {} was expected (stream out of step)",
-            got.seq, expect.seq
-        )));
-    }
-    if got.tag != expect.tag {
-        return Err(protocol(format!(
-            "message {} has tag {:#x}, expected {:#x}: the ranks are running different operations",
-            got.seq, got.tag, expect.tag
-        )));
-    }
-    if got.msg_len != expect.msg_len || got.stripe_len != expect.stripe_len {
-        return Err(protocol(format!(
-            "message {} is {} bytes, expected {} bytes: do all ranks pass buffers of the same length?",
-            got.seq, got.msg_len, expect.msg_len
-        )));
-    }
-    Ok(())
+    let got =
+        FrameHeader::decode(bytes).map_err(|detail| TransportError::Protocol { peer, detail })?;
+    let id = |h: &FrameHeader| MessageId {
+        seq: h.seq,
+        tag: h.tag,
+        len: h.msg_len,
+        piece: h.stripe_len,
+    };
+    matching::check(peer, id(&got), id(expect))
 }
 
 fn io_error(peer: usize, op: &'static str, e: io::Error) -> TransportError {
