@@ -35,6 +35,7 @@ pub mod tuner;
 
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
 pub use chorus_transport::auth::Auth;
+pub use chorus_transport::TransportKind;
 pub use communicator::{Communicator, Group, Work};
 pub use config::{hostname, Config, DEFAULT_CHUNK_BYTES, DEFAULT_NSOCKS, DEFAULT_TIMEOUT};
 pub use error::{Error, Result};
