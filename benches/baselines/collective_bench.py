@@ -124,7 +124,10 @@ def measure(backend, args):
 
 def gloo_rank(rank, world, port, argv):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    measure(Gloo(rank, world, port), parse_args(argv))
+    backend = Gloo(rank, world, port)
+    measure(backend, parse_args(argv))
+    backend.dist.barrier()
+    backend.dist.destroy_process_group()
 
 
 def main():

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 
-use super::report::Row;
+use super::report::{g_str, Row};
 
 /// Font files tried when `CHORUS_PLOT_FONT` is unset.
 const FONT_PATHS: [&str; 5] = [
@@ -125,7 +125,7 @@ where
     let mut chart = ChartBuilder::on(area)
         .margin(16)
         .x_label_area_size(label)
-        .y_label_area_size(label + 12)
+        .y_label_area_size(label + 16)
         .build_cartesian_2d(x, y)?;
     if text {
         chart
@@ -133,6 +133,7 @@ where
             .x_desc("size (bytes)")
             .y_desc(y_desc)
             .x_label_formatter(&|v| human_size(*v))
+            .y_label_formatter(&|v| g_str(*v))
             .label_style((FAMILY, 14))
             .axis_desc_style((FAMILY, 16))
             .draw()?;
