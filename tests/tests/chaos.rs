@@ -3,6 +3,7 @@
 //! naming the culprit; nothing may hang, and no process may be left behind.
 
 use std::io::Write;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use chorus::launch::{free_port, launch, Exit, LaunchReport, LaunchSpec, Output};
@@ -11,8 +12,17 @@ use chorus_transport::store::{Store, StoreError, TcpStore};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-chaos-worker");
 
+/// One job at a time: the reports these tests read (who answered within the grace period)
+/// should not depend on how many other jobs share the two cores.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Runs `world` chaos workers to the end, letting survivors run on after a rank fails.
 fn chaos(world: usize, args: &[&str], timeout_s: &str) -> LaunchReport {
+    let _one = serial();
     let spec = LaunchSpec::new(WORKER, world)
         .args(args.iter().copied())
         .timeout(Duration::from_secs(120))
@@ -173,6 +183,7 @@ fn strangers_do_not_disturb_a_running_job() {
         .env("CHORUS_TIMEOUT", "30")
         .env("CHORUS_TRANSPORT", "tcp")
         .env("CHORUS_AUTH_TOKEN", token);
+    let _one = serial();
     let job = std::thread::spawn(move || launch(&spec).expect("launch"));
     // The launcher gives TORCHELASTIC_RUN_ID=none, which is the job id.
     let insider = Auth::new("none", token).unwrap();
