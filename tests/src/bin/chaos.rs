@@ -98,14 +98,10 @@ fn bounded(what: &str, before: (usize, usize, u64), slack: usize, rss_kib: u64) 
 }
 
 fn soak(comm: &Communicator) -> Outcome {
-    let run = |small: usize, large: usize| -> Outcome {
-        for i in 0..small + large {
-            let count =
-                if i % (small / large.max(1) + 1) == 0 && i / (small / large.max(1) + 1) < large {
-                    262_144
-                } else {
-                    4
-                };
+    // Every 101st call is large (1 MiB), the others small.
+    let run = |calls: usize| -> Outcome {
+        for i in 0..calls {
+            let count = if i % 101 == 0 { 262_144 } else { 4 };
             match round(comm, count) {
                 Outcome::Done => {}
                 other => return other,
@@ -114,11 +110,12 @@ fn soak(comm: &Communicator) -> Outcome {
         Outcome::Done
     };
     // Warm up: buffers, staging slots and the tuner's choices reach their steady state.
-    if let other @ (Outcome::Failed(_) | Outcome::Wrong(_)) = run(1000, 10) {
+    if let other @ (Outcome::Failed(_) | Outcome::Wrong(_)) = run(1010) {
         return other;
     }
     let before = holdings();
-    match run(20_000, 200) {
+    // 20,000 small and 200 large.
+    match run(20_200) {
         Outcome::Done => bounded("soak", before, 4, 16 << 10),
         other => other,
     }
@@ -167,6 +164,11 @@ fn draw(seed: u64, i: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The element count of round `i` under `seed`, the same on every rank.
+fn drawn_count(seed: u64, i: usize) -> usize {
+    COUNTS[(draw(seed, i as u64) % COUNTS.len() as u64) as usize]
+}
+
 /// Runs round `i`: an all-reduce whose every element has an exactly known sum.
 fn round(comm: &Communicator, count: usize) -> Outcome {
     let (rank, world) = (comm.rank() as f32, comm.world_size() as f32);
@@ -190,7 +192,7 @@ fn round(comm: &Communicator, count: usize) -> Outcome {
 fn rounds(comm: &Communicator, seed: u64, progress: &AtomicUsize) -> Outcome {
     for i in 0..ROUNDS {
         progress.store(i, Ordering::Release);
-        let count = COUNTS[(draw(seed, i as u64) % COUNTS.len() as u64) as usize];
+        let count = drawn_count(seed, i);
         match round(comm, count) {
             Outcome::Done => {}
             other => return other,
@@ -215,7 +217,7 @@ fn killed(comm: &Communicator, victim: usize, seed: u64) -> Outcome {
         // Never get far past the drawn round: the others must not finish.
         for i in 0..at + 3 {
             progress.store(i, Ordering::Release);
-            let count = COUNTS[(draw(seed, i as u64) % COUNTS.len() as u64) as usize];
+            let count = drawn_count(seed, i);
             if let other @ (Outcome::Failed(_) | Outcome::Wrong(_)) = round(comm, count) {
                 return other;
             }
