@@ -350,13 +350,12 @@ impl Drop for Communicator {
                 )
             });
         }
-    }
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        if let Some(monitor) = &self.monitor {
+        // Here rather than when `Inner` goes: another thread (the listener, a straggling
+        // task) may hold it last, and a process returning from `main` would not wait for
+        // that thread to keep the store up for the ranks still reading why they failed.
+        if let Some(monitor) = &self.inner.monitor {
             let hosts_store = self
+                .inner
                 .server
                 .as_ref()
                 .is_some_and(|s| Arc::strong_count(s) == 1);

@@ -152,6 +152,8 @@ pub(crate) struct Monitor {
     /// When, into a call, the watchdog asks around (`None`: never).
     warn_after: Option<Duration>,
     pub activity: Activity,
+    /// The alarm the listener received, kept for when the store is gone.
+    heard: Mutex<Option<String>>,
     stop: AtomicBool,
 }
 
@@ -175,6 +177,7 @@ impl Monitor {
             grace,
             warn_after,
             activity: Activity::default(),
+            heard: Mutex::new(None),
             stop: AtomicBool::new(false),
         });
         let listener = monitor.clone();
@@ -247,6 +250,7 @@ impl Monitor {
                 tracing::debug!(rank = self.rank, error = %e, "monitor: cannot answer");
             }
         } else if let Some(reason) = event.strip_prefix("alarm ") {
+            lock(&self.heard).get_or_insert_with(|| reason.to_string());
             if let Some(inner) = inner.upgrade() {
                 tracing::error!(rank = self.rank, "{reason}");
                 inner.fail(reason, true);
@@ -276,12 +280,20 @@ impl Monitor {
 
     /// The alarm raised so far, if any (waiting briefly for its text if it is being written).
     fn alarm(&self) -> Result<Option<String>, StoreError> {
+        if let Some(heard) = self.heard() {
+            return Ok(Some(heard));
+        }
         if self.store.add("alarms", 0)? == 0 {
             return Ok(None);
         }
         self.store.wait(&["alarm"], self.grace)?;
         let text = self.store.get("alarm")?;
         Ok(Some(String::from_utf8_lossy(&text).into_owned()))
+    }
+
+    /// The alarm the listener has received, if any.
+    fn heard(&self) -> Option<String> {
+        lock(&self.heard).clone()
     }
 
     /// Asks every rank what it is doing; `None` for ranks that did not answer in time.
@@ -401,9 +413,13 @@ impl Watch for Watcher<'_> {
             Ok(Some(cause)) => return Error::Aborted(cause),
             Ok(None) => {}
             Err(e) => {
+                // The listener may have read the alarm while the store was still up.
+                if let Some(cause) = self.monitor.heard() {
+                    return Error::Aborted(cause);
+                }
                 return Error::Aborted(format!(
                     "{source}; rank {rank} noticed in {call} #{seq}; the rendezvous store is unreachable too ({e}): rank 0 (its host) probably failed first"
-                ))
+                ));
             }
         }
         let (detail, error) = match source {
