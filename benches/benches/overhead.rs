@@ -1,4 +1,4 @@
-//! What an 8-byte all-reduce costs besides the wire: building its schedule,
+//! What an 8-byte all-reduce costs besides the wire: the tuner's pick, building its schedule,
 //! running it with no peer (one rank), and the same call between two ranks
 //! over loopback TCP for scale.
 //!
@@ -12,6 +12,7 @@ mod pair;
 use criterion::{criterion_group, Criterion};
 
 use chorus::schedule::{recursive, ring};
+use chorus::tuner::{Collective, Forced, Tuner, DEFAULT_ALPHA, DEFAULT_BETA};
 use chorus::{Communicator, Config, ReduceOp, DEFAULT_CHUNK_BYTES};
 use pair::Pair;
 
@@ -28,6 +29,10 @@ fn overhead(c: &mut Criterion) {
     });
     group.bench_function("schedule_doubling_w8", |b| {
         b.iter(|| recursive::doubling(3, 8, 2, chunk))
+    });
+    let tuner = Tuner::new(DEFAULT_ALPHA, DEFAULT_BETA, Forced::none());
+    group.bench_function("tuner_decide_w8", |b| {
+        b.iter(|| tuner.decide(Collective::AllReduce, std::hint::black_box(8), 8))
     });
     let port = chorus::launch::free_port().expect("a free port");
     let solo = Communicator::new(Config::new(0, 1, "127.0.0.1", port)).expect("one rank");

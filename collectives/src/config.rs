@@ -8,7 +8,7 @@ use chorus_transport::TransportKind;
 use chorus_transport::auth::Auth;
 
 use crate::rendezvous::{self, Ranks};
-use crate::tuner::{Forced, DEFAULT_ALPHA, DEFAULT_BETA};
+use crate::tuner::Forced;
 use crate::Error;
 
 /// How configuration reads a variable: its value, or `None` when unset.
@@ -35,10 +35,12 @@ pub struct Config {
     pub nsocks: usize,
     /// Algorithms forced per collective; the tuner picks the rest (`CHORUS_ALGO`).
     pub algo: Forced,
-    /// Per-message latency the tuner assumes, in seconds (`CHORUS_ALPHA_US`, microseconds).
-    pub alpha: f64,
-    /// Link bandwidth the tuner assumes, in bytes/s (`CHORUS_BANDWIDTH_GBS`, GB/s).
-    pub beta: f64,
+    /// Per-message latency the tuner assumes, in seconds (`CHORUS_ALPHA_US`, microseconds);
+    /// the transport's own figure if unset.
+    pub alpha: Option<f64>,
+    /// Link bandwidth the tuner assumes, in bytes/s (`CHORUS_BANDWIDTH_GBS`, GB/s); the
+    /// transport's own figure if unset.
+    pub beta: Option<f64>,
     /// Pipeline chunk size in bytes (`CHORUS_CHUNK_BYTES`).
     pub chunk_bytes: usize,
     /// Address peers use to reach this rank (`CHORUS_SOCKET_ADDR`); derived from the route to MASTER_ADDR if unset.
@@ -88,8 +90,8 @@ impl Config {
             timeout: DEFAULT_TIMEOUT,
             nsocks: DEFAULT_NSOCKS,
             algo: Forced::none(),
-            alpha: DEFAULT_ALPHA,
-            beta: DEFAULT_BETA,
+            alpha: None,
+            beta: None,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             socket_addr: None,
             transport: TransportKind::Auto,
@@ -148,8 +150,8 @@ impl Config {
             ));
         }
         let algo = optional(get, "CHORUS_ALGO")?.unwrap_or_default();
-        let alpha = positive(get, "CHORUS_ALPHA_US")?.map_or(DEFAULT_ALPHA, |us| us * 1e-6);
-        let beta = positive(get, "CHORUS_BANDWIDTH_GBS")?.map_or(DEFAULT_BETA, |gbs| gbs * 1e9);
+        let alpha = positive(get, "CHORUS_ALPHA_US")?.map(|us| us * 1e-6);
+        let beta = positive(get, "CHORUS_BANDWIDTH_GBS")?.map(|gbs| gbs * 1e9);
         let socket_addr = optional(get, "CHORUS_SOCKET_ADDR")?;
         let transport = optional(get, "CHORUS_TRANSPORT")?.unwrap_or_default();
         let host_id = get("CHORUS_HOST_ID").filter(|h| !h.trim().is_empty());

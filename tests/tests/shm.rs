@@ -19,7 +19,19 @@ fn worker() -> &'static Path {
 
 /// The line where a rank logged its transport routes, without colour codes.
 fn routes(stderr: &str) -> Option<String> {
-    let line = stderr.lines().find(|l| l.contains("transport routes"))?;
+    logged(stderr, "transport routes")
+}
+
+/// The latency and bandwidth the rank's tuner assumes, as it logged them.
+fn link_model(stderr: &str) -> Option<String> {
+    let line = logged(stderr, "tuner link model: ")?;
+    let model = line.split("tuner link model: ").nth(1)?;
+    Some(model.split(" rank=").next()?.trim().to_string())
+}
+
+/// The first line of `stderr` containing `marker`, without colour codes.
+fn logged(stderr: &str, marker: &str) -> Option<String> {
+    let line = stderr.lines().find(|l| l.contains(marker))?;
     let mut plain = String::new();
     let mut chars = line.chars();
     while let Some(c) = chars.next() {
@@ -50,6 +62,11 @@ fn two_hosts_of_two_ranks_use_shm_inside_and_tcp_across() {
             "rank {}: {routes}",
             r.rank
         );
+        // Rings cross hosts: every rank's tuner assumes TCP's links.
+        assert_eq!(
+            link_model(&r.stderr).as_deref(),
+            Some("10 us per message, 1.5 GB/s")
+        );
     }
     let report = run(4, worker(), &["broadcast", "0,7,300007"], &env);
     assert_success(&report);
@@ -65,11 +82,41 @@ fn tcp_alone_still_carries_every_collective() {
     for r in &report.ranks {
         let routes = routes(&r.stderr).unwrap_or_default();
         assert!(routes.contains("shm_peers=[] tcp_peers=2"), "{routes}");
+        assert_eq!(
+            link_model(&r.stderr).as_deref(),
+            Some("10 us per message, 1.5 GB/s")
+        );
     }
     for scenario in [&["more", "0,5,70001"][..], &["p2p"], &["split"]] {
         let report = run(3, worker(), scenario, &tcp);
         assert_success(&report);
         assert_identical_digests(&report);
+    }
+}
+
+#[test]
+fn one_host_tunes_for_shared_memory_unless_configured() {
+    let info = [("CHORUS_DEBUG", "info")];
+    let report = run(3, worker(), &["all_reduce", "0,7,70001"], &info);
+    assert_success(&report);
+    for r in &report.ranks {
+        assert_eq!(
+            link_model(&r.stderr).as_deref(),
+            Some("2 us per message, 2 GB/s")
+        );
+    }
+    let configured = [
+        ("CHORUS_DEBUG", "info"),
+        ("CHORUS_ALPHA_US", "7"),
+        ("CHORUS_BANDWIDTH_GBS", "0.5"),
+    ];
+    let report = run(2, worker(), &["all_reduce", "0,7"], &configured);
+    assert_success(&report);
+    for r in &report.ranks {
+        assert_eq!(
+            link_model(&r.stderr).as_deref(),
+            Some("7 us per message, 0.5 GB/s")
+        );
     }
 }
 

@@ -24,4 +24,4 @@ mod transport;
 pub use error::TransportError;
 pub use request::{Completion, Direction, Progress, Request};
 pub use routed::{host_identity, RouteConfig, RoutedTransport, TransportKind};
-pub use transport::{wait_all, Transport};
+pub use transport::{wait_all, LinkCost, Transport};

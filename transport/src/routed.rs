@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::shm::{ShmConfig, ShmTransport};
 use crate::store::{Store, StoreError};
 use crate::tcp::{TcpConfig, TcpTransport};
-use crate::{Request, Transport, TransportError};
+use crate::{LinkCost, Request, Transport, TransportError};
 
 /// Which transports a job may use (`CHORUS_TRANSPORT`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -218,6 +218,16 @@ impl RoutedTransport {
             Route::Tcp => self.tcp.as_ref().map(|t| t as &dyn Transport),
         };
         t.ok_or_else(invalid)
+    }
+
+    /// The cost of the slowest route any rank of the job uses: shared memory's
+    /// when the whole job is on one host, TCP's otherwise. Every rank gets the same answer.
+    pub fn link_cost(&self) -> LinkCost {
+        if self.tcp.is_some() {
+            crate::tcp::LINK_COST
+        } else {
+            crate::shm::LINK_COST
+        }
     }
 
     /// Whether `peer` is reached through shared memory.

@@ -4,6 +4,16 @@ use std::time::Instant;
 
 use crate::{Request, TransportError};
 
+/// What one message over a link costs, in the alpha-beta model a tuner uses:
+/// `latency + bytes / bandwidth` seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkCost {
+    /// Seconds every message costs whatever its size (alpha).
+    pub latency: f64,
+    /// Bytes per second (beta).
+    pub bandwidth: f64,
+}
+
 /// Moves byte ranges between the ranks of one communicator.
 ///
 /// # Contract

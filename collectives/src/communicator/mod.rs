@@ -264,8 +264,23 @@ impl Communicator {
             work: Workspace::default(),
             splits: 0,
         };
-        let tuner =
-            Tuner::new(config.alpha, config.beta, config.algo).with_chunk_bytes(config.chunk_bytes);
+        // The transport's figures (shared memory's on one host, TCP's across hosts) unless
+        // configured; every rank reaches the same ones.
+        let link = transport
+            .as_ref()
+            .map_or(chorus_transport::tcp::LINK_COST, RoutedTransport::link_cost);
+        let alpha = config.alpha.unwrap_or(link.latency);
+        let beta = config.beta.unwrap_or(link.bandwidth);
+        if transport.is_some() {
+            let round = |x: f64| (x * 1e3).round() / 1e3;
+            tracing::info!(
+                rank = config.rank,
+                "tuner link model: {} us per message, {} GB/s",
+                round(alpha * 1e6),
+                round(beta / 1e9)
+            );
+        }
+        let tuner = Tuner::new(alpha, beta, config.algo).with_chunk_bytes(config.chunk_bytes);
         let inner = Arc::new_cyclic(|weak| {
             let monitor = store.as_ref().and_then(|(_, prefix)| {
                 Monitor::start(&config, prefix, weak.clone())

@@ -25,10 +25,10 @@ use crate::schedule::{
 use crate::tuner::{Algorithm, Collective};
 
 /// Per-message latency assumed when nothing is measured: 10 us (TCP over loopback or a LAN).
-pub const DEFAULT_ALPHA: f64 = 10e-6;
+pub const DEFAULT_ALPHA: f64 = chorus_transport::tcp::LINK_COST.latency;
 
 /// Link bandwidth assumed when nothing is measured: 1.5 GB/s (loopback TCP, one stream).
-pub const DEFAULT_BETA: f64 = 1.5e9;
+pub const DEFAULT_BETA: f64 = chorus_transport::tcp::LINK_COST.bandwidth;
 
 /// The alpha-beta(-gamma) link model.
 #[derive(Debug, Clone, Copy, PartialEq)]

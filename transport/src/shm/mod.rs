@@ -15,8 +15,15 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::store::Store;
-use crate::{Direction, Request, Transport, TransportError};
+use crate::{Direction, LinkCost, Request, Transport, TransportError};
 use engine::{PeerInfo, Shared};
+
+/// What a shared-memory message costs, as measured with the perf tools on a
+/// 2-core host (forced algorithms, 8 B to 16 MiB): 2 us per message, 2 GB/s.
+pub const LINK_COST: LinkCost = LinkCost {
+    latency: 2e-6,
+    bandwidth: 2e9,
+};
 
 /// Settings of the shared-memory transport.
 #[derive(Debug, Clone)]

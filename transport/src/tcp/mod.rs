@@ -12,8 +12,15 @@ use std::time::Duration;
 use crate::auth::Auth;
 
 use crate::store::Store;
-use crate::{Request, Transport, TransportError};
+use crate::{LinkCost, Request, Transport, TransportError};
 use engine::Shared;
+
+/// What a TCP message costs over loopback or a LAN, as measured with the perf
+/// tools on a 2-core host: 10 us per message, 1.5 GB/s on one stream.
+pub const LINK_COST: LinkCost = LinkCost {
+    latency: 10e-6,
+    bandwidth: 1.5e9,
+};
 
 /// Settings of the TCP transport.
 #[derive(Debug, Clone)]
