@@ -13,12 +13,7 @@ pub fn chain(rank: usize, world_size: usize, root: usize, count: usize, chunk: u
     let next = (pos + 1 < w).then_some((rank + 1) % w);
     let mut steps = Vec::new();
     for r in chunks(0..count, chunk) {
-        if pos == 0 {
-            steps.push(Step::Copy {
-                from: Loc::input(r.clone()),
-                into: Loc::output(r.clone()),
-            });
-        } else {
+        if pos != 0 {
             steps.push(Step::Recv {
                 peer: (rank + w - 1) % w,
                 into: Loc::output(r.clone()),
@@ -26,11 +21,18 @@ pub fn chain(rank: usize, world_size: usize, root: usize, count: usize, chunk: u
         }
         if let Some(next) = next {
             let from = if pos == 0 {
-                Loc::input(r)
+                Loc::input(r.clone())
             } else {
-                Loc::output(r)
+                Loc::output(r.clone())
             };
             steps.push(Step::Send { peer: next, from });
+        }
+        // The root's own copy comes after its send is posted, so the two overlap.
+        if pos == 0 {
+            steps.push(Step::Copy {
+                from: Loc::input(r.clone()),
+                into: Loc::output(r),
+            });
         }
     }
     steps
@@ -44,12 +46,15 @@ pub fn tree(rank: usize, world_size: usize, root: usize, count: usize, chunk: us
     let mut steps = Vec::new();
     for r in chunks(0..count, chunk) {
         if rank == root {
+            // Sends first, from the input, so the root's own copy overlaps them.
+            push_down(&mut steps, &node, Loc::input(r.clone()));
             steps.push(Step::Copy {
                 from: Loc::input(r.clone()),
-                into: Loc::output(r.clone()),
+                into: Loc::output(r),
             });
+        } else {
+            push_down(&mut steps, &node, Loc::output(r));
         }
-        push_down(&mut steps, &node, Loc::output(r));
     }
     steps
 }
