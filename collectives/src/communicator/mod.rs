@@ -359,10 +359,18 @@ impl Drop for Communicator {
         let worker = lock(&self.inner.issue).worker.take();
         if let Some(worker) = worker {
             worker.finish(DROP_GRACE, || {
-                self.inner.fail(
-                    "the communicator was dropped with operations in flight",
-                    true,
-                )
+                let reason = format!(
+                    "rank {} dropped its communicator with operations in flight",
+                    self.rank()
+                );
+                self.inner.fail(&reason, true);
+                // Peers waiting for those operations learn why (over TCP, bytes this rank
+                // already sent could otherwise complete a peer's call after it left).
+                if let Some(monitor) = &self.inner.monitor {
+                    if let Err(e) = monitor.raise(&reason) {
+                        tracing::debug!(rank = self.rank(), "cannot tell the other ranks: {e}");
+                    }
+                }
             });
         }
         // Here rather than when `Inner` goes: another thread (the listener, a straggling
