@@ -69,6 +69,32 @@ pub trait Progress: Send + Sync + std::fmt::Debug {
     /// Called when a waiter on `peer` stops spinning and parks its thread:
     /// whatever moves bytes in the background must take over now.
     fn parking(&self, _peer: usize) {}
+
+    /// Called once when a waiter on `peer` parks for the first time; paired
+    /// with one [`unparked`](Progress::unparked) when its wait returns.
+    fn parked(&self, _peer: usize) {}
+
+    /// Called when a waiter that parked returns, its request finished or timed out.
+    fn unparked(&self, _peer: usize) {}
+}
+
+/// A waiter that parked, from `parked` to `unparked` (on drop).
+struct Parked<'a> {
+    progress: &'a dyn Progress,
+    peer: usize,
+}
+
+impl<'a> Parked<'a> {
+    fn begin(progress: &'a dyn Progress, peer: usize) -> Parked<'a> {
+        progress.parked(peer);
+        Parked { progress, peer }
+    }
+}
+
+impl Drop for Parked<'_> {
+    fn drop(&mut self) {
+        self.progress.unparked(self.peer);
+    }
 }
 
 /// Which direction a request moves bytes.
@@ -154,6 +180,7 @@ impl Request {
     pub fn wait(&self, deadline: Instant) -> Result<(), TransportError> {
         let start = Instant::now();
         let spin_until = start + SPIN;
+        let mut parked: Option<Parked<'_>> = None;
         loop {
             if let Some(result) = self.completion.poll() {
                 return result;
@@ -176,6 +203,9 @@ impl Request {
             }
             *lock(&self.completion.waiter) = Some(std::thread::current());
             if let Some(progress) = &self.progress {
+                if parked.is_none() {
+                    parked = Some(Parked::begin(progress.as_ref(), self.peer));
+                }
                 progress.parking(self.peer);
             }
             if self.completion.poll().is_none() {

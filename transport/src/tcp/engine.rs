@@ -4,10 +4,11 @@
 //! All state sits behind one mutex. A posting thread enqueues its stripes and
 //! immediately tries the socket (so small messages leave without a thread
 //! hop); whatever does not fit waits for the socket's next edge-triggered
-//! readiness event, which the progress thread handles. A socket is only read
-//! while a receive is posted on it: unexpected data stays in the kernel, so
-//! there is no unbounded buffering and every payload lands straight in the
-//! caller's buffer.
+//! readiness event, which the progress thread handles. Incoming bytes are read
+//! by the thread waiting for them while it spins; they wake the progress thread
+//! only while some waiter is parked. A socket is only read while a receive is
+//! posted on it: unexpected data stays in the kernel, so there is no unbounded
+//! buffering and every payload lands straight in the caller's buffer.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
@@ -15,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use mio::net::TcpStream;
-use mio::{Events, Interest, Poll, Token, Waker};
+use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
 use super::frame::{self, FrameHeader, HEADER_LEN};
 use crate::matching::{self, MessageId};
@@ -107,6 +108,14 @@ unsafe impl Send for Engine {}
 #[derive(Debug)]
 pub(crate) struct Shared {
     engine: Mutex<Engine>,
+    /// The progress thread's registry, to change what wakes it.
+    registry: Registry,
+    /// Waiters parked on a request of this transport.
+    parked: AtomicUsize,
+    /// Whether incoming bytes wake the progress thread (only while a waiter is parked:
+    /// a spinning waiter reads them itself, and a progress thread woken to compete for
+    /// them was most of an 8-byte call's time on 2 cores).
+    loud: AtomicBool,
     waker: Waker,
     stop: AtomicBool,
 }
@@ -127,11 +136,8 @@ impl Shared {
                 stream.set_nonblocking(true)?;
                 let mut stream = TcpStream::from_std(stream);
                 let token = Token(conns.len());
-                poll.registry().register(
-                    &mut stream,
-                    token,
-                    Interest::READABLE | Interest::WRITABLE,
-                )?;
+                poll.registry()
+                    .register(&mut stream, token, Interest::WRITABLE)?;
                 peers[peer].conns.push(token.0);
                 conns.push(Conn {
                     peer,
@@ -154,6 +160,9 @@ impl Shared {
         };
         let shared = Shared {
             engine: Mutex::new(engine),
+            registry: poll.registry().try_clone()?,
+            parked: AtomicUsize::new(0),
+            loud: AtomicBool::new(false),
             waker,
             stop: AtomicBool::new(false),
         };
@@ -225,6 +234,29 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Makes incoming bytes on every socket wake the progress thread, or not.
+    fn listen(&self, engine: &mut Engine, loud: bool) {
+        if self.loud.swap(loud, Ordering::AcqRel) == loud {
+            return;
+        }
+        let interest = match loud {
+            true => Interest::READABLE | Interest::WRITABLE,
+            false => Interest::WRITABLE,
+        };
+        for idx in 0..engine.conns.len() {
+            // Re-arming also reports bytes that arrived meanwhile, so none wait unseen.
+            let armed =
+                self.registry
+                    .reregister(&mut engine.conns[idx].stream, Token(idx), interest);
+            if let Err(e) = armed {
+                let peer = engine.conns[idx].peer;
+                engine.fail_peer(peer, io_error(peer, "poll registration", e));
+            }
+        }
+    }
+}
+
 impl Progress for Shared {
     /// Serves `peer`'s sockets, then yields the CPU: what the waiter needs next comes from
     /// another process (and the kernel's loopback work done in its context), which a spinning
@@ -233,6 +265,9 @@ impl Progress for Shared {
     fn poll(&self, peer: usize) {
         // Never wait for the lock: the progress thread holding it is making progress anyway.
         if let Ok(mut engine) = self.engine.try_lock() {
+            if self.loud.load(Ordering::Acquire) && self.parked.load(Ordering::Acquire) == 0 {
+                self.listen(&mut engine, false);
+            }
             if peer < engine.peers.len() {
                 for k in 0..engine.peers[peer].conns.len() {
                     let idx = engine.peers[peer].conns[k];
@@ -242,6 +277,16 @@ impl Progress for Shared {
             self.hand_over(&engine);
         }
         std::thread::yield_now();
+    }
+
+    /// The progress thread takes over reading until no waiter is parked.
+    fn parked(&self, _peer: usize) {
+        self.parked.fetch_add(1, Ordering::AcqRel);
+        self.listen(&mut self.lock(), true);
+    }
+
+    fn unparked(&self, _peer: usize) {
+        self.parked.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
