@@ -96,28 +96,18 @@ fn tcp_alone_still_carries_every_collective() {
 
 #[test]
 fn one_host_tunes_for_shared_memory_unless_configured() {
-    let info = [("CHORUS_DEBUG", "info")];
-    let report = run(3, worker(), &["all_reduce", "0,7,70001"], &info);
-    assert_success(&report);
-    for r in &report.ranks {
-        assert_eq!(
-            link_model(&r.stderr).as_deref(),
-            Some("2 us per message, 2 GB/s")
-        );
-    }
-    let configured = [
-        ("CHORUS_DEBUG", "info"),
-        ("CHORUS_ALPHA_US", "7"),
-        ("CHORUS_BANDWIDTH_GBS", "0.5"),
-    ];
-    let report = run(2, worker(), &["all_reduce", "0,7"], &configured);
-    assert_success(&report);
-    for r in &report.ranks {
-        assert_eq!(
-            link_model(&r.stderr).as_deref(),
-            Some("7 us per message, 0.5 GB/s")
-        );
-    }
+    let tuned = |world: usize, env: &[(&str, &str)], expected: &str| {
+        let mut env = env.to_vec();
+        env.push(("CHORUS_DEBUG", "info"));
+        let report = run(world, worker(), &["all_reduce", "0,7,70001"], &env);
+        assert_success(&report);
+        for r in &report.ranks {
+            assert_eq!(link_model(&r.stderr).as_deref(), Some(expected));
+        }
+    };
+    tuned(3, &[], "2 us per message, 2 GB/s");
+    let configured = [("CHORUS_ALPHA_US", "7"), ("CHORUS_BANDWIDTH_GBS", "0.5")];
+    tuned(2, &configured, "7 us per message, 0.5 GB/s");
 }
 
 #[test]
