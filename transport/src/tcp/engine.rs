@@ -96,6 +96,10 @@ pub(crate) struct Engine {
     aborted: Option<String>,
     /// Sockets that stopped on their budget and must be served again.
     again: Vec<usize>,
+    /// Whether incoming bytes wake the progress thread (only while a waiter is parked:
+    /// a spinning waiter reads them itself, and a progress thread woken to compete for
+    /// them was most of an 8-byte call's time on 2 cores).
+    loud: bool,
 }
 
 // SAFETY: the raw pointers in the queues are only dereferenced while the
@@ -112,10 +116,6 @@ pub(crate) struct Shared {
     registry: Registry,
     /// Waiters parked on a request of this transport.
     parked: AtomicUsize,
-    /// Whether incoming bytes wake the progress thread (only while a waiter is parked:
-    /// a spinning waiter reads them itself, and a progress thread woken to compete for
-    /// them was most of an 8-byte call's time on 2 cores).
-    loud: AtomicBool,
     waker: Waker,
     stop: AtomicBool,
 }
@@ -157,12 +157,12 @@ impl Shared {
             min_stripe,
             aborted: None,
             again: Vec::new(),
+            loud: false,
         };
         let shared = Shared {
             engine: Mutex::new(engine),
             registry: poll.registry().try_clone()?,
             parked: AtomicUsize::new(0),
-            loud: AtomicBool::new(false),
             waker,
             stop: AtomicBool::new(false),
         };
@@ -234,29 +234,6 @@ impl Shared {
     }
 }
 
-impl Shared {
-    /// Makes incoming bytes on every socket wake the progress thread, or not.
-    fn listen(&self, engine: &mut Engine, loud: bool) {
-        if self.loud.swap(loud, Ordering::AcqRel) == loud {
-            return;
-        }
-        let interest = match loud {
-            true => Interest::READABLE | Interest::WRITABLE,
-            false => Interest::WRITABLE,
-        };
-        for idx in 0..engine.conns.len() {
-            // Re-arming also reports bytes that arrived meanwhile, so none wait unseen.
-            let armed =
-                self.registry
-                    .reregister(&mut engine.conns[idx].stream, Token(idx), interest);
-            if let Err(e) = armed {
-                let peer = engine.conns[idx].peer;
-                engine.fail_peer(peer, io_error(peer, "poll registration", e));
-            }
-        }
-    }
-}
-
 impl Progress for Shared {
     /// Serves `peer`'s sockets, then yields the CPU: what the waiter needs next comes from
     /// another process (and the kernel's loopback work done in its context), which a spinning
@@ -265,8 +242,8 @@ impl Progress for Shared {
     fn poll(&self, peer: usize) {
         // Never wait for the lock: the progress thread holding it is making progress anyway.
         if let Ok(mut engine) = self.engine.try_lock() {
-            if self.loud.load(Ordering::Acquire) && self.parked.load(Ordering::Acquire) == 0 {
-                self.listen(&mut engine, false);
+            if engine.loud && self.parked.load(Ordering::Acquire) == 0 {
+                engine.listen(&self.registry, false);
             }
             if peer < engine.peers.len() {
                 for k in 0..engine.peers[peer].conns.len() {
@@ -282,7 +259,7 @@ impl Progress for Shared {
     /// The progress thread takes over reading until no waiter is parked.
     fn parked(&self, _peer: usize) {
         self.parked.fetch_add(1, Ordering::AcqRel);
-        self.listen(&mut self.lock(), true);
+        self.lock().listen(&self.registry, true);
     }
 
     fn unparked(&self, _peer: usize) {
@@ -291,6 +268,26 @@ impl Progress for Shared {
 }
 
 impl Engine {
+    /// Makes incoming bytes on every socket wake the progress thread, or not.
+    fn listen(&mut self, registry: &Registry, loud: bool) {
+        if self.loud == loud {
+            return;
+        }
+        self.loud = loud;
+        let interest = match loud {
+            true => Interest::READABLE | Interest::WRITABLE,
+            false => Interest::WRITABLE,
+        };
+        for idx in 0..self.conns.len() {
+            // Re-arming also reports bytes that arrived meanwhile, so none wait unseen.
+            let armed = registry.reregister(&mut self.conns[idx].stream, Token(idx), interest);
+            if let Err(e) = armed {
+                let peer = self.conns[idx].peer;
+                self.fail_peer(peer, io_error(peer, "poll registration", e));
+            }
+        }
+    }
+
     fn check_peer(&self, peer: usize) -> Result<(), TransportError> {
         if let Some(reason) = &self.aborted {
             return Err(TransportError::Aborted(reason.clone()));
