@@ -441,35 +441,20 @@ impl Link {
                 }
             }
             if op.len >= self.single_copy_min {
-                self.tx.write_header(
-                    self.tx_tail,
-                    SlotHeader {
-                        seq: op.seq,
-                        tag: op.tag,
-                        msg_len: op.len as u64,
-                        chunk_len: op.len as u64,
-                        addr: op.buf as u64,
-                    },
-                );
+                let header = SlotHeader {
+                    seq: op.seq,
+                    tag: op.tag,
+                    msg_len: op.len as u64,
+                    chunk_len: op.len as u64,
+                    addr: op.buf as u64,
+                };
                 let op = self.sends.pop_front().expect("front exists");
                 self.inflight.push_back((self.tx_tail, op.completion));
-                self.tx_tail += 1;
-                self.tx.tail().store(self.tx_tail, Ordering::Release);
-                notify();
+                publish(&self.tx, &mut self.tx_tail, header, &notify);
                 moved = true;
                 continue;
             }
             let chunk = (op.len - op.done).min(slot_bytes);
-            self.tx.write_header(
-                self.tx_tail,
-                SlotHeader {
-                    seq: op.seq,
-                    tag: op.tag,
-                    msg_len: op.len as u64,
-                    chunk_len: chunk as u64,
-                    addr: 0,
-                },
-            );
             // SAFETY: the caller's buffer holds `len` bytes (post_send's
             // contract) and `done + chunk <= len`; the slot holds
             // `slot_bytes >= chunk` and is ours until the tail passes it.
@@ -480,9 +465,14 @@ impl Link {
                     chunk,
                 );
             }
-            self.tx_tail += 1;
-            self.tx.tail().store(self.tx_tail, Ordering::Release);
-            notify();
+            let header = SlotHeader {
+                seq: op.seq,
+                tag: op.tag,
+                msg_len: op.len as u64,
+                chunk_len: chunk as u64,
+                addr: 0,
+            };
+            publish(&self.tx, &mut self.tx_tail, header, &notify);
             moved = true;
             op.done += chunk;
             op.chunks_left -= 1;
@@ -561,6 +551,15 @@ impl Link {
         }
         Ok(moved)
     }
+}
+
+/// Writes `header` into the slot at `tail` (its payload already in place), then
+/// hands the slot to the reader by advancing the tail and wakes it if it sleeps.
+fn publish(tx: &Ring, tail: &mut u64, header: SlotHeader, notify: &impl Fn()) {
+    tx.write_header(*tail, header);
+    *tail += 1;
+    tx.tail().store(*tail, Ordering::Release);
+    notify();
 }
 
 /// Slot-sized chunks of a `len`-byte message (one, carrying only the header, if empty).
