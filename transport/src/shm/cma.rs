@@ -1,11 +1,16 @@
 //! Single-copy transfers: the receiver reads a large message straight out of
 //! the sender's memory with `process_vm_readv` (cross-memory attach), instead
-//! of the sender copying it into a slot and the receiver copying it out.
+//! of the sender copying it into a slot and the receiver copying it out. A
+//! sender with nothing else to do writes some of the pieces into the
+//! receiver's memory meanwhile (`process_vm_writev`), so two cores copy.
 //!
 //! Needs ptrace-level access to the peer (same user, no Yama restriction);
 //! set-up probes it and falls back to copying through slots where it fails.
 
 use std::io;
+use std::sync::atomic::Ordering;
+
+use super::region::Split;
 
 /// A value at a fixed address in every process, read by peers to probe access.
 static PROBE: u64 = u64::from_le_bytes(*b"CHRPROBE");
@@ -19,30 +24,51 @@ pub(crate) fn probe_address() -> u64 {
 pub(crate) fn can_read(pid: u32, probe: u64) -> bool {
     let mut got = 0u64;
     // SAFETY: `got` is a valid, writable 8-byte local buffer.
-    let read = unsafe { read_remote(pid, probe, std::ptr::addr_of_mut!(got).cast(), 8) };
+    let read = unsafe { copy(pid, Way::Read, probe, std::ptr::addr_of_mut!(got).cast(), 8) };
     read.is_ok() && got == PROBE
 }
 
-/// Copies `len` bytes at `addr` in process `pid` to `dst`.
+/// Which way a cross-memory copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Way {
+    /// From the peer's memory into ours (`process_vm_readv`).
+    Read,
+    /// From our memory into the peer's (`process_vm_writev`).
+    Write,
+}
+
+/// Copies `len` bytes between `local` here and `remote` in process `pid`.
 ///
 /// # Safety
 ///
-/// `dst..dst+len` must be valid for writes and not otherwise in use.
-pub(crate) unsafe fn read_remote(pid: u32, addr: u64, dst: *mut u8, len: usize) -> io::Result<()> {
+/// `local..local+len` must be valid for reads (`Write`) or writes (`Read`),
+/// and, for `Read`, not otherwise in use.
+pub(crate) unsafe fn copy(
+    pid: u32,
+    way: Way,
+    remote: u64,
+    local: *mut u8,
+    len: usize,
+) -> io::Result<()> {
     let mut done = 0;
     while done < len {
-        let local = libc::iovec {
+        let here = libc::iovec {
             // SAFETY: `done < len`, inside the caller's buffer.
-            iov_base: unsafe { dst.add(done) }.cast(),
+            iov_base: unsafe { local.add(done) }.cast(),
             iov_len: len - done,
         };
-        let remote = libc::iovec {
-            iov_base: (addr as usize + done) as *mut libc::c_void,
+        let there = libc::iovec {
+            iov_base: (remote as usize + done) as *mut libc::c_void,
             iov_len: len - done,
         };
-        // SAFETY: one local iovec inside the caller's buffer; the remote one
-        // is only read by the kernel, which checks it against the peer's map.
-        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+        // SAFETY: one local iovec inside the caller's buffer; the kernel
+        // checks the remote one against the peer's map.
+        let n = unsafe {
+            match way {
+                Way::Read => libc::process_vm_readv(pid as libc::pid_t, &here, 1, &there, 1, 0),
+                Way::Write => libc::process_vm_writev(pid as libc::pid_t, &here, 1, &there, 1, 0),
+            }
+        };
         match n {
             n if n > 0 => done += n as usize,
             0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
@@ -57,8 +83,52 @@ pub(crate) unsafe fn read_remote(pid: u32, addr: u64, dst: *mut u8, len: usize) 
     Ok(())
 }
 
+/// Bytes per piece of a single-copy message (a piece is what one side takes
+/// at a time; small enough that both sides share a 512 KiB chunk).
+pub(crate) const PIECE: usize = 64 << 10;
+
+/// Pieces of a `len`-byte message.
+pub(crate) fn pieces(len: usize) -> u64 {
+    len.div_ceil(PIECE) as u64
+}
+
+/// Takes pieces of a `len`-byte message from `split` and copies each between
+/// `local` and `remote` (the same offsets of the message on both sides)
+/// until none is left; returns how many this side copied.
+///
+/// # Safety
+///
+/// As [`copy`] for the whole message at `local`; the other side takes its
+/// pieces from the same `split`, so no piece is copied twice.
+pub(crate) unsafe fn take_pieces(
+    split: Split<'_>,
+    pid: u32,
+    way: Way,
+    remote: u64,
+    local: *mut u8,
+    len: usize,
+) -> io::Result<u64> {
+    let total = pieces(len);
+    let mut copied = 0;
+    loop {
+        let piece = split.taken.fetch_add(1, Ordering::AcqRel);
+        if piece >= total {
+            return Ok(copied);
+        }
+        let at = piece as usize * PIECE;
+        let n = PIECE.min(len - at);
+        // SAFETY: `at + n <= len`, inside the caller's buffer; the piece is
+        // this side's alone (taken above).
+        unsafe { copy(pid, way, remote + at as u64, local.add(at), n) }?;
+        split.copied.fetch_add(1, Ordering::Release);
+        copied += 1;
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicU64;
+
     use super::*;
 
     #[test]
@@ -68,8 +138,9 @@ mod tests {
         let mut dst = vec![0u8; src.len()];
         // SAFETY: `dst` is a valid buffer of the same length.
         unsafe {
-            read_remote(
+            copy(
                 std::process::id(),
+                Way::Read,
                 src.as_ptr() as u64,
                 dst.as_mut_ptr(),
                 dst.len(),
@@ -78,5 +149,60 @@ mod tests {
         .unwrap();
         assert_eq!(src, dst);
         assert!(!can_read(std::process::id(), probe_address() + 1));
+    }
+
+    fn split(w: &[AtomicU64; 3]) -> Split<'_> {
+        Split {
+            dst: &w[0],
+            taken: &w[1],
+            copied: &w[2],
+        }
+    }
+
+    #[test]
+    fn each_side_copies_only_the_pieces_it_takes() {
+        let len = 5 * PIECE + 123;
+        let src: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0u8; len];
+        let words = || [0, 0, 0].map(AtomicU64::new);
+        let pid = std::process::id();
+        // The sender writes from piece 2 on, as if the receiver had taken 0 and 1.
+        let sender = words();
+        sender[1].store(2, Ordering::Relaxed);
+        // SAFETY: `src` and `dst` are valid buffers of `len` bytes.
+        let wrote = unsafe {
+            take_pieces(
+                split(&sender),
+                pid,
+                Way::Write,
+                dst.as_ptr() as u64,
+                src.as_ptr().cast_mut(),
+                len,
+            )
+        };
+        assert_eq!(wrote.unwrap(), 4);
+        assert_eq!(sender[2].load(Ordering::Relaxed), 4);
+        assert!(
+            dst[..2 * PIECE].iter().all(|&b| b == 0),
+            "pieces 0 and 1 were not the sender's"
+        );
+        assert_eq!(dst[2 * PIECE..], src[2 * PIECE..]);
+        // The receiver reads the two pieces it took.
+        let receiver = words();
+        // SAFETY: as above, for the first two pieces.
+        let read = unsafe {
+            take_pieces(
+                split(&receiver),
+                pid,
+                Way::Read,
+                src.as_ptr() as u64,
+                dst.as_mut_ptr(),
+                2 * PIECE,
+            )
+        };
+        assert_eq!(read.unwrap(), 2);
+        assert_eq!(dst, src);
+        assert_eq!(pieces(len), 6);
+        assert_eq!(pieces(0), 0);
     }
 }

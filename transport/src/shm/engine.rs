@@ -8,26 +8,40 @@
 //! it into the caller's buffer, then frees the slot (release store of the
 //! head). A sleeping peer is woken through its doorbell after each chunk.
 //!
+//! A large message moves with a single copy: the slot carries the sender's
+//! address and the receiver reads the message from there in pieces, while
+//! the sender, as soon as it sees the receiver's address, writes pieces into
+//! it from the other end of the same piece counter. A sender with nothing
+//! else to do (a broadcast's root) thus doubles the copy rate; a busy one
+//! leaves the pieces to the receiver.
+//!
 //! All local state sits behind one mutex. Posting threads and waiting
 //! threads move bytes inline; the progress thread takes over when nobody is
 //! waiting, and watches peers' liveness.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::cma;
-use super::region::{Region, Ring, SlotHeader};
+use super::cma::{self, Way};
+use super::region::{Region, Ring, SlotHeader, Split};
 use super::wake::{self, Liveness};
 use crate::matching::{self, MessageId};
 use crate::request::{Completion, Direction, Progress, Request};
 use crate::TransportError;
 
+/// Longest wait, when a receive fails, for pieces the sender is still
+/// writing into its buffer (each takes microseconds).
+const SETTLE: Duration = Duration::from_secs(2);
 /// How often the progress thread checks that peers with pending work are alive.
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
 /// Longest sleep of the progress thread (it re-checks liveness after each).
 const SLEEP: Duration = Duration::from_millis(20);
+/// How long the progress thread keeps looking, rather than sleeping, for a
+/// peer to start reading a single-copy send it could help with (about one
+/// 512 KiB message; a wake-up would cost a good part of it).
+const HELP_SPIN: Duration = Duration::from_micros(100);
 
 /// A posted send or receive: the caller's memory (only read for a send)
 /// and how much of it has moved.
@@ -39,6 +53,16 @@ struct Op {
     seq: u64,
     done: usize,
     chunks_left: u64,
+    completion: Arc<Completion>,
+}
+
+/// A single-copy send published to the peer, done once the peer's head passes
+/// its slot; until then the sender may write pieces of it into the peer.
+#[derive(Debug)]
+struct Inflight {
+    index: u64,
+    buf: *mut u8,
+    len: usize,
     completion: Arc<Completion>,
 }
 
@@ -57,8 +81,13 @@ struct Link {
     rx_tail: u64,
     sends: VecDeque<Op>,
     recvs: VecDeque<Op>,
-    /// Single-copy sends published at a slot index, done once the peer's head passes it.
-    inflight: VecDeque<(u64, Arc<Completion>)>,
+    inflight: VecDeque<Inflight>,
+    /// The single-copy message at `rx_head` is being copied (its number of
+    /// pieces): this rank published its address, and the sender may be
+    /// writing into it.
+    reading: Option<u64>,
+    /// Whether this process may write the peer's memory (to help its single copies).
+    helps: bool,
     /// Sends of this many bytes or more are read by the peer from this
     /// process's memory (`usize::MAX`: never).
     single_copy_min: usize,
@@ -97,6 +126,8 @@ pub(crate) struct PeerInfo {
     pub pid: u32,
     /// Whether the peer can read this process's memory.
     pub single_copy: bool,
+    /// Whether this process can write the peer's memory.
+    pub writable: bool,
 }
 
 /// The engine and what the progress thread needs beside it.
@@ -135,6 +166,8 @@ impl Shared {
                 sends: VecDeque::new(),
                 recvs: VecDeque::new(),
                 inflight: VecDeque::new(),
+                reading: None,
+                helps: p.writable,
                 single_copy_min: if p.single_copy {
                     single_copy_min.max(1)
                 } else {
@@ -183,23 +216,29 @@ impl Shared {
     pub fn run(&self) {
         let own = self.region.control(self.own_local);
         let mut last_check = Instant::now();
+        let mut last_move = Instant::now();
         let mut active = false;
         while !self.stop.load(Ordering::Acquire) {
             let seen = own.doorbell.load(Ordering::Acquire);
             active |= self.handoff.swap(false, Ordering::AcqRel);
-            let (moved, pending) = {
+            let (moved, pending, may_help) = {
                 let mut engine = self.lock();
                 let moved = engine.progress();
                 if last_check.elapsed() >= LIVENESS_EVERY {
                     engine.check_liveness();
                     last_check = Instant::now();
                 }
-                (moved, engine.pending())
+                (moved, engine.pending(), engine.may_help())
             };
             if moved {
+                last_move = Instant::now();
                 continue;
             }
             active &= pending;
+            if active && may_help && last_move.elapsed() < HELP_SPIN {
+                std::thread::yield_now();
+                continue;
+            }
             if active {
                 // Ask peers for a doorbell, then look once more before
                 // sleeping (pairs with `ring_if_sleeping`).
@@ -308,6 +347,14 @@ impl Engine {
         self.links.iter().flatten().any(Link::busy)
     }
 
+    /// Whether a peer may soon start reading a single-copy send this rank can help with.
+    fn may_help(&self) -> bool {
+        self.links
+            .iter()
+            .flatten()
+            .any(|link| link.helps && !link.inflight.is_empty())
+    }
+
     /// Marks peers with pending work whose process has exited, and fails their requests.
     pub fn check_liveness(&mut self) {
         for peer in 0..self.links.len() {
@@ -365,14 +412,15 @@ impl Engine {
             return;
         }
         tracing::debug!(rank = self.rank, peer, error = %err, "peer failed");
+        link.settle(self.region.control(link.peer_local).closed);
         for op in link.sends.drain(..) {
             op.completion.complete(Err(err.clone()));
         }
         for op in link.recvs.drain(..) {
             op.completion.complete(Err(err.clone()));
         }
-        for (_, completion) in link.inflight.drain(..) {
-            completion.complete(Err(err.clone()));
+        for sent in link.inflight.drain(..) {
+            sent.completion.complete(Err(err.clone()));
         }
         link.failed = Some(err);
     }
@@ -412,15 +460,81 @@ impl Link {
         }
         self.tx_head = self.tx.head().load(Ordering::Acquire);
         let mut moved = false;
-        while let Some(&(index, _)) = self.inflight.front() {
-            if index >= self.tx_head {
+        while let Some(sent) = self.inflight.front() {
+            if sent.index >= self.tx_head {
                 break;
             }
-            let (_, completion) = self.inflight.pop_front().expect("front exists");
-            completion.complete(Ok(()));
+            let sent = self.inflight.pop_front().expect("front exists");
+            sent.completion.complete(Ok(()));
             moved = true;
         }
         moved
+    }
+
+    /// Writes pieces of single-copy sends the peer has started reading into
+    /// its memory; true if any moved.
+    fn help(&mut self, notify: &impl Fn()) -> Result<bool, TransportError> {
+        if !self.helps {
+            return Ok(false);
+        }
+        let mut moved = false;
+        for sent in &self.inflight {
+            let split = self.tx.split(sent.index);
+            let dst = split.dst.load(Ordering::Acquire);
+            if dst == 0 {
+                // The peer reads in order: it has not reached this one.
+                break;
+            }
+            // SAFETY: `buf..buf+len` is the send's buffer, valid until it
+            // completes (post's contract); pieces are taken through `split`.
+            let wrote =
+                unsafe { cma::take_pieces(split, self.pid, Way::Write, dst, sent.buf, sent.len) };
+            match wrote {
+                Ok(0) => {}
+                Ok(_) => {
+                    notify();
+                    moved = true;
+                }
+                Err(e) => {
+                    // The piece taken will never come: tell the reader.
+                    split.copied.store(Split::FAILED, Ordering::Release);
+                    notify();
+                    return Err(cma_error(
+                        self.peer,
+                        "send",
+                        "write the receiver's memory",
+                        e,
+                    ));
+                }
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Before a receive being copied is failed: stops the sender from
+    /// taking more pieces and waits for those it is writing into the
+    /// receive's buffer (until it finishes them, closes or dies).
+    fn settle(&mut self, closed: &AtomicU32) {
+        let Some(pieces) = self.reading.take() else {
+            return;
+        };
+        let split = self.rx.split(self.rx_head);
+        let taken = split.taken.swap(u64::MAX, Ordering::AcqRel).min(pieces);
+        let until = Instant::now() + SETTLE;
+        while split.copied.load(Ordering::Acquire) < taken {
+            if closed.load(Ordering::Acquire) != 0 || self.live.dead() {
+                return;
+            }
+            if Instant::now() >= until {
+                tracing::warn!(
+                    peer = self.peer,
+                    "rank {} did not finish writing a message into this rank's memory",
+                    self.peer
+                );
+                return;
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Copies queued sends into free slots (or, for a single copy, their
@@ -431,6 +545,7 @@ impl Link {
         if self.gone {
             return Ok(moved);
         }
+        moved |= self.help(&notify)?;
         let slots = self.tx.slots() as u64;
         let slot_bytes = self.tx.slot_bytes();
         while let Some(op) = self.sends.front_mut() {
@@ -449,7 +564,12 @@ impl Link {
                     addr: op.buf as u64,
                 };
                 let op = self.sends.pop_front().expect("front exists");
-                self.inflight.push_back((self.tx_tail, op.completion));
+                self.inflight.push_back(Inflight {
+                    index: self.tx_tail,
+                    buf: op.buf,
+                    len: op.len,
+                    completion: op.completion,
+                });
                 publish(&self.tx, &mut self.tx_tail, header, &notify);
                 moved = true;
                 continue;
@@ -511,16 +631,37 @@ impl Link {
             check_header(self.peer, &got, op, chunk)?;
             if got.addr != 0 {
                 // SAFETY: `done + chunk <= len` fits the caller's buffer.
+                let dst = unsafe { op.buf.add(op.done) };
+                let split = self.rx.split(self.rx_head);
+                let pieces = cma::pieces(chunk);
+                if self.reading.is_none() {
+                    // Invite the sender to write pieces from the other end.
+                    split.dst.store(dst as u64, Ordering::Release);
+                    self.reading = Some(pieces);
+                    notify();
+                }
+                // SAFETY: as above; pieces are taken through `split`.
                 let read =
-                    unsafe { cma::read_remote(self.pid, got.addr, op.buf.add(op.done), chunk) };
-                read.map_err(|e| match e.raw_os_error() {
-                    Some(libc::ESRCH) => TransportError::PeerClosed { peer: self.peer },
-                    _ => TransportError::Io {
-                        peer: self.peer,
-                        op: "recv",
-                        message: format!("cannot read the sender's memory: {e}"),
-                    },
-                })?;
+                    unsafe { cma::take_pieces(split, self.pid, Way::Read, got.addr, dst, chunk) };
+                let read =
+                    read.map_err(|e| cma_error(self.peer, "recv", "read the sender's memory", e))?;
+                moved |= read > 0;
+                match split.copied.load(Ordering::Acquire) {
+                    c if c == pieces => self.reading = None,
+                    Split::FAILED => {
+                        return Err(TransportError::Io {
+                            peer: self.peer,
+                            op: "recv",
+                            message: format!(
+                                "rank {} could not write its message into this rank's memory",
+                                self.peer
+                            ),
+                        })
+                    }
+                    // The sender is still writing pieces it took.
+                    _ if closed() => return Err(TransportError::PeerClosed { peer: self.peer }),
+                    _ => break,
+                }
                 if closed() {
                     return Err(TransportError::PeerClosed { peer: self.peer });
                 }
@@ -560,6 +701,18 @@ fn publish(tx: &Ring, tail: &mut u64, header: SlotHeader, notify: &impl Fn()) {
     *tail += 1;
     tx.tail().store(*tail, Ordering::Release);
     notify();
+}
+
+/// The error for a failed cross-memory copy with `peer`.
+fn cma_error(peer: usize, op: &'static str, what: &str, e: std::io::Error) -> TransportError {
+    match e.raw_os_error() {
+        Some(libc::ESRCH) => TransportError::PeerClosed { peer },
+        _ => TransportError::Io {
+            peer,
+            op,
+            message: format!("cannot {what}: {e}"),
+        },
+    }
 }
 
 /// Slot-sized chunks of a `len`-byte message (one, carrying only the header, if empty).

@@ -106,6 +106,7 @@ impl ShmTransport {
                 local: i,
                 pid: joined.pids[i],
                 single_copy: joined.reads_peers[i],
+                writable: joined.reads_peers[own_local],
             })
             .collect();
         let region = Arc::new(joined.region);

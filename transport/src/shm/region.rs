@@ -9,6 +9,9 @@
 //!                tail (written by the sender, own 128-byte line)
 //!                head (written by the receiver, own 128-byte line)
 //!                slots: 64-byte header + slot_bytes of payload each
+//!                (seq, tag, message length, chunk length, sender address,
+//!                and for a single copy the receiver's address and two
+//!                piece counters shared by the two sides)
 //! ```
 //!
 //! Counters and slot headers are atomics, so what a peer writes is never a
@@ -21,7 +24,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use memmap2::MmapRaw;
 
 /// Identifies a Chorus mapping and its layout version.
-const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM01");
+const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM02");
 /// Bytes before the first control block.
 const HEADER_BYTES: usize = 4096;
 /// Bytes per control block.
@@ -184,6 +187,24 @@ pub(crate) struct SlotHeader {
     pub addr: u64,
 }
 
+/// The shared state of a single-copy message that the receiver reads and
+/// the sender, when it is free, writes at the same time: both take pieces
+/// from one counter, so each piece is copied once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Split<'a> {
+    /// The receiver's buffer; 0 until the receiver starts.
+    pub dst: &'a AtomicU64,
+    /// Pieces taken by either side so far (may run past the number of pieces).
+    pub taken: &'a AtomicU64,
+    /// Pieces copied so far; [`Split::FAILED`] once the sender failed to write one.
+    pub copied: &'a AtomicU64,
+}
+
+impl Split<'_> {
+    /// The value of `copied` after the sender failed to write a piece it took.
+    pub const FAILED: u64 = u64::MAX;
+}
+
 impl Ring {
     fn counter(&self, at: usize) -> &AtomicU64 {
         // SAFETY: `base` is 128-aligned inside the mapping (layout), `at` is
@@ -226,7 +247,8 @@ impl Ring {
         [0, 8, 16, 24, 32].map(|at| unsafe { AtomicU64::from_ptr(slot.add(at).cast()) })
     }
 
-    /// Writes the header of slot `index` (the producer, before publishing it).
+    /// Writes the header of slot `index` (the producer, before publishing
+    /// it), clearing its split words.
     pub fn write_header(&self, index: u64, h: SlotHeader) {
         let words = self.header_words(index);
         for (w, v) in words
@@ -235,6 +257,21 @@ impl Ring {
         {
             w.store(v, Relaxed);
         }
+        let split = self.split(index);
+        for w in [split.dst, split.taken, split.copied] {
+            w.store(0, Relaxed);
+        }
+    }
+
+    /// The words through which both sides copy the single-copy message in
+    /// slot `index` together.
+    pub fn split(&self, index: u64) -> Split<'_> {
+        let slot = self.slot(index);
+        // SAFETY: bytes 40..64 of the slot's header, 8-aligned; the ring
+        // (and so the region) outlives the borrow.
+        let [dst, taken, copied] =
+            [40, 48, 56].map(|at| unsafe { AtomicU64::from_ptr(slot.add(at).cast()) });
+        Split { dst, taken, copied }
     }
 
     /// Reads the header of slot `index` (the consumer, after seeing it published).

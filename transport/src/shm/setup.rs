@@ -78,7 +78,7 @@ pub(crate) fn join(
         let (pid, probe) = text.split_once(' ').ok_or_else(bad)?;
         let pid: u32 = pid.parse().map_err(|_| bad())?;
         let probe: u64 = probe.parse().map_err(|_| bad())?;
-        readable &= r == rank || !config.single_copy || cma::can_read(pid, probe);
+        readable &= config.single_copy && (r == rank || cma::can_read(pid, probe));
         pids.push(pid);
     }
     store.set(&key("cma", rank), if readable { b"1" } else { b"0" })?;
