@@ -151,3 +151,37 @@ fn map(file: &File, path: &Path) -> Result<MmapRaw, TransportError> {
     MmapRaw::map_raw(file)
         .map_err(|e| TransportError::Setup(format!("cannot map {}: {e}", path.display())))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{StoreServer, TcpStore};
+
+    /// What two local ranks (threads here) learn about single copies at set-up.
+    fn reads_peers(single_copy: bool) -> Vec<Vec<bool>> {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = server.local_addr().port();
+        let config = ShmConfig {
+            single_copy,
+            timeout: Duration::from_secs(20),
+            ..ShmConfig::default()
+        };
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let config = config.clone();
+                std::thread::spawn(move || {
+                    let store =
+                        TcpStore::connect("127.0.0.1", port, Duration::from_secs(20)).unwrap();
+                    join(rank, &[0, 1], &store, &config).unwrap().reads_peers
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn single_copies_are_offered_only_when_configured() {
+        assert_eq!(reads_peers(true), vec![vec![true, true]; 2]);
+        assert_eq!(reads_peers(false), vec![vec![false, false]; 2]);
+    }
+}
