@@ -4,6 +4,7 @@ use std::marker::PhantomData;
 
 use chorus_kernels::{DType, Element, ReduceOp};
 
+use super::recent::Key;
 use super::{elements, Call, CallInfo, Communicator, Inner, Kind};
 use crate::executor::Buffers;
 use crate::schedule::{barrier, broadcast, ring, tree};
@@ -104,10 +105,13 @@ impl Communicator {
     ///
     /// Fails on a transport error or timeout.
     pub fn barrier(&self) -> Result<()> {
-        let steps = barrier::dissemination(self.rank(), self.world_size());
+        let info = CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0);
+        let steps = self.inner.recent.get_or_build(Key::of(&info), || {
+            barrier::dissemination(self.rank(), self.world_size())
+        });
         let bufs = Buffers::new(None, &mut []);
         self.run_now(Call {
-            info: CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0),
+            info,
             bufs,
             steps,
             _borrow: PhantomData,
@@ -131,21 +135,26 @@ impl Inner {
         );
         let local = self.config.local_world_size;
         let hosts_with_peers = local > 1 && local < w && w % local == 0;
-        let steps = if hosts_with_peers && self.config.algo.get(Collective::AllReduce).is_none() {
-            // Several hosts with several ranks each: keep most traffic inside hosts.
-            tracing::debug!(count, %dtype, %op, local, "all_reduce: hierarchical");
-            hierarchical::all_reduce(rank, w, local, count, chunk)
-        } else {
-            match self.pick(Collective::AllReduce, output.len()) {
-                Algorithm::Tree => tree::all_reduce(rank, w, count, chunk),
-                Algorithm::RecursiveDoubling => recursive::doubling(rank, w, count, chunk),
-                Algorithm::HalvingDoubling => recursive::halving_doubling(rank, w, count, chunk),
-                Algorithm::Ring | Algorithm::Direct => ring::all_reduce(rank, w, count, chunk),
+        let info = CallInfo::new(Kind::AllReduce, dtype, op, 0, count);
+        let steps = self.recent.get_or_build(Key::of(&info), || {
+            if hosts_with_peers && self.config.algo.get(Collective::AllReduce).is_none() {
+                // Several hosts with several ranks each: keep most traffic inside hosts.
+                tracing::debug!(count, %dtype, %op, local, "all_reduce: hierarchical");
+                hierarchical::all_reduce(rank, w, local, count, chunk)
+            } else {
+                match self.pick(Collective::AllReduce, output.len()) {
+                    Algorithm::Tree => tree::all_reduce(rank, w, count, chunk),
+                    Algorithm::RecursiveDoubling => recursive::doubling(rank, w, count, chunk),
+                    Algorithm::HalvingDoubling => {
+                        recursive::halving_doubling(rank, w, count, chunk)
+                    }
+                    Algorithm::Ring | Algorithm::Direct => ring::all_reduce(rank, w, count, chunk),
+                }
             }
-        };
+        });
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
-            info: CallInfo::new(Kind::AllReduce, dtype, op, 0, count),
+            info,
             bufs,
             steps,
             _borrow: PhantomData,
@@ -166,13 +175,16 @@ impl Inner {
             self.chunk_elems(dtype),
         );
         self.check_root(root)?;
-        let steps = match self.pick(Collective::Broadcast, output.len()) {
-            Algorithm::Tree => broadcast::tree(rank, w, root, count, chunk),
-            _ => broadcast::chain(rank, w, root, count, chunk),
-        };
+        let info = CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count);
+        let steps = self.recent.get_or_build(Key::of(&info), || {
+            match self.pick(Collective::Broadcast, output.len()) {
+                Algorithm::Tree => broadcast::tree(rank, w, root, count, chunk),
+                _ => broadcast::chain(rank, w, root, count, chunk),
+            }
+        });
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
-            info: CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count),
+            info,
             bufs,
             steps,
             _borrow: PhantomData,

@@ -8,6 +8,7 @@ mod collectives;
 mod monitor;
 mod more;
 mod p2p;
+mod recent;
 mod split;
 mod work;
 
@@ -25,7 +26,7 @@ use chorus_transport::Transport;
 use chorus_transport::{RouteConfig, RoutedTransport};
 
 use crate::executor::{self, Buffers, Job, Watch, Workspace};
-use crate::schedule::Step;
+use crate::schedule::Schedule;
 use crate::tuner::{Algorithm, Collective, Tuner};
 use crate::{Config, Error, Result};
 
@@ -110,6 +111,8 @@ pub(crate) struct Inner {
     tuner: Tuner,
     /// The last pick per collective, to log changes.
     picks: Mutex<HashMap<Collective, Algorithm>>,
+    /// Schedules of recent calls, reused by calls like them.
+    recent: recent::Recent,
     /// Why the communicator can no longer be used, once it cannot.
     fault: Mutex<Option<Fault>>,
     /// The watchdog and fault reports (absent for one rank).
@@ -130,6 +133,9 @@ pub(crate) struct State {
     seq: u64,
     /// The ticket whose turn it is.
     serving: u64,
+    /// Threads waiting for their ticket's turn (none: passing the turn on
+    /// needs no wake-up call).
+    waiting: usize,
     work: Workspace,
     /// Sub-communicators created so far (names their store keys).
     splits: u64,
@@ -144,7 +150,7 @@ struct Issue {
 pub(crate) struct Call<'a> {
     pub info: CallInfo,
     pub bufs: Buffers,
-    pub steps: Vec<Step>,
+    pub steps: Arc<Schedule>,
     /// Ties the raw buffers to the caller's borrows.
     pub _borrow: std::marker::PhantomData<&'a mut [u8]>,
 }
@@ -261,6 +267,7 @@ impl Communicator {
         let state = State {
             seq: 0,
             serving: 0,
+            waiting: 0,
             work: Workspace::default(),
             splits: 0,
         };
@@ -292,6 +299,7 @@ impl Communicator {
             Inner {
                 tuner,
                 picks: Mutex::new(HashMap::new()),
+                recent: recent::Recent::default(),
                 config,
                 transport,
                 state: Mutex::new(state),
@@ -425,7 +433,9 @@ impl Inner {
     ) -> Result<()> {
         let mut state = lock(&self.state);
         while state.serving != ticket {
+            state.waiting += 1;
             state = self.turn.wait(state).unwrap_or_else(|p| p.into_inner());
+            state.waiting -= 1;
         }
         let fault = lock(&self.fault).clone();
         let result = match fault {
@@ -442,7 +452,9 @@ impl Inner {
         }
         done();
         state.serving += 1;
-        self.turn.notify_all();
+        if state.waiting > 0 {
+            self.turn.notify_all();
+        }
         result
     }
 

@@ -2,6 +2,7 @@
 //! reduce-scatter, all-to-all, gather and scatter.
 
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use chorus_kernels::{DType, Element, ReduceOp};
 
@@ -227,7 +228,7 @@ impl Communicator {
         self.run_now(Call {
             info,
             bufs,
-            steps,
+            steps: Arc::new(steps),
             _borrow: PhantomData,
         })
     }

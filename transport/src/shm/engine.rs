@@ -140,6 +140,8 @@ pub(crate) struct Shared {
     /// Set by a waiter that parks: the progress thread must move bytes until
     /// nothing is pending.
     handoff: AtomicBool,
+    /// More local ranks than cores: a spinning waiter yields its core to them.
+    crowded: bool,
 }
 
 impl Shared {
@@ -195,6 +197,7 @@ impl Shared {
             own_local,
             stop: AtomicBool::new(false),
             handoff: AtomicBool::new(false),
+            crowded: peers.len() + 1 > std::thread::available_parallelism().map_or(1, |n| n.get()),
         }
     }
 
@@ -264,8 +267,8 @@ impl Progress for Shared {
             Ok(mut engine) => engine.progress(),
             Err(_) => false,
         };
-        if !moved {
-            // Let the peer this waiter waits for run, should it share the core.
+        if !moved && self.crowded {
+            // Let the peer this waiter waits for run: it may share the core.
             std::thread::yield_now();
         }
     }
