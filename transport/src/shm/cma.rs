@@ -8,9 +8,14 @@
 //! set-up probes it and falls back to copying through slots where it fails.
 
 use std::io;
-use std::sync::atomic::Ordering;
 
 use super::region::Split;
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: the number of this thread's next reads the last of which fails (`EPERM`).
+    pub(crate) static FAIL_READ_AFTER: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
 
 /// A value at a fixed address in every process, read by peers to probe access.
 static PROBE: u64 = u64::from_le_bytes(*b"CHRPROBE");
@@ -50,6 +55,13 @@ pub(crate) unsafe fn copy(
     local: *mut u8,
     len: usize,
 ) -> io::Result<()> {
+    #[cfg(test)]
+    if way == Way::Read && FAIL_READ_AFTER.get() > 0 {
+        FAIL_READ_AFTER.set(FAIL_READ_AFTER.get() - 1);
+        if FAIL_READ_AFTER.get() == 0 {
+            return Err(io::Error::from_raw_os_error(libc::EPERM));
+        }
+    }
     let mut done = 0;
     while done < len {
         let here = libc::iovec {
@@ -96,6 +108,9 @@ pub(crate) fn pieces(len: usize) -> u64 {
 /// `local` and `remote` (the same offsets of the message on both sides)
 /// until none is left; returns how many this side copied.
 ///
+/// A piece whose copy fails is still settled (nobody copies it any more),
+/// flagged as the sender's failure for `Way::Write`, and the error returned.
+///
 /// # Safety
 ///
 /// As [`copy`] for the whole message at `local`; the other side takes its
@@ -110,19 +125,17 @@ pub(crate) unsafe fn take_pieces(
 ) -> io::Result<u64> {
     let total = pieces(len);
     let mut copied = 0;
-    loop {
-        let piece = split.taken.fetch_add(1, Ordering::AcqRel);
-        if piece >= total {
-            return Ok(copied);
-        }
+    while let Some(piece) = split.take(total) {
         let at = piece as usize * PIECE;
         let n = PIECE.min(len - at);
         // SAFETY: `at + n <= len`, inside the caller's buffer; the piece is
         // this side's alone (taken above).
-        unsafe { copy(pid, way, remote + at as u64, local.add(at), n) }?;
-        split.copied.fetch_add(1, Ordering::Release);
+        let done = unsafe { copy(pid, way, remote + at as u64, local.add(at), n) };
+        split.settle(done.is_err() && way == Way::Write);
+        done?;
         copied += 1;
     }
+    Ok(copied)
 }
 
 #[cfg(test)]
@@ -155,8 +168,12 @@ mod tests {
         Split {
             dst: &w[0],
             taken: &w[1],
-            copied: &w[2],
+            settled: &w[2],
         }
+    }
+
+    fn words() -> [AtomicU64; 3] {
+        [0, 0, 0].map(AtomicU64::new)
     }
 
     #[test]
@@ -164,11 +181,10 @@ mod tests {
         let len = 5 * PIECE + 123;
         let src: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
         let mut dst = vec![0u8; len];
-        let words = || [0, 0, 0].map(AtomicU64::new);
         let pid = std::process::id();
         // The sender writes from piece 2 on, as if the receiver had taken 0 and 1.
         let sender = words();
-        sender[1].store(2, Ordering::Relaxed);
+        sender[1].store(2, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: `src` and `dst` are valid buffers of `len` bytes.
         let wrote = unsafe {
             take_pieces(
@@ -181,7 +197,7 @@ mod tests {
             )
         };
         assert_eq!(wrote.unwrap(), 4);
-        assert_eq!(sender[2].load(Ordering::Relaxed), 4);
+        assert_eq!(split(&sender).progress(), (4, false));
         assert!(
             dst[..2 * PIECE].iter().all(|&b| b == 0),
             "pieces 0 and 1 were not the sender's"
@@ -204,5 +220,43 @@ mod tests {
         assert_eq!(dst, src);
         assert_eq!(pieces(len), 6);
         assert_eq!(pieces(0), 0);
+    }
+
+    #[test]
+    fn a_failed_write_is_settled_and_flagged_and_a_closed_message_yields_nothing() {
+        let len = 3 * PIECE;
+        let src = vec![7u8; len];
+        let mut dst = vec![0u8; len];
+        let pid = std::process::id();
+        let w = words();
+        // The sender's first piece goes to an address nobody maps.
+        // SAFETY: `src` is valid for `len` bytes; the remote side is checked by the kernel.
+        let wrote =
+            unsafe { take_pieces(split(&w), pid, Way::Write, 8, src.as_ptr().cast_mut(), len) };
+        assert!(wrote.is_err());
+        assert_eq!(split(&w).progress(), (1, true));
+        // The receiver takes the other two; the message counts as settled.
+        // SAFETY: `dst` is valid for `len` bytes.
+        let read = unsafe {
+            take_pieces(
+                split(&w),
+                pid,
+                Way::Read,
+                src.as_ptr() as u64,
+                dst.as_mut_ptr(),
+                len,
+            )
+        };
+        assert_eq!(read.unwrap(), 2);
+        assert_eq!(split(&w).progress(), (3, true));
+        assert!(dst[..PIECE].iter().all(|&b| b == 0));
+        assert!(dst[PIECE..].iter().all(|&b| b == 7));
+        // Once closed, nobody takes a piece again, however often asked.
+        let fresh = words();
+        assert_eq!(split(&fresh).take(3), Some(0));
+        assert_eq!(split(&fresh).close(3), 1);
+        for _ in 0..3 {
+            assert_eq!(split(&fresh).take(3), None);
+        }
     }
 }

@@ -25,14 +25,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::cma::{self, Way};
-use super::region::{Region, Ring, SlotHeader, Split};
+use super::region::{Region, Ring, SlotHeader};
 use super::wake::{self, Liveness};
 use crate::matching::{self, MessageId};
 use crate::request::{Completion, Direction, Progress, Request};
 use crate::TransportError;
 
-/// Longest wait, when a receive fails, for pieces the sender is still
-/// writing into its buffer (each takes microseconds).
+/// How long a failing receive waits for pieces the sender is still writing
+/// into its buffer (each takes microseconds) before it warns that it waits.
 const SETTLE: Duration = Duration::from_secs(2);
 /// How often the progress thread checks that peers with pending work are alive.
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
@@ -498,16 +498,17 @@ impl Link {
                     notify();
                     moved = true;
                 }
-                Err(e) => {
-                    // The piece taken will never come: tell the reader.
-                    split.copied.store(Split::FAILED, Ordering::Release);
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
                     notify();
-                    return Err(cma_error(
-                        self.peer,
-                        "send",
-                        "write the receiver's memory",
-                        e,
-                    ));
+                    return Err(TransportError::PeerClosed { peer: self.peer });
+                }
+                Err(e) => {
+                    // Helping is optional: the receiver reads the message
+                    // itself (it sees the failure flagged in `split`).
+                    tracing::debug!(peer = self.peer, "cannot write the receiver's memory: {e}");
+                    self.helps = false;
+                    notify();
+                    return Ok(true);
                 }
             }
         }
@@ -516,25 +517,27 @@ impl Link {
 
     /// Before a receive being copied is failed: stops the sender from
     /// taking more pieces and waits for those it is writing into the
-    /// receive's buffer (until it finishes them, closes or dies).
+    /// receive's buffer, until it finishes them, closes or dies. The buffer
+    /// goes back to the caller after that, so there is no time limit; a
+    /// warning names the peer if the wait grows long (a stopped process).
     fn settle(&mut self, closed: &AtomicU32) {
         let Some(pieces) = self.reading.take() else {
             return;
         };
         let split = self.rx.split(self.rx_head);
-        let taken = split.taken.swap(u64::MAX, Ordering::AcqRel).min(pieces);
-        let until = Instant::now() + SETTLE;
-        while split.copied.load(Ordering::Acquire) < taken {
+        let taken = split.close(pieces);
+        let mut warn_at = Some(Instant::now() + SETTLE);
+        while split.progress().0 < taken {
             if closed.load(Ordering::Acquire) != 0 || self.live.dead() {
                 return;
             }
-            if Instant::now() >= until {
+            if warn_at.is_some_and(|at| Instant::now() >= at) {
+                warn_at = None;
                 tracing::warn!(
                     peer = self.peer,
-                    "rank {} did not finish writing a message into this rank's memory",
+                    "waiting for rank {} to finish writing into this rank's memory",
                     self.peer
                 );
-                return;
             }
             std::thread::yield_now();
         }
@@ -649,22 +652,27 @@ impl Link {
                 let read =
                     read.map_err(|e| cma_error(self.peer, "recv", "read the sender's memory", e))?;
                 moved |= read > 0;
-                match split.copied.load(Ordering::Acquire) {
-                    c if c == pieces => self.reading = None,
-                    Split::FAILED => {
-                        return Err(TransportError::Io {
-                            peer: self.peer,
-                            op: "recv",
-                            message: format!(
-                                "rank {} could not write its message into this rank's memory",
-                                self.peer
-                            ),
-                        })
+                match split.progress() {
+                    (settled, _) if settled < pieces => {
+                        // The sender is still writing pieces it took.
+                        if closed() {
+                            return Err(TransportError::PeerClosed { peer: self.peer });
+                        }
+                        break;
                     }
-                    // The sender is still writing pieces it took.
-                    _ if closed() => return Err(TransportError::PeerClosed { peer: self.peer }),
-                    _ => break,
+                    (_, true) => {
+                        // A piece the sender took did not arrive: read it all
+                        // again (the sender no longer writes; its buffer stays
+                        // valid until this slot is freed).
+                        // SAFETY: as above.
+                        let again = unsafe { cma::copy(self.pid, Way::Read, got.addr, dst, chunk) };
+                        again.map_err(|e| {
+                            cma_error(self.peer, "recv", "read the sender's memory", e)
+                        })?;
+                    }
+                    (_, false) => {}
                 }
+                self.reading = None;
                 if closed() {
                     return Err(TransportError::PeerClosed { peer: self.peer });
                 }

@@ -334,6 +334,41 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_single_copy_receive_is_never_written_afterwards() {
+        let t = pair(2);
+        let len = 16 * cma::PIECE;
+        let data = vec![0xABu8; len];
+        let mut buf = vec![0u8; len];
+        // This thread's first read of the sender's memory fails.
+        cma::FAIL_READ_AFTER.set(1);
+        // SAFETY: both buffers outlive the waits (the send's ends in a timeout
+        // while the transports are still alive).
+        let (r, s) = unsafe {
+            (
+                t[1].irecv(0, 3, &mut buf).unwrap(),
+                t[0].isend(1, 3, &data).unwrap(),
+            )
+        };
+        let err = r.wait(deadline()).unwrap_err();
+        assert!(
+            err.to_string().contains("read the sender's memory"),
+            "{err}"
+        );
+        // The buffer is the caller's again: the sender, still waiting to be
+        // read, must not write a piece into it.
+        buf.fill(0x11);
+        let sent = s.wait(Instant::now() + Duration::from_millis(200));
+        assert!(
+            matches!(sent, Err(TransportError::Timeout { .. })),
+            "{sent:?}"
+        );
+        assert!(
+            buf.iter().all(|&b| b == 0x11),
+            "the sender wrote into a failed receive"
+        );
+    }
+
+    #[test]
     fn a_single_copy_read_by_a_peer_that_then_leaves_completes() {
         let mut t = pair(2);
         let data: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();

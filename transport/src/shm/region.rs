@@ -18,7 +18,7 @@
 //! data race on this side; payload bytes are plain memory handed over by the
 //! tail (release) and head (release) counters.
 
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use memmap2::MmapRaw;
@@ -194,15 +194,45 @@ pub(crate) struct SlotHeader {
 pub(crate) struct Split<'a> {
     /// The receiver's buffer; 0 until the receiver starts.
     pub dst: &'a AtomicU64,
-    /// Pieces taken by either side so far (may run past the number of pieces).
+    /// Pieces taken by either side so far (never past the number of pieces,
+    /// except `u64::MAX` once the receiver closed the message).
     pub taken: &'a AtomicU64,
-    /// Pieces copied so far; [`Split::FAILED`] once the sender failed to write one.
-    pub copied: &'a AtomicU64,
+    /// Pieces settled (copied, or given up by a failed copy) in the low
+    /// bits, and [`Split::SENDER_FAILED`].
+    pub settled: &'a AtomicU64,
 }
 
 impl Split<'_> {
-    /// The value of `copied` after the sender failed to write a piece it took.
-    pub const FAILED: u64 = u64::MAX;
+    /// Set in `settled` once the sender failed to write a piece it took.
+    pub const SENDER_FAILED: u64 = 1 << 63;
+
+    /// Takes the next of `total` pieces, if any is left.
+    pub fn take(&self, total: u64) -> Option<u64> {
+        self.taken
+            .fetch_update(AcqRel, Acquire, |t| (t < total).then(|| t + 1))
+            .ok()
+    }
+
+    /// Counts a piece as settled; `sender_failed` if it was the sender's and
+    /// its write failed.
+    pub fn settle(&self, sender_failed: bool) {
+        if sender_failed {
+            self.settled.fetch_or(Self::SENDER_FAILED, Release);
+        }
+        self.settled.fetch_add(1, Release);
+    }
+
+    /// Pieces settled so far, and whether the sender failed to write one.
+    pub fn progress(&self) -> (u64, bool) {
+        let s = self.settled.load(Acquire);
+        (s & !Self::SENDER_FAILED, s & Self::SENDER_FAILED != 0)
+    }
+
+    /// Stops either side from taking more pieces; returns how many of
+    /// `total` were taken.
+    pub fn close(&self, total: u64) -> u64 {
+        self.taken.swap(u64::MAX, AcqRel).min(total)
+    }
 }
 
 impl Ring {
@@ -258,7 +288,7 @@ impl Ring {
             w.store(v, Relaxed);
         }
         let split = self.split(index);
-        for w in [split.dst, split.taken, split.copied] {
+        for w in [split.dst, split.taken, split.settled] {
             w.store(0, Relaxed);
         }
     }
@@ -269,9 +299,13 @@ impl Ring {
         let slot = self.slot(index);
         // SAFETY: bytes 40..64 of the slot's header, 8-aligned; the ring
         // (and so the region) outlives the borrow.
-        let [dst, taken, copied] =
+        let [dst, taken, settled] =
             [40, 48, 56].map(|at| unsafe { AtomicU64::from_ptr(slot.add(at).cast()) });
-        Split { dst, taken, copied }
+        Split {
+            dst,
+            taken,
+            settled,
+        }
     }
 
     /// Reads the header of slot `index` (the consumer, after seeing it published).
