@@ -334,6 +334,37 @@ mod tests {
     }
 
     #[test]
+    fn large_messages_copied_by_both_sides_arrive_intact() {
+        let t = pair(2);
+        let sizes: Vec<usize> = (0..40).map(|i| 1000 + i * 37_111).collect();
+        let data: Vec<Vec<u8>> = sizes
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 13 + n) as u8).collect())
+            .collect();
+        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+        // SAFETY: every buffer outlives the waits below.
+        let (recvs, sends): (Vec<_>, Vec<_>) = unsafe {
+            let recvs = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| t[1].irecv(0, i as u64, b).unwrap())
+                .collect();
+            let sends = data
+                .iter()
+                .enumerate()
+                .map(|(i, d)| t[0].isend(1, i as u64, d).unwrap())
+                .collect();
+            (recvs, sends)
+        };
+        // The sender waits (and so helps) on its own thread while this one reads.
+        std::thread::scope(|scope| {
+            scope.spawn(|| crate::wait_all(&sends, deadline()).unwrap());
+            crate::wait_all(&recvs, deadline()).unwrap();
+        });
+        assert_eq!(bufs, data);
+    }
+
+    #[test]
     fn a_failed_single_copy_receive_is_never_written_afterwards() {
         let t = pair(2);
         let len = 16 * cma::PIECE;
