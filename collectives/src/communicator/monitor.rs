@@ -441,10 +441,18 @@ impl Watch for Watcher<'_> {
                 error,
             ),
         };
+        // An alarm heard while surveying came first (its rank may be gone by now,
+        // and the store with it).
+        if let Some(cause) = self.monitor.heard() {
+            return Error::Aborted(cause);
+        }
         match self.monitor.raise(&detail) {
             Ok(cause) if cause != detail => Error::Aborted(cause),
             Ok(_) => error,
             Err(e) => {
+                if let Some(cause) = self.monitor.heard() {
+                    return Error::Aborted(cause);
+                }
                 tracing::warn!(rank, "cannot tell the other ranks: {e}");
                 error
             }
