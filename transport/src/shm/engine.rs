@@ -10,8 +10,8 @@
 //!
 //! A large message moves with a single copy: the slot carries the sender's
 //! address and the receiver reads the message from there in pieces, while
-//! the sender, as soon as it sees the receiver's address, writes pieces into
-//! it from the other end of the same piece counter. A sender with nothing
+//! the sender, as soon as it sees the receiver's address, takes pieces from
+//! the same counter and writes them into it. A sender with nothing
 //! else to do (a broadcast's root) thus doubles the copy rate; a busy one
 //! leaves the pieces to the receiver.
 //!
