@@ -23,10 +23,15 @@ pub fn init_logging() {
 /// Bound on one whole multi-process test.
 pub const JOB_TIMEOUT: Duration = Duration::from_secs(240);
 
+/// Launches of one job at most, when its port is taken before rank 0 binds it.
+const PORT_ATTEMPTS: usize = 3;
+
 /// Starts `world` workers running `program args..` and waits for them.
 ///
 /// Every worker gets `CHORUS_TIMEOUT=30` (so a broken collective fails in
 /// seconds, not minutes) plus `env`. Panics only if the launch itself fails.
+/// The launcher picks a free port, which another process may take before
+/// rank 0 binds it; such a job never started, so it runs again.
 pub fn run(world: usize, program: &Path, args: &[&str], env: &[(&str, &str)]) -> LaunchReport {
     let mut spec = LaunchSpec::new(program, world)
         .args(args.iter().copied())
@@ -36,7 +41,19 @@ pub fn run(world: usize, program: &Path, args: &[&str], env: &[(&str, &str)]) ->
     for (k, v) in env {
         spec = spec.env(*k, *v);
     }
-    launch(&spec).unwrap_or_else(|e| panic!("cannot launch {}: {e}", program.display()))
+    let launch_once =
+        || launch(&spec).unwrap_or_else(|e| panic!("cannot launch {}: {e}", program.display()));
+    for _ in 1..PORT_ATTEMPTS {
+        let report = launch_once();
+        let lost_port = report.ranks.iter().any(|r| {
+            r.stderr
+                .contains("for the rendezvous store: Address already in use")
+        });
+        if !lost_port {
+            return report;
+        }
+    }
+    launch_once()
 }
 
 /// Panics with the launcher's summary and every rank's stderr unless all ranks succeeded.
