@@ -110,6 +110,22 @@ impl Buffers {
         }
     }
 
+    /// The input and output as byte slices (the same memory when in place).
+    ///
+    /// # Safety
+    ///
+    /// Only for comparing addresses: the memory may be written while they live.
+    pub(crate) fn bytes(&self) -> (&[u8], &[u8]) {
+        // SAFETY: both pointers and lengths come from slices the caller still borrows
+        // (see `Call`), and nothing here reads through them.
+        unsafe {
+            (
+                std::slice::from_raw_parts(self.input, self.input_len),
+                std::slice::from_raw_parts(self.output, self.output_len),
+            )
+        }
+    }
+
     /// Input and output of equal length (reductions, broadcast); fails naming both lengths.
     pub fn same_len(input: Option<&[u8]>, output: &mut [u8]) -> Result<Buffers, Error> {
         match input {

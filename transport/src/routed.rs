@@ -230,6 +230,16 @@ impl RoutedTransport {
         }
     }
 
+    /// The shared-memory transport to this host's ranks, if there are others.
+    pub fn shm(&self) -> Option<&ShmTransport> {
+        self.shm.as_ref()
+    }
+
+    /// Whether every rank is reached through shared memory (one host, two or more ranks).
+    pub fn all_shm(&self) -> bool {
+        self.tcp.is_none() && self.shm.is_some()
+    }
+
     /// Whether `peer` is reached through shared memory.
     pub fn uses_shm(&self, peer: usize) -> bool {
         peer != self.rank && self.routes.get(peer) == Some(&Route::Shm)

@@ -114,6 +114,7 @@ impl Communicator {
             info,
             bufs,
             steps,
+            shared: None,
             _borrow: PhantomData,
         })
     }
@@ -155,6 +156,7 @@ impl Inner {
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
             info,
+            shared: self.shared_call(Kind::AllReduce, 0, &bufs),
             bufs,
             steps,
             _borrow: PhantomData,
@@ -185,6 +187,7 @@ impl Inner {
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
             info,
+            shared: self.shared_call(Kind::Broadcast, root, &bufs),
             bufs,
             steps,
             _borrow: PhantomData,

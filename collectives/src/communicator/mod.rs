@@ -9,6 +9,7 @@ mod monitor;
 mod more;
 mod p2p;
 mod recent;
+mod shared;
 mod split;
 mod work;
 
@@ -33,6 +34,8 @@ use crate::{Config, Error, Result};
 pub(crate) use monitor::CallInfo;
 use monitor::{Monitor, Watcher};
 pub use p2p::Group;
+pub use shared::SharedBuffer;
+use shared::{SharedCall, Windows};
 pub use work::Work;
 use work::Worker;
 
@@ -117,6 +120,8 @@ pub(crate) struct Inner {
     fault: Mutex<Option<Fault>>,
     /// The watchdog and fault reports (absent for one rank).
     monitor: Option<Arc<Monitor>>,
+    /// Shared buffers allocated on this communicator.
+    windows: Mutex<Windows>,
 }
 
 /// Why a communicator can no longer be used.
@@ -151,6 +156,8 @@ pub(crate) struct Call<'a> {
     pub info: CallInfo,
     pub bufs: Buffers,
     pub steps: Arc<Schedule>,
+    /// How to run it through shared buffers instead, when it works on them.
+    pub shared: Option<SharedCall>,
     /// Ties the raw buffers to the caller's borrows.
     pub _borrow: std::marker::PhantomData<&'a mut [u8]>,
 }
@@ -312,6 +319,7 @@ impl Communicator {
                 server,
                 fault: Mutex::new(None),
                 monitor,
+                windows: Mutex::new(Windows::default()),
             }
         });
         Communicator { inner }
@@ -484,18 +492,37 @@ impl Inner {
                 started: Instant::now(),
             }
         });
-        let job = Job {
-            transport: self.transport.as_ref().map(|t| t as &dyn Transport),
-            tag: tag(state.seq, &info),
-            dtype: info.dtype,
-            op: info.op,
-            world_size: self.config.world_size,
-            deadline: Instant::now() + self.config.timeout,
-            depth: PIPELINE_DEPTH,
-            watch: watcher.as_ref().map(|w| w as &dyn Watch),
+        let tag = tag(state.seq, &info);
+        let result = match &call.shared {
+            Some(shared) => self
+                .run_shared(shared, tag, info.count, info.dtype, info.op)
+                .map_err(|e| {
+                    let e = e.on_rank(self.config.rank);
+                    let e = match &watcher {
+                        Some(w) => w.failed(e),
+                        None => e,
+                    };
+                    if let Some(t) = &self.transport {
+                        t.abort(&format!("a collective failed on this rank: {e}"));
+                    }
+                    e
+                }),
+            None => {
+                self.announce_messages(tag);
+                let job = Job {
+                    transport: self.transport.as_ref().map(|t| t as &dyn Transport),
+                    tag,
+                    dtype: info.dtype,
+                    op: info.op,
+                    world_size: self.config.world_size,
+                    deadline: Instant::now() + self.config.timeout,
+                    depth: PIPELINE_DEPTH,
+                    watch: watcher.as_ref().map(|w| w as &dyn Watch),
+                };
+                executor::execute(&job, &call.bufs, &call.steps, &mut state.work)
+                    .map_err(|e| e.on_rank(self.config.rank))
+            }
         };
-        let result = executor::execute(&job, &call.bufs, &call.steps, &mut state.work)
-            .map_err(|e| e.on_rank(self.config.rank));
         if let Some(monitor) = &self.monitor {
             monitor.activity.end();
         }

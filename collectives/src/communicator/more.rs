@@ -229,6 +229,7 @@ impl Communicator {
             info,
             bufs,
             steps: Arc::new(steps),
+            shared: None,
             _borrow: PhantomData,
         })
     }

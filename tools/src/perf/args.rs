@@ -79,6 +79,11 @@ pub struct Args {
     /// Also write the results as JSON (nccl-tests' layout) to this file.
     #[arg(short = 'J', long = "output_file")]
     pub json: Option<PathBuf>,
+    /// Buffer registration (nccl-tests' `-R`): 0 private buffers; 1 or 2 buffers
+    /// every rank maps (`alloc_shared`), which all-reduce and broadcast on one host
+    /// read and write directly.
+    #[arg(short = 'R', long = "local_register", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub register: u8,
     /// Draw bus bandwidth and time against size into this PNG file.
     #[arg(long = "plot")]
     pub plot: Option<PathBuf>,

@@ -1,28 +1,64 @@
 //! Byte buffers aligned for every element type, so typed collectives can view them.
 
-/// A growable byte buffer with 8-byte alignment.
-#[derive(Debug, Default)]
-pub struct Buffer(Vec<u64>);
+use chorus::{Communicator, SharedBuffer};
+
+/// An 8-byte-aligned byte buffer: private and growable, or shared with the
+/// other ranks (`-R`) and of fixed size.
+#[derive(Debug)]
+pub enum Buffer {
+    /// This process's memory.
+    Private(Vec<u64>),
+    /// From [`Communicator::alloc_shared`].
+    Shared(SharedBuffer<u64>),
+}
+
+impl Default for Buffer {
+    fn default() -> Self {
+        Buffer::Private(Vec::new())
+    }
+}
 
 impl Buffer {
-    /// A zeroed buffer of at least `len` bytes.
+    /// A zeroed private buffer of at least `len` bytes.
     pub fn zeroed(len: usize) -> Buffer {
-        Buffer(vec![0; len.div_ceil(8)])
+        Buffer::Private(vec![0; len.div_ceil(8)])
+    }
+
+    /// A zeroed shared buffer of at least `len` bytes; every rank must ask for the same size.
+    pub fn shared(comm: &Communicator, len: usize) -> Result<Buffer, String> {
+        comm.alloc_shared(len.div_ceil(8))
+            .map(Buffer::Shared)
+            .map_err(|e| format!("cannot allocate a shared buffer of {len} bytes: {e}"))
+    }
+
+    fn words(&self) -> &[u64] {
+        match self {
+            Buffer::Private(v) => v,
+            Buffer::Shared(s) => s,
+        }
     }
 
     /// The first `len` bytes.
     ///
     /// Panics if the buffer is shorter: callers size it first.
     pub fn bytes(&self, len: usize) -> &[u8] {
-        &bytemuck::cast_slice(&self.0)[..len]
+        &bytemuck::cast_slice(self.words())[..len]
     }
 
-    /// The first `len` bytes, growing the buffer (with zeros) if it is shorter.
+    /// The first `len` bytes, growing a private buffer (with zeros) if it is shorter.
+    ///
+    /// Panics if a shared buffer is shorter: callers size it first.
     pub fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
-        if self.0.len() * 8 < len {
-            self.0.resize(len.div_ceil(8), 0);
-        }
-        &mut bytemuck::cast_slice_mut(&mut self.0)[..len]
+        let words: &mut [u64] = match self {
+            Buffer::Private(v) => {
+                if v.len() * 8 < len {
+                    v.resize(len.div_ceil(8), 0);
+                }
+                v
+            }
+            Buffer::Shared(s) => s,
+        };
+        &mut bytemuck::cast_slice_mut(words)[..len]
     }
 }
 

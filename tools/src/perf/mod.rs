@@ -106,9 +106,13 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
         .map(|&s| Layout::new(collective.shape, s / elem, elem, world))
         .fold(0, |m, l| m.max(l.size()))
         * elem;
+    let make = |len| match args.register {
+        0 => Ok(Buffer::zeroed(len)),
+        _ => Buffer::shared(&comm, len),
+    };
     let mut bufs = Bench {
-        input: Buffer::zeroed(largest),
-        output: Buffer::zeroed(largest),
+        input: make(largest)?,
+        output: make(largest)?,
         scratch: Buffer::default(),
     };
     let mut rows = Vec::new();

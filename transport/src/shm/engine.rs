@@ -201,6 +201,16 @@ impl Shared {
         }
     }
 
+    /// The shared region.
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// Whether local ranks outnumber cores (waiters should yield).
+    pub fn crowded(&self) -> bool {
+        self.crowded
+    }
+
     /// Locks the engine (a panic elsewhere does not poison progress).
     pub fn lock(&self) -> MutexGuard<'_, Engine> {
         self.engine.lock().unwrap_or_else(|p| p.into_inner())
@@ -356,6 +366,19 @@ impl Engine {
             .iter()
             .flatten()
             .any(|link| link.helps && !link.inflight.is_empty())
+    }
+
+    /// Why this engine was aborted, if it was.
+    pub fn aborted(&self) -> Option<&str> {
+        self.aborted.as_deref()
+    }
+
+    /// Whether the process of local peer `peer` (a global rank) has exited.
+    pub fn peer_exited(&self, peer: usize) -> bool {
+        self.links
+            .get(peer)
+            .and_then(Option::as_ref)
+            .is_some_and(|link| link.gone || link.live.dead())
     }
 
     /// Marks peers with pending work whose process has exited, and fails their requests.

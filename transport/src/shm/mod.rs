@@ -5,9 +5,11 @@
 
 mod cma;
 mod engine;
+mod meet;
 mod region;
 mod setup;
 mod wake;
+mod window;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,6 +19,8 @@ use std::time::Duration;
 use crate::store::Store;
 use crate::{Direction, LinkCost, Request, Transport, TransportError};
 use engine::{PeerInfo, Shared};
+pub use meet::CallPlace;
+pub use window::Window;
 
 /// What a shared-memory message costs, as measured with the perf tools on a
 /// 2-core host (forced algorithms, 8 B to 16 MiB): 2 us per message, 2 GB/s.
@@ -66,6 +70,10 @@ impl Default for ShmConfig {
 pub struct ShmTransport {
     rank: usize,
     world_size: usize,
+    /// Global ranks of this host, by local rank.
+    local: Vec<usize>,
+    own_local: usize,
+    config: ShmConfig,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
@@ -127,6 +135,9 @@ impl ShmTransport {
         Ok(ShmTransport {
             rank,
             world_size,
+            local,
+            own_local,
+            config: config.clone(),
             shared,
             thread: Some(thread),
         })

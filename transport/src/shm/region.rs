@@ -3,8 +3,9 @@
 //!
 //! ```text
 //! 0            header: magic, local ranks, slots per ring, slot bytes
-//! 4096         control block of local rank i (256 bytes each):
-//!                doorbell (futex word), sleeping flag, closed flag
+//! 4096         control block of local rank i (512 bytes each):
+//!                doorbell (futex word), sleeping flag, closed flag,
+//!                meeting epoch and the call it is for, meeting sleepers
 //! rings        ring (from, to) at rings + (from * locals + to) * ring_bytes:
 //!                tail (written by the sender, own 128-byte line)
 //!                head (written by the receiver, own 128-byte line)
@@ -24,11 +25,11 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use memmap2::MmapRaw;
 
 /// Identifies a Chorus mapping and its layout version.
-const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM02");
+const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM03");
 /// Bytes before the first control block.
 const HEADER_BYTES: usize = 4096;
 /// Bytes per control block.
-const CONTROL_BYTES: usize = 256;
+const CONTROL_BYTES: usize = 512;
 /// Distance between the counters of a ring, so that producer and consumer
 /// never share a cache line (nor its prefetch pair).
 const LINE: usize = 128;
@@ -136,6 +137,17 @@ impl Region {
         }
     }
 
+    /// The meeting words of local rank `local` (see [`Meeting`]).
+    pub fn meeting(&self, local: usize) -> Meeting<'_> {
+        assert!(local < self.layout.locals, "local rank outside the map");
+        let at = HEADER_BYTES + local * CONTROL_BYTES + 256;
+        Meeting {
+            epoch: self.word32(at),
+            call: std::array::from_fn(|i| self.word(at + 8 + 8 * i)),
+            sleepers: self.word32(at + 128),
+        }
+    }
+
     /// The ring that carries messages from local rank `from` to local rank `to`.
     pub fn ring(&self, from: usize, to: usize) -> Ring {
         let l = self.layout;
@@ -159,6 +171,18 @@ pub(crate) struct Control<'a> {
     pub sleeping: &'a AtomicU32,
     /// Non-zero once the rank aborted or dropped its transport.
     pub closed: &'a AtomicU32,
+}
+
+/// One local rank's words for meeting its peers without messages (calls on
+/// shared buffers): how many meetings it has reached, and the call it is in.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Meeting<'a> {
+    /// Meetings reached so far (a futex word, wrapping).
+    pub epoch: &'a AtomicU32,
+    /// The call this rank is in, as the words of a [`CallPlace`](super::CallPlace).
+    pub call: [&'a AtomicU64; 5],
+    /// Peers sleeping on `epoch`: a rank that bumps it wakes them.
+    pub sleepers: &'a AtomicU32,
 }
 
 /// A single-producer single-consumer ring of slots inside a [`Region`].

@@ -41,7 +41,7 @@ pub(crate) fn join(
     };
     let key = |what: &str, r: usize| format!("shm/{leader}/{what}/{r}");
     let (region, created) = if rank == leader {
-        let (path, file) = create(&config.dir, layout)?;
+        let (path, file) = create(&config.dir, layout.total_bytes())?;
         // Unlinked on every path out of this function: after the others have
         // mapped it, or at once if set-up fails.
         let created = Unlink(path.clone());
@@ -52,17 +52,7 @@ pub(crate) fn join(
     } else {
         let raw = store.get(&format!("shm/{leader}/path"))?;
         let path = PathBuf::from(String::from_utf8_lossy(&raw).into_owned());
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| {
-                TransportError::Setup(format!(
-                    "rank {rank} cannot open the shared-memory file {} of rank {leader}: {e} \
-                     (do the ranks share /dev/shm? set CHORUS_HOST_ID per host, or CHORUS_TRANSPORT=tcp)",
-                    path.display()
-                ))
-            })?;
+        let file = open(&path, rank, leader)?;
         let region = Region::open(map(&file, &path)?, layout)
             .map_err(|e| TransportError::Setup(format!("{}: {e}", path.display())))?;
         (region, None)
@@ -100,7 +90,7 @@ pub(crate) fn join(
 }
 
 /// Removes the file at its path when dropped.
-struct Unlink(PathBuf);
+pub(crate) struct Unlink(pub PathBuf);
 
 impl Drop for Unlink {
     fn drop(&mut self) {
@@ -110,8 +100,8 @@ impl Drop for Unlink {
     }
 }
 
-/// Creates a fresh, sized file named for this process in `dir`.
-fn create(dir: &Path, layout: Layout) -> Result<(PathBuf, File), TransportError> {
+/// Creates a fresh file of `size` bytes named for this process in `dir`.
+pub(crate) fn create(dir: &Path, size: usize) -> Result<(PathBuf, File), TransportError> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or(Duration::ZERO)
@@ -130,7 +120,6 @@ fn create(dir: &Path, layout: Layout) -> Result<(PathBuf, File), TransportError>
                 dir.display()
             ))
         })?;
-    let size = layout.total_bytes();
     // Allocate every page now: a full tmpfs then fails here, not with SIGBUS later.
     // SAFETY: a valid open fd; offset and length are plain integers.
     let err = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
@@ -147,7 +136,22 @@ fn create(dir: &Path, layout: Layout) -> Result<(PathBuf, File), TransportError>
     Ok((path, file))
 }
 
-fn map(file: &File, path: &Path) -> Result<MmapRaw, TransportError> {
+/// Opens the file `leader` created, for `rank`.
+pub(crate) fn open(path: &Path, rank: usize, leader: usize) -> Result<File, TransportError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| {
+            TransportError::Setup(format!(
+                "rank {rank} cannot open the shared-memory file {} of rank {leader}: {e} \
+                 (do the ranks share /dev/shm? set CHORUS_HOST_ID per host, or CHORUS_TRANSPORT=tcp)",
+                path.display()
+            ))
+        })
+}
+
+pub(crate) fn map(file: &File, path: &Path) -> Result<MmapRaw, TransportError> {
     MmapRaw::map_raw(file)
         .map_err(|e| TransportError::Setup(format!("cannot map {}: {e}", path.display())))
 }

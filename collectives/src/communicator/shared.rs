@@ -1,0 +1,409 @@
+//! Shared buffers: memory every rank of a one-host job maps, so all-reduce
+//! and broadcast on it read and write the peers' buffers directly instead
+//! of sending messages (like NCCL's `ncclMemAlloc` with registration, or
+//! `MPI_Win_allocate_shared`).
+//!
+//! An all-reduce on shared buffers meets three times (see
+//! [`ShmTransport::meet`]): once all inputs are ready, each rank reduces its
+//! block of every rank's input into its own output; once all blocks are
+//! reduced, each rank copies the other blocks from their owners' outputs;
+//! the last meeting keeps every buffer untouched until all ranks are done
+//! reading it. A broadcast meets twice, the ranks splitting the root's
+//! bytes among them and writing them into every output.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use chorus_kernels::{finish_avg, reduce, reduce_into, DType, Element, ReduceOp};
+use chorus_transport::shm::{CallPlace, ShmTransport, Window};
+use chorus_transport::store::PrefixStore;
+use chorus_transport::TransportError;
+
+use super::{lock, Communicator, Inner, Kind};
+use crate::executor::Buffers;
+use crate::{Error, Result};
+
+/// Elements reduced at a time, so the output block being summed stays in cache.
+const REDUCE_PIECE_BYTES: usize = 64 << 10;
+
+/// Memory from [`Communicator::alloc_shared`]: a `[T]` that, when the whole
+/// job runs on one host, the other ranks can read and write during a
+/// collective.
+///
+/// Collectives on these buffers (all-reduce, broadcast) move data without
+/// messages; on buffers elsewhere they run as usual. Every rank must then
+/// pass shared buffers, or none, to the same call.
+pub struct SharedBuffer<T: Element> {
+    memory: Memory<T>,
+    len: usize,
+}
+
+enum Memory<T> {
+    /// A segment of a window mapped by every local rank.
+    Window(Arc<Window>),
+    /// Plain memory: the job spans hosts, or runs over TCP only.
+    Private(Vec<T>),
+}
+
+impl<T: Element> SharedBuffer<T> {
+    fn ptr(&self) -> *mut T {
+        match &self.memory {
+            Memory::Window(w) => w.own().cast(),
+            Memory::Private(v) => v.as_ptr().cast_mut(),
+        }
+    }
+
+    /// Whether the other ranks map this buffer (the whole job is on one host).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.memory, Memory::Window(_))
+    }
+}
+
+impl<T: Element> Deref for SharedBuffer<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        // SAFETY: the segment (page-aligned, at least `len` elements) or the vector holds
+        // `len` elements and lives as long as `self`; peers touch a segment only inside a
+        // collective, which borrows the buffer mutably.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
+    }
+}
+
+impl<T: Element> DerefMut for SharedBuffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as in `deref`, and `&mut self` makes this the only borrow here.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
+    }
+}
+
+impl<T: Element> AsRef<[T]> for SharedBuffer<T> {
+    fn as_ref(&self) -> &[T] {
+        self
+    }
+}
+
+impl<T: Element> AsMut<[T]> for SharedBuffer<T> {
+    fn as_mut(&mut self) -> &mut [T] {
+        self
+    }
+}
+
+impl<T: Element> std::fmt::Debug for SharedBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedBuffer")
+            .field("len", &self.len)
+            .field("shared", &self.is_shared())
+            .finish()
+    }
+}
+
+/// The windows of a communicator, by id (dropped ones are skipped).
+#[derive(Default)]
+pub(crate) struct Windows {
+    made: u64,
+    live: Vec<Weak<Window>>,
+}
+
+impl Windows {
+    /// The window holding `bytes`, and their offset in it.
+    fn find(&self, bytes: &[u8]) -> Option<(Arc<Window>, usize)> {
+        let start = bytes.as_ptr() as usize;
+        self.live.iter().filter_map(Weak::upgrade).find_map(|w| {
+            let base = w.own() as usize;
+            (start >= base && start + bytes.len() <= base + w.len()).then(|| (w.clone(), start - base))
+        })
+    }
+
+    fn by_id(&self, id: u64) -> Option<Arc<Window>> {
+        self.live
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|w| w.id() == id)
+    }
+}
+
+impl Communicator {
+    /// Allocates `len` zeroed elements that every rank of a one-host job
+    /// maps; every rank must call it, in the same order as its collectives,
+    /// with the same `len`.
+    ///
+    /// All-reduce and broadcast on such buffers (in place, or with input
+    /// and output both shared) move the data through memory directly. When
+    /// the job spans hosts or runs over TCP only, this is plain memory and
+    /// collectives on it run as usual.
+    ///
+    /// Fails if the shared file cannot be created (a full `/dev/shm`), if
+    /// ranks ask for different sizes, or if a rank does not take part.
+    pub fn alloc_shared<T: Element>(&self, len: usize) -> Result<SharedBuffer<T>> {
+        let inner = &self.inner;
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+            Error::InvalidArgument(format!("{len} elements of {} overflow", T::DTYPE))
+        })?;
+        let shm = inner.transport.as_ref().filter(|t| t.all_shm()).and_then(|t| t.shm());
+        let (Some(shm), Some((client, prefix))) = (shm, &inner.store) else {
+            return Ok(SharedBuffer {
+                memory: Memory::Private(vec![T::zeroed(); len]),
+                len,
+            });
+        };
+        let mut made = None;
+        inner.run_with(inner.ticket(), |inner, _| {
+            let mut windows = lock(&inner.windows);
+            let id = windows.made;
+            windows.made += 1;
+            let store = PrefixStore::new(prefix.clone(), client.clone());
+            let window = shm
+                .allocate_window(id, bytes, &store)
+                .map_err(|e| Error::from(e).on_rank(inner.config.rank))?;
+            let window = Arc::new(window);
+            windows.live.retain(|w| w.strong_count() > 0);
+            windows.live.push(Arc::downgrade(&window));
+            made = Some(window);
+            Ok(())
+        })?;
+        let window = made.expect("allocated when the call succeeded");
+        tracing::debug!(rank = self.rank(), id = window.id(), bytes, "shared buffer");
+        Ok(SharedBuffer {
+            memory: Memory::Window(window),
+            len,
+        })
+    }
+}
+
+/// A collective to run on shared buffers.
+pub(crate) struct SharedCall {
+    kind: Kind,
+    root: usize,
+    input: (Arc<Window>, usize),
+    output: (Arc<Window>, usize),
+}
+
+impl Inner {
+    /// The shared-memory transport, when every rank is on this host.
+    fn all_shm(&self) -> Option<&ShmTransport> {
+        self.transport
+            .as_ref()
+            .filter(|t| t.all_shm())
+            .and_then(|t| t.shm())
+    }
+
+    /// How to run a `kind` call on `bufs` through shared memory, if they
+    /// lie in this communicator's shared buffers.
+    pub(super) fn shared_call(&self, kind: Kind, root: usize, bufs: &Buffers) -> Option<SharedCall> {
+        self.all_shm()?;
+        let windows = lock(&self.windows);
+        if windows.live.is_empty() {
+            return None;
+        }
+        let (input, output) = bufs.bytes();
+        let len = output.len();
+        let output = windows.find(output)?;
+        // Only the root's input is read by a broadcast.
+        let input = match windows.find(input) {
+            Some(input) => input,
+            None if kind == Kind::Broadcast && root != self.config.rank => output.clone(),
+            None => return None,
+        };
+        let same_window = Arc::ptr_eq(&input.0, &output.0);
+        if same_window && input.1 != output.1 && input.1.abs_diff(output.1) < len {
+            // Partly overlapping input and output: the message path rejects or handles it.
+            return None;
+        }
+        Some(SharedCall {
+            kind,
+            root,
+            input,
+            output,
+        })
+    }
+
+    /// Tells the other ranks that call `tag` runs on messages, when shared
+    /// buffers exist (a rank that passed shared ones then fails at once).
+    pub(super) fn announce_messages(&self, tag: u64) {
+        if let Some(shm) = self.all_shm() {
+            if lock(&self.windows).made > 0 {
+                shm.announce(&CallPlace {
+                    tag,
+                    input: None,
+                    output: None,
+                });
+            }
+        }
+    }
+
+    /// Runs `call` (tag `tag`, `count` elements of `dtype`) through shared memory.
+    pub(super) fn run_shared(
+        &self,
+        call: &SharedCall,
+        tag: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let shm = self.all_shm().expect("shared calls need shared memory");
+        let len = count * dtype.size();
+        let place = CallPlace {
+            tag,
+            input: Some((call.input.0.id(), call.input.1)),
+            output: Some((call.output.0.id(), call.output.1)),
+        };
+        let deadline = Instant::now() + self.config.timeout;
+        shm.meet(&place, deadline)?;
+        let peers = self.resolve(shm, &shm.places(), &place, len)?;
+        match call.kind {
+            Kind::Broadcast => {
+                broadcast(&peers, self.config.rank, call.root, len);
+                shm.meet(&place, deadline)?;
+            }
+            _ => {
+                let me = self.config.rank;
+                let blocks = |r: usize| block(count, peers.len(), r);
+                reduce_block(&peers, me, blocks(me), dtype, op)?;
+                shm.meet(&place, deadline)?;
+                gather_blocks(&peers, me, blocks, dtype.size());
+                shm.meet(&place, deadline)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank's input and output (by rank), checked against this rank's call.
+    fn resolve(
+        &self,
+        shm: &ShmTransport,
+        places: &[CallPlace],
+        mine: &CallPlace,
+        len: usize,
+    ) -> Result<Vec<Ends>> {
+        let windows = lock(&self.windows);
+        let rank = self.config.rank;
+        let mut peers = Vec::with_capacity(places.len());
+        for (local, place) in places.iter().enumerate() {
+            let peer = shm.local_ranks()[local];
+            let bad = |detail: String| {
+                Error::from(TransportError::Protocol { peer, detail }).on_rank(rank)
+            };
+            if place.tag != mine.tag {
+                return Err(bad(format!(
+                    "rank {peer} met in call tag {:#x}, rank {rank} in {:#x}",
+                    place.tag, mine.tag
+                )));
+            }
+            let end = |at: Option<(u64, usize)>| -> Result<*mut u8> {
+                let (id, offset) = at.ok_or_else(|| bad(format!("rank {peer} met without a buffer")))?;
+                let window = windows.by_id(id).ok_or_else(|| {
+                    bad(format!(
+                        "rank {peer} passed shared buffer {id}, which rank {rank} has freed"
+                    ))
+                })?;
+                if offset.checked_add(len).is_none_or(|end| end > window.len()) {
+                    return Err(bad(format!(
+                        "rank {peer} passed {len} bytes at offset {offset} of shared buffer {id}, which has {}",
+                        window.len()
+                    )));
+                }
+                // SAFETY: `offset + len <= window.len()`, checked above.
+                Ok(unsafe { window.segment(local).add(offset) })
+            };
+            peers.push(Ends {
+                input: end(place.input)?,
+                output: end(place.output)?,
+            });
+        }
+        Ok(peers)
+    }
+}
+
+/// Where one rank's input and output start, in this process's mapping.
+struct Ends {
+    input: *mut u8,
+    output: *mut u8,
+}
+
+/// Rank `r`'s block of `count` elements split among `n` ranks.
+fn block(count: usize, n: usize, r: usize) -> std::ops::Range<usize> {
+    count * r / n..count * (r + 1) / n
+}
+
+/// Reduces every rank's input over `elems` into rank `me`'s output, in
+/// pieces that stay in cache: this rank's input first, then the others' in rank order.
+fn reduce_block(
+    peers: &[Ends],
+    me: usize,
+    elems: std::ops::Range<usize>,
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let size = dtype.size();
+    let piece = (REDUCE_PIECE_BYTES / size).max(1);
+    let others: Vec<usize> = (0..peers.len()).filter(|&r| r != me).collect();
+    let mut at = elems.start;
+    while at < elems.end {
+        let n = piece.min(elems.end - at);
+        let (offset, bytes) = (at * size, n * size);
+        // SAFETY: every rank's buffers hold `count` elements (checked in `resolve`); between
+        // the first and second meetings only this rank writes its output's block, and
+        // nobody writes inputs; input and output are the same memory or disjoint windows.
+        unsafe {
+            let slice = |p: *mut u8| std::slice::from_raw_parts(p.add(offset), bytes);
+            let out = std::slice::from_raw_parts_mut(peers[me].output.add(offset), bytes);
+            let first = slice(peers[others[0]].input);
+            if peers[me].input == peers[me].output {
+                reduce(op, dtype, out, first)?;
+            } else {
+                reduce_into(op, dtype, out, slice(peers[me].input), first)?;
+            }
+            for &r in &others[1..] {
+                reduce(op, dtype, out, slice(peers[r].input))?;
+            }
+            if op == ReduceOp::Avg {
+                finish_avg(dtype, out, peers.len())?;
+            }
+        }
+        at += n;
+    }
+    Ok(())
+}
+
+/// Copies every other rank's reduced block from its output into rank `me`'s output.
+fn gather_blocks(
+    peers: &[Ends],
+    me: usize,
+    blocks: impl Fn(usize) -> std::ops::Range<usize>,
+    size: usize,
+) {
+    for r in (0..peers.len()).filter(|&r| r != me) {
+        let b = blocks(r);
+        // SAFETY: in bounds (checked in `resolve`); after the second meeting nobody writes
+        // rank `r`'s block of its output, and only this rank writes its own output.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                peers[r].output.add(b.start * size),
+                peers[me].output.add(b.start * size),
+                b.len() * size,
+            );
+        }
+    }
+}
+
+/// Copies rank `me`'s share of `root`'s `len` bytes into every output.
+fn broadcast(peers: &[Ends], me: usize, root: usize, len: usize) {
+    let share = block(len, peers.len(), me);
+    let src = peers[root].input;
+    for (r, ends) in peers.iter().enumerate() {
+        if r == root && ends.output == src {
+            continue;
+        }
+        // SAFETY: in bounds (checked in `resolve`); between the two meetings the root's
+        // input is only read and each output's share is written by this rank alone.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.add(share.start),
+                ends.output.add(share.start),
+                share.len(),
+            );
+        }
+    }
+}
