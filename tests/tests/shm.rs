@@ -1,7 +1,7 @@
 //! The shared-memory transport across real processes: hosts told apart by their identity
 //! (shared memory inside a host, TCP across), TCP still carrying every collective when asked
-//! for, and a rank killed with SIGKILL: its peer fails naming it, and nothing is left in
-//! /dev/shm.
+//! for, shared buffers (`alloc_shared`) read and written directly by every rank, and a rank
+//! killed with SIGKILL: its peer fails naming it, and nothing is left in /dev/shm.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -159,7 +159,86 @@ fn leftovers(pids: &[u32]) -> Vec<String> {
 }
 
 #[test]
+fn shared_buffers_carry_every_all_reduce_and_broadcast() {
+    let shared = [("CHORUS_TEST_SHARED", "1")];
+    for world in [2, 3, 4] {
+        // Blocks of uneven size (3 ranks), fewer elements than ranks, none at all.
+        let report = run(world, worker(), &["all_reduce", "0,1,5,70001"], &shared);
+        assert_success(&report);
+        assert_eq!(
+            assert_identical_digests(&report),
+            10 * 5 * 4 * 2,
+            "W={world}"
+        );
+    }
+    let report = run(3, worker(), &["broadcast", "0,7,300007"], &shared);
+    assert_success(&report);
+    assert_eq!(assert_identical_digests(&report), 3 * 4 * 3 * 2);
+}
+
+#[test]
+fn shared_buffers_across_hosts_or_over_tcp_are_plain_memory() {
+    for env in [
+        [("CHORUS_TEST_SHARED", "1"), ("CHORUS_TRANSPORT", "tcp")],
+        [
+            ("CHORUS_TEST_SHARED", "1"),
+            ("CHORUS_TEST_RANKS_PER_HOST", "2"),
+        ],
+    ] {
+        // The worker fails if a buffer is shared where it should not be.
+        let report = run(4, worker(), &["all_reduce", "7,70001"], &env);
+        assert_success(&report);
+        assert_eq!(assert_identical_digests(&report), 10 * 5 * 2 * 2, "{env:?}");
+    }
+}
+
+#[test]
+fn a_rank_without_shared_buffers_fails_the_call_on_every_rank() {
+    // Far longer than the test takes: the ranks must find the mismatch, not time out.
+    let report = run(
+        3,
+        worker(),
+        &["shared_mismatch"],
+        &[("CHORUS_TIMEOUT", "120")],
+    );
+    assert_success(&report);
+    for r in &report.ranks {
+        assert!(
+            r.stdout.contains("failed as expected"),
+            "rank {}: {}",
+            r.rank,
+            r.stdout
+        );
+        assert!(
+            !r.stdout.contains("timed out"),
+            "rank {}: {}",
+            r.rank,
+            r.stdout
+        );
+    }
+    let explained = report
+        .ranks
+        .iter()
+        .filter(|r| {
+            r.stdout.contains("rank 1 runs this call") && r.stdout.contains("outside shared memory")
+        })
+        .count();
+    assert!(explained >= 1, "{:?}", report.ranks);
+}
+
+#[test]
 fn a_killed_rank_fails_its_peer_promptly_and_leaves_nothing_in_dev_shm() {
+    killed_rank_fails_its_peer(false);
+}
+
+#[test]
+fn a_rank_killed_in_a_call_on_shared_buffers_fails_its_peer_promptly() {
+    killed_rank_fails_its_peer(true);
+}
+
+/// Two ranks all-reduce (on shared buffers, or not) until rank 1 is killed:
+/// rank 0 must fail naming it, and /dev/shm must hold nothing of theirs.
+fn killed_rank_fails_its_peer(shared: bool) {
     let port = free_port().unwrap().to_string();
     let mut ranks = Ranks(Vec::new());
     for rank in 0..2 {
@@ -173,6 +252,7 @@ fn a_killed_rank_fails_its_peer_promptly_and_leaves_nothing_in_dev_shm() {
             .env("MASTER_PORT", &port)
             // Far longer than the test waits: only noticing the death can end the survivor's wait.
             .env("CHORUS_TIMEOUT", "120")
+            .env("CHORUS_TEST_SHARED", if shared { "1" } else { "0" })
             .env_remove("CHORUS_TRANSPORT")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -112,7 +112,8 @@ impl Windows {
         let start = bytes.as_ptr() as usize;
         self.live.iter().filter_map(Weak::upgrade).find_map(|w| {
             let base = w.own() as usize;
-            (start >= base && start + bytes.len() <= base + w.len()).then(|| (w.clone(), start - base))
+            (start >= base && start + bytes.len() <= base + w.len())
+                .then(|| (w.clone(), start - base))
         })
     }
 
@@ -141,7 +142,11 @@ impl Communicator {
         let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
             Error::InvalidArgument(format!("{len} elements of {} overflow", T::DTYPE))
         })?;
-        let shm = inner.transport.as_ref().filter(|t| t.all_shm()).and_then(|t| t.shm());
+        let shm = inner
+            .transport
+            .as_ref()
+            .filter(|t| t.all_shm())
+            .and_then(|t| t.shm());
         let (Some(shm), Some((client, prefix))) = (shm, &inner.store) else {
             return Ok(SharedBuffer {
                 memory: Memory::Private(vec![T::zeroed(); len]),
@@ -191,7 +196,12 @@ impl Inner {
 
     /// How to run a `kind` call on `bufs` through shared memory, if they
     /// lie in this communicator's shared buffers.
-    pub(super) fn shared_call(&self, kind: Kind, root: usize, bufs: &Buffers) -> Option<SharedCall> {
+    pub(super) fn shared_call(
+        &self,
+        kind: Kind,
+        root: usize,
+        bufs: &Buffers,
+    ) -> Option<SharedCall> {
         self.all_shm()?;
         let windows = lock(&self.windows);
         if windows.live.is_empty() {
@@ -292,7 +302,8 @@ impl Inner {
                 )));
             }
             let end = |at: Option<(u64, usize)>| -> Result<*mut u8> {
-                let (id, offset) = at.ok_or_else(|| bad(format!("rank {peer} met without a buffer")))?;
+                let (id, offset) =
+                    at.ok_or_else(|| bad(format!("rank {peer} met without a buffer")))?;
                 let window = windows.by_id(id).ok_or_else(|| {
                     bad(format!(
                         "rank {peer} passed shared buffer {id}, which rank {rank} has freed"

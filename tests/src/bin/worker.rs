@@ -7,7 +7,7 @@
 use std::process::ExitCode;
 
 use chorus::pattern::{digest, Value};
-use chorus::{Communicator, DType, Element, ReduceOp};
+use chorus::{Communicator, DType, Element, ReduceOp, SharedBuffer};
 use chorus_tests::Case;
 
 fn main() -> ExitCode {
@@ -41,6 +41,7 @@ fn run(args: &[String]) -> Result<(), String> {
         "split" => split_and_dup(&connect()?),
         "p2p" => point_to_point(&connect()?),
         "hold" => hold(&connect()?),
+        "shared_mismatch" => shared_mismatch(&connect()?),
         other => Err(format!("unknown scenario '{other}'")),
     }
 }
@@ -62,7 +63,8 @@ fn connect() -> Result<Communicator, String> {
 /// for tests that kill a rank mid-job.
 fn hold(comm: &Communicator) -> Result<(), String> {
     use std::io::Write;
-    let mut buf = vec![1.0f32; 1 << 18];
+    let mut buf = buffer::<f32>(comm, 1 << 18)?;
+    buf.fill(1.0);
     let start = std::time::Instant::now();
     let mut rounds = 0u64;
     while start.elapsed() < std::time::Duration::from_secs(60) {
@@ -165,15 +167,17 @@ fn exercise<T: Element + Value>(
     call: impl FnOnce(Option<&[T]>, &mut [T]) -> chorus::Result<()>,
     check: impl Fn(usize, T) -> Result<(), String>,
 ) -> Result<(), String> {
-    let input: Vec<T> = (0..case.count)
-        .map(|i| T::input(comm.rank(), i, case.op))
-        .collect();
-    let mut output = if case.in_place {
-        input.clone()
+    let mut input = buffer::<T>(comm, case.count)?;
+    for (i, x) in input.iter_mut().enumerate() {
+        *x = T::input(comm.rank(), i, case.op);
+    }
+    let mut output = buffer::<T>(comm, case.count)?;
+    if case.in_place {
+        output.copy_from_slice(&input);
     } else {
-        vec![T::poison(); case.count]
-    };
-    let input = (!case.in_place).then_some(input.as_slice());
+        output.fill(T::poison());
+    }
+    let input = (!case.in_place).then_some(&input[..]);
     call(input, &mut output).map_err(|e| format!("{case}: {e}"))?;
     for (i, got) in output.iter().enumerate() {
         check(i, *got).map_err(|why| format!("{case}: element {i}: {why}"))?;
@@ -183,6 +187,73 @@ fn exercise<T: Element + Value>(
         digest(bytemuck::cast_slice(&output))
     );
     Ok(())
+}
+
+/// `len` zeroed elements: with `CHORUS_TEST_SHARED=1` from `alloc_shared`
+/// (failing unless shared when all ranks are on one shared-memory host), else a vector.
+fn buffer<T: Element>(comm: &Communicator, len: usize) -> Result<Buffer<T>, String> {
+    if std::env::var("CHORUS_TEST_SHARED").as_deref() != Ok("1") {
+        return Ok(Buffer::Private(vec![T::zeroed(); len]));
+    }
+    let buf = comm.alloc_shared(len).map_err(|e| e.to_string())?;
+    let one_host = std::env::var_os("CHORUS_TEST_RANKS_PER_HOST").is_none()
+        && std::env::var("CHORUS_TRANSPORT").as_deref() != Ok("tcp");
+    if buf.is_shared() != one_host {
+        return Err(format!(
+            "a shared buffer on rank {} is {}shared",
+            comm.rank(),
+            if buf.is_shared() { "" } else { "not " }
+        ));
+    }
+    Ok(Buffer::Shared(buf))
+}
+
+/// A test's memory: a vector, or a buffer every rank maps.
+enum Buffer<T: Element> {
+    Private(Vec<T>),
+    Shared(SharedBuffer<T>),
+}
+
+impl<T: Element> std::ops::Deref for Buffer<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        match self {
+            Buffer::Private(v) => v,
+            Buffer::Shared(s) => s,
+        }
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for Buffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Buffer::Private(v) => v,
+            Buffer::Shared(s) => s,
+        }
+    }
+}
+
+/// Rank 1 all-reduces a vector while the others pass shared buffers: every
+/// rank must fail promptly, the shared ones saying why.
+fn shared_mismatch(comm: &Communicator) -> Result<(), String> {
+    let mut shared = comm.alloc_shared::<f32>(4096).map_err(|e| e.to_string())?;
+    let mut private = vec![0f32; 4096];
+    let buf: &mut [f32] = if comm.rank() == 1 {
+        &mut private
+    } else {
+        &mut shared
+    };
+    match comm.all_reduce(buf, ReduceOp::Sum) {
+        Ok(()) => Err(format!(
+            "rank {} finished a mismatched all-reduce",
+            comm.rank()
+        )),
+        Err(e) => {
+            println!("failed as expected: {e}");
+            Ok(())
+        }
+    }
 }
 
 /// Each round every rank marks its arrival in `dir`, enters the barrier, and

@@ -75,11 +75,7 @@ impl ShmTransport {
     /// Fails naming the peer if a peer announced the same call without
     /// meeting, closed its transport, or exited; with `Aborted` if this
     /// transport was aborted; with `Timeout` naming a missing peer at `deadline`.
-    pub fn meet(
-        &self,
-        place: &CallPlace,
-        deadline: Instant,
-    ) -> Result<(), TransportError> {
+    pub fn meet(&self, place: &CallPlace, deadline: Instant) -> Result<(), TransportError> {
         let region = self.shared.region();
         let own = region.meeting(self.own_local);
         place.write(&own);
@@ -139,7 +135,12 @@ impl ShmTransport {
 
     /// Fails if this rank aborted, or if `peer` (local rank `local`) will not
     /// come to the meeting of the call `place`.
-    fn check_peer(&self, local: usize, peer: usize, place: &CallPlace) -> Result<(), TransportError> {
+    fn check_peer(
+        &self,
+        local: usize,
+        peer: usize,
+        place: &CallPlace,
+    ) -> Result<(), TransportError> {
         let engine = self.shared.lock();
         if let Some(reason) = engine.aborted() {
             return Err(TransportError::Aborted(reason.to_string()));

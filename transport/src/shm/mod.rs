@@ -428,6 +428,102 @@ mod tests {
         assert_eq!(buf, data);
     }
 
+    /// Runs `f(rank, transport, store)` for each transport on its own thread.
+    fn each<R: Send>(
+        t: &[ShmTransport],
+        f: impl Fn(usize, &ShmTransport, &TcpStore) -> R + Sync,
+    ) -> Vec<R> {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = server.local_addr().port();
+        std::thread::scope(|s| {
+            let f = &f;
+            let threads: Vec<_> = t
+                .iter()
+                .enumerate()
+                .map(|(rank, tr)| {
+                    s.spawn(move || {
+                        let store =
+                            TcpStore::connect("127.0.0.1", port, Duration::from_secs(20)).unwrap();
+                        f(rank, tr, &store)
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn windows_are_mapped_by_every_rank_and_meetings_order_their_writes() {
+        let t = pair(3);
+        let sums = each(&t, |rank, tr, store| {
+            let w = tr.allocate_window(0, 1000, store).unwrap();
+            let place = CallPlace {
+                tag: 9,
+                input: Some((0, 8)),
+                output: Some((0, 8)),
+            };
+            let mut sum = 0u64;
+            for round in 0..50u8 {
+                // SAFETY: own segment, 1000 bytes; peers read it only between meetings.
+                unsafe { w.own().add(8 + rank).write(round + rank as u8) };
+                tr.meet(&place, deadline()).unwrap();
+                for peer in 0..3 {
+                    // SAFETY: in bounds; every rank wrote its byte before the meeting.
+                    sum += u64::from(unsafe { w.segment(peer).add(8 + peer).read() });
+                }
+                tr.meet(&place, deadline()).unwrap();
+            }
+            assert_eq!(tr.places(), vec![place; 3]);
+            sum
+        });
+        // Each round every rank sees 3 * round + 0 + 1 + 2.
+        let want: u64 = (0..50u64).map(|r| 3 * r + 3).sum();
+        assert_eq!(sums, vec![want; 3]);
+    }
+
+    #[test]
+    fn windows_of_different_sizes_fail_naming_both() {
+        let t = pair(2);
+        let errors = each(&t, |rank, tr, store| {
+            tr.allocate_window(0, 4096 * (rank + 1), store)
+                .unwrap_err()
+                .to_string()
+        });
+        assert!(
+            errors[1].contains("8192 bytes, rank 0 for 4096"),
+            "{errors:?}"
+        );
+        assert!(errors[0].contains("rank 1 could not map"), "{errors:?}");
+    }
+
+    #[test]
+    fn a_meeting_fails_when_a_peer_runs_the_call_on_messages_or_aborts() {
+        let t = pair(2);
+        let place = CallPlace {
+            tag: 5,
+            input: Some((0, 0)),
+            output: Some((0, 0)),
+        };
+        t[1].announce(&CallPlace {
+            tag: 5,
+            input: None,
+            output: None,
+        });
+        let err = t[0].meet(&place, deadline()).unwrap_err();
+        assert!(
+            matches!(err, TransportError::Protocol { peer: 1, .. }),
+            "{err}"
+        );
+        t[1].abort("gone");
+        let err = t[0]
+            .meet(&CallPlace { tag: 6, ..place }, deadline())
+            .unwrap_err();
+        assert!(
+            matches!(err, TransportError::PeerClosed { peer: 1 }),
+            "{err}"
+        );
+    }
+
     #[test]
     fn the_file_is_gone_once_connected() {
         let dir = std::env::temp_dir().join(format!("chorus-shm-test-{}", std::process::id()));
