@@ -174,6 +174,9 @@ fn shared_buffers_carry_every_all_reduce_and_broadcast() {
     let report = run(3, worker(), &["broadcast", "0,7,300007"], &shared);
     assert_success(&report);
     assert_eq!(assert_identical_digests(&report), 3 * 4 * 3 * 2);
+    let report = run(3, worker(), &["shared_async"], &[]);
+    assert_success(&report);
+    assert_eq!(assert_identical_digests(&report), 1);
 }
 
 #[test]

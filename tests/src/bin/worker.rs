@@ -42,6 +42,7 @@ fn run(args: &[String]) -> Result<(), String> {
         "p2p" => point_to_point(&connect()?),
         "hold" => hold(&connect()?),
         "shared_mismatch" => shared_mismatch(&connect()?),
+        "shared_async" => shared_async(&connect()?),
         other => Err(format!("unknown scenario '{other}'")),
     }
 }
@@ -232,6 +233,41 @@ impl<T: Element> std::ops::DerefMut for Buffer<T> {
             Buffer::Shared(s) => s,
         }
     }
+}
+
+/// Asynchronous averages of a shared buffer, queued behind one another.
+fn shared_async(comm: &Communicator) -> Result<(), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let mut buf = comm
+        .alloc_shared::<f64>(100_003)
+        .map_err(|e| e.to_string())?;
+    if !buf.is_shared() {
+        return Err(format!("rank {rank}: the buffer is not shared"));
+    }
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = (rank * 1000 + i % 1000) as f64;
+    }
+    let first = comm.all_reduce_async(buf, ReduceOp::Avg);
+    let mut second = comm.alloc_shared::<f64>(10).map_err(|e| e.to_string())?;
+    second.fill(rank as f64);
+    let second = comm.all_reduce_async(second, ReduceOp::Max);
+    let buf = first.wait().map_err(|e| e.to_string())?;
+    let mean_rank = (world - 1) as f64 / 2.0;
+    for (i, &x) in buf.iter().enumerate() {
+        let want = mean_rank * 1000.0 + (i % 1000) as f64;
+        if (x - want).abs() > 1e-9 {
+            return Err(format!("rank {rank}: element {i} is {x}, want {want}"));
+        }
+    }
+    let second = second.wait().map_err(|e| e.to_string())?;
+    if second.iter().any(|&x| x != (world - 1) as f64) {
+        return Err(format!("rank {rank}: max gave {:?}", &second[..]));
+    }
+    println!(
+        "digest shared_async {:016x}",
+        digest(bytemuck::cast_slice(&buf))
+    );
+    Ok(())
 }
 
 /// Rank 1 all-reduces a vector while the others pass shared buffers: every
