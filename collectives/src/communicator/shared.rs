@@ -26,6 +26,9 @@ use crate::{Error, Result};
 
 /// Elements reduced at a time, so the output block being summed stays in cache.
 const REDUCE_PIECE_BYTES: usize = 64 << 10;
+/// All-reduces of at most this many bytes meet twice, every rank reducing the
+/// whole buffer, rather than three times to split the work.
+const WHOLE_BYTES: usize = 16 << 10;
 
 /// Memory from [`Communicator::alloc_shared`]: a `[T]` that, when the whole
 /// job runs on one host, the other ranks can read and write during a
@@ -267,6 +270,16 @@ impl Inner {
                 broadcast(&peers, self.config.rank, call.root, len);
                 shm.meet(&place, deadline)?;
             }
+            _ if len <= WHOLE_BYTES => {
+                let mut sum = vec![0u8; len];
+                reduce_whole(&peers, &mut sum, dtype, op)?;
+                shm.meet(&place, deadline)?;
+                // SAFETY: this rank's output holds `len` bytes (checked in `resolve`); after
+                // the second meeting no peer reads it.
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(peers[self.config.rank].output, len) };
+                out.copy_from_slice(&sum);
+            }
             _ => {
                 let me = self.config.rank;
                 let blocks = |r: usize| block(count, peers.len(), r);
@@ -374,6 +387,23 @@ fn reduce_block(
             }
         }
         at += n;
+    }
+    Ok(())
+}
+
+/// Reduces every rank's input, in rank order (so every rank gets the same
+/// bytes), into `sum`.
+fn reduce_whole(peers: &[Ends], sum: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let len = sum.len();
+    // SAFETY: every rank's input holds `len` bytes (checked in `resolve`); between the
+    // first and second meetings nobody writes an input.
+    let input = |r: usize| unsafe { std::slice::from_raw_parts(peers[r].input.cast_const(), len) };
+    reduce_into(op, dtype, sum, input(0), input(1))?;
+    for r in 2..peers.len() {
+        reduce(op, dtype, sum, input(r))?;
+    }
+    if op == ReduceOp::Avg {
+        finish_avg(dtype, sum, peers.len())?;
     }
     Ok(())
 }
