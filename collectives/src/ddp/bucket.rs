@@ -1,6 +1,6 @@
 //! Buckets: which parameters share one all-reduce, and the flat buffer that holds their gradients.
 
-use crate::{DType, Element};
+use crate::{Communicator, DType, Element, Result, SharedBuffer};
 
 /// One registered parameter: its name, element count and gradient type.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,9 +88,16 @@ pub(crate) fn assign(params: &[ParamSpec], first_cap: usize, cap: usize) -> Vec<
 /// communicator's worker for the all-reduce.
 #[derive(Debug)]
 pub(crate) struct Flat {
-    words: Vec<u64>,
+    words: Words,
     dtype: DType,
     len: usize,
+}
+
+/// A flat buffer's memory: this process's, or mapped by every rank of a one-host job.
+#[derive(Debug)]
+enum Words {
+    Private(Vec<u64>),
+    Shared(SharedBuffer<u64>),
 }
 
 impl Flat {
@@ -98,9 +105,34 @@ impl Flat {
     pub(crate) fn zeros(dtype: DType, len: usize) -> Flat {
         let words = (len * dtype.size()).div_ceil(8);
         Flat {
-            words: vec![0; words],
+            words: Words::Private(vec![0; words]),
             dtype,
             len,
+        }
+    }
+
+    /// A zeroed buffer from [`Communicator::alloc_shared`] (collective), so
+    /// all-reduces on it within one host go through shared memory directly.
+    pub(crate) fn shared(comm: &Communicator, dtype: DType, len: usize) -> Result<Flat> {
+        let words = (len * dtype.size()).div_ceil(8);
+        Ok(Flat {
+            words: Words::Shared(comm.alloc_shared(words)?),
+            dtype,
+            len,
+        })
+    }
+
+    fn words(&self) -> &[u64] {
+        match &self.words {
+            Words::Private(v) => v,
+            Words::Shared(s) => s,
+        }
+    }
+
+    fn words_mut(&mut self) -> &mut [u64] {
+        match &mut self.words {
+            Words::Private(v) => v,
+            Words::Shared(s) => s,
         }
     }
 
@@ -111,24 +143,25 @@ impl Flat {
     /// The elements as `T`, which must be the buffer's type.
     pub(crate) fn typed<T: Element>(&self) -> &[T] {
         debug_assert_eq!(T::DTYPE, self.dtype);
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        &bytemuck::cast_slice(self.words())[..self.len]
     }
 
     /// The elements as `T`, which must be the buffer's type.
     pub(crate) fn typed_mut<T: Element>(&mut self) -> &mut [T] {
         debug_assert_eq!(T::DTYPE, self.dtype);
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+        let len = self.len;
+        &mut bytemuck::cast_slice_mut(self.words_mut())[..len]
     }
 
     /// Sets every element to zero.
     pub(crate) fn clear(&mut self) {
-        self.words.fill(0);
+        self.words_mut().fill(0);
     }
 
     /// Zeroes elements `range` (element indices).
     pub(crate) fn clear_range(&mut self, range: std::ops::Range<usize>) {
         let size = self.dtype.size();
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.words);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(self.words_mut());
         bytes[range.start * size..range.end * size].fill(0);
     }
 }

@@ -105,6 +105,8 @@ struct Bucket {
 /// backward goes on. [`finish`](Self::finish) waits for all of them and
 /// leaves every gradient averaged over the ranks. Buckets are launched in
 /// the same order on every rank whatever order their gradients arrive in.
+/// Buckets come from [`Communicator::alloc_shared`], so on one host their
+/// all-reduces go through shared memory directly.
 ///
 /// ```no_run
 /// use chorus::ddp::{Ddp, DdpOptions, ParamSpec};
@@ -177,7 +179,7 @@ impl<'c> Ddp<'c> {
                 len += params[i].len;
             }
             buckets.push(Bucket {
-                state: State::Here(Flat::zeros(params[members[0]].dtype, len)),
+                state: State::Here(Flat::shared(comm, params[members[0]].dtype, len)?),
                 members: members.clone(),
                 waiting: members.len(),
             });
