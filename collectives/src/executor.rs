@@ -110,20 +110,30 @@ impl Buffers {
         }
     }
 
-    /// The input and output as byte slices (the same memory when in place).
+    /// The addresses of the input's and the output's bytes (equal when in place).
+    pub(crate) fn addresses(&self) -> (Range<usize>, Range<usize>) {
+        let (input, output) = (self.input as usize, self.output as usize);
+        (
+            input..input + self.input_len,
+            output..output + self.output_len,
+        )
+    }
+
+    /// The input as a slice.
     ///
     /// # Safety
     ///
-    /// Only for comparing addresses: the memory may be written while they live.
-    pub(crate) fn bytes(&self) -> (&[u8], &[u8]) {
-        // SAFETY: both pointers and lengths come from slices the caller still borrows
-        // (see `Call`), and nothing here reads through them.
-        unsafe {
-            (
-                std::slice::from_raw_parts(self.input, self.input_len),
-                std::slice::from_raw_parts(self.output, self.output_len),
-            )
-        }
+    /// No mutable slice of the input (nor, in place, of the output) may be
+    /// alive while it is, and no request may be writing it.
+    pub(crate) unsafe fn input(&self) -> &[u8] {
+        // SAFETY: the pointer and length come from a slice the caller still borrows
+        // (see `Call`); the absence of writers is the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.input, self.input_len) }
+    }
+
+    /// The start and length of the output.
+    pub(crate) fn output_raw(&self) -> (*mut u8, usize) {
+        (self.output, self.output_len)
     }
 
     /// Input and output of equal length (reductions, broadcast); fails naming both lengths.

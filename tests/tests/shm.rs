@@ -177,6 +177,38 @@ fn shared_buffers_carry_every_all_reduce_and_broadcast() {
     let report = run(3, worker(), &["shared_async"], &[]);
     assert_success(&report);
     assert_eq!(assert_identical_digests(&report), 1);
+    // Ranks on different shared buffers, each dropping the other meanwhile:
+    // a clean error or a correct sum (the worker checks it), never a crash.
+    for _ in 0..3 {
+        let report = run(2, worker(), &["shared_dropped"], &[]);
+        assert_success(&report);
+        assert!(report.ranks.iter().all(|r| r.stdout.contains("outcome: ")));
+    }
+}
+
+#[test]
+fn a_shared_buffer_of_another_size_fails_on_every_rank_and_the_communicator_goes_on() {
+    let report = run(
+        3,
+        worker(),
+        &["shared_alloc_mismatch"],
+        &[("CHORUS_TIMEOUT", "120")],
+    );
+    assert_success(&report);
+    for r in &report.ranks {
+        // Rank 1 names both sizes, the others the rank that failed.
+        let why = if r.rank == 1 {
+            "rank 0 for 4000"
+        } else {
+            "ranks [1] could not map"
+        };
+        assert!(
+            r.stdout.contains("allocation failed as expected") && r.stdout.contains(why),
+            "rank {}: {}",
+            r.rank,
+            r.stdout
+        );
+    }
 }
 
 #[test]

@@ -112,9 +112,9 @@ impl Communicator {
         let bufs = Buffers::new(None, &mut []);
         self.run_now(Call {
             info,
+            shared: self.inner.shared_call(Kind::Barrier, 0, &bufs),
             bufs,
             steps,
-            shared: None,
             _borrow: PhantomData,
         })
     }

@@ -5,6 +5,7 @@
 //! are blocking or asynchronous, and whichever thread issues them.
 
 mod collectives;
+mod mailbox;
 mod monitor;
 mod more;
 mod p2p;
@@ -495,7 +496,7 @@ impl Inner {
         let tag = tag(state.seq, &info);
         let result = match &call.shared {
             Some(shared) => self
-                .run_shared(shared, tag, info.count, info.dtype, info.op)
+                .run_shared(shared, &call.bufs, tag, info.count, info.dtype, info.op)
                 .map_err(|e| {
                     let e = e.on_rank(self.config.rank);
                     let e = match &watcher {
@@ -508,7 +509,7 @@ impl Inner {
                     e
                 }),
             None => {
-                self.announce_messages(tag);
+                self.announce_messages(tag, call.bufs.addresses().1.len(), info.root);
                 let job = Job {
                     transport: self.transport.as_ref().map(|t| t as &dyn Transport),
                     tag,

@@ -11,17 +11,18 @@
 //! reading it. A broadcast meets twice, the ranks splitting the root's
 //! bytes among them and writing them into every output.
 
-use std::ops::{Deref, DerefMut};
+use std::ops::{Deref, DerefMut, Range};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use chorus_kernels::{finish_avg, reduce, reduce_into, DType, Element, ReduceOp};
-use chorus_transport::shm::{CallPlace, ShmTransport, Window};
+use chorus_transport::shm::{CallPlace, ShmTransport, Window, MAILBOX_BYTES};
 use chorus_transport::store::PrefixStore;
 use chorus_transport::TransportError;
 
-use super::{lock, Communicator, Inner, Kind};
+use super::{lock, mailbox, Communicator, Inner, Kind};
 use crate::executor::Buffers;
+use crate::tuner::Collective;
 use crate::{Error, Result};
 
 /// Elements reduced at a time, so the output block being summed stays in cache.
@@ -50,13 +51,6 @@ enum Memory<T> {
 }
 
 impl<T: Element> SharedBuffer<T> {
-    fn ptr(&self) -> *mut T {
-        match &self.memory {
-            Memory::Window(w) => w.own().cast(),
-            Memory::Private(v) => v.as_ptr().cast_mut(),
-        }
-    }
-
     /// Whether the other ranks map this buffer (the whole job is on one host).
     pub fn is_shared(&self) -> bool {
         matches!(self.memory, Memory::Window(_))
@@ -67,17 +61,27 @@ impl<T: Element> Deref for SharedBuffer<T> {
     type Target = [T];
 
     fn deref(&self) -> &[T] {
-        // SAFETY: the segment (page-aligned, at least `len` elements) or the vector holds
-        // `len` elements and lives as long as `self`; peers touch a segment only inside a
-        // collective, which borrows the buffer mutably.
-        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
+        match &self.memory {
+            // SAFETY: the segment (page-aligned, at least `len` elements) lives as long as
+            // `self`; peers touch it only inside a collective, which borrows the buffer
+            // mutably (after a failed call a peer may still be finishing its copies: the
+            // contents are then undefined, as after any failed collective, but the
+            // memory stays mapped).
+            Memory::Window(w) => unsafe { std::slice::from_raw_parts(w.own().cast(), self.len) },
+            Memory::Private(v) => v,
+        }
     }
 }
 
 impl<T: Element> DerefMut for SharedBuffer<T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        // SAFETY: as in `deref`, and `&mut self` makes this the only borrow here.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
+        match &mut self.memory {
+            // SAFETY: as in `deref`, and `&mut self` makes this the only borrow here.
+            Memory::Window(w) => unsafe {
+                std::slice::from_raw_parts_mut(w.own().cast(), self.len)
+            },
+            Memory::Private(v) => v,
+        }
     }
 }
 
@@ -110,13 +114,11 @@ pub(crate) struct Windows {
 }
 
 impl Windows {
-    /// The window holding `bytes`, and their offset in it.
-    fn find(&self, bytes: &[u8]) -> Option<(Arc<Window>, usize)> {
-        let start = bytes.as_ptr() as usize;
+    /// The window holding the bytes at addresses `at`, and their offset in it.
+    fn find(&self, at: &Range<usize>) -> Option<(Arc<Window>, usize)> {
         self.live.iter().filter_map(Weak::upgrade).find_map(|w| {
             let base = w.own() as usize;
-            (start >= base && start + bytes.len() <= base + w.len())
-                .then(|| (w.clone(), start - base))
+            (at.start >= base && at.end <= base + w.len()).then(|| (w.clone(), at.start - base))
         })
     }
 
@@ -138,8 +140,10 @@ impl Communicator {
     /// the job spans hosts or runs over TCP only, this is plain memory and
     /// collectives on it run as usual.
     ///
-    /// Fails if the shared file cannot be created (a full `/dev/shm`), if
-    /// ranks ask for different sizes, or if a rank does not take part.
+    /// Fails on every rank alike if the shared file cannot be created (a full
+    /// `/dev/shm`) or mapped, or if ranks ask for different sizes; the
+    /// communicator stays usable. Fails after the timeout if a rank does not
+    /// take part.
     pub fn alloc_shared<T: Element>(&self, len: usize) -> Result<SharedBuffer<T>> {
         let inner = &self.inner;
         let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
@@ -156,22 +160,25 @@ impl Communicator {
                 len,
             });
         };
+        // A failed allocation fails on every rank alike (the creator's verdict), so it
+        // leaves the communicator usable: the caller may fall back to private memory.
         let mut made = None;
         inner.run_with(inner.ticket(), |inner, _| {
             let mut windows = lock(&inner.windows);
             let id = windows.made;
             windows.made += 1;
             let store = PrefixStore::new(prefix.clone(), client.clone());
-            let window = shm
-                .allocate_window(id, bytes, &store)
-                .map_err(|e| Error::from(e).on_rank(inner.config.rank))?;
-            let window = Arc::new(window);
-            windows.live.retain(|w| w.strong_count() > 0);
-            windows.live.push(Arc::downgrade(&window));
-            made = Some(window);
+            made = Some(shm.allocate_window(id, bytes, &store).map(|window| {
+                let window = Arc::new(window);
+                windows.live.retain(|w| w.strong_count() > 0);
+                windows.live.push(Arc::downgrade(&window));
+                window
+            }));
             Ok(())
         })?;
-        let window = made.expect("allocated when the call succeeded");
+        let window = made
+            .expect("run when the communicator is usable")
+            .map_err(|e| Error::from(e).on_rank(self.rank()))?;
         tracing::debug!(rank = self.rank(), id = window.id(), bytes, "shared buffer");
         Ok(SharedBuffer {
             memory: Memory::Window(window),
@@ -180,8 +187,16 @@ impl Communicator {
     }
 }
 
-/// A collective to run on shared buffers.
-pub(crate) struct SharedCall {
+/// A collective that meets its peers through shared memory instead of sending messages.
+pub(crate) enum SharedCall {
+    /// Small: each rank posts its bytes in its mailbox with one meeting.
+    Mailbox { kind: Kind, root: usize },
+    /// On shared buffers: peers read and write them directly.
+    Windows(WindowCall),
+}
+
+/// A collective on shared buffers.
+pub(crate) struct WindowCall {
     kind: Kind,
     root: usize,
     input: (Arc<Window>, usize),
@@ -197,8 +212,9 @@ impl Inner {
             .and_then(|t| t.shm())
     }
 
-    /// How to run a `kind` call on `bufs` through shared memory, if they
-    /// lie in this communicator's shared buffers.
+    /// How to run a `kind` call on `bufs` through shared memory: by mailbox
+    /// when small, directly when they lie in this communicator's shared
+    /// buffers; `None` runs it as messages.
     pub(super) fn shared_call(
         &self,
         kind: Kind,
@@ -206,15 +222,30 @@ impl Inner {
         bufs: &Buffers,
     ) -> Option<SharedCall> {
         self.all_shm()?;
+        let len = bufs.addresses().1.len();
+        let forced = match kind {
+            Kind::AllReduce => self.config.algo.get(Collective::AllReduce).is_some(),
+            Kind::Broadcast => self.config.algo.get(Collective::Broadcast).is_some(),
+            _ => false,
+        };
+        if len <= MAILBOX_BYTES && !forced {
+            return Some(SharedCall::Mailbox { kind, root });
+        }
+        self.window_call(kind, root, bufs).map(SharedCall::Windows)
+    }
+
+    /// How to run a `kind` call on `bufs` directly, if they lie in this
+    /// communicator's shared buffers.
+    fn window_call(&self, kind: Kind, root: usize, bufs: &Buffers) -> Option<WindowCall> {
         let windows = lock(&self.windows);
         if windows.live.is_empty() {
             return None;
         }
-        let (input, output) = bufs.bytes();
+        let (input, output) = bufs.addresses();
         let len = output.len();
-        let output = windows.find(output)?;
+        let output = windows.find(&output)?;
         // Only the root's input is read by a broadcast.
-        let input = match windows.find(input) {
+        let input = match windows.find(&input) {
             Some(input) => input,
             None if kind == Kind::Broadcast && root != self.config.rank => output.clone(),
             None => return None,
@@ -224,7 +255,7 @@ impl Inner {
             // Partly overlapping input and output: the message path rejects or handles it.
             return None;
         }
-        Some(SharedCall {
+        Some(WindowCall {
             kind,
             root,
             input,
@@ -232,39 +263,71 @@ impl Inner {
         })
     }
 
-    /// Tells the other ranks that call `tag` runs on messages, when shared
-    /// buffers exist (a rank that passed shared ones then fails at once).
-    pub(super) fn announce_messages(&self, tag: u64) {
+    /// Tells the other ranks that call `tag` (`len` bytes, `root`) runs on
+    /// messages (a rank that meets in it then fails at once instead of waiting).
+    pub(super) fn announce_messages(&self, tag: u64, len: usize, root: usize) {
         if let Some(shm) = self.all_shm() {
-            if lock(&self.windows).made > 0 {
-                shm.announce(&CallPlace {
-                    tag,
-                    input: None,
-                    output: None,
-                });
-            }
+            shm.announce(&CallPlace {
+                tag,
+                len,
+                root,
+                ..CallPlace::default()
+            });
         }
     }
 
-    /// Runs `call` (tag `tag`, `count` elements of `dtype`) through shared memory.
+    /// Runs `call` on `bufs` (tag `tag`, `count` elements of `dtype`) through shared memory.
     pub(super) fn run_shared(
         &self,
         call: &SharedCall,
+        bufs: &Buffers,
         tag: u64,
         count: usize,
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
         let shm = self.all_shm().expect("shared calls need shared memory");
+        let deadline = Instant::now() + self.config.timeout;
+        match call {
+            SharedCall::Mailbox { kind, root } => {
+                let place = CallPlace {
+                    tag,
+                    meets: true,
+                    len: count * dtype.size(),
+                    root: *root,
+                    ..CallPlace::default()
+                };
+                mailbox::run(shm, &place, deadline, *kind, *root, bufs, dtype, op)
+            }
+            SharedCall::Windows(call) => {
+                self.run_windows(shm, deadline, call, tag, count, dtype, op)
+            }
+        }
+    }
+
+    /// Runs `call` on shared buffers.
+    #[allow(clippy::too_many_arguments)]
+    fn run_windows(
+        &self,
+        shm: &ShmTransport,
+        deadline: Instant,
+        call: &WindowCall,
+        tag: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
         let len = count * dtype.size();
         let place = CallPlace {
             tag,
+            meets: true,
+            len,
+            root: call.root,
             input: Some((call.input.0.id(), call.input.1)),
             output: Some((call.output.0.id(), call.output.1)),
         };
-        let deadline = Instant::now() + self.config.timeout;
         shm.meet(&place, deadline)?;
-        let peers = self.resolve(shm, &shm.places(), &place, len)?;
+        let peers = self.resolve(shm, &shm.places(&place)?, len)?;
         match call.kind {
             Kind::Broadcast => {
                 broadcast(&peers, self.config.rank, call.root, len);
@@ -292,14 +355,9 @@ impl Inner {
         Ok(())
     }
 
-    /// Every rank's input and output (by rank), checked against this rank's call.
-    fn resolve(
-        &self,
-        shm: &ShmTransport,
-        places: &[CallPlace],
-        mine: &CallPlace,
-        len: usize,
-    ) -> Result<Vec<Ends>> {
+    /// Every rank's input and output (by rank), `len` bytes each, checked
+    /// against the shared buffers this rank knows.
+    fn resolve(&self, shm: &ShmTransport, places: &[CallPlace], len: usize) -> Result<Vec<Ends>> {
         let windows = lock(&self.windows);
         let rank = self.config.rank;
         let mut peers = Vec::with_capacity(places.len());
@@ -308,13 +366,7 @@ impl Inner {
             let bad = |detail: String| {
                 Error::from(TransportError::Protocol { peer, detail }).on_rank(rank)
             };
-            if place.tag != mine.tag {
-                return Err(bad(format!(
-                    "rank {peer} met in call tag {:#x}, rank {rank} in {:#x}",
-                    place.tag, mine.tag
-                )));
-            }
-            let end = |at: Option<(u64, usize)>| -> Result<*mut u8> {
+            let end = |at: Option<(u64, usize)>| -> Result<(*mut u8, Arc<Window>)> {
                 let (id, offset) =
                     at.ok_or_else(|| bad(format!("rank {peer} met without a buffer")))?;
                 let window = windows.by_id(id).ok_or_else(|| {
@@ -329,11 +381,15 @@ impl Inner {
                     )));
                 }
                 // SAFETY: `offset + len <= window.len()`, checked above.
-                Ok(unsafe { window.segment(local).add(offset) })
+                let at = unsafe { window.segment(local).add(offset) };
+                Ok((at, window))
             };
+            let (input, input_window) = end(place.input)?;
+            let (output, output_window) = end(place.output)?;
             peers.push(Ends {
-                input: end(place.input)?,
-                output: end(place.output)?,
+                input,
+                output,
+                _mapped: [input_window, output_window],
             });
         }
         Ok(peers)
@@ -344,6 +400,8 @@ impl Inner {
 struct Ends {
     input: *mut u8,
     output: *mut u8,
+    /// Keeps both mapped while the call runs, even if this rank drops them meanwhile.
+    _mapped: [Arc<Window>; 2],
 }
 
 /// Rank `r`'s block of `count` elements split among `n` ranks.

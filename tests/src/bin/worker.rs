@@ -43,6 +43,8 @@ fn run(args: &[String]) -> Result<(), String> {
         "hold" => hold(&connect()?),
         "shared_mismatch" => shared_mismatch(&connect()?),
         "shared_async" => shared_async(&connect()?),
+        "shared_dropped" => shared_dropped(&connect()?),
+        "shared_alloc_mismatch" => shared_alloc_mismatch(&connect()?),
         other => Err(format!("unknown scenario '{other}'")),
     }
 }
@@ -267,6 +269,56 @@ fn shared_async(comm: &Communicator) -> Result<(), String> {
         "digest shared_async {:016x}",
         digest(bytemuck::cast_slice(&buf))
     );
+    Ok(())
+}
+
+/// Rank 0 all-reduces one shared buffer, the others another, and each drops
+/// the one it does not use while the call may run: depending on when the
+/// drop lands the call fails naming the freed buffer or completes, but the
+/// peers' memory must stay mapped while it is read (no crash).
+fn shared_dropped(comm: &Communicator) -> Result<(), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let n = 1 << 22;
+    let mut a = comm.alloc_shared::<f32>(n).map_err(|e| e.to_string())?;
+    let mut b = comm.alloc_shared::<f32>(n).map_err(|e| e.to_string())?;
+    a.fill(rank as f32);
+    b.fill(rank as f32);
+    let (mine, other) = if rank == 0 { (a, b) } else { (b, a) };
+    let work = comm.all_reduce_async(mine, ReduceOp::Sum);
+    std::thread::sleep(std::time::Duration::from_millis(1));
+    drop(other);
+    match work.wait() {
+        Err(e) if e.to_string().contains("has freed") => println!("outcome: freed ({e})"),
+        Err(e) => return Err(e.to_string()),
+        Ok(sum) => {
+            let want = (world * (world - 1) / 2) as f32;
+            if let Some(i) = sum.iter().position(|&x| x != want) {
+                return Err(format!(
+                    "rank {rank}: element {i} is {}, want {want}",
+                    sum[i]
+                ));
+            }
+            println!("outcome: summed");
+        }
+    }
+    Ok(())
+}
+
+/// Rank 1 asks for a shared buffer of another size: every rank must fail to
+/// allocate, and the communicator must go on working.
+fn shared_alloc_mismatch(comm: &Communicator) -> Result<(), String> {
+    let rank = comm.rank();
+    let len = if rank == 1 { 2000 } else { 1000 };
+    match comm.alloc_shared::<f32>(len) {
+        Ok(_) => return Err(format!("rank {rank} allocated a mismatched shared buffer")),
+        Err(e) => println!("allocation failed as expected: {e}"),
+    }
+    let mut v = vec![1f32; 1000];
+    comm.all_reduce(&mut v, ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    if v.iter().any(|&x| x != comm.world_size() as f32) {
+        return Err(format!("rank {rank}: wrong sum after a failed allocation"));
+    }
     Ok(())
 }
 

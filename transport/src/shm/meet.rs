@@ -8,10 +8,11 @@
 //! futex), waking at least every millisecond to notice an abort, a peer that
 //! closed its transport or a peer process that exited.
 
+use std::sync::atomic::fence;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::time::{Duration, Instant};
 
-use super::region::Meeting;
+use super::region::{Meeting, MAILBOX_BYTES};
 use super::wake;
 use super::ShmTransport;
 use crate::TransportError;
@@ -26,6 +27,12 @@ const NAP: Duration = Duration::from_millis(1);
 pub struct CallPlace {
     /// The call's tag (its sequence number and fingerprint).
     pub tag: u64,
+    /// Whether the rank meets its peers in this call (false: it moves the call's bytes as messages).
+    pub meets: bool,
+    /// The call's length in bytes.
+    pub len: usize,
+    /// The call's root rank (0 where it has none).
+    pub root: usize,
     /// The input's window id and byte offset in the rank's segment (`None`: not in a window).
     pub input: Option<(u64, usize)>,
     /// The output's window id and byte offset (`None`: not in a window).
@@ -33,26 +40,61 @@ pub struct CallPlace {
 }
 
 impl CallPlace {
-    fn words(&self) -> [u64; 5] {
+    fn words(&self) -> [u64; 8] {
         let (iw, io) = self.input.map_or((0, 0), |(w, o)| (w + 1, o as u64));
         let (ow, oo) = self.output.map_or((0, 0), |(w, o)| (w + 1, o as u64));
-        [self.tag, iw, io, ow, oo]
+        let (len, root) = (self.len as u64, self.root as u64);
+        [self.tag, u64::from(self.meets), len, root, iw, io, ow, oo]
     }
 
-    fn read(meeting: &Meeting<'_>) -> CallPlace {
-        let w: [u64; 5] = std::array::from_fn(|i| meeting.call[i].load(Acquire));
+    /// The words for meeting `epoch`; `None` while the rank is rewriting them.
+    ///
+    /// The tag is cleared first and written last, and read before and after
+    /// the rest (a sequence lock), so a torn mix of two calls is never seen.
+    fn read(meeting: &Meeting<'_>, epoch: u32) -> Option<CallPlace> {
+        let words = &meeting.calls[epoch as usize % 2];
+        let tag = words[0].load(Acquire);
+        let w: [u64; 8] = std::array::from_fn(|i| words[i].load(Relaxed));
+        fence(Acquire);
+        if tag == 0 || words[0].load(Relaxed) != tag {
+            return None;
+        }
         let place = |id: u64, off: u64| (id > 0).then(|| (id - 1, off as usize));
-        CallPlace {
-            tag: w[0],
-            input: place(w[1], w[2]),
-            output: place(w[3], w[4]),
-        }
+        Some(CallPlace {
+            tag,
+            meets: w[1] != 0,
+            len: w[2] as usize,
+            root: w[3] as usize,
+            input: place(w[4], w[5]),
+            output: place(w[6], w[7]),
+        })
     }
 
-    fn write(&self, meeting: &Meeting<'_>) {
-        for (word, value) in meeting.call.iter().zip(self.words()) {
-            word.store(value, Release);
+    /// Writes the words for meeting `epoch` (see [`read`](Self::read)).
+    fn write(&self, meeting: &Meeting<'_>, epoch: u32) {
+        let words = &meeting.calls[epoch as usize % 2];
+        let values = self.words();
+        words[0].store(0, Relaxed);
+        fence(Release);
+        for (word, &value) in words.iter().zip(&values).skip(1) {
+            word.store(value, Relaxed);
         }
+        words[0].store(values[0], Release);
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "#{} (tag {:#x}, {} bytes, root {})",
+            self.tag >> 32,
+            self.tag,
+            self.len,
+            self.root
+        )
+    }
+
+    /// Whether `other` is this very call (same tag, length and root).
+    pub fn same_call(&self, other: &CallPlace) -> bool {
+        (self.tag, self.len, self.root) == (other.tag, other.len, other.root)
     }
 }
 
@@ -66,7 +108,9 @@ impl ShmTransport {
     /// (a call that moves its bytes as messages), so a peer waiting to meet
     /// in the same call learns that this rank is not coming.
     pub fn announce(&self, place: &CallPlace) {
-        place.write(&self.shared.region().meeting(self.own_local));
+        let own = self.shared.region().meeting(self.own_local);
+        // In the words of the meeting it would be at next, where waiting peers look.
+        place.write(&own, own.epoch.load(Relaxed).wrapping_add(1));
     }
 
     /// Arrives at the next meeting in the call `place`, then waits until every
@@ -78,8 +122,8 @@ impl ShmTransport {
     pub fn meet(&self, place: &CallPlace, deadline: Instant) -> Result<(), TransportError> {
         let region = self.shared.region();
         let own = region.meeting(self.own_local);
-        place.write(&own);
         let target = own.epoch.load(Relaxed).wrapping_add(1);
+        place.write(&own, target);
         own.epoch.store(target, SeqCst);
         if own.sleepers.load(SeqCst) > 0 {
             wake::futex_wake(own.epoch);
@@ -99,7 +143,7 @@ impl ShmTransport {
                     }
                     continue;
                 }
-                self.check_peer(local, peer, place)?;
+                self.check_peer(local, peer, place, target)?;
                 let now = Instant::now();
                 if now >= deadline {
                     return Err(TransportError::Timeout {
@@ -122,24 +166,83 @@ impl ShmTransport {
         Ok(())
     }
 
-    /// Where every local rank's buffers lie (by local rank), as they last said.
+    /// Where every local rank's buffers lie (by local rank), as they said for
+    /// the meeting this rank last passed. They stay until this rank meets again.
     ///
-    /// Read right after the first meeting of a call: no rank can have moved
-    /// on to the next call before this one meets them again.
-    pub fn places(&self) -> Vec<CallPlace> {
+    /// Fails naming the first rank whose words are not this call's.
+    pub fn places(&self, mine: &CallPlace) -> Result<Vec<CallPlace>, TransportError> {
         let region = self.shared.region();
-        (0..self.local.len())
-            .map(|local| CallPlace::read(&region.meeting(local)))
-            .collect()
+        let epoch = region.meeting(self.own_local).epoch.load(Relaxed);
+        let mut places = Vec::with_capacity(self.local.len());
+        for (local, &peer) in self.local.iter().enumerate() {
+            match CallPlace::read(&region.meeting(local), epoch) {
+                Some(place) if place.same_call(mine) => places.push(place),
+                other => {
+                    return Err(TransportError::Protocol {
+                        peer,
+                        detail: format!(
+                            "rank {peer} met in call {}, this rank in {}",
+                            other.map_or("(unreadable)".into(), |p| p.describe()),
+                            mine.describe()
+                        ),
+                    })
+                }
+            }
+        }
+        Ok(places)
+    }
+
+    /// Posts `data` (at most [`MAILBOX_BYTES`] bytes) in this rank's mailbox,
+    /// meets as [`meet`](Self::meet) does, and hands `read` every local
+    /// rank's posted bytes (by local rank, each as long as `data`).
+    ///
+    /// Panics if `data` does not fit a mailbox.
+    pub fn meet_posting<R>(
+        &self,
+        place: &CallPlace,
+        data: &[u8],
+        deadline: Instant,
+        read: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Result<R, TransportError> {
+        assert!(
+            data.len() <= MAILBOX_BYTES,
+            "{} bytes do not fit a mailbox",
+            data.len()
+        );
+        let region = self.shared.region();
+        // Mailboxes alternate: a peer reads this one until it meets again, and
+        // this rank cannot reach the meeting after that one without it.
+        let which = (region.meeting(self.own_local).epoch.load(Relaxed) as usize + 1) % 2;
+        // SAFETY: the mailbox holds MAILBOX_BYTES >= data.len(); no peer reads it until the
+        // meeting below, which orders this write before their reads (release/acquire).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                region.mailbox(self.own_local, which),
+                data.len(),
+            );
+        }
+        self.meet(place, deadline)?;
+        self.places(place)?;
+        let posted: Vec<&[u8]> = (0..self.local.len())
+            // SAFETY: in bounds (`data.len() <= MAILBOX_BYTES`); every rank posted as many
+            // bytes before the meeting (they run the same call: tags checked above) and rewrites this mailbox only after
+            // meeting again, which needs this rank, still inside `read`.
+            .map(|l| unsafe {
+                std::slice::from_raw_parts(region.mailbox(l, which).cast_const(), data.len())
+            })
+            .collect();
+        Ok(read(&posted))
     }
 
     /// Fails if this rank aborted, or if `peer` (local rank `local`) will not
-    /// come to the meeting of the call `place`.
+    /// come to meeting `target`, of the call `place`.
     fn check_peer(
         &self,
         local: usize,
         peer: usize,
         place: &CallPlace,
+        target: u32,
     ) -> Result<(), TransportError> {
         let engine = self.shared.lock();
         if let Some(reason) = engine.aborted() {
@@ -149,8 +252,35 @@ impl ShmTransport {
         if region.control(local).closed.load(Acquire) != 0 || engine.peer_exited(peer) {
             return Err(TransportError::PeerClosed { peer });
         }
-        let theirs = CallPlace::read(&region.meeting(local));
-        if theirs.tag == place.tag && theirs.output.is_none() {
+        let theirs = region.meeting(local);
+        let Some(said) = CallPlace::read(&theirs, target) else {
+            return Ok(()); // being rewritten: look again later
+        };
+        let behind = (theirs.epoch.load(Acquire).wrapping_sub(target) as i32) < 0;
+        let seq = |tag: u64| (tag >> 32) as u32;
+        // Behind in meetings yet on a later call: it ran this one without meeting.
+        if behind && (seq(said.tag).wrapping_sub(seq(place.tag)) as i32) > 0 {
+            return Err(TransportError::Protocol {
+                peer,
+                detail: format!(
+                    "rank {peer} is already at call {} without meeting in {}",
+                    said.describe(),
+                    place.describe()
+                ),
+            });
+        }
+        let same_seq = seq(said.tag) == seq(place.tag);
+        if behind && same_seq && !said.same_call(place) {
+            return Err(TransportError::Protocol {
+                peer,
+                detail: format!(
+                    "rank {peer} is in call {}, this rank in {}",
+                    said.describe(),
+                    place.describe()
+                ),
+            });
+        }
+        if behind && said.same_call(place) && !said.meets {
             return Err(TransportError::Protocol {
                 peer,
                 detail: format!(

@@ -20,6 +20,7 @@ use crate::store::Store;
 use crate::{Direction, LinkCost, Request, Transport, TransportError};
 use engine::{PeerInfo, Shared};
 pub use meet::CallPlace;
+pub use region::MAILBOX_BYTES;
 pub use window::Window;
 
 /// What a shared-memory message costs, as measured with the perf tools on a
@@ -458,7 +459,10 @@ mod tests {
         let sums = each(&t, |rank, tr, store| {
             let w = tr.allocate_window(0, 1000, store).unwrap();
             let place = CallPlace {
-                tag: 9,
+                tag: 9 << 32,
+                meets: true,
+                len: 1,
+                root: 0,
                 input: Some((0, 8)),
                 output: Some((0, 8)),
             };
@@ -473,7 +477,16 @@ mod tests {
                 }
                 tr.meet(&place, deadline()).unwrap();
             }
-            assert_eq!(tr.places(), vec![place; 3]);
+            assert_eq!(tr.places(&place).unwrap(), vec![place; 3]);
+            // Posted bytes: every rank sees every rank's, meeting after meeting.
+            for round in 0..20u8 {
+                let mine = [rank as u8, round];
+                let seen = tr.meet_posting(&place, &mine, deadline(), |posted| {
+                    posted.iter().map(|p| p.to_vec()).collect::<Vec<_>>()
+                });
+                let want: Vec<Vec<u8>> = (0..3u8).map(|r| vec![r, round]).collect();
+                assert_eq!(seen.unwrap(), want);
+            }
             sum
         });
         // Each round every rank sees 3 * round + 0 + 1 + 2.
@@ -493,30 +506,57 @@ mod tests {
             errors[1].contains("8192 bytes, rank 0 for 4096"),
             "{errors:?}"
         );
-        assert!(errors[0].contains("rank 1 could not map"), "{errors:?}");
+        assert!(errors[0].contains("ranks [1] could not map"), "{errors:?}");
     }
 
     #[test]
     fn a_meeting_fails_when_a_peer_runs_the_call_on_messages_or_aborts() {
         let t = pair(2);
         let place = CallPlace {
-            tag: 5,
+            tag: 5 << 32,
+            meets: true,
+            len: 8,
+            root: 0,
             input: Some((0, 0)),
             output: Some((0, 0)),
         };
         t[1].announce(&CallPlace {
-            tag: 5,
-            input: None,
-            output: None,
+            meets: false,
+            ..place
         });
         let err = t[0].meet(&place, deadline()).unwrap_err();
         assert!(
             matches!(err, TransportError::Protocol { peer: 1, .. }),
             "{err}"
         );
+        // The same call number but another call (here another length).
+        let t = pair(2);
+        t[1].announce(&CallPlace {
+            tag: 6 << 32,
+            len: 16,
+            meets: false,
+            ..place
+        });
+        let err = t[0]
+            .meet(
+                &CallPlace {
+                    tag: 6 << 32,
+                    ..place
+                },
+                deadline(),
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("rank 1 is in call #6"), "{err}");
+        let t = pair(2);
         t[1].abort("gone");
         let err = t[0]
-            .meet(&CallPlace { tag: 6, ..place }, deadline())
+            .meet(
+                &CallPlace {
+                    tag: 7 << 32,
+                    ..place
+                },
+                deadline(),
+            )
             .unwrap_err();
         assert!(
             matches!(err, TransportError::PeerClosed { peer: 1 }),

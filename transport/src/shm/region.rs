@@ -6,6 +6,8 @@
 //! 4096         control block of local rank i (512 bytes each):
 //!                doorbell (futex word), sleeping flag, closed flag,
 //!                meeting epoch and the call it is for, meeting sleepers
+//! mailboxes    two mailboxes of local rank i (MAILBOX_BYTES each): bytes
+//!                it posts with a meeting, read by its peers until the next
 //! rings        ring (from, to) at rings + (from * locals + to) * ring_bytes:
 //!                tail (written by the sender, own 128-byte line)
 //!                head (written by the receiver, own 128-byte line)
@@ -25,7 +27,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use memmap2::MmapRaw;
 
 /// Identifies a Chorus mapping and its layout version.
-const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM03");
+const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM04");
 /// Bytes before the first control block.
 const HEADER_BYTES: usize = 4096;
 /// Bytes per control block.
@@ -33,6 +35,8 @@ const CONTROL_BYTES: usize = 512;
 /// Distance between the counters of a ring, so that producer and consumer
 /// never share a cache line (nor its prefetch pair).
 const LINE: usize = 128;
+/// Bytes a rank can post with a meeting (see [`Region::mailbox`]).
+pub const MAILBOX_BYTES: usize = 4096;
 /// Bytes of a slot's header.
 pub(crate) const SLOT_HEADER: usize = 64;
 
@@ -52,8 +56,12 @@ impl Layout {
         2 * LINE + self.slots * (SLOT_HEADER + self.slot_bytes)
     }
 
-    fn rings_at(&self) -> usize {
+    fn mailboxes_at(&self) -> usize {
         HEADER_BYTES + self.locals * CONTROL_BYTES
+    }
+
+    fn rings_at(&self) -> usize {
+        self.mailboxes_at() + self.locals * 2 * MAILBOX_BYTES
     }
 
     /// Total size of the mapping in bytes.
@@ -143,9 +151,25 @@ impl Region {
         let at = HEADER_BYTES + local * CONTROL_BYTES + 256;
         Meeting {
             epoch: self.word32(at),
-            call: std::array::from_fn(|i| self.word(at + 8 + 8 * i)),
-            sleepers: self.word32(at + 128),
+            calls: std::array::from_fn(|k| {
+                std::array::from_fn(|i| self.word(at + 8 + 64 * k + 8 * i))
+            }),
+            sleepers: self.word32(at + 192),
         }
+    }
+
+    /// Mailbox `which` (0 or 1) of local rank `local`: [`MAILBOX_BYTES`] bytes.
+    ///
+    /// Written by its rank before a meeting, read by its peers after it;
+    /// the two alternate between meetings.
+    pub fn mailbox(&self, local: usize, which: usize) -> *mut u8 {
+        assert!(
+            local < self.layout.locals && which < 2,
+            "mailbox outside the map"
+        );
+        let at = self.layout.mailboxes_at() + (2 * local + which) * MAILBOX_BYTES;
+        // SAFETY: `at + MAILBOX_BYTES <= rings_at <= total_bytes <= map.len()`.
+        unsafe { self.map.as_mut_ptr().add(at) }
     }
 
     /// The ring that carries messages from local rank `from` to local rank `to`.
@@ -179,8 +203,10 @@ pub(crate) struct Control<'a> {
 pub(crate) struct Meeting<'a> {
     /// Meetings reached so far (a futex word, wrapping).
     pub epoch: &'a AtomicU32,
-    /// The call this rank is in, as the words of a [`CallPlace`](super::CallPlace).
-    pub call: [&'a AtomicU64; 5],
+    /// The call this rank meets in, as the words of a [`CallPlace`](super::CallPlace):
+    /// for meetings of even epoch in the first, odd in the second (so peers
+    /// still reading one meeting's words are not overwritten by the next).
+    pub calls: [[&'a AtomicU64; 8]; 2],
     /// Peers sleeping on `epoch`: a rank that bumps it wakes them.
     pub sleepers: &'a AtomicU32,
 }

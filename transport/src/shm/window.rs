@@ -85,30 +85,25 @@ impl ShmTransport {
         let segment = len.div_ceil(PAGE).max(1) * PAGE;
         let locals = self.local.len();
         let total = segment.checked_mul(locals).ok_or_else(|| {
-            TransportError::Setup(format!("a window of {len} bytes per rank is too large"))
-        })?;
+            TransportError::Setup(format!(
+                "rank {rank}: a shared buffer of {len} bytes per rank is too large"
+            ))
+        });
         let key = |what: &str| format!("shm/{leader}/window/{id}/{what}");
-        let (map, created) = if rank == leader {
-            let made = setup::create(&self.config.dir, total).and_then(|(path, file)| {
-                let created = Unlink(path.clone());
-                Ok((setup::map(&file, &path)?, created))
+        // Every way out tells the others, so nobody waits out the timeout, and
+        // every rank returns an error when any fails.
+        let map = if rank == leader {
+            let made = total.and_then(|total| {
+                let (path, file) = setup::create(&self.config.dir, total)?;
+                let created = Unlink(path);
+                Ok((setup::map(&file, &created.0)?, created))
             });
-            // Tell the others either way, so they do not wait out the timeout.
             let told = match &made {
                 Ok((_, created)) => format!("{len} {}", created.0.to_string_lossy()),
                 Err(e) => format!("error {e}"),
             };
             store.set(&key("path"), told.as_bytes())?;
             let (map, created) = made?;
-            (map, Some(created))
-        } else {
-            let mapped = self.open_window(len, total, &key("path"), store);
-            // Tell the creator either way, so it does not wait out the timeout.
-            let said: &[u8] = if mapped.is_ok() { b"1" } else { b"0" };
-            store.set(&key(&format!("mapped/{rank}")), said)?;
-            (mapped?, None)
-        };
-        if let Some(created) = created {
             store.set(&key(&format!("mapped/{rank}")), b"1")?;
             let keys: Vec<String> = self
                 .local
@@ -116,16 +111,43 @@ impl ShmTransport {
                 .map(|r| key(&format!("mapped/{r}")))
                 .collect();
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            store.wait(&keys, self.config.timeout)?;
+            if let Err(e) = store.wait(&keys, self.config.timeout) {
+                // Those that did map wait for a verdict: give them one.
+                store.set(&key("verdict"), format!("{e}").as_bytes())?;
+                return Err(e.into());
+            }
             drop(created);
+            let mut failed = Vec::new();
             for &r in &self.local {
                 if store.get(&key(&format!("mapped/{r}")))? != b"1" {
-                    return Err(TransportError::Setup(format!(
-                        "rank {r} could not map shared buffer {id} (see its error)"
-                    )));
+                    failed.push(r.to_string());
                 }
             }
-        }
+            if failed.is_empty() {
+                store.set(&key("verdict"), b"ok")?;
+            } else {
+                let why = format!(
+                    "ranks [{}] could not map it (see their errors)",
+                    failed.join(", ")
+                );
+                store.set(&key("verdict"), why.as_bytes())?;
+                return Err(TransportError::Setup(format!("shared buffer {id}: {why}")));
+            }
+            map
+        } else {
+            let mapped = total.and_then(|total| self.open_window(len, total, &key("path"), store));
+            let said: &[u8] = if mapped.is_ok() { b"1" } else { b"0" };
+            store.set(&key(&format!("mapped/{rank}")), said)?;
+            let map = mapped?;
+            let verdict = store.get(&key("verdict"))?;
+            if verdict != b"ok" {
+                return Err(TransportError::Setup(format!(
+                    "shared buffer {id} failed on rank {leader}: {}",
+                    String::from_utf8_lossy(&verdict)
+                )));
+            }
+            map
+        };
         Ok(Window {
             id,
             map,
@@ -164,7 +186,7 @@ impl ShmTransport {
         let map = setup::map(&setup::open(&path, rank, leader)?, &path)?;
         if map.len() < total {
             return Err(TransportError::Setup(format!(
-                "the window file {} has {} bytes, expected {total}",
+                "rank {rank}: the shared-buffer file {} of rank {leader} has {} bytes, expected {total}",
                 path.display(),
                 map.len()
             )));

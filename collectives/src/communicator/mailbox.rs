@@ -1,0 +1,62 @@
+//! Small calls on one host: each rank posts its bytes in its mailbox in the
+//! shared region and meets its peers once (see [`ShmTransport::meet_posting`]);
+//! then every rank reduces, in rank order, or copies the root's bytes. One
+//! meeting replaces the rounds of messages a barrier, an all-reduce or a
+//! broadcast of up to `MAILBOX_BYTES` would take.
+
+use std::time::Instant;
+
+use chorus_kernels::{finish_avg, reduce, reduce_into, DType, ReduceOp};
+use chorus_transport::shm::{CallPlace, ShmTransport};
+
+use super::Kind;
+use crate::executor::Buffers;
+use crate::Result;
+
+/// Runs a `kind` call on `bufs` (at most `MAILBOX_BYTES`) with one meeting.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run(
+    shm: &ShmTransport,
+    place: &CallPlace,
+    deadline: Instant,
+    kind: Kind,
+    root: usize,
+    bufs: &Buffers,
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    if kind == Kind::Barrier {
+        shm.meet(place, deadline)?;
+        shm.places(place)?;
+        return Ok(());
+    }
+    // Copied out before the output is written: in place, they are the same memory.
+    // SAFETY: the caller's borrow of the input lasts for the call, and only this thread
+    // touches it (no request is posted); the slice ends with this statement.
+    let input = unsafe { bufs.input() }.to_vec();
+    // SAFETY: the caller's borrow of the output lasts for the call, and only this thread
+    // touches it (no request is posted); no other slice of it lives from here on.
+    let output = unsafe {
+        let (at, len) = bufs.output_raw();
+        std::slice::from_raw_parts_mut(at, len)
+    };
+    let local_root = shm.local_ranks().iter().position(|&r| r == root);
+    shm.meet_posting(place, &input, deadline, |posted| -> Result<()> {
+        match kind {
+            Kind::Broadcast => {
+                let root = local_root.expect("the root is a local rank");
+                output.copy_from_slice(posted[root]);
+            }
+            _ => {
+                reduce_into(op, dtype, output, posted[0], posted[1])?;
+                for p in &posted[2..] {
+                    reduce(op, dtype, output, p)?;
+                }
+                if op == ReduceOp::Avg {
+                    finish_avg(dtype, output, posted.len())?;
+                }
+            }
+        }
+        Ok(())
+    })?
+}
