@@ -28,7 +28,9 @@ fn chaos(world: usize, args: &[&str], timeout_s: &str) -> LaunchReport {
         .timeout(Duration::from_secs(120))
         .output(Output::Capture)
         .wait_all(true)
-        .env("CHORUS_TIMEOUT", timeout_s);
+        .env("CHORUS_TIMEOUT", timeout_s)
+        // Warnings too: the watchdog's stall reports.
+        .env("CHORUS_DEBUG", "warn");
     let report = launch(&spec).expect("launch");
     assert!(!report.timed_out, "the job hung:\n{}", dump(&report));
     report
@@ -88,8 +90,8 @@ fn a_killed_rank_is_named_by_every_survivor() {
     }
 }
 
-/// A rank stopped with SIGSTOP: the others time out naming it; once continued it fails too
-/// instead of computing with what is left.
+/// A rank stopped with SIGSTOP: the others warn of the stall, then time out naming it; once
+/// continued it fails too instead of computing with what is left.
 #[test]
 fn a_stopped_rank_is_named_and_fails_when_continued() {
     let dir = std::env::temp_dir().join(format!("chorus-stop-{}", std::process::id()));
@@ -101,6 +103,12 @@ fn a_stopped_rank_is_named_and_fails_when_continued() {
         assert!(
             error.contains("rank 2 did not answer"),
             "rank {rank}: {error}\n{}",
+            dump(&report)
+        );
+        // The watchdog warned before the timeout (half of it, by default).
+        assert!(
+            report.ranks[rank].stderr.contains("has waited"),
+            "rank {rank} gave no stall warning:\n{}",
             dump(&report)
         );
     }

@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use chorus_kernels::{finish_avg, reduce, reduce_into, DType, ReduceOp};
-use chorus_transport::shm::{CallPlace, ShmTransport};
+use chorus_transport::shm::{CallPlace, ShmTransport, Stall};
 
 use super::Kind;
 use crate::executor::Buffers;
@@ -18,7 +18,7 @@ use crate::Result;
 pub(super) fn run(
     shm: &ShmTransport,
     place: &CallPlace,
-    deadline: Instant,
+    (deadline, stall): (Instant, Option<Stall<'_>>),
     kind: Kind,
     root: usize,
     bufs: &Buffers,
@@ -26,7 +26,7 @@ pub(super) fn run(
     op: ReduceOp,
 ) -> Result<()> {
     if kind == Kind::Barrier {
-        shm.meet(place, deadline)?;
+        shm.meet(place, deadline, stall)?;
         shm.places(place)?;
         return Ok(());
     }
@@ -41,7 +41,7 @@ pub(super) fn run(
         std::slice::from_raw_parts_mut(at, len)
     };
     let local_root = shm.local_ranks().iter().position(|&r| r == root);
-    shm.meet_posting(place, &input, deadline, |posted| -> Result<()> {
+    shm.meet_posting(place, &input, deadline, stall, |posted| -> Result<()> {
         match kind {
             Kind::Broadcast => {
                 let root = local_root.expect("the root is a local rank");

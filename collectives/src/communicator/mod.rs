@@ -496,7 +496,15 @@ impl Inner {
         let tag = tag(state.seq, &info);
         let result = match &call.shared {
             Some(shared) => self
-                .run_shared(shared, &call.bufs, tag, info.count, info.dtype, info.op)
+                .run_shared(
+                    shared,
+                    &call.bufs,
+                    tag,
+                    info.count,
+                    info.dtype,
+                    info.op,
+                    watcher.as_ref().map(|w| w as &dyn Watch),
+                )
                 .map_err(|e| {
                     let e = e.on_rank(self.config.rank);
                     let e = match &watcher {

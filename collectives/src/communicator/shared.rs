@@ -11,17 +11,18 @@
 //! reading it. A broadcast meets twice, the ranks splitting the root's
 //! bytes among them and writing them into every output.
 
+use std::cell::Cell;
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use chorus_kernels::{finish_avg, reduce, reduce_into, DType, Element, ReduceOp};
-use chorus_transport::shm::{CallPlace, ShmTransport, Window, MAILBOX_BYTES};
+use chorus_transport::shm::{CallPlace, ShmTransport, Stall, Window, MAILBOX_BYTES};
 use chorus_transport::store::PrefixStore;
 use chorus_transport::TransportError;
 
 use super::{lock, mailbox, Communicator, Inner, Kind};
-use crate::executor::Buffers;
+use crate::executor::{Buffers, Watch};
 use crate::tuner::Collective;
 use crate::{Error, Result};
 
@@ -276,7 +277,9 @@ impl Inner {
         }
     }
 
-    /// Runs `call` on `bufs` (tag `tag`, `count` elements of `dtype`) through shared memory.
+    /// Runs `call` on `bufs` (tag `tag`, `count` elements of `dtype`) through
+    /// shared memory; a meeting that outlasts `watch`'s warning time is reported to it, once.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn run_shared(
         &self,
         call: &SharedCall,
@@ -285,9 +288,20 @@ impl Inner {
         count: usize,
         dtype: DType,
         op: ReduceOp,
+        watch: Option<&dyn Watch>,
     ) -> Result<()> {
         let shm = self.all_shm().expect("shared calls need shared memory");
         let deadline = Instant::now() + self.config.timeout;
+        let warned = Cell::new(false);
+        let tell = || {
+            if !warned.replace(true) {
+                watch.inspect(|w| w.stalled());
+            }
+        };
+        let stall = watch
+            .and_then(|w| w.warn_at())
+            .filter(|&at| at < deadline)
+            .map(|at| Stall { at, tell: &tell });
         match call {
             SharedCall::Mailbox { kind, root } => {
                 let place = CallPlace {
@@ -297,10 +311,19 @@ impl Inner {
                     root: *root,
                     ..CallPlace::default()
                 };
-                mailbox::run(shm, &place, deadline, *kind, *root, bufs, dtype, op)
+                mailbox::run(
+                    shm,
+                    &place,
+                    (deadline, stall),
+                    *kind,
+                    *root,
+                    bufs,
+                    dtype,
+                    op,
+                )
             }
             SharedCall::Windows(call) => {
-                self.run_windows(shm, deadline, call, tag, count, dtype, op)
+                self.run_windows(shm, (deadline, stall), call, tag, count, dtype, op)
             }
         }
     }
@@ -310,7 +333,7 @@ impl Inner {
     fn run_windows(
         &self,
         shm: &ShmTransport,
-        deadline: Instant,
+        (deadline, stall): (Instant, Option<Stall<'_>>),
         call: &WindowCall,
         tag: u64,
         count: usize,
@@ -326,17 +349,17 @@ impl Inner {
             input: Some((call.input.0.id(), call.input.1)),
             output: Some((call.output.0.id(), call.output.1)),
         };
-        shm.meet(&place, deadline)?;
+        shm.meet(&place, deadline, stall)?;
         let peers = self.resolve(shm, &shm.places(&place)?, len)?;
         match call.kind {
             Kind::Broadcast => {
                 broadcast(&peers, self.config.rank, call.root, len);
-                shm.meet(&place, deadline)?;
+                shm.meet(&place, deadline, stall)?;
             }
             _ if len <= WHOLE_BYTES => {
                 let mut sum = vec![0u8; len];
                 reduce_whole(&peers, &mut sum, dtype, op)?;
-                shm.meet(&place, deadline)?;
+                shm.meet(&place, deadline, stall)?;
                 // SAFETY: this rank's output holds `len` bytes (checked in `resolve`); after
                 // the second meeting no peer reads it.
                 let out =
@@ -347,9 +370,9 @@ impl Inner {
                 let me = self.config.rank;
                 let blocks = |r: usize| block(count, peers.len(), r);
                 reduce_block(&peers, me, blocks(me), dtype, op)?;
-                shm.meet(&place, deadline)?;
+                shm.meet(&place, deadline, stall)?;
                 gather_blocks(&peers, me, blocks, dtype.size());
-                shm.meet(&place, deadline)?;
+                shm.meet(&place, deadline, stall)?;
             }
         }
         Ok(())

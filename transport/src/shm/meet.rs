@@ -22,6 +22,16 @@ const SPINS: u32 = 2000;
 /// Longest sleep between checks for an abort or a dead peer.
 const NAP: Duration = Duration::from_millis(1);
 
+/// When a meeting counts as stalled, and whom to tell (each meeting that
+/// outlasts `at` calls `tell` once; the meeting goes on waiting).
+#[derive(Clone, Copy)]
+pub struct Stall<'a> {
+    /// From when waiting is a stall.
+    pub at: Instant,
+    /// Told of the stall.
+    pub tell: &'a dyn Fn(),
+}
+
 /// The call a rank is in and where its buffers lie, as its local peers see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CallPlace {
@@ -119,7 +129,13 @@ impl ShmTransport {
     /// Fails naming the peer if a peer announced the same call without
     /// meeting, closed its transport, or exited; with `Aborted` if this
     /// transport was aborted; with `Timeout` naming a missing peer at `deadline`.
-    pub fn meet(&self, place: &CallPlace, deadline: Instant) -> Result<(), TransportError> {
+    /// A wait past `stall.at` is reported to `stall.tell`, once.
+    pub fn meet(
+        &self,
+        place: &CallPlace,
+        deadline: Instant,
+        stall: Option<Stall<'_>>,
+    ) -> Result<(), TransportError> {
         let region = self.shared.region();
         let own = region.meeting(self.own_local);
         let target = own.epoch.load(Relaxed).wrapping_add(1);
@@ -130,6 +146,7 @@ impl ShmTransport {
         }
         let started = Instant::now();
         let mut polls = 0u32;
+        let mut stall = stall;
         for (local, &peer) in self.local.iter().enumerate() {
             let theirs = region.meeting(local);
             // Wrapping comparison: arrived once its epoch is not behind ours.
@@ -145,6 +162,10 @@ impl ShmTransport {
                 }
                 self.check_peer(local, peer, place, target)?;
                 let now = Instant::now();
+                if let Some(s) = stall.filter(|s| now >= s.at) {
+                    (s.tell)();
+                    stall = None;
+                }
                 if now >= deadline {
                     return Err(TransportError::Timeout {
                         peer,
@@ -202,6 +223,7 @@ impl ShmTransport {
         place: &CallPlace,
         data: &[u8],
         deadline: Instant,
+        stall: Option<Stall<'_>>,
         read: impl FnOnce(&[&[u8]]) -> R,
     ) -> Result<R, TransportError> {
         assert!(
@@ -222,7 +244,7 @@ impl ShmTransport {
                 data.len(),
             );
         }
-        self.meet(place, deadline)?;
+        self.meet(place, deadline, stall)?;
         self.places(place)?;
         let posted: Vec<&[u8]> = (0..self.local.len())
             // SAFETY: in bounds (`data.len() <= MAILBOX_BYTES`); every rank posted as many

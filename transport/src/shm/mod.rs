@@ -19,7 +19,7 @@ use std::time::Duration;
 use crate::store::Store;
 use crate::{Direction, LinkCost, Request, Transport, TransportError};
 use engine::{PeerInfo, Shared};
-pub use meet::CallPlace;
+pub use meet::{CallPlace, Stall};
 pub use region::MAILBOX_BYTES;
 pub use window::Window;
 
@@ -470,18 +470,18 @@ mod tests {
             for round in 0..50u8 {
                 // SAFETY: own segment, 1000 bytes; peers read it only between meetings.
                 unsafe { w.own().add(8 + rank).write(round + rank as u8) };
-                tr.meet(&place, deadline()).unwrap();
+                tr.meet(&place, deadline(), None).unwrap();
                 for peer in 0..3 {
                     // SAFETY: in bounds; every rank wrote its byte before the meeting.
                     sum += u64::from(unsafe { w.segment(peer).add(8 + peer).read() });
                 }
-                tr.meet(&place, deadline()).unwrap();
+                tr.meet(&place, deadline(), None).unwrap();
             }
             assert_eq!(tr.places(&place).unwrap(), vec![place; 3]);
             // Posted bytes: every rank sees every rank's, meeting after meeting.
             for round in 0..20u8 {
                 let mine = [rank as u8, round];
-                let seen = tr.meet_posting(&place, &mine, deadline(), |posted| {
+                let seen = tr.meet_posting(&place, &mine, deadline(), None, |posted| {
                     posted.iter().map(|p| p.to_vec()).collect::<Vec<_>>()
                 });
                 let want: Vec<Vec<u8>> = (0..3u8).map(|r| vec![r, round]).collect();
@@ -492,6 +492,35 @@ mod tests {
         // Each round every rank sees 3 * round + 0 + 1 + 2.
         let want: u64 = (0..50u64).map(|r| 3 * r + 3).sum();
         assert_eq!(sums, vec![want; 3]);
+    }
+
+    #[test]
+    fn a_meeting_past_its_stall_time_says_so_once_and_goes_on() {
+        let t = pair(2);
+        let place = CallPlace {
+            tag: 3 << 32,
+            meets: true,
+            ..CallPlace::default()
+        };
+        let told = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // Arrives only once the other rank has reported the stall.
+                while told.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                t[1].meet(&place, deadline(), None).unwrap();
+            });
+            let tell = || {
+                told.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            };
+            let stall = Stall {
+                at: Instant::now(),
+                tell: &tell,
+            };
+            t[0].meet(&place, deadline(), Some(stall)).unwrap();
+        });
+        assert_eq!(told.into_inner(), 1);
     }
 
     #[test]
@@ -524,7 +553,7 @@ mod tests {
             meets: false,
             ..place
         });
-        let err = t[0].meet(&place, deadline()).unwrap_err();
+        let err = t[0].meet(&place, deadline(), None).unwrap_err();
         assert!(
             matches!(err, TransportError::Protocol { peer: 1, .. }),
             "{err}"
@@ -544,6 +573,7 @@ mod tests {
                     ..place
                 },
                 deadline(),
+                None,
             )
             .unwrap_err();
         assert!(err.to_string().contains("rank 1 is in call #6"), "{err}");
@@ -556,6 +586,7 @@ mod tests {
                     ..place
                 },
                 deadline(),
+                None,
             )
             .unwrap_err();
         assert!(
