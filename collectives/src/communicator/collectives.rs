@@ -112,7 +112,7 @@ impl Communicator {
         let bufs = Buffers::new(None, &mut []);
         self.run_now(Call {
             info,
-            shared: self.inner.shared_call(Kind::Barrier, 0, &bufs),
+            shared: self.inner.shared_call(&info, &bufs),
             bufs,
             steps,
             _borrow: PhantomData,
@@ -156,7 +156,7 @@ impl Inner {
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
             info,
-            shared: self.shared_call(Kind::AllReduce, 0, &bufs),
+            shared: self.shared_call(&info, &bufs),
             bufs,
             steps,
             _borrow: PhantomData,
@@ -187,7 +187,7 @@ impl Inner {
         let bufs = Buffers::same_len(input, output)?;
         Ok(Call {
             info,
-            shared: self.shared_call(Kind::Broadcast, root, &bufs),
+            shared: self.shared_call(&info, &bufs),
             bufs,
             steps,
             _borrow: PhantomData,

@@ -6,25 +6,22 @@
 
 use std::time::Instant;
 
-use chorus_kernels::{finish_avg, reduce, reduce_into, DType, ReduceOp};
+use chorus_kernels::{finish_avg, reduce, reduce_into, ReduceOp};
 use chorus_transport::shm::{CallPlace, ShmTransport, Stall};
 
-use super::Kind;
+use super::{CallInfo, Kind};
 use crate::executor::Buffers;
 use crate::Result;
 
-/// Runs a `kind` call on `bufs` (at most `MAILBOX_BYTES`) with one meeting.
-#[allow(clippy::too_many_arguments)]
+/// Runs call `info` on `bufs` (at most `MAILBOX_BYTES`) with one meeting.
 pub(super) fn run(
     shm: &ShmTransport,
     place: &CallPlace,
     (deadline, stall): (Instant, Option<Stall<'_>>),
-    kind: Kind,
-    root: usize,
+    info: &CallInfo,
     bufs: &Buffers,
-    dtype: DType,
-    op: ReduceOp,
 ) -> Result<()> {
+    let (kind, root, dtype, op) = (info.kind, info.root, info.dtype, info.op);
     if kind == Kind::Barrier {
         shm.meet(place, deadline, stall)?;
         shm.places(place)?;

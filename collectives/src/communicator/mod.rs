@@ -500,9 +500,7 @@ impl Inner {
                     shared,
                     &call.bufs,
                     tag,
-                    info.count,
-                    info.dtype,
-                    info.op,
+                    &info,
                     watcher.as_ref().map(|w| w as &dyn Watch),
                 )
                 .map_err(|e| {

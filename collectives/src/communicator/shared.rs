@@ -21,7 +21,7 @@ use chorus_transport::shm::{CallPlace, ShmTransport, Stall, Window, MAILBOX_BYTE
 use chorus_transport::store::PrefixStore;
 use chorus_transport::TransportError;
 
-use super::{lock, mailbox, Communicator, Inner, Kind};
+use super::{lock, mailbox, CallInfo, Communicator, Inner, Kind};
 use crate::executor::{Buffers, Watch};
 use crate::tuner::Collective;
 use crate::{Error, Result};
@@ -191,15 +191,13 @@ impl Communicator {
 /// A collective that meets its peers through shared memory instead of sending messages.
 pub(crate) enum SharedCall {
     /// Small: each rank posts its bytes in its mailbox with one meeting.
-    Mailbox { kind: Kind, root: usize },
+    Mailbox,
     /// On shared buffers: peers read and write them directly.
     Windows(WindowCall),
 }
 
 /// A collective on shared buffers.
 pub(crate) struct WindowCall {
-    kind: Kind,
-    root: usize,
     input: (Arc<Window>, usize),
     output: (Arc<Window>, usize),
 }
@@ -213,31 +211,26 @@ impl Inner {
             .and_then(|t| t.shm())
     }
 
-    /// How to run a `kind` call on `bufs` through shared memory: by mailbox
-    /// when small, directly when they lie in this communicator's shared
-    /// buffers; `None` runs it as messages.
-    pub(super) fn shared_call(
-        &self,
-        kind: Kind,
-        root: usize,
-        bufs: &Buffers,
-    ) -> Option<SharedCall> {
+    /// How to run `call` on `bufs` through shared memory: by mailbox when
+    /// small, directly when they lie in this communicator's shared buffers;
+    /// `None` runs it as messages.
+    pub(super) fn shared_call(&self, call: &CallInfo, bufs: &Buffers) -> Option<SharedCall> {
         self.all_shm()?;
         let len = bufs.addresses().1.len();
-        let forced = match kind {
+        let forced = match call.kind {
             Kind::AllReduce => self.config.algo.get(Collective::AllReduce).is_some(),
             Kind::Broadcast => self.config.algo.get(Collective::Broadcast).is_some(),
             _ => false,
         };
         if len <= MAILBOX_BYTES && !forced {
-            return Some(SharedCall::Mailbox { kind, root });
+            return Some(SharedCall::Mailbox);
         }
-        self.window_call(kind, root, bufs).map(SharedCall::Windows)
+        self.window_call(call, bufs).map(SharedCall::Windows)
     }
 
-    /// How to run a `kind` call on `bufs` directly, if they lie in this
+    /// How to run `call` on `bufs` directly, if they lie in this
     /// communicator's shared buffers.
-    fn window_call(&self, kind: Kind, root: usize, bufs: &Buffers) -> Option<WindowCall> {
+    fn window_call(&self, call: &CallInfo, bufs: &Buffers) -> Option<WindowCall> {
         let windows = lock(&self.windows);
         if windows.live.is_empty() {
             return None;
@@ -248,7 +241,7 @@ impl Inner {
         // Only the root's input is read by a broadcast.
         let input = match windows.find(&input) {
             Some(input) => input,
-            None if kind == Kind::Broadcast && root != self.config.rank => output.clone(),
+            None if call.kind == Kind::Broadcast && call.root != self.config.rank => output.clone(),
             None => return None,
         };
         let same_window = Arc::ptr_eq(&input.0, &output.0);
@@ -256,12 +249,7 @@ impl Inner {
             // Partly overlapping input and output: the message path rejects or handles it.
             return None;
         }
-        Some(WindowCall {
-            kind,
-            root,
-            input,
-            output,
-        })
+        Some(WindowCall { input, output })
     }
 
     /// Tells the other ranks that call `tag` (`len` bytes, `root`) runs on
@@ -277,17 +265,14 @@ impl Inner {
         }
     }
 
-    /// Runs `call` on `bufs` (tag `tag`, `count` elements of `dtype`) through
-    /// shared memory; a meeting that outlasts `watch`'s warning time is reported to it, once.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs `how` on `bufs` through shared memory: call `info`, tagged `tag`; a
+    /// meeting that outlasts `watch`'s warning time is reported to it, once.
     pub(super) fn run_shared(
         &self,
-        call: &SharedCall,
+        how: &SharedCall,
         bufs: &Buffers,
         tag: u64,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
+        info: &CallInfo,
         watch: Option<&dyn Watch>,
     ) -> Result<()> {
         let shm = self.all_shm().expect("shared calls need shared memory");
@@ -302,64 +287,46 @@ impl Inner {
             .and_then(|w| w.warn_at())
             .filter(|&at| at < deadline)
             .map(|at| Stall { at, tell: &tell });
-        match call {
-            SharedCall::Mailbox { kind, root } => {
+        let place = CallPlace {
+            tag,
+            meets: true,
+            len: info.count * info.dtype.size(),
+            root: info.root,
+            ..CallPlace::default()
+        };
+        match how {
+            SharedCall::Mailbox => mailbox::run(shm, &place, (deadline, stall), info, bufs),
+            SharedCall::Windows(on) => {
                 let place = CallPlace {
-                    tag,
-                    meets: true,
-                    len: count * dtype.size(),
-                    root: *root,
-                    ..CallPlace::default()
+                    input: Some((on.input.0.id(), on.input.1)),
+                    output: Some((on.output.0.id(), on.output.1)),
+                    ..place
                 };
-                mailbox::run(
-                    shm,
-                    &place,
-                    (deadline, stall),
-                    *kind,
-                    *root,
-                    bufs,
-                    dtype,
-                    op,
-                )
-            }
-            SharedCall::Windows(call) => {
-                self.run_windows(shm, (deadline, stall), call, tag, count, dtype, op)
+                self.run_windows(shm, &place, (deadline, stall), info)
             }
         }
     }
 
-    /// Runs `call` on shared buffers.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs call `info` on the shared buffers `place` names.
     fn run_windows(
         &self,
         shm: &ShmTransport,
+        place: &CallPlace,
         (deadline, stall): (Instant, Option<Stall<'_>>),
-        call: &WindowCall,
-        tag: u64,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
+        info: &CallInfo,
     ) -> Result<()> {
-        let len = count * dtype.size();
-        let place = CallPlace {
-            tag,
-            meets: true,
-            len,
-            root: call.root,
-            input: Some((call.input.0.id(), call.input.1)),
-            output: Some((call.output.0.id(), call.output.1)),
-        };
-        shm.meet(&place, deadline, stall)?;
-        let peers = self.resolve(shm, &shm.places(&place)?, len)?;
-        match call.kind {
+        let (count, dtype, op, len) = (info.count, info.dtype, info.op, place.len);
+        shm.meet(place, deadline, stall)?;
+        let peers = self.resolve(shm, &shm.places(place)?, len)?;
+        match info.kind {
             Kind::Broadcast => {
-                broadcast(&peers, self.config.rank, call.root, len);
-                shm.meet(&place, deadline, stall)?;
+                broadcast(&peers, self.config.rank, info.root, len);
+                shm.meet(place, deadline, stall)?;
             }
             _ if len <= WHOLE_BYTES => {
                 let mut sum = vec![0u8; len];
                 reduce_whole(&peers, &mut sum, dtype, op)?;
-                shm.meet(&place, deadline, stall)?;
+                shm.meet(place, deadline, stall)?;
                 // SAFETY: this rank's output holds `len` bytes (checked in `resolve`); after
                 // the second meeting no peer reads it.
                 let out =
@@ -370,9 +337,9 @@ impl Inner {
                 let me = self.config.rank;
                 let blocks = |r: usize| block(count, peers.len(), r);
                 reduce_block(&peers, me, blocks(me), dtype, op)?;
-                shm.meet(&place, deadline, stall)?;
+                shm.meet(place, deadline, stall)?;
                 gather_blocks(&peers, me, blocks, dtype.size());
-                shm.meet(&place, deadline, stall)?;
+                shm.meet(place, deadline, stall)?;
             }
         }
         Ok(())
