@@ -227,16 +227,24 @@ pub fn execute(
         .iter()
         .try_for_each(|step| run.step(step))
         .and_then(|()| run.settle_all());
-    result.map_err(|error| {
-        let error = match job.watch {
-            Some(watch) => watch.failed(error),
-            None => error,
-        };
-        if let Some(transport) = job.transport {
-            transport.abort(&format!("a collective failed on this rank: {error}"));
-        }
-        error
-    })
+    result.map_err(|error| failed(error, job.watch, job.transport))
+}
+
+/// Explains a call's failure through `watch`, then aborts `transport` so no
+/// peer request still refers to the caller's buffers; returns the error to report.
+pub(crate) fn failed(
+    error: Error,
+    watch: Option<&dyn Watch>,
+    transport: Option<&dyn Transport>,
+) -> Error {
+    let error = match watch {
+        Some(watch) => watch.failed(error),
+        None => error,
+    };
+    if let Some(transport) = transport {
+        transport.abort(&format!("a collective failed on this rank: {error}"));
+    }
+    error
 }
 
 struct Run<'a, 'j> {

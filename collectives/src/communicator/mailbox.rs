@@ -6,9 +6,9 @@
 
 use std::time::Instant;
 
-use chorus_kernels::{finish_avg, reduce, reduce_into, ReduceOp};
 use chorus_transport::shm::{CallPlace, ShmTransport, Stall};
 
+use super::shared::reduce_all;
 use super::{CallInfo, Kind};
 use crate::executor::Buffers;
 use crate::Result;
@@ -44,15 +44,7 @@ pub(super) fn run(
                 let root = local_root.expect("the root is a local rank");
                 output.copy_from_slice(posted[root]);
             }
-            _ => {
-                reduce_into(op, dtype, output, posted[0], posted[1])?;
-                for p in &posted[2..] {
-                    reduce(op, dtype, output, p)?;
-                }
-                if op == ReduceOp::Avg {
-                    finish_avg(dtype, output, posted.len())?;
-                }
-            }
+            _ => reduce_all(posted, output, dtype, op)?,
         }
         Ok(())
     })?

@@ -504,15 +504,11 @@ impl Inner {
                     watcher.as_ref().map(|w| w as &dyn Watch),
                 )
                 .map_err(|e| {
-                    let e = e.on_rank(self.config.rank);
-                    let e = match &watcher {
-                        Some(w) => w.failed(e),
-                        None => e,
-                    };
-                    if let Some(t) = &self.transport {
-                        t.abort(&format!("a collective failed on this rank: {e}"));
-                    }
-                    e
+                    executor::failed(
+                        e.on_rank(self.config.rank),
+                        watcher.as_ref().map(|w| w as &dyn Watch),
+                        self.transport.as_ref().map(|t| t as &dyn Transport),
+                    )
                 }),
             None => {
                 self.announce_messages(tag, call.bufs.addresses().1.len(), info.root);

@@ -325,7 +325,13 @@ impl Inner {
             }
             _ if len <= WHOLE_BYTES => {
                 let mut sum = vec![0u8; len];
-                reduce_whole(&peers, &mut sum, dtype, op)?;
+                // SAFETY: every rank's input holds `len` bytes (checked in `resolve`);
+                // between the first and second meetings nobody writes an input.
+                let inputs: Vec<&[u8]> = peers
+                    .iter()
+                    .map(|p| unsafe { std::slice::from_raw_parts(p.input.cast_const(), len) })
+                    .collect();
+                reduce_all(&inputs, &mut sum, dtype, op)?;
                 shm.meet(place, deadline, stall)?;
                 // SAFETY: this rank's output holds `len` bytes (checked in `resolve`); after
                 // the second meeting no peer reads it.
@@ -439,19 +445,20 @@ fn reduce_block(
     Ok(())
 }
 
-/// Reduces every rank's input, in rank order (so every rank gets the same
-/// bytes), into `sum`.
-fn reduce_whole(peers: &[Ends], sum: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let len = sum.len();
-    // SAFETY: every rank's input holds `len` bytes (checked in `resolve`); between the
-    // first and second meetings nobody writes an input.
-    let input = |r: usize| unsafe { std::slice::from_raw_parts(peers[r].input.cast_const(), len) };
-    reduce_into(op, dtype, sum, input(0), input(1))?;
-    for r in 2..peers.len() {
-        reduce(op, dtype, sum, input(r))?;
+/// Reduces `inputs` (one per rank), in rank order so every rank gets the
+/// same bytes, into `sum`.
+pub(super) fn reduce_all(
+    inputs: &[&[u8]],
+    sum: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    reduce_into(op, dtype, sum, inputs[0], inputs[1])?;
+    for input in &inputs[2..] {
+        reduce(op, dtype, sum, input)?;
     }
     if op == ReduceOp::Avg {
-        finish_avg(dtype, sum, peers.len())?;
+        finish_avg(dtype, sum, inputs.len())?;
     }
     Ok(())
 }
