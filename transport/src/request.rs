@@ -60,41 +60,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Lets a waiting thread move bytes itself while it spins, instead of
-/// waiting for the progress thread to be scheduled.
+/// Lets a waiting thread move bytes itself, instead of waiting for a
+/// progress thread to be scheduled.
 pub trait Progress: Send + Sync + std::fmt::Debug {
     /// Serves the connections to `peer` once, without blocking.
     fn poll(&self, peer: usize);
 
+    /// Sleeps until this transport's connections can move bytes (or `until`, or a few
+    /// milliseconds, pass), then moves them. `false` if the transport cannot put a waiter to
+    /// sleep this way: the waiter then parks its thread until the request completes.
+    fn block(&self, _until: Instant) -> bool {
+        false
+    }
+
     /// Called when a waiter on `peer` stops spinning and parks its thread:
     /// whatever moves bytes in the background must take over now.
     fn parking(&self, _peer: usize) {}
-
-    /// Called once when a waiter on `peer` parks for the first time; paired
-    /// with one [`unparked`](Progress::unparked) when its wait returns.
-    fn parked(&self, _peer: usize) {}
-
-    /// Called when a waiter that parked returns, its request finished or timed out.
-    fn unparked(&self, _peer: usize) {}
-}
-
-/// A waiter that parked, from `parked` to `unparked` (on drop).
-struct Parked<'a> {
-    progress: &'a dyn Progress,
-    peer: usize,
-}
-
-impl<'a> Parked<'a> {
-    fn begin(progress: &'a dyn Progress, peer: usize) -> Parked<'a> {
-        progress.parked(peer);
-        Parked { progress, peer }
-    }
-}
-
-impl Drop for Parked<'_> {
-    fn drop(&mut self) {
-        self.progress.unparked(self.peer);
-    }
 }
 
 /// Which direction a request moves bytes.
@@ -174,13 +155,14 @@ impl Request {
     /// Blocks until the request finishes or `deadline` passes.
     ///
     /// Spins briefly, moving bytes itself through the request's progress hook
-    /// (small messages finish within microseconds), then parks the thread. Fails with the request's own error, or `Timeout` naming the
-    /// peer; after a timeout the caller must abort the transport before it
-    /// reuses the request's buffer.
+    /// (small messages finish within microseconds), then sleeps until the
+    /// transport's connections can move bytes and moves them itself, or, where
+    /// the transport cannot do that, parks the thread. Fails with the request's
+    /// own error, or `Timeout` naming the peer; after a timeout the caller must
+    /// abort the transport before it reuses the request's buffer.
     pub fn wait(&self, deadline: Instant) -> Result<(), TransportError> {
         let start = Instant::now();
         let spin_until = start + SPIN;
-        let mut parked: Option<Parked<'_>> = None;
         loop {
             if let Some(result) = self.completion.poll() {
                 return result;
@@ -201,11 +183,13 @@ impl Request {
                 }
                 continue;
             }
+            if let Some(progress) = &self.progress {
+                if progress.block(deadline) {
+                    continue;
+                }
+            }
             *lock(&self.completion.waiter) = Some(std::thread::current());
             if let Some(progress) = &self.progress {
-                if parked.is_none() {
-                    parked = Some(Parked::begin(progress.as_ref(), self.peer));
-                }
                 progress.parking(self.peer);
             }
             if self.completion.poll().is_none() {

@@ -38,9 +38,8 @@ pub struct LinkCost {
 ///   peer; it does not stall other peers.
 /// * **Progress.** Requests complete without further calls into the
 ///   transport; waiting is done on the [`Request`] with a deadline. A
-///   transport may leave incoming bytes to a thread waiting on one of its
-///   requests (while it spins) and move them in the background only while a
-///   waiter is parked, so a caller that only [`test`](Request::test)s must
+///   transport may leave incoming bytes to the threads waiting on its
+///   requests, so a caller that only [`test`](Request::test)s must
 ///   eventually wait.
 pub trait Transport: Send + Sync {
     /// This process's rank.

@@ -218,3 +218,71 @@ fn invalid_peers_are_rejected() {
         assert!(err.to_string().contains("invalid peer rank 7"), "{err}");
     });
 }
+
+#[test]
+fn a_sleeping_waiter_reads_what_another_peer_needs() {
+    // Rank 0 waits for rank 2, which waits for rank 1, whose large send only finishes once
+    // rank 0 reads it: rank 0's waiter, asleep on rank 2, must read rank 1's socket too.
+    const BIG: usize = 64 << 20;
+    with_ranks(3, 1, |t| match t.rank() {
+        0 => {
+            let mut big = vec![0u8; BIG];
+            let mut small = [0u8; 8];
+            // SAFETY: both buffers outlive the waits below.
+            let (b, s) = unsafe {
+                (
+                    t.irecv(1, 1, &mut big).unwrap(),
+                    t.irecv(2, 2, &mut small).unwrap(),
+                )
+            };
+            s.wait(deadline()).unwrap();
+            b.wait(deadline()).unwrap();
+            assert_eq!(small, [2; 8]);
+            assert!(big == pattern(1, BIG), "rank 1's message arrived changed");
+        }
+        1 => {
+            let data = pattern(1, BIG);
+            // SAFETY: `data` outlives the waits.
+            let b = unsafe { t.isend(0, 1, &data).unwrap() };
+            b.wait(deadline()).unwrap();
+            let go = [1u8; 8];
+            // SAFETY: as above.
+            unsafe { t.isend(2, 3, &go).unwrap() }
+                .wait(deadline())
+                .unwrap();
+        }
+        _ => {
+            let mut go = [0u8; 8];
+            // SAFETY: `go` outlives the wait.
+            unsafe { t.irecv(1, 3, &mut go).unwrap() }
+                .wait(deadline())
+                .unwrap();
+            let small = [2u8; 8];
+            // SAFETY: `small` outlives the wait.
+            unsafe { t.isend(0, 2, &small).unwrap() }
+                .wait(deadline())
+                .unwrap();
+        }
+    });
+}
+
+#[test]
+fn waiters_asleep_on_both_ends_finish_a_late_exchange() {
+    // Both ranks wait on their sends first, with the receives posted and the peer's message
+    // sent only after the other rank is long past spinning (and so asleep).
+    for len in [8usize, 3 << 20] {
+        with_ranks(2, 2, move |t| {
+            let peer = 1 - t.rank();
+            let data = pattern(t.rank(), len);
+            let mut got = vec![0u8; len];
+            // SAFETY: both buffers outlive the waits below.
+            let r = unsafe { t.irecv(peer, 4, &mut got).unwrap() };
+            thread::sleep(Duration::from_millis(30 * (1 + t.rank() as u64)));
+            // SAFETY: as above.
+            let s = unsafe { t.isend(peer, 4, &data).unwrap() };
+            s.wait(deadline()).unwrap();
+            r.wait(deadline()).unwrap();
+            assert!(got == pattern(peer, len), "len {len}");
+        });
+    }
+}

@@ -5,18 +5,22 @@
 //! immediately tries the socket (so small messages leave without a thread
 //! hop); whatever does not fit waits for the socket's next edge-triggered
 //! readiness event, which the progress thread handles. Incoming bytes are read
-//! by the thread waiting for them while it spins; they wake the progress thread
-//! only while some waiter is parked. A socket is only read while a receive is
+//! by the threads waiting for them: a waiter spins briefly, then sleeps in
+//! `poll(2)` on the sockets with work queued and serves them itself when it
+//! wakes, so a message costs no hop through another thread. A socket is only
+//! read while a receive is
 //! posted on it: unexpected data stays in the kernel, so there is no unbounded
 //! buffering and every payload lands straight in the caller's buffer.
 
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use mio::net::TcpStream;
-use mio::{Events, Interest, Poll, Registry, Token, Waker};
+use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::frame::{self, FrameHeader, HEADER_LEN};
 use crate::matching::{self, MessageId};
@@ -25,6 +29,10 @@ use crate::TransportError;
 
 /// Most bytes moved on one socket before the engine turns to the next one.
 const BUDGET: usize = 4 << 20;
+
+/// Longest a blocked waiter sleeps before it looks at its request again (a request can also be
+/// completed by another thread, or failed by an abort that does not shut the sockets).
+const NAP: Duration = Duration::from_millis(2);
 
 /// Token of the waker that stops the progress thread.
 const WAKER: Token = Token(usize::MAX);
@@ -75,6 +83,8 @@ struct Conn {
     header_got: usize,
     /// The peer closed this socket after everything it sent was read.
     eof: bool,
+    /// Stripes finished on this socket, both ways.
+    finished: u64,
 }
 
 /// Per-peer state: its sockets and message counters.
@@ -96,10 +106,6 @@ pub(crate) struct Engine {
     aborted: Option<String>,
     /// Sockets that stopped on their budget and must be served again.
     again: Vec<usize>,
-    /// Whether incoming bytes wake the progress thread (only while a waiter is parked:
-    /// a spinning waiter reads them itself, and a progress thread woken to compete for
-    /// them was most of an 8-byte call's time on 2 cores).
-    loud: bool,
 }
 
 // SAFETY: the raw pointers in the queues are only dereferenced while the
@@ -112,10 +118,6 @@ unsafe impl Send for Engine {}
 #[derive(Debug)]
 pub(crate) struct Shared {
     engine: Mutex<Engine>,
-    /// The progress thread's registry, to change what wakes it.
-    registry: Registry,
-    /// Waiters parked on a request of this transport.
-    parked: AtomicUsize,
     waker: Waker,
     stop: AtomicBool,
 }
@@ -147,6 +149,7 @@ impl Shared {
                     header: [0; HEADER_LEN],
                     header_got: 0,
                     eof: false,
+                    finished: 0,
                 });
             }
         }
@@ -157,12 +160,9 @@ impl Shared {
             min_stripe,
             aborted: None,
             again: Vec::new(),
-            loud: false,
         };
         let shared = Shared {
             engine: Mutex::new(engine),
-            registry: poll.registry().try_clone()?,
-            parked: AtomicUsize::new(0),
             waker,
             stop: AtomicBool::new(false),
         };
@@ -235,59 +235,81 @@ impl Shared {
 }
 
 impl Progress for Shared {
-    /// Serves `peer`'s sockets, then yields the CPU: what the waiter needs next comes from
-    /// another process (and the kernel's loopback work done in its context), which a spinning
-    /// waiter would keep off a busy core. With 4 ranks on 2 cores this halves an 8-byte
-    /// all-reduce (`allreduce_perf -np 4` over TCP: 147-167 us before, 76-90 after); with a core to spare it costs nothing.
+    /// Serves `peer`'s sockets; if no message finished, yields the CPU: what the waiter needs
+    /// next comes from another process (and the kernel's loopback work done in its context),
+    /// which a spinning waiter would keep off a busy core. With 4 ranks on 2 cores this halves
+    /// an 8-byte all-reduce; with a core to spare it costs nothing. A waiter whose message just
+    /// arrived goes on at once: yielding then handed the core to a spinning rank for nothing.
     fn poll(&self, peer: usize) {
         // Never wait for the lock: the progress thread holding it is making progress anyway.
         if let Ok(mut engine) = self.engine.try_lock() {
-            if engine.loud && self.parked.load(Ordering::Acquire) == 0 {
-                engine.listen(&self.registry, false);
-            }
             if peer < engine.peers.len() {
+                let mut finished = 0;
                 for k in 0..engine.peers[peer].conns.len() {
                     let idx = engine.peers[peer].conns[k];
+                    let before = engine.conns[idx].finished;
                     engine.serve(idx, true, true);
+                    finished += engine.conns[idx].finished - before;
+                }
+                self.hand_over(&engine);
+                if finished > 0 {
+                    return;
                 }
             }
-            self.hand_over(&engine);
         }
         std::thread::yield_now();
     }
 
-    /// The progress thread takes over reading until no waiter is parked.
-    fn parked(&self, _peer: usize) {
-        self.parked.fetch_add(1, Ordering::AcqRel);
-        self.lock().listen(&self.registry, true);
-    }
-
-    fn unparked(&self, _peer: usize) {
-        self.parked.fetch_sub(1, Ordering::AcqRel);
+    /// Sleeps in `poll(2)` on every socket with a receive posted or a send queued, then serves
+    /// them: every socket, not only the awaited peer's, so bytes that some other rank needs
+    /// first keep moving while this thread waits.
+    fn block(&self, until: Instant) -> bool {
+        let (mut fds, mut conns) = (Vec::new(), Vec::new());
+        for (idx, conn) in self.lock().conns.iter().enumerate() {
+            let mut events = 0;
+            if !conn.recvs.is_empty() {
+                events |= libc::POLLIN;
+            }
+            if !conn.sends.is_empty() {
+                events |= libc::POLLOUT;
+            }
+            if events != 0 {
+                let fd = conn.stream.as_raw_fd();
+                fds.push(libc::pollfd {
+                    fd,
+                    events,
+                    revents: 0,
+                });
+                conns.push(idx);
+            }
+        }
+        if fds.is_empty() {
+            // Nothing queued: the request has completed or failed, and its waiter need not sleep.
+            return false;
+        }
+        let left = until.saturating_duration_since(Instant::now()).min(NAP);
+        // Whole milliseconds, rounded up so that a wait does not spin through its last one.
+        let timeout = left.as_micros().div_ceil(1000) as libc::c_int;
+        // SAFETY: `fds` is an array of `fds.len()` initialised pollfd records. The sockets stay
+        // open while `self` lives (they are only shut down, never closed, before the drop).
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        if ready > 0 {
+            let mut engine = self.lock();
+            for (p, &idx) in fds.iter().zip(&conns) {
+                let hangup = p.revents & (libc::POLLERR | libc::POLLHUP) != 0;
+                let read = hangup || p.revents & libc::POLLIN != 0;
+                let write = hangup || p.revents & libc::POLLOUT != 0;
+                if read || write {
+                    engine.serve(idx, read, write);
+                }
+            }
+            self.hand_over(&engine);
+        }
+        true
     }
 }
 
 impl Engine {
-    /// Makes incoming bytes on every socket wake the progress thread, or not.
-    fn listen(&mut self, registry: &Registry, loud: bool) {
-        if self.loud == loud {
-            return;
-        }
-        self.loud = loud;
-        let interest = match loud {
-            true => Interest::READABLE | Interest::WRITABLE,
-            false => Interest::WRITABLE,
-        };
-        for idx in 0..self.conns.len() {
-            // Re-arming also reports bytes that arrived meanwhile, so none wait unseen.
-            let armed = registry.reregister(&mut self.conns[idx].stream, Token(idx), interest);
-            if let Err(e) = armed {
-                let peer = self.conns[idx].peer;
-                self.fail_peer(peer, io_error(peer, "poll registration", e));
-            }
-        }
-    }
-
     fn check_peer(&self, peer: usize) -> Result<(), TransportError> {
         if let Some(reason) = &self.aborted {
             return Err(TransportError::Aborted(reason.clone()));
@@ -365,7 +387,8 @@ impl Engine {
         Ok(req)
     }
 
-    /// Queues a receive and reads whatever has already arrived for it.
+    /// Queues a receive; its waiter reads it (a read now would mostly find nothing yet, and cost
+    /// a syscall on every small message).
     ///
     /// # Safety
     ///
@@ -394,7 +417,6 @@ impl Engine {
                 got: 0,
                 op: op.clone(),
             });
-            self.serve(idx, true, false);
         }
         Ok(req)
     }
@@ -495,6 +517,7 @@ impl Conn {
             moved += n;
             if piece.written == total {
                 let piece = self.sends.pop_front().expect("front exists");
+                self.finished += 1;
                 piece.op.stripe_done();
             }
         }
@@ -508,45 +531,51 @@ impl Conn {
         if self.eof && !self.recvs.is_empty() {
             return Err(TransportError::PeerClosed { peer: self.peer });
         }
+        if self.recvs.is_empty() {
+            return self.probe_eof();
+        }
         let mut moved = 0;
         while let Some(piece) = self.recvs.front_mut() {
             if moved >= BUDGET {
                 return Ok(false);
             }
-            if self.header_got < HEADER_LEN {
-                match self.stream.read(&mut self.header[self.header_got..]) {
-                    Ok(0) => return Err(TransportError::PeerClosed { peer: self.peer }),
-                    Ok(n) => self.header_got += n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(io_error(self.peer, "recv", e)),
-                }
-                if self.header_got == HEADER_LEN {
-                    check_header(self.peer, &self.header, &piece.expect)?;
-                }
-            } else if piece.got < piece.len {
-                // SAFETY: `buf..buf+len` is valid and exclusively ours per `post_recv`'s contract.
-                let buf = unsafe { std::slice::from_raw_parts_mut(piece.buf, piece.len) };
-                match self.stream.read(&mut buf[piece.got..]) {
-                    Ok(0) => return Err(TransportError::PeerClosed { peer: self.peer }),
-                    Ok(n) => {
-                        piece.got += n;
-                        moved += n;
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(io_error(self.peer, "recv", e)),
-                }
+            // SAFETY: `buf..buf+len` is valid and exclusively ours per `post_recv`'s contract.
+            let buf = unsafe { std::slice::from_raw_parts_mut(piece.buf, piece.len) };
+            // The header and the payload in one read: a small message costs one syscall. Payload
+            // bytes read before a header fails its check only land in a buffer whose receive fails.
+            let mut bufs = [
+                IoSliceMut::new(&mut self.header[self.header_got..]),
+                IoSliceMut::new(&mut buf[piece.got..]),
+            ];
+            let n = match self.stream.read_vectored(&mut bufs) {
+                Ok(0) => return Err(TransportError::PeerClosed { peer: self.peer }),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_error(self.peer, "recv", e)),
+            };
+            let to_header = n.min(HEADER_LEN - self.header_got);
+            let header_done = to_header > 0 && self.header_got + to_header == HEADER_LEN;
+            self.header_got += to_header;
+            piece.got += n - to_header;
+            moved += n;
+            if header_done {
+                check_header(self.peer, &self.header, &piece.expect)?;
             }
             if self.header_got == HEADER_LEN && piece.got == piece.len {
                 self.header_got = 0;
                 let piece = self.recvs.pop_front().expect("front exists");
+                self.finished += 1;
                 piece.op.stripe_done();
             }
         }
-        // Nothing posted: note whether the peer closed this socket. That is
-        // only an error once a receive needs it (other sockets of the same
-        // peer may still carry the rest of a message).
+        Ok(true)
+    }
+
+    /// With nothing posted, notes whether the peer closed this socket. That is only an error
+    /// once a receive needs it (other sockets of the same peer may still carry the rest of a
+    /// message).
+    fn probe_eof(&mut self) -> Result<bool, TransportError> {
         let mut probe = [0u8; 1];
         match self.stream.peek(&mut probe) {
             Ok(0) => {
