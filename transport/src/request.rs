@@ -11,7 +11,7 @@ const PENDING: u8 = 0;
 const DONE: u8 = 1;
 const FAILED: u8 = 2;
 
-/// How long a waiter spins on the completion flag before it parks its thread.
+/// How long a waiter spins on the completion flag before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
 
 /// The shared completion state of one request, set once by the transport.
@@ -60,16 +60,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Lets a waiting thread move bytes itself, instead of waiting for a
-/// progress thread to be scheduled.
+/// Lets a waiting thread move bytes itself, while it spins and while it sleeps,
+/// instead of waiting for a progress thread to be scheduled.
 pub trait Progress: Send + Sync + std::fmt::Debug {
     /// Serves the connections to `peer` once, without blocking.
     fn poll(&self, peer: usize);
 
-    /// Sleeps until this transport's connections can move bytes (or `until`, or a few
-    /// milliseconds, pass), then moves them. `false` if the transport cannot put a waiter to
-    /// sleep this way: the waiter then parks its thread until the request completes.
-    fn block(&self, _until: Instant) -> bool {
+    /// Unless `done()` already holds, sleeps until this transport's connections can move bytes
+    /// or some request settles (or `until`, or a few milliseconds, pass), then moves them.
+    /// `false` if the transport cannot put a waiter to sleep this way, or has nothing queued
+    /// to wait for: the waiter then parks its thread until the request completes.
+    fn block(&self, _until: Instant, _done: &dyn Fn() -> bool) -> bool {
         false
     }
 
@@ -121,7 +122,7 @@ impl Request {
         (req, completion)
     }
 
-    /// Lets waiters drive `progress` while they spin.
+    /// Lets waiters drive `progress` while they wait.
     pub fn with_progress(mut self, progress: Arc<dyn Progress>) -> Request {
         self.progress = Some(progress);
         self
@@ -184,7 +185,7 @@ impl Request {
                 continue;
             }
             if let Some(progress) = &self.progress {
-                if progress.block(deadline) {
+                if progress.block(deadline, &|| self.completion.poll().is_some()) {
                     continue;
                 }
             }

@@ -22,7 +22,8 @@ pub struct LinkCost {
 ///   `0..world_size()`; all connection set-up happens before the value exists.
 /// * **Posting.** [`isend`](Transport::isend) and [`irecv`](Transport::irecv)
 ///   return at once with a [`Request`]; bytes move in the background (a
-///   progress thread), so the caller can compute while the wire works.
+///   progress thread, and the kernel's socket buffers), so the caller can
+///   compute while the wire works.
 /// * **Matching.** Between one pair of ranks, messages are matched strictly in
 ///   posting order: the k-th receive posted for `peer` takes the k-th message
 ///   `peer` sent to this rank. The receiver checks that the message's tag and
@@ -32,7 +33,8 @@ pub struct LinkCost {
 /// * **Buffers.** A send reads, and a receive writes, the caller's memory
 ///   directly (no copy in the transport). The memory must stay valid, and the
 ///   caller must not touch a receive buffer (nor write a send buffer), until
-///   the request has completed or [`abort`](Transport::abort) has returned.
+///   the request has completed or [`abort`](Transport::abort) has returned. A
+///   receive that fails leaves its buffer's contents unspecified.
 /// * **Errors.** Every error names the peer rank where one is involved. A
 ///   failure on a connection fails every pending and later request to that
 ///   peer; it does not stall other peers.

@@ -267,22 +267,54 @@ fn a_sleeping_waiter_reads_what_another_peer_needs() {
 }
 
 #[test]
-fn waiters_asleep_on_both_ends_finish_a_late_exchange() {
-    // Both ranks wait on their sends first, with the receives posted and the peer's message
-    // sent only after the other rank is long past spinning (and so asleep).
-    for len in [8usize, 3 << 20] {
-        with_ranks(2, 2, move |t| {
-            let peer = 1 - t.rank();
-            let data = pattern(t.rank(), len);
-            let mut got = vec![0u8; len];
-            // SAFETY: both buffers outlive the waits below.
-            let r = unsafe { t.irecv(peer, 4, &mut got).unwrap() };
-            thread::sleep(Duration::from_millis(30 * (1 + t.rank() as u64)));
-            // SAFETY: as above.
-            let s = unsafe { t.isend(peer, 4, &data).unwrap() };
-            s.wait(deadline()).unwrap();
-            r.wait(deadline()).unwrap();
-            assert!(got == pattern(peer, len), "len {len}");
-        });
-    }
+fn waiters_asleep_on_their_sends_read_each_others() {
+    // Each rank waits on its 64 MiB send, more than the kernel buffers hold, before its receive:
+    // the send only finishes if the peer, asleep on its own send, reads meanwhile.
+    const LEN: usize = 64 << 20;
+    with_ranks(2, 1, |t| {
+        let peer = 1 - t.rank();
+        let data = pattern(t.rank(), LEN);
+        let mut got = vec![0u8; LEN];
+        // SAFETY: both buffers outlive the waits below.
+        let r = unsafe { t.irecv(peer, 4, &mut got).unwrap() };
+        thread::sleep(Duration::from_millis(20 * (1 + t.rank() as u64)));
+        // SAFETY: as above.
+        let s = unsafe { t.isend(peer, 4, &data).unwrap() };
+        s.wait(deadline()).unwrap();
+        r.wait(deadline()).unwrap();
+        assert!(
+            got == pattern(peer, LEN),
+            "rank {} got changed bytes",
+            t.rank()
+        );
+    });
+}
+
+#[test]
+fn an_abort_wakes_a_sleeping_waiter() {
+    let errors = with_ranks(2, 1, |t| {
+        let peer = 1 - t.rank();
+        let mut buf = [0u8; 8];
+        thread::scope(|scope| {
+            // SAFETY: `buf` outlives the wait, which ends before the scope does.
+            let r = unsafe { t.irecv(peer, 6, &mut buf).unwrap() };
+            let waiter = scope.spawn(move || r.wait(deadline()).unwrap_err());
+            if t.rank() == 0 {
+                // Long past spinning: the waiter sleeps in poll(2) when the abort comes.
+                thread::sleep(Duration::from_millis(100));
+                t.abort("stopped by the test");
+            }
+            waiter.join().unwrap()
+        })
+    });
+    assert!(
+        matches!(errors[0], TransportError::Aborted(ref why) if why == "stopped by the test"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        matches!(errors[1], TransportError::PeerClosed { peer: 0 }),
+        "{}",
+        errors[1]
+    );
 }

@@ -1,20 +1,22 @@
-//! The TCP progress engine: per-socket send and receive queues, driven both
-//! inline by the posting thread and by a background progress thread.
+//! The TCP progress engine: per-socket send and receive queues, driven by the
+//! threads that post and wait, and by a background progress thread.
 //!
 //! All state sits behind one mutex. A posting thread enqueues its stripes and
 //! immediately tries the socket (so small messages leave without a thread
-//! hop); whatever does not fit waits for the socket's next edge-triggered
-//! readiness event, which the progress thread handles. Incoming bytes are read
-//! by the threads waiting for them: a waiter spins briefly, then sleeps in
-//! `poll(2)` on the sockets with work queued and serves them itself when it
-//! wakes, so a message costs no hop through another thread. A socket is only
-//! read while a receive is
-//! posted on it: unexpected data stays in the kernel, so there is no unbounded
-//! buffering and every payload lands straight in the caller's buffer.
+//! hop); what does not fit is written by the progress thread on the socket's
+//! next edge-triggered writable event, and by waiters. Incoming bytes are read
+//! by the threads waiting on this transport: a waiter spins briefly, then
+//! sleeps in `poll(2)` on every socket with work queued (and on a doorbell
+//! rung when a request settles) and serves them itself when it wakes, so a
+//! message costs no hop through another thread. The progress thread reads only
+//! to finish what a waiter left at its per-socket budget. A socket is only read
+//! while a receive is posted on it: unexpected data stays in the kernel, so
+//! there is no unbounded buffering and every payload lands straight in the
+//! caller's buffer.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -106,6 +108,11 @@ pub(crate) struct Engine {
     aborted: Option<String>,
     /// Sockets that stopped on their budget and must be served again.
     again: Vec<usize>,
+    /// Stripes finished or failed so far, and that count when sleepers were last told.
+    settled: u64,
+    told: u64,
+    /// Waiters asleep in [`Progress::block`].
+    sleepers: usize,
 }
 
 // SAFETY: the raw pointers in the queues are only dereferenced while the
@@ -119,6 +126,10 @@ unsafe impl Send for Engine {}
 pub(crate) struct Shared {
     engine: Mutex<Engine>,
     waker: Waker,
+    /// An eventfd that wakes waiters asleep in `poll(2)` when some request settles: one that
+    /// another thread finished (the progress thread, or a waiter serving every socket) would
+    /// otherwise leave its waiter asleep until the next nap ends.
+    doorbell: OwnedFd,
     stop: AtomicBool,
 }
 
@@ -160,10 +171,19 @@ impl Shared {
             min_stripe,
             aborted: None,
             again: Vec::new(),
+            settled: 0,
+            told: 0,
+            sleepers: 0,
+        };
+        // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor we own.
+        let doorbell = match unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) } {
+            fd if fd >= 0 => unsafe { OwnedFd::from_raw_fd(fd) },
+            _ => return Err(io::Error::last_os_error()),
         };
         let shared = Shared {
             engine: Mutex::new(engine),
             waker,
+            doorbell,
             stop: AtomicBool::new(false),
         };
         Ok((Arc::new(shared), poll))
@@ -174,12 +194,25 @@ impl Shared {
         self.engine.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Wakes the progress thread if inline work stopped on its budget.
-    pub(crate) fn hand_over(&self, engine: &Engine) {
+    /// Wakes the progress thread if inline work stopped on its budget, and sleeping waiters if
+    /// some request settled.
+    pub(crate) fn hand_over(&self, engine: &mut Engine) {
         if !engine.again.is_empty() {
             // A failed wake means the thread is gone; the transport is being dropped.
             let _ = self.waker.wake();
         }
+        self.tell_sleepers(engine);
+    }
+
+    /// Rings the doorbell if requests settled since sleepers were last told and some sleep.
+    fn tell_sleepers(&self, engine: &mut Engine) {
+        if engine.settled != engine.told && engine.sleepers > 0 {
+            let one = 1u64;
+            // SAFETY: writes 8 bytes from a live u64 to our eventfd. It can only fail with the
+            // counter full, and then it is readable anyway.
+            unsafe { libc::write(self.doorbell.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+        engine.told = engine.settled;
     }
 
     /// Asks the progress thread to exit.
@@ -230,6 +263,7 @@ impl Shared {
                     event.is_writable() || event.is_write_closed(),
                 );
             }
+            self.tell_sleepers(&mut engine);
         }
     }
 }
@@ -251,7 +285,7 @@ impl Progress for Shared {
                     engine.serve(idx, true, true);
                     finished += engine.conns[idx].finished - before;
                 }
-                self.hand_over(&engine);
+                self.hand_over(&mut engine);
                 if finished > 0 {
                     return;
                 }
@@ -260,32 +294,45 @@ impl Progress for Shared {
         std::thread::yield_now();
     }
 
-    /// Sleeps in `poll(2)` on every socket with a receive posted or a send queued, then serves
-    /// them: every socket, not only the awaited peer's, so bytes that some other rank needs
-    /// first keep moving while this thread waits.
-    fn block(&self, until: Instant) -> bool {
-        let (mut fds, mut conns) = (Vec::new(), Vec::new());
-        for (idx, conn) in self.lock().conns.iter().enumerate() {
-            let mut events = 0;
-            if !conn.recvs.is_empty() {
-                events |= libc::POLLIN;
+    /// Sleeps in `poll(2)` on every socket with a receive posted or a send queued, and on the
+    /// doorbell, then serves the sockets that are ready: every socket, not only the awaited
+    /// peer's, so bytes that some other rank needs first keep moving while this thread waits.
+    fn block(&self, until: Instant, done: &dyn Fn() -> bool) -> bool {
+        let doorbell = libc::pollfd {
+            fd: self.doorbell.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let (mut fds, mut conns) = (vec![doorbell], Vec::new());
+        {
+            let mut engine = self.lock();
+            // Requests settle under this lock: one that settles after this check rings.
+            if done() {
+                return true;
             }
-            if !conn.sends.is_empty() {
-                events |= libc::POLLOUT;
+            for (idx, conn) in engine.conns.iter().enumerate() {
+                let mut events = 0;
+                if !conn.recvs.is_empty() {
+                    events |= libc::POLLIN;
+                }
+                if !conn.sends.is_empty() {
+                    events |= libc::POLLOUT;
+                }
+                if events != 0 {
+                    let fd = conn.stream.as_raw_fd();
+                    fds.push(libc::pollfd {
+                        fd,
+                        events,
+                        revents: 0,
+                    });
+                    conns.push(idx);
+                }
             }
-            if events != 0 {
-                let fd = conn.stream.as_raw_fd();
-                fds.push(libc::pollfd {
-                    fd,
-                    events,
-                    revents: 0,
-                });
-                conns.push(idx);
+            if conns.is_empty() {
+                // Nothing queued, so nothing pending: the waiter need not sleep.
+                return false;
             }
-        }
-        if fds.is_empty() {
-            // Nothing queued: the request has completed or failed, and its waiter need not sleep.
-            return false;
+            engine.sleepers += 1;
         }
         let left = until.saturating_duration_since(Instant::now()).min(NAP);
         // Whole milliseconds, rounded up so that a wait does not spin through its last one.
@@ -293,18 +340,32 @@ impl Progress for Shared {
         // SAFETY: `fds` is an array of `fds.len()` initialised pollfd records. The sockets stay
         // open while `self` lives (they are only shut down, never closed, before the drop).
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-        if ready > 0 {
-            let mut engine = self.lock();
-            for (p, &idx) in fds.iter().zip(&conns) {
-                let hangup = p.revents & (libc::POLLERR | libc::POLLHUP) != 0;
-                let read = hangup || p.revents & libc::POLLIN != 0;
-                let write = hangup || p.revents & libc::POLLOUT != 0;
-                if read || write {
-                    engine.serve(idx, read, write);
-                }
-            }
-            self.hand_over(&engine);
+        let mut engine = self.lock();
+        engine.sleepers -= 1;
+        if engine.sleepers == 0 && fds[0].revents != 0 {
+            // The last sleeper up clears the doorbell, so none misses a ring.
+            let mut count = 0u64;
+            // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd.
+            unsafe { libc::read(fds[0].fd, (&mut count as *mut u64).cast(), 8) };
         }
+        if ready < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            // Cannot watch the sockets (out of memory): serve them all after a nap instead.
+            drop(engine);
+            std::thread::sleep(NAP);
+            engine = self.lock();
+            for p in &mut fds[1..] {
+                p.revents = p.events;
+            }
+        }
+        for (p, &idx) in fds[1..].iter().zip(&conns) {
+            let hangup = p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0;
+            let read = hangup || p.revents & libc::POLLIN != 0;
+            let write = hangup || p.revents & libc::POLLOUT != 0;
+            if read || write {
+                engine.serve(idx, read, write);
+            }
+        }
+        self.hand_over(&mut engine);
         true
     }
 }
@@ -424,7 +485,7 @@ impl Engine {
     /// Moves bytes on socket `idx`; a failure fails the whole peer.
     fn serve(&mut self, idx: usize, read: bool, write: bool) {
         let conn = &mut self.conns[idx];
-        let peer = conn.peer;
+        let (peer, before) = (conn.peer, conn.finished);
         let mut result = Ok(true);
         if write {
             result = conn.flush();
@@ -432,6 +493,7 @@ impl Engine {
         if read && matches!(result, Ok(true)) {
             result = conn.pump();
         }
+        self.settled += conn.finished - before;
         match result {
             Ok(true) => {}
             Ok(false) => self.again.push(idx),
@@ -456,6 +518,7 @@ impl Engine {
         tracing::debug!(rank = self.rank, peer, error = %err, "peer failed");
         for &idx in &self.peers[peer].conns {
             let conn = &mut self.conns[idx];
+            self.settled += (conn.sends.len() + conn.recvs.len()) as u64;
             for piece in conn.sends.drain(..) {
                 piece.op.completion.complete(Err(err.clone()));
             }

@@ -112,7 +112,7 @@ impl Transport for TcpTransport {
         let mut engine = self.shared.lock();
         // SAFETY: the caller keeps `data` valid until completion or abort (trait contract).
         let req = unsafe { engine.post_send(peer, tag, data.as_ptr(), data.len()) };
-        self.shared.hand_over(&engine);
+        self.shared.hand_over(&mut engine);
         req.map(|r| r.with_progress(self.shared.clone()))
     }
 
@@ -125,12 +125,14 @@ impl Transport for TcpTransport {
         let mut engine = self.shared.lock();
         // SAFETY: the caller keeps `buf` valid and unaliased until completion or abort.
         let req = unsafe { engine.post_recv(peer, tag, buf.as_mut_ptr(), buf.len()) };
-        self.shared.hand_over(&engine);
+        self.shared.hand_over(&mut engine);
         req.map(|r| r.with_progress(self.shared.clone()))
     }
 
     fn abort(&self, reason: &str) {
-        self.shared.lock().abort(reason, true);
+        let mut engine = self.shared.lock();
+        engine.abort(reason, true);
+        self.shared.hand_over(&mut engine);
     }
 }
 

@@ -1,0 +1,178 @@
+//! What loopback TCP itself allows on this machine, with no library in the way: the floor
+//! under the perf tools' small-call times and the ceiling over their bandwidths.
+//!
+//! - `exchange`: W threads in a full mesh of TCP_NODELAY sockets swap a 48-byte frame (a
+//!   Chorus header and 8 bytes) with rank XOR 2^k in each of log2(W) rounds, as a
+//!   recursive-doubling all-reduce of 8 bytes does, waiting as Chorus's waiters do. Threads
+//!   switch a little more cheaply than processes, so this floor is, if anything, optimistic.
+//! - `stream`: one socket carries a 64 MiB buffer into another 64 MiB buffer (both far larger
+//!   than the caches, as in a 64 MiB collective), and then a 1 MiB buffer, which stays in
+//!   cache (what `iperf3` measures).
+//!
+//! `cargo run --release -p chorus-tools --bin tcp_ceiling -- -np 4`
+
+use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+
+/// How long a reader polls before it sleeps.
+const SPIN: Duration = Duration::from_micros(50);
+
+/// Bytes of one exchanged frame: a Chorus TCP header (40) and an 8-byte payload.
+const FRAME: usize = 48;
+
+#[derive(Parser)]
+#[command(about = "Floor and ceiling of loopback TCP on this machine")]
+struct Args {
+    /// Threads in the exchange (a power of two).
+    #[arg(long = "np", default_value_t = 2)]
+    world: usize,
+    /// Exchanges timed, after as many again for warm-up.
+    #[arg(short = 'n', long, default_value_t = 20_000)]
+    iters: usize,
+    /// Large-buffer transfers timed (the median is printed).
+    #[arg(long, default_value_t = 7)]
+    streams: usize,
+}
+
+fn main() -> io::Result<()> {
+    // mpirun's spelling, `-np W`, as the perf tools accept it.
+    let args = Args::parse_from(std::env::args().map(|a| match a.as_str() {
+        "-np" => "--np".to_string(),
+        _ => a,
+    }));
+    if !args.world.is_power_of_two() || args.world < 2 {
+        eprintln!(
+            "tcp_ceiling: -np must be a power of two of at least 2, not {}",
+            args.world
+        );
+        std::process::exit(2);
+    }
+    let us = exchange(args.world, args.iters)?;
+    println!(
+        "exchange  W={}  48 B frames, log2(W) rounds: {us:.2} us per call",
+        args.world
+    );
+    for (label, len, reps) in [("64 MiB", 64 << 20, args.streams), ("1 MiB", 1 << 20, 200)] {
+        let gbs = stream(len, reps)?;
+        println!("stream    one socket, {label} buffers: {gbs:.2} GB/s (median of {reps})");
+    }
+    Ok(())
+}
+
+/// A full mesh of connected loopback sockets: `mesh[r][p]` joins rank `r` to rank `p`.
+fn mesh(world: usize) -> io::Result<Vec<Vec<Option<TcpStream>>>> {
+    let mut mesh: Vec<Vec<Option<TcpStream>>> = (0..world)
+        .map(|_| (0..world).map(|_| None).collect())
+        .collect();
+    for r in 0..world {
+        for p in r + 1..world {
+            let (a, b) = pair()?;
+            mesh[r][p] = Some(a);
+            mesh[p][r] = Some(b);
+        }
+    }
+    Ok(mesh)
+}
+
+/// Two ends of one loopback connection, without Nagle's delay.
+fn pair() -> io::Result<(TcpStream, TcpStream)> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    let a = TcpStream::connect(listener.local_addr()?)?;
+    let (b, _) = listener.accept()?;
+    for s in [&a, &b] {
+        s.set_nodelay(true)?;
+    }
+    Ok((a, b))
+}
+
+/// Microseconds per recursive-doubling exchange among `world` threads.
+fn exchange(world: usize, iters: usize) -> io::Result<f64> {
+    let threads: Vec<_> = mesh(world)?
+        .into_iter()
+        .enumerate()
+        .map(|(rank, socks)| {
+            thread::spawn(move || -> io::Result<f64> {
+                for s in socks.iter().flatten() {
+                    s.set_nonblocking(true)?;
+                }
+                let mut frame = [rank as u8; FRAME];
+                let mut start = Instant::now();
+                for i in 0..2 * iters {
+                    if i == iters {
+                        start = Instant::now();
+                    }
+                    let mut dist = 1;
+                    while dist < world {
+                        let mut sock = socks[rank ^ dist].as_ref().expect("a mesh socket");
+                        sock.write_all(&frame)?;
+                        read_spinning(&mut sock, &mut frame)?;
+                        dist *= 2;
+                    }
+                }
+                Ok(start.elapsed().as_secs_f64() * 1e6 / iters as f64)
+            })
+        })
+        .collect();
+    let mut worst: f64 = 0.0;
+    for t in threads {
+        worst = worst.max(t.join().expect("exchange thread")?);
+    }
+    Ok(worst)
+}
+
+/// Fills `buf` from a non-blocking socket, yielding the core while nothing has arrived, and
+/// after 50 us sleeping in a blocking read (as Chorus's waiters do; spinning alone can leave
+/// the thread that would send stuck behind spinning ones).
+fn read_spinning(sock: &mut &TcpStream, buf: &mut [u8]) -> io::Result<()> {
+    let start = Instant::now();
+    let mut got = 0;
+    while got < buf.len() {
+        match sock.read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() != io::ErrorKind::WouldBlock => return Err(e),
+            Err(_) if start.elapsed() < SPIN => thread::yield_now(),
+            Err(_) => {
+                sock.set_nonblocking(false)?;
+                let n = sock.read(&mut buf[got..]);
+                sock.set_nonblocking(true)?;
+                match n? {
+                    0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    n => got += n,
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Median GB/s of `reps` transfers of a `len`-byte buffer over one socket.
+fn stream(len: usize, reps: usize) -> io::Result<f64> {
+    let (mut tx, mut rx) = pair()?;
+    let receiver = thread::spawn(move || -> io::Result<()> {
+        let mut buf = vec![0u8; len];
+        for _ in 0..=reps {
+            rx.read_exact(&mut buf)?;
+            rx.write_all(&[1])?;
+        }
+        Ok(())
+    });
+    let data = vec![7u8; len];
+    let mut rates = Vec::with_capacity(reps);
+    for rep in 0..=reps {
+        let start = Instant::now();
+        tx.write_all(&data)?;
+        tx.read_exact(&mut [0u8; 1])?;
+        // The first transfer warms the connection up.
+        if rep > 0 {
+            rates.push(len as f64 / start.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+    receiver.join().expect("stream receiver")?;
+    rates.sort_by(f64::total_cmp);
+    Ok(rates[rates.len() / 2])
+}
