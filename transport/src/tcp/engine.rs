@@ -175,11 +175,13 @@ impl Shared {
             told: 0,
             sleepers: 0,
         };
-        // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor we own.
-        let doorbell = match unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) } {
-            fd if fd >= 0 => unsafe { OwnedFd::from_raw_fd(fd) },
-            _ => return Err(io::Error::last_os_error()),
-        };
+        // SAFETY: eventfd takes no pointers.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a non-negative result is a new descriptor that nothing else owns.
+        let doorbell = unsafe { OwnedFd::from_raw_fd(fd) };
         let shared = Shared {
             engine: Mutex::new(engine),
             waker,
