@@ -68,12 +68,10 @@ fn mesh(world: usize) -> io::Result<Vec<Vec<Option<TcpStream>>>> {
     let mut mesh: Vec<Vec<Option<TcpStream>>> = (0..world)
         .map(|_| (0..world).map(|_| None).collect())
         .collect();
-    for r in 0..world {
-        for p in r + 1..world {
-            let (a, b) = pair()?;
-            mesh[r][p] = Some(a);
-            mesh[p][r] = Some(b);
-        }
+    for (r, p) in (0..world).flat_map(|r| (r + 1..world).map(move |p| (r, p))) {
+        let (a, b) = pair()?;
+        mesh[r][p] = Some(a);
+        mesh[p][r] = Some(b);
     }
     Ok(mesh)
 }
