@@ -23,6 +23,8 @@ use crate::Error;
 pub struct Workspace {
     slots: Vec<Vec<u8>>,
     scratch: Vec<u8>,
+    /// The free slots' indices during a call (kept to spare an allocation per call).
+    free: Vec<usize>,
 }
 
 impl Workspace {
@@ -211,14 +213,16 @@ pub fn execute(
         .max()
         .unwrap_or(0);
     work.reserve(job.depth, max_chunk * elem, scratch_len(steps) * elem);
+    work.free.clear();
+    work.free.extend(0..work.slots.len());
     let mut run = Run {
         job,
         bufs,
         elem,
         scratch: work.scratch.as_mut_ptr(),
         scratch_len: work.scratch.len(),
-        slots: work.slots.iter_mut().map(|s| s.as_mut_ptr()).collect(),
-        free: (0..job.depth.max(1)).collect(),
+        slots: &mut work.slots,
+        free: &mut work.free,
         pending: VecDeque::new(),
         next_id: 0,
         warned: false,
@@ -253,8 +257,8 @@ struct Run<'a, 'j> {
     elem: usize,
     scratch: *mut u8,
     scratch_len: usize,
-    slots: Vec<*mut u8>,
-    free: Vec<usize>,
+    slots: &'a mut [Vec<u8>],
+    free: &'a mut Vec<usize>,
     pending: VecDeque<Pending>,
     next_id: u64,
     /// Whether the watchdog has reported this call as stalled.
@@ -335,7 +339,8 @@ impl Run<'_, '_> {
                 // SAFETY: the slot holds at least the largest receive-and-reduce of this
                 // schedule (`Workspace::reserve`) and belongs to this request until settled.
                 let req = unsafe {
-                    let buf = std::slice::from_raw_parts_mut(self.slots[slot], mem.len());
+                    let buf =
+                        std::slice::from_raw_parts_mut(self.slots[slot].as_mut_ptr(), mem.len());
                     self.transport()?.irecv(*peer, self.job.tag, buf)?
                 };
                 let with_ptr = with_ptr.cast_const();
@@ -481,7 +486,7 @@ impl Run<'_, '_> {
             // `with` are in bounds (resolved when posted), identical or disjoint (checked
             // when posted), and no pending request touches them (settled above).
             unsafe {
-                let incoming = std::slice::from_raw_parts(self.slots[slot].cast_const(), len);
+                let incoming = std::slice::from_raw_parts(self.slots[slot].as_ptr(), len);
                 let out = std::slice::from_raw_parts_mut(p.ptr, len);
                 if with == p.mem {
                     reduce(self.job.op, self.job.dtype, out, incoming)?;

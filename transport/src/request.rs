@@ -1,6 +1,6 @@
 //! Requests: handles to posted sends and receives, and how callers wait on them.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -18,11 +18,20 @@ const SPIN: Duration = Duration::from_micros(50);
 #[derive(Debug, Default)]
 pub struct Completion {
     state: AtomicU8,
+    /// Parts of the request still unfinished (see [`Request::in_parts`]).
+    parts: AtomicUsize,
     error: Mutex<Option<TransportError>>,
     waiter: Mutex<Option<Thread>>,
 }
 
 impl Completion {
+    /// Marks one part of the request done; the last completes it.
+    pub fn part_done(&self) {
+        if self.parts.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.complete(Ok(()));
+        }
+    }
+
     /// Marks the request done, or failed with `error`, and wakes its waiter.
     ///
     /// Only the first call has an effect.
@@ -111,7 +120,21 @@ pub struct Request {
 impl Request {
     /// A new pending request and the completion the transport will set.
     pub fn new(peer: usize, direction: Direction, len: usize) -> (Request, Arc<Completion>) {
-        let completion = Arc::new(Completion::default());
+        Request::in_parts(peer, direction, len, 1)
+    }
+
+    /// A new pending request that completes when [`Completion::part_done`] has been called
+    /// `parts` times (a message striped over several sockets), or on the first failure.
+    pub fn in_parts(
+        peer: usize,
+        direction: Direction,
+        len: usize,
+        parts: usize,
+    ) -> (Request, Arc<Completion>) {
+        let completion = Arc::new(Completion {
+            parts: AtomicUsize::new(parts),
+            ..Completion::default()
+        });
         let req = Request {
             completion: completion.clone(),
             peer,

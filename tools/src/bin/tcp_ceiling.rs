@@ -5,9 +5,11 @@
 //!   Chorus header and 8 bytes) with rank XOR 2^k in each of log2(W) rounds, as a
 //!   recursive-doubling all-reduce of 8 bytes does, waiting as Chorus's waiters do. Threads
 //!   switch a little more cheaply than processes, so this floor is, if anything, optimistic.
-//! - `stream`: one socket carries a 64 MiB buffer into another 64 MiB buffer (both far larger
-//!   than the caches, as in a 64 MiB collective), and then a 1 MiB buffer, which stays in
-//!   cache (what `iperf3` measures).
+//! - `stream`: one socket carries a 1 MiB buffer, which stays in cache (what `iperf3`
+//!   measures), then a 64 MiB buffer into another (both far larger than the caches, as in a
+//!   64 MiB collective), timing each end's CPU as well.
+//! - `bound`: from those CPU costs, the most bus bandwidth a ring or recursive all-reduce of
+//!   64 MiB could reach here, counting only its kernel copies (reducing for free).
 //!
 //! `cargo run --release -p chorus-tools --bin tcp_ceiling -- -np 4`
 
@@ -56,9 +58,28 @@ fn main() -> io::Result<()> {
         "exchange  W={}  48 B frames, log2(W) rounds: {us:.2} us per call",
         args.world
     );
-    for (label, len, reps) in [("64 MiB", 64 << 20, args.streams), ("1 MiB", 1 << 20, 200)] {
-        let gbs = stream(len, reps)?;
-        println!("stream    one socket, {label} buffers: {gbs:.2} GB/s (median of {reps})");
+    let hot = stream(1 << 20, 200)?;
+    println!(
+        "stream    one socket, 1 MiB buffers (in cache): {:.2} GB/s",
+        hot.rate
+    );
+    let cold = stream(64 << 20, args.streams)?;
+    println!(
+        "stream    one socket, 64 MiB buffers: {:.2} GB/s; a core sends {:.2} GB/s, receives {:.2} GB/s",
+        cold.rate, cold.send_core, cold.recv_core
+    );
+    // A ring or recursive all-reduce sends and receives 2(W-1)/W of the buffer per rank: W
+    // ranks' worth of kernel copies shared by the cores, even if reducing cost nothing.
+    let cores = thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let worlds = if args.world == 2 {
+        vec![2]
+    } else {
+        vec![2, args.world]
+    };
+    for w in worlds {
+        let per_byte = 1.0 / cold.send_core + 1.0 / cold.recv_core;
+        let busbw = cores.min(w as f64) / (w as f64 * per_byte);
+        println!("bound     all-reduce W={w} of 64 MiB on {cores} cores: busbw <= {busbw:.2} GB/s");
     }
     Ok(())
 }
@@ -148,29 +169,61 @@ fn read_spinning(sock: &mut &TcpStream, buf: &mut [u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// Median GB/s of `reps` transfers of a `len`-byte buffer over one socket.
-fn stream(len: usize, reps: usize) -> io::Result<f64> {
+/// One socket's throughput, and what moving a byte through it costs each end's core.
+struct Stream {
+    /// Median GB/s over the timed transfers.
+    rate: f64,
+    /// Bytes per CPU-second spent by the sending thread (the kernel's send path, and on
+    /// loopback its delivery too) and by the receiving thread.
+    send_core: f64,
+    recv_core: f64,
+}
+
+/// Times `reps` transfers of a `len`-byte buffer over one socket.
+fn stream(len: usize, reps: usize) -> io::Result<Stream> {
     let (mut tx, mut rx) = pair()?;
-    let receiver = thread::spawn(move || -> io::Result<()> {
+    let receiver = thread::spawn(move || -> io::Result<f64> {
         let mut buf = vec![0u8; len];
-        for _ in 0..=reps {
+        let mut cpu = 0.0;
+        for rep in 0..=reps {
+            let start = thread_cpu();
             rx.read_exact(&mut buf)?;
+            if rep > 0 {
+                cpu += thread_cpu() - start;
+            }
             rx.write_all(&[1])?;
         }
-        Ok(())
+        Ok(cpu)
     });
     let data = vec![7u8; len];
-    let mut rates = Vec::with_capacity(reps);
+    let (mut rates, mut cpu) = (Vec::with_capacity(reps), 0.0);
     for rep in 0..=reps {
-        let start = Instant::now();
+        let (start, start_cpu) = (Instant::now(), thread_cpu());
         tx.write_all(&data)?;
         tx.read_exact(&mut [0u8; 1])?;
         // The first transfer warms the connection up.
         if rep > 0 {
             rates.push(len as f64 / start.elapsed().as_secs_f64() / 1e9);
+            cpu += thread_cpu() - start_cpu;
         }
     }
-    receiver.join().expect("stream receiver")?;
+    let recv_cpu = receiver.join().expect("stream receiver")?;
     rates.sort_by(f64::total_cmp);
-    Ok(rates[rates.len() / 2])
+    let bytes = (len * reps) as f64;
+    Ok(Stream {
+        rate: rates[rates.len() / 2],
+        send_core: bytes / cpu / 1e9,
+        recv_core: bytes / recv_cpu / 1e9,
+    })
+}
+
+/// CPU seconds the calling thread has used.
+fn thread_cpu() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec into a live local; this clock exists on every Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }

@@ -17,7 +17,7 @@
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -39,21 +39,6 @@ const NAP: Duration = Duration::from_millis(2);
 /// Token of the waker that stops the progress thread.
 const WAKER: Token = Token(usize::MAX);
 
-/// One posted request, shared by its stripes.
-#[derive(Debug)]
-struct Op {
-    remaining: AtomicUsize,
-    completion: Arc<Completion>,
-}
-
-impl Op {
-    fn stripe_done(&self) {
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.completion.complete(Ok(()));
-        }
-    }
-}
-
 /// A stripe waiting to be written: header first, then payload.
 #[derive(Debug)]
 struct SendPiece {
@@ -61,7 +46,7 @@ struct SendPiece {
     data: *const u8,
     len: usize,
     written: usize,
-    op: Arc<Op>,
+    done: Arc<Completion>,
 }
 
 /// A stripe waiting to be read: header (checked), then payload.
@@ -71,7 +56,7 @@ struct RecvPiece {
     buf: *mut u8,
     len: usize,
     got: usize,
-    op: Arc<Op>,
+    done: Arc<Completion>,
 }
 
 /// One socket to a peer.
@@ -397,7 +382,15 @@ impl Engine {
         peer: usize,
         direction: Direction,
         len: usize,
-    ) -> Result<(u64, Vec<frame::Stripe>, Request, Arc<Op>), TransportError> {
+    ) -> Result<
+        (
+            u64,
+            impl ExactSizeIterator<Item = frame::Stripe>,
+            Request,
+            Arc<Completion>,
+        ),
+        TransportError,
+    > {
         self.check_peer(peer)?;
         let p = &mut self.peers[peer];
         let counter = match direction {
@@ -407,12 +400,8 @@ impl Engine {
         let seq = *counter;
         *counter += 1;
         let stripes = frame::stripes(seq, len, p.conns.len(), self.min_stripe);
-        let (req, completion) = Request::new(peer, direction, len);
-        let op = Arc::new(Op {
-            remaining: AtomicUsize::new(stripes.len()),
-            completion,
-        });
-        Ok((seq, stripes, req, op))
+        let (req, done) = Request::in_parts(peer, direction, len, stripes.len());
+        Ok((seq, stripes, req, done))
     }
 
     /// Queues a send and writes as much as the sockets take now.
@@ -428,7 +417,7 @@ impl Engine {
         data: *const u8,
         len: usize,
     ) -> Result<Request, TransportError> {
-        let (seq, stripes, req, op) = self.start(peer, Direction::Send, len)?;
+        let (seq, stripes, req, done) = self.start(peer, Direction::Send, len)?;
         for stripe in stripes {
             let idx = self.peers[peer].conns[stripe.socket];
             let header = FrameHeader {
@@ -443,7 +432,7 @@ impl Engine {
                 data: unsafe { data.add(stripe.range.start) },
                 len: stripe.range.len(),
                 written: 0,
-                op: op.clone(),
+                done: done.clone(),
             });
             self.serve(idx, false, true);
         }
@@ -464,7 +453,7 @@ impl Engine {
         buf: *mut u8,
         len: usize,
     ) -> Result<Request, TransportError> {
-        let (seq, stripes, req, op) = self.start(peer, Direction::Recv, len)?;
+        let (seq, stripes, req, done) = self.start(peer, Direction::Recv, len)?;
         for stripe in stripes {
             let idx = self.peers[peer].conns[stripe.socket];
             self.conns[idx].recvs.push_back(RecvPiece {
@@ -478,7 +467,7 @@ impl Engine {
                 buf: unsafe { buf.add(stripe.range.start) },
                 len: stripe.range.len(),
                 got: 0,
-                op: op.clone(),
+                done: done.clone(),
             });
         }
         Ok(req)
@@ -522,10 +511,10 @@ impl Engine {
             let conn = &mut self.conns[idx];
             self.settled += (conn.sends.len() + conn.recvs.len()) as u64;
             for piece in conn.sends.drain(..) {
-                piece.op.completion.complete(Err(err.clone()));
+                piece.done.complete(Err(err.clone()));
             }
             for piece in conn.recvs.drain(..) {
-                piece.op.completion.complete(Err(err.clone()));
+                piece.done.complete(Err(err.clone()));
             }
             if close {
                 let _ = conn.stream.shutdown(std::net::Shutdown::Both);
@@ -583,7 +572,7 @@ impl Conn {
             if piece.written == total {
                 let piece = self.sends.pop_front().expect("front exists");
                 self.finished += 1;
-                piece.op.stripe_done();
+                piece.done.part_done();
             }
         }
         Ok(true)
@@ -631,7 +620,7 @@ impl Conn {
                 self.header_got = 0;
                 let piece = self.recvs.pop_front().expect("front exists");
                 self.finished += 1;
-                piece.op.stripe_done();
+                piece.done.part_done();
             }
         }
         Ok(true)

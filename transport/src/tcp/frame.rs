@@ -77,21 +77,24 @@ pub struct Stripe {
 /// ones are split into at most `nsocks` near-equal stripes of at least
 /// `min_stripe` bytes (itself at least 64), 64-byte aligned. The first stripe's socket rotates
 /// with `seq` so consecutive small messages spread over all sockets.
-pub fn stripes(seq: u64, len: usize, nsocks: usize, min_stripe: usize) -> Vec<Stripe> {
+pub fn stripes(
+    seq: u64,
+    len: usize,
+    nsocks: usize,
+    min_stripe: usize,
+) -> impl ExactSizeIterator<Item = Stripe> {
     let nsocks = nsocks.max(1);
     let count = (len / min_stripe.max(64)).clamp(1, nsocks);
     let first = (seq % nsocks as u64) as usize;
     let base = (len / count) & !63;
-    (0..count)
-        .map(|i| {
-            let start = i * base;
-            let end = if i + 1 == count { len } else { start + base };
-            Stripe {
-                socket: (first + i) % nsocks,
-                range: start..end,
-            }
-        })
-        .collect()
+    (0..count).map(move |i| {
+        let start = i * base;
+        let end = if i + 1 == count { len } else { start + base };
+        Stripe {
+            socket: (first + i) % nsocks,
+            range: start..end,
+        }
+    })
 }
 
 #[cfg(test)]
@@ -141,7 +144,7 @@ mod tests {
                 10_000_019,
             ] {
                 for seq in 0..6 {
-                    let s = stripes(seq, len, nsocks, 4096);
+                    let s: Vec<Stripe> = stripes(seq, len, nsocks, 4096).collect();
                     assert!(!s.is_empty() && s.len() <= nsocks);
                     assert_eq!(s[0].range.start, 0);
                     assert_eq!(s.last().unwrap().range.end, len);
@@ -158,7 +161,7 @@ mod tests {
     #[test]
     fn small_messages_rotate_over_sockets() {
         let sockets: Vec<usize> = (0..4)
-            .map(|seq| stripes(seq, 8, 4, 4096)[0].socket)
+            .map(|seq| stripes(seq, 8, 4, 4096).next().unwrap().socket)
             .collect();
         assert_eq!(sockets, vec![0, 1, 2, 3]);
         assert_eq!(stripes(0, 1 << 20, 4, 4096).len(), 4);
