@@ -289,3 +289,35 @@ fn plot_draws_a_png_with_or_without_a_font() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("nothing to draw"));
 }
+
+#[test]
+fn tcp_ceiling_reports_floor_streams_and_bounds() {
+    let exe = env!("CARGO_BIN_EXE_tcp_ceiling");
+    let out = Command::new(exe)
+        .args(["-np", "4", "-n", "200", "--streams", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    // Every figure is a positive number in the line that names it.
+    let figure = |prefix: &str| -> f64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no line starting {prefix:?} in:\n{text}"));
+        let after = line.rsplit(": ").next().unwrap();
+        let value = after.split_whitespace().find_map(|w| w.parse().ok());
+        value.unwrap_or_else(|| panic!("no number in {line:?}"))
+    };
+    assert!(figure("exchange  W=4") > 0.0);
+    assert!(figure("stream    one socket, 1 MiB") > 0.0);
+    assert!(figure("bound     all-reduce W=2") > 0.0);
+    assert!(figure("bound     all-reduce W=4") > 0.0);
+    let bad = Command::new(exe).args(["-np", "3"]).output().unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("power of two"));
+}

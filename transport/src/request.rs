@@ -27,7 +27,9 @@ pub struct Completion {
 impl Completion {
     /// Marks one part of the request done; the last completes it.
     pub fn part_done(&self) {
-        if self.parts.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let before = self.parts.fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(before > 0, "more parts done than the request has");
+        if before == 1 {
             self.complete(Ok(()));
         }
     }
@@ -131,6 +133,7 @@ impl Request {
         len: usize,
         parts: usize,
     ) -> (Request, Arc<Completion>) {
+        assert!(parts > 0, "a request has at least one part");
         let completion = Arc::new(Completion {
             parts: AtomicUsize::new(parts),
             ..Completion::default()

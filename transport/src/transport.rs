@@ -23,7 +23,10 @@ pub struct LinkCost {
 /// * **Posting.** [`isend`](Transport::isend) and [`irecv`](Transport::irecv)
 ///   return at once with a [`Request`]; bytes move in the background (a
 ///   progress thread, and the kernel's socket buffers), so the caller can
-///   compute while the wire works.
+///   compute while the wire works. Over TCP, received bytes leave the
+///   kernel's buffers only while some thread waits on this transport, so a
+///   large receive finishes (and its sender's large send with it) only once
+///   the receiver waits.
 /// * **Matching.** Between one pair of ranks, messages are matched strictly in
 ///   posting order: the k-th receive posted for `peer` takes the k-th message
 ///   `peer` sent to this rank. The receiver checks that the message's tag and

@@ -8,8 +8,10 @@
 //! - `stream`: one socket carries a 1 MiB buffer, which stays in cache (what `iperf3`
 //!   measures), then a 64 MiB buffer into another (both far larger than the caches, as in a
 //!   64 MiB collective), timing each end's CPU as well.
-//! - `bound`: from those CPU costs, the most bus bandwidth a ring or recursive all-reduce of
-//!   64 MiB could reach here, counting only its kernel copies (reducing for free).
+//! - `bound`: from those CPU costs, the most bus bandwidth a ring or halving-doubling
+//!   all-reduce of 64 MiB could reach here, counting only its kernel copies (reducing for
+//!   free) and letting each rank keep at most one core busy (as when ranks outnumber or
+//!   equal the cores; softirq work charged elsewhere and memory contention only lower it).
 //!
 //! `cargo run --release -p chorus-tools --bin tcp_ceiling -- -np 4`
 
@@ -68,8 +70,9 @@ fn main() -> io::Result<()> {
         "stream    one socket, 64 MiB buffers: {:.2} GB/s; a core sends {:.2} GB/s, receives {:.2} GB/s",
         cold.rate, cold.send_core, cold.recv_core
     );
-    // A ring or recursive all-reduce sends and receives 2(W-1)/W of the buffer per rank: W
-    // ranks' worth of kernel copies shared by the cores, even if reducing cost nothing.
+    // A ring or halving-doubling all-reduce sends and receives 2(W-1)/W of the buffer per
+    // rank: W ranks' worth of kernel copies shared by the cores (one per rank at most), even
+    // if reducing cost nothing.
     let cores = thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let worlds = if args.world == 2 {
         vec![2]

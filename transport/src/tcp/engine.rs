@@ -96,8 +96,9 @@ pub(crate) struct Engine {
     /// Stripes finished or failed so far, and that count when sleepers were last told.
     settled: u64,
     told: u64,
-    /// Waiters asleep in [`Progress::block`].
+    /// Waiters asleep in [`Progress::block`], and whether the doorbell is rung.
     sleepers: usize,
+    rung: bool,
 }
 
 // SAFETY: the raw pointers in the queues are only dereferenced while the
@@ -159,6 +160,7 @@ impl Shared {
             settled: 0,
             told: 0,
             sleepers: 0,
+            rung: false,
         };
         // SAFETY: eventfd takes no pointers.
         let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
@@ -192,12 +194,13 @@ impl Shared {
     }
 
     /// Rings the doorbell if requests settled since sleepers were last told and some sleep.
-    fn tell_sleepers(&self, engine: &mut Engine) {
+    pub(crate) fn tell_sleepers(&self, engine: &mut Engine) {
         if engine.settled != engine.told && engine.sleepers > 0 {
             let one = 1u64;
             // SAFETY: writes 8 bytes from a live u64 to our eventfd. It can only fail with the
             // counter full, and then it is readable anyway.
             unsafe { libc::write(self.doorbell.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            engine.rung = true;
         }
         engine.told = engine.settled;
     }
@@ -219,8 +222,9 @@ impl Shared {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                self.lock()
-                    .abort(&format!("progress thread cannot poll: {e}"), true);
+                let mut engine = self.lock();
+                engine.abort(&format!("progress thread cannot poll: {e}"), true);
+                self.tell_sleepers(&mut engine);
                 return;
             }
             if self.stop.load(Ordering::Acquire) {
@@ -327,15 +331,17 @@ impl Progress for Shared {
         // SAFETY: `fds` is an array of `fds.len()` initialised pollfd records. The sockets stay
         // open while `self` lives (they are only shut down, never closed, before the drop).
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        let failed = (ready < 0).then(io::Error::last_os_error);
         let mut engine = self.lock();
         engine.sleepers -= 1;
-        if engine.sleepers == 0 && fds[0].revents != 0 {
+        if engine.sleepers == 0 && engine.rung {
             // The last sleeper up clears the doorbell, so none misses a ring.
             let mut count = 0u64;
             // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd.
             unsafe { libc::read(fds[0].fd, (&mut count as *mut u64).cast(), 8) };
+            engine.rung = false;
         }
-        if ready < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+        if failed.is_some_and(|e| e.kind() != io::ErrorKind::Interrupted) {
             // Cannot watch the sockets (out of memory): serve them all after a nap instead.
             drop(engine);
             std::thread::sleep(NAP);

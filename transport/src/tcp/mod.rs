@@ -142,6 +142,8 @@ impl Drop for TcpTransport {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
-        self.shared.lock().abort("transport dropped", false);
+        let mut engine = self.shared.lock();
+        engine.abort("transport dropped", false);
+        self.shared.tell_sleepers(&mut engine);
     }
 }
