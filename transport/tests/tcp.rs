@@ -194,8 +194,13 @@ fn abort_fails_pending_requests_and_peers_see_it() {
         // Rank 1 may see rank 0 leave before or after it posts.
         r.and_then(|r| r.wait(deadline())).unwrap_err()
     });
+    aborted_and_closed(&errors, "test abort");
+}
+
+/// Rank 0 aborted with `why`; rank 1 saw it leave.
+fn aborted_and_closed(errors: &[TransportError], why: &str) {
     assert!(
-        matches!(errors[0], TransportError::Aborted(ref why) if why == "test abort"),
+        matches!(errors[0], TransportError::Aborted(ref w) if w == why),
         "{}",
         errors[0]
     );
@@ -307,14 +312,5 @@ fn an_abort_wakes_a_sleeping_waiter() {
             waiter.join().unwrap()
         })
     });
-    assert!(
-        matches!(errors[0], TransportError::Aborted(ref why) if why == "stopped by the test"),
-        "{}",
-        errors[0]
-    );
-    assert!(
-        matches!(errors[1], TransportError::PeerClosed { peer: 0 }),
-        "{}",
-        errors[1]
-    );
+    aborted_and_closed(&errors, "stopped by the test");
 }
