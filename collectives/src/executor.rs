@@ -25,6 +25,22 @@ pub struct Workspace {
     scratch: Vec<u8>,
     /// The free slots' indices during a call (kept to spare an allocation per call).
     free: Vec<usize>,
+    /// The call's posted requests (kept for its capacity; empty between calls).
+    pending: Posted,
+}
+
+/// The queue of posted requests a call has not yet settled, oldest first.
+#[derive(Default)]
+struct Posted(VecDeque<Pending>);
+
+// SAFETY: a `Pending`'s raw pointers are only used by the call that posted it, on its own
+// thread, and `execute` empties the queue before it returns: no pointer crosses threads.
+unsafe impl Send for Posted {}
+
+impl std::fmt::Debug for Posted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Posted({} requests)", self.0.len())
+    }
 }
 
 impl Workspace {
@@ -223,15 +239,18 @@ pub fn execute(
         scratch_len: work.scratch.len(),
         slots: &mut work.slots,
         free: &mut work.free,
-        pending: VecDeque::new(),
+        pending: &mut work.pending.0,
         next_id: 0,
         warned: false,
     };
     let result = steps
         .iter()
         .try_for_each(|step| run.step(step))
-        .and_then(|()| run.settle_all());
-    result.map_err(|error| failed(error, job.watch, job.transport))
+        .and_then(|()| run.settle_all())
+        .map_err(|error| failed(error, job.watch, job.transport));
+    // After a failure the transport is aborted: no request still uses what these point to.
+    run.pending.clear();
+    result
 }
 
 /// Explains a call's failure through `watch`, then aborts `transport` so no
@@ -259,7 +278,7 @@ struct Run<'a, 'j> {
     scratch_len: usize,
     slots: &'a mut [Vec<u8>],
     free: &'a mut Vec<usize>,
-    pending: VecDeque<Pending>,
+    pending: &'a mut VecDeque<Pending>,
     next_id: u64,
     /// Whether the watchdog has reported this call as stalled.
     warned: bool,

@@ -1,7 +1,7 @@
 //! Requests: handles to posted sends and receives, and how callers wait on them.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
@@ -20,7 +20,9 @@ pub struct Completion {
     state: AtomicU8,
     /// Parts of the request still unfinished (see [`Request::in_parts`]).
     parts: AtomicUsize,
-    error: Mutex<Option<TransportError>>,
+    error: OnceLock<TransportError>,
+    /// Set once a waiter has left its thread in `waiter` to be unparked.
+    parked: AtomicBool,
     waiter: Mutex<Option<Thread>>,
 }
 
@@ -38,21 +40,27 @@ impl Completion {
     ///
     /// Only the first call has an effect.
     pub fn complete(&self, result: Result<(), TransportError>) {
-        let mut error = lock(&self.error);
         if self.state.load(Ordering::Acquire) != PENDING {
             return;
         }
         let state = match result {
             Ok(()) => DONE,
             Err(e) => {
-                *error = Some(e);
+                // Set before the state says FAILED. Two racing failures may report either error.
+                let _ = self.error.set(e);
                 FAILED
             }
         };
-        self.state.store(state, Ordering::Release);
-        drop(error);
-        if let Some(thread) = lock(&self.waiter).take() {
-            thread.unpark();
+        let won = self
+            .state
+            .compare_exchange(PENDING, state, Ordering::SeqCst, Ordering::Acquire)
+            .is_ok();
+        // Sequentially consistent with the waiter's `parked` store and state load: either it
+        // sees the new state before it parks, or this sees `parked` and unparks it.
+        if won && self.parked.load(Ordering::SeqCst) {
+            if let Some(thread) = lock(&self.waiter).take() {
+                thread.unpark();
+            }
         }
     }
 
@@ -60,7 +68,7 @@ impl Completion {
         match self.state.load(Ordering::Acquire) {
             PENDING => None,
             DONE => Some(Ok(())),
-            _ => Some(Err(lock(&self.error).clone().unwrap_or_else(|| {
+            _ => Some(Err(self.error.get().cloned().unwrap_or_else(|| {
                 TransportError::Aborted("request failed".into())
             }))),
         }
@@ -188,6 +196,9 @@ impl Request {
     /// own error, or `Timeout` naming the peer; after a timeout the caller must
     /// abort the transport before it reuses the request's buffer.
     pub fn wait(&self, deadline: Instant) -> Result<(), TransportError> {
+        if let Some(result) = self.completion.poll() {
+            return result;
+        }
         let start = Instant::now();
         let spin_until = start + SPIN;
         loop {
@@ -216,10 +227,11 @@ impl Request {
                 }
             }
             *lock(&self.completion.waiter) = Some(std::thread::current());
+            self.completion.parked.store(true, Ordering::SeqCst);
             if let Some(progress) = &self.progress {
                 progress.parking(self.peer);
             }
-            if self.completion.poll().is_none() {
+            if self.completion.state.load(Ordering::SeqCst) == PENDING {
                 std::thread::park_timeout(deadline - now);
             }
         }

@@ -126,14 +126,18 @@ pub type Schedule = Vec<Step>;
 
 /// Elements of scratch space `steps` use.
 pub fn scratch_len(steps: &[Step]) -> usize {
-    let locs = steps.iter().flat_map(|s| match s {
-        Step::Send { from, .. } => vec![from],
-        Step::Recv { into, .. } | Step::Finish { at: into } => vec![into],
-        Step::RecvReduce { with, into, .. } => vec![with, into],
-        Step::Copy { from, into } => vec![from, into],
-        Step::Fence => vec![],
-    });
-    locs.filter(|l| l.buf == Buf::Scratch)
+    steps
+        .iter()
+        .flat_map(|s| match s {
+            Step::Send { from: a, .. } | Step::Recv { into: a, .. } | Step::Finish { at: a } => {
+                [Some(a), None]
+            }
+            Step::RecvReduce { with, into, .. } => [Some(with), Some(into)],
+            Step::Copy { from, into } => [Some(from), Some(into)],
+            Step::Fence => [None, None],
+        })
+        .flatten()
+        .filter(|l| l.buf == Buf::Scratch)
         .map(|l| l.range.end)
         .max()
         .unwrap_or(0)
