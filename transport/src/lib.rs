@@ -22,6 +22,6 @@ pub mod tcp;
 mod transport;
 
 pub use error::TransportError;
-pub use request::{Completion, Direction, Progress, Request};
+pub use request::{Completion, CompletionPool, Direction, Progress, Request};
 pub use routed::{host_identity, RouteConfig, RoutedTransport, TransportKind};
 pub use transport::{wait_all, LinkCost, Transport};

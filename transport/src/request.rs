@@ -1,5 +1,6 @@
 //! Requests: handles to posted sends and receives, and how callers wait on them.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
@@ -27,6 +28,14 @@ pub struct Completion {
 }
 
 impl Completion {
+    fn new(parts: usize) -> Completion {
+        assert!(parts > 0, "a request has at least one part");
+        Completion {
+            parts: AtomicUsize::new(parts),
+            ..Completion::default()
+        }
+    }
+
     /// Marks one part of the request done; the last completes it.
     pub fn part_done(&self) {
         let before = self.parts.fetch_sub(1, Ordering::AcqRel);
@@ -98,6 +107,35 @@ pub trait Progress: Send + Sync + std::fmt::Debug {
     fn parking(&self, _peer: usize) {}
 }
 
+/// Completions kept for reuse, so that a small message costs no allocation: the oldest kept
+/// is handed out again once nothing but the pool refers to it (its request and the
+/// transport's queues have let go of it).
+#[derive(Debug, Default)]
+pub struct CompletionPool {
+    kept: VecDeque<Arc<Completion>>,
+}
+
+impl CompletionPool {
+    /// Completions kept at most: more than a call has requests in flight, usually.
+    const KEEP: usize = 64;
+
+    /// A pending completion of `parts` parts.
+    fn take(&mut self, parts: usize) -> Arc<Completion> {
+        let completion = match self.kept.front_mut().and_then(Arc::get_mut) {
+            Some(free) => {
+                *free = Completion::new(parts);
+                self.kept.pop_front().expect("the front exists")
+            }
+            None => Arc::new(Completion::new(parts)),
+        };
+        self.kept.push_back(completion.clone());
+        if self.kept.len() > Self::KEEP {
+            self.kept.pop_front();
+        }
+        completion
+    }
+}
+
 /// Which direction a request moves bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Direction {
@@ -141,11 +179,26 @@ impl Request {
         len: usize,
         parts: usize,
     ) -> (Request, Arc<Completion>) {
-        assert!(parts > 0, "a request has at least one part");
-        let completion = Arc::new(Completion {
-            parts: AtomicUsize::new(parts),
-            ..Completion::default()
-        });
+        let completion = Arc::new(Completion::new(parts));
+        let req = Request {
+            completion: completion.clone(),
+            peer,
+            direction,
+            len,
+            progress: None,
+        };
+        (req, completion)
+    }
+
+    /// Like [`in_parts`](Self::in_parts), with a completion from `pool`.
+    pub fn pooled(
+        pool: &mut CompletionPool,
+        peer: usize,
+        direction: Direction,
+        len: usize,
+        parts: usize,
+    ) -> (Request, Arc<Completion>) {
+        let completion = pool.take(parts);
         let req = Request {
             completion: completion.clone(),
             peer,
@@ -198,6 +251,13 @@ impl Request {
     pub fn wait(&self, deadline: Instant) -> Result<(), TransportError> {
         if let Some(result) = self.completion.poll() {
             return result;
+        }
+        // A small message has often arrived by now: look before reading the clock.
+        if let Some(progress) = &self.progress {
+            progress.poll(self.peer);
+            if let Some(result) = self.completion.poll() {
+                return result;
+            }
         }
         let start = Instant::now();
         let spin_until = start + SPIN;
@@ -269,6 +329,30 @@ mod tests {
             }
         ));
         assert!(err.to_string().contains("rank 5"), "{err}");
+    }
+
+    #[test]
+    fn a_pooled_completion_is_reused_only_once_free() {
+        let mut pool = CompletionPool::default();
+        let (busy, busy_done) = Request::pooled(&mut pool, 1, Direction::Send, 8, 1);
+        // The oldest is still held by its request and the transport: a new one is made.
+        let (other, other_done) = Request::pooled(&mut pool, 1, Direction::Recv, 8, 2);
+        assert!(!Arc::ptr_eq(&busy_done, &other_done));
+        busy_done.complete(Err(TransportError::PeerClosed { peer: 1 }));
+        assert!(busy.test().is_some_and(|r| r.is_err()));
+        let first = Arc::as_ptr(&busy_done);
+        drop((busy, busy_done));
+        // Now free: handed out again, pending and without the old error.
+        let (again, again_done) = Request::pooled(&mut pool, 2, Direction::Send, 4, 1);
+        assert_eq!(Arc::as_ptr(&again_done), first);
+        assert!(again.test().is_none());
+        again_done.complete(Ok(()));
+        assert!(matches!(again.test(), Some(Ok(()))));
+        // The request still in flight was left alone: it needs both of its parts.
+        other_done.part_done();
+        assert!(other.test().is_none());
+        other_done.part_done();
+        assert!(matches!(other.test(), Some(Ok(()))));
     }
 
     #[test]

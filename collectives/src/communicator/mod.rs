@@ -484,13 +484,14 @@ impl Inner {
     pub(crate) fn execute(&self, state: &mut State, call: Call<'_>) -> Result<()> {
         state.seq += 1;
         let info = call.info;
+        let now = Instant::now();
         let watcher = self.monitor.as_deref().map(|monitor| {
-            monitor.activity.begin(state.seq, info);
+            monitor.activity.begin(state.seq, info, now);
             Watcher {
                 monitor,
                 seq: state.seq,
                 call: info,
-                started: Instant::now(),
+                started: now,
             }
         });
         let tag = tag(state.seq, &info);
@@ -518,7 +519,7 @@ impl Inner {
                     dtype: info.dtype,
                     op: info.op,
                     world_size: self.config.world_size,
-                    deadline: Instant::now() + self.config.timeout,
+                    deadline: now + self.config.timeout,
                     depth: PIPELINE_DEPTH,
                     watch: watcher.as_ref().map(|w| w as &dyn Watch),
                 };

@@ -93,12 +93,12 @@ struct Doing {
 }
 
 impl Activity {
-    pub fn begin(&self, seq: u64, call: CallInfo) {
+    pub fn begin(&self, seq: u64, call: CallInfo, now: Instant) {
         *lock(&self.0) = Doing {
             seq,
             call: Some(call),
             running: true,
-            since: Some(Instant::now()),
+            since: Some(now),
         };
     }
 
@@ -505,7 +505,7 @@ mod tests {
     #[test]
     fn status_lines_round_trip() {
         let activity = Activity::default();
-        activity.begin(17, call(Kind::Reduce, 1, 5));
+        activity.begin(17, call(Kind::Reduce, 1, 5), Instant::now());
         let status = Status::decode(&activity.encode()).expect("decodes");
         assert_eq!((status.seq, status.running), (17, true));
         assert_eq!(status.call, "reduce(float sum, 5 elements, root 1)");

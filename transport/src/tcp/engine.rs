@@ -26,7 +26,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::frame::{self, FrameHeader, HEADER_LEN};
 use crate::matching::{self, MessageId};
-use crate::request::{Completion, Direction, Progress, Request};
+use crate::request::{Completion, CompletionPool, Direction, Progress, Request};
 use crate::TransportError;
 
 /// Most bytes moved on one socket before the engine turns to the next one.
@@ -99,6 +99,7 @@ pub(crate) struct Engine {
     /// Waiters asleep in [`Progress::block`], and whether the doorbell is rung.
     sleepers: usize,
     rung: bool,
+    completions: CompletionPool,
 }
 
 // SAFETY: the raw pointers in the queues are only dereferenced while the
@@ -161,6 +162,7 @@ impl Shared {
             told: 0,
             sleepers: 0,
             rung: false,
+            completions: CompletionPool::default(),
         };
         // SAFETY: eventfd takes no pointers.
         let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
@@ -405,7 +407,8 @@ impl Engine {
         let seq = *counter;
         *counter += 1;
         let stripes = frame::stripes(seq, len, p.conns.len(), self.min_stripe);
-        let (req, done) = Request::in_parts(peer, direction, len, stripes.len());
+        let (req, done) =
+            Request::pooled(&mut self.completions, peer, direction, len, stripes.len());
         Ok((seq, stripes, req, done))
     }
 
