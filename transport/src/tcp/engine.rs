@@ -703,3 +703,85 @@ fn io_error(peer: usize, op: &'static str, e: io::Error) -> TransportError {
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream as StdStream};
+
+    /// A connection reading from a socket, and the socket's other end.
+    fn reading_end() -> (Conn, StdStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let writer = StdStream::connect(listener.local_addr().expect("address")).expect("connect");
+        writer.set_nodelay(true).expect("nodelay");
+        let (reader, _) = listener.accept().expect("accept");
+        reader.set_nonblocking(true).expect("non-blocking");
+        let conn = Conn {
+            peer: 1,
+            stream: TcpStream::from_std(reader),
+            sends: VecDeque::new(),
+            recvs: VecDeque::new(),
+            header: [0; HEADER_LEN],
+            header_got: 0,
+            eof: false,
+            finished: 0,
+        };
+        (conn, writer)
+    }
+
+    /// Bytes of the frame in flight that `conn` has taken in so far.
+    fn taken(conn: &Conn, frame: usize) -> usize {
+        match conn.recvs.front() {
+            Some(piece) => conn.header_got + piece.got,
+            None => frame,
+        }
+    }
+
+    #[test]
+    fn a_frame_arriving_in_pieces_is_reassembled() {
+        // Small and large payloads; 7-byte pieces split the header, and the first read of a
+        // small frame (one recv of header and payload) as well as the later ones (readv).
+        for (len, piece) in [(8, 7), (SMALL, 7), (SMALL + 1, 7), (1000, 7), (8, 48)] {
+            let (mut conn, mut writer) = reading_end();
+            let header = FrameHeader {
+                tag: 7,
+                seq: 0,
+                msg_len: len as u64,
+                stripe_len: len as u64,
+            };
+            let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            let mut buf = vec![0u8; len];
+            let (req, done) = Request::new(1, Direction::Recv, len);
+            conn.recvs.push_back(RecvPiece {
+                expect: header,
+                buf: buf.as_mut_ptr(),
+                len,
+                got: 0,
+                done,
+            });
+            let mut wire = header.encode().to_vec();
+            wire.extend(&payload);
+            let mut sent = 0;
+            for bytes in wire.chunks(piece) {
+                assert!(req.test().is_none(), "{len} B done after {sent} bytes");
+                writer.write_all(bytes).expect("write");
+                sent += bytes.len();
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while taken(&conn, wire.len()) < sent {
+                    assert!(
+                        Instant::now() < deadline,
+                        "{len} B: {sent} bytes never read"
+                    );
+                    assert!(conn.pump().expect("pump"));
+                }
+                assert_eq!(
+                    taken(&conn, wire.len()),
+                    sent,
+                    "{len} B read past what was sent"
+                );
+            }
+            assert!(matches!(req.test(), Some(Ok(()))), "{len} B not done");
+            assert_eq!(buf, payload, "{len} B payload");
+        }
+    }
+}
