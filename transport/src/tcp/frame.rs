@@ -84,9 +84,15 @@ pub fn stripes(
     min_stripe: usize,
 ) -> impl ExactSizeIterator<Item = Stripe> {
     let nsocks = nsocks.max(1);
-    let count = (len / min_stripe.max(64)).clamp(1, nsocks);
-    let first = (seq % nsocks as u64) as usize;
-    let base = (len / count) & !63;
+    // One socket (the default) needs no division: this runs for every message.
+    let (count, first) = match nsocks {
+        1 => (1, 0),
+        _ => (
+            (len / min_stripe.max(64)).clamp(1, nsocks),
+            (seq % nsocks as u64) as usize,
+        ),
+    };
+    let base = if count == 1 { len } else { (len / count) & !63 };
     (0..count).map(move |i| {
         let start = i * base;
         let end = if i + 1 == count { len } else { start + base };
