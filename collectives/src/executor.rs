@@ -34,8 +34,11 @@ pub struct Workspace {
 struct Posted(VecDeque<Pending>);
 
 // SAFETY: a `Pending`'s raw pointers are only used by the call that posted it, on its own
-// thread, and `execute` empties the queue before it returns: no pointer crosses threads.
+// thread, and the queue is emptied when that call's `Run` is dropped, on return or unwind:
+// no pointer crosses threads or outlives its call.
 unsafe impl Send for Posted {}
+// SAFETY: as for `Send`; a shared `Posted` is never read while it holds entries.
+unsafe impl Sync for Posted {}
 
 impl std::fmt::Debug for Posted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -246,11 +249,8 @@ pub fn execute(
     let result = steps
         .iter()
         .try_for_each(|step| run.step(step))
-        .and_then(|()| run.settle_all())
-        .map_err(|error| failed(error, job.watch, job.transport));
-    // After a failure the transport is aborted: no request still uses what these point to.
-    run.pending.clear();
-    result
+        .and_then(|()| run.settle_all());
+    result.map_err(|error| failed(error, job.watch, job.transport))
 }
 
 /// Explains a call's failure through `watch`, then aborts `transport` so no
@@ -282,6 +282,14 @@ struct Run<'a, 'j> {
     next_id: u64,
     /// Whether the watchdog has reported this call as stalled.
     warned: bool,
+}
+
+impl Drop for Run<'_, '_> {
+    /// Empties the kept queue, also when a panic unwinds: after a failure the transport has
+    /// been aborted, so no request still uses what the entries point to.
+    fn drop(&mut self) {
+        self.pending.clear();
+    }
 }
 
 impl Run<'_, '_> {

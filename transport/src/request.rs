@@ -110,9 +110,15 @@ pub trait Progress: Send + Sync + std::fmt::Debug {
 /// Completions kept for reuse, so that a small message costs no allocation: the oldest kept
 /// is handed out again once nothing but the pool refers to it (its request and the
 /// transport's queues have let go of it).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct CompletionPool {
     kept: VecDeque<Arc<Completion>>,
+}
+
+impl std::fmt::Debug for CompletionPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CompletionPool({} kept)", self.kept.len())
+    }
 }
 
 impl CompletionPool {
@@ -311,6 +317,32 @@ mod tests {
         });
         req.wait(Instant::now() + Duration::from_secs(10)).unwrap();
         t.join().unwrap();
+    }
+
+    #[test]
+    fn a_completion_racing_the_waiters_park_is_never_lost() {
+        let (tx, rx) = std::sync::mpsc::channel::<(Arc<Completion>, Duration)>();
+        let completer = std::thread::spawn(move || {
+            for (completion, delay) in rx {
+                let at = Instant::now() + delay;
+                while Instant::now() < at {
+                    std::hint::spin_loop();
+                }
+                completion.complete(Ok(()));
+            }
+        });
+        for i in 0..2000u64 {
+            let (req, completion) = Request::new(1, Direction::Recv, 8);
+            // Around the end of the spin phase, where the waiter parks.
+            let delay = SPIN + Duration::from_micros(i % 40) - Duration::from_micros(20);
+            tx.send((completion, delay)).expect("completer alive");
+            let start = Instant::now();
+            req.wait(start + Duration::from_secs(5)).expect("completed");
+            // A lost wake-up parks the waiter until its deadline.
+            assert!(start.elapsed() < Duration::from_secs(4), "wake-up lost at {i}");
+        }
+        drop(tx);
+        completer.join().expect("completer");
     }
 
     #[test]

@@ -709,16 +709,17 @@ mod tests {
     use super::*;
     use std::net::{TcpListener, TcpStream as StdStream};
 
-    /// A connection reading from a socket, and the socket's other end.
-    fn reading_end() -> (Conn, StdStream) {
+    /// A connection on one end of a socket, and the other end (blocking).
+    fn conn_and_other_end() -> (Conn, StdStream) {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let writer = StdStream::connect(listener.local_addr().expect("address")).expect("connect");
-        writer.set_nodelay(true).expect("nodelay");
-        let (reader, _) = listener.accept().expect("accept");
-        reader.set_nonblocking(true).expect("non-blocking");
+        let other = StdStream::connect(listener.local_addr().expect("address")).expect("connect");
+        other.set_nodelay(true).expect("nodelay");
+        let (mine, _) = listener.accept().expect("accept");
+        mine.set_nonblocking(true).expect("non-blocking");
+        mine.set_nodelay(true).expect("nodelay");
         let conn = Conn {
             peer: 1,
-            stream: TcpStream::from_std(reader),
+            stream: TcpStream::from_std(mine),
             sends: VecDeque::new(),
             recvs: VecDeque::new(),
             header: [0; HEADER_LEN],
@@ -726,7 +727,7 @@ mod tests {
             eof: false,
             finished: 0,
         };
-        (conn, writer)
+        (conn, other)
     }
 
     /// Bytes of the frame in flight that `conn` has taken in so far.
@@ -739,10 +740,18 @@ mod tests {
 
     #[test]
     fn a_frame_arriving_in_pieces_is_reassembled() {
-        // Small and large payloads; 7-byte pieces split the header, and the first read of a
-        // small frame (one recv of header and payload) as well as the later ones (readv).
-        for (len, piece) in [(8, 7), (SMALL, 7), (SMALL + 1, 7), (1000, 7), (8, 48)] {
-            let (mut conn, mut writer) = reading_end();
+        // Small and large payloads. 7-byte pieces split the header, and the first read of a
+        // small frame (one recv of header and payload) as well as the later ones (readv); 45
+        // bytes end that first read inside the payload; 48 bring a whole 8-byte frame at once.
+        for (len, piece) in [
+            (8, 7),
+            (SMALL, 7),
+            (SMALL + 1, 7),
+            (1000, 7),
+            (100, 45),
+            (8, 48),
+        ] {
+            let (mut conn, mut writer) = conn_and_other_end();
             let header = FrameHeader {
                 tag: 7,
                 seq: 0,
@@ -782,6 +791,105 @@ mod tests {
             }
             assert!(matches!(req.test(), Some(Ok(()))), "{len} B not done");
             assert_eq!(buf, payload, "{len} B payload");
+        }
+    }
+
+    #[test]
+    fn frames_queued_behind_a_large_one_leave_intact() {
+        // The large frames fill the socket, so the small ones after them may go out in pieces
+        // (a short send, then the vectored path) while the other end reads in odd sizes.
+        let (mut conn, mut reader) = conn_and_other_end();
+        let sizes = [3 << 20, 8, SMALL, 100, 0, 1 << 20, 40, SMALL - 1, 8];
+        let payloads: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &len)| (0..len).map(|i| (i * 7 + k) as u8).collect())
+            .collect();
+        let mut wire = Vec::new();
+        let mut reqs = Vec::new();
+        for (seq, payload) in payloads.iter().enumerate() {
+            let len = payload.len();
+            let header = FrameHeader {
+                tag: 9,
+                seq: seq as u64,
+                msg_len: len as u64,
+                stripe_len: len as u64,
+            }
+            .encode();
+            wire.extend_from_slice(&header);
+            wire.extend_from_slice(payload);
+            let (req, done) = Request::new(1, Direction::Send, len);
+            conn.sends.push_back(SendPiece {
+                header,
+                data: payload.as_ptr(),
+                len,
+                written: 0,
+                done,
+            });
+            reqs.push(req);
+        }
+        let total = wire.len();
+        let drain = std::thread::spawn(move || {
+            let mut got = Vec::with_capacity(total);
+            let mut buf = [0u8; 4093];
+            while got.len() < total {
+                let n = reader.read(&mut buf).expect("read");
+                assert!(n > 0, "the sender closed after {} bytes", got.len());
+                got.extend_from_slice(&buf[..n]);
+            }
+            got
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !conn.sends.is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "{} frames never left",
+                conn.sends.len()
+            );
+            assert!(conn.flush().expect("flush") || !conn.sends.is_empty());
+            std::thread::yield_now();
+        }
+        assert!(
+            drain.join().expect("reader") == wire,
+            "the bytes on the wire differ"
+        );
+        for (k, req) in reqs.iter().enumerate() {
+            assert!(matches!(req.test(), Some(Ok(()))), "send {k} not done");
+        }
+    }
+
+    #[test]
+    fn a_small_frame_cut_short_is_finished_by_the_vectored_path() {
+        // What a short send(2) of a small frame leaves: `written` bytes gone, header or payload
+        // partly; the rest must follow exactly.
+        for written in [1, 20, HEADER_LEN, HEADER_LEN + 3] {
+            let (mut conn, mut reader) = conn_and_other_end();
+            let payload: Vec<u8> = (0..8).map(|i| 100 + i).collect();
+            let header = FrameHeader {
+                tag: 3,
+                seq: 0,
+                msg_len: 8,
+                stripe_len: 8,
+            }
+            .encode();
+            let (req, done) = Request::new(1, Direction::Send, 8);
+            conn.sends.push_back(SendPiece {
+                header,
+                data: payload.as_ptr(),
+                len: 8,
+                written,
+                done,
+            });
+            assert!(conn.flush().expect("flush"));
+            assert!(
+                matches!(req.test(), Some(Ok(()))),
+                "cut at {written}: not done"
+            );
+            let mut wire = header.to_vec();
+            wire.extend_from_slice(&payload);
+            let mut rest = vec![0u8; wire.len() - written];
+            reader.read_exact(&mut rest).expect("read");
+            assert_eq!(rest, wire[written..], "cut at {written}");
         }
     }
 }

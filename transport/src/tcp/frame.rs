@@ -97,7 +97,12 @@ pub fn stripes(
         let start = i * base;
         let end = if i + 1 == count { len } else { start + base };
         Stripe {
-            socket: (first + i) % nsocks,
+            // `first < nsocks` and `i < count <= nsocks`: one subtraction wraps it.
+            socket: if first + i >= nsocks {
+                first + i - nsocks
+            } else {
+                first + i
+            },
             range: start..end,
         }
     })
