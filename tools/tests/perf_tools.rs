@@ -315,8 +315,25 @@ fn tcp_ceiling_reports_floor_streams_and_bounds() {
     };
     assert!(figure("exchange  W=4") > 0.0);
     assert!(figure("stream    one socket, 1 MiB") > 0.0);
-    assert!(figure("bound     all-reduce W=2") > 0.0);
-    assert!(figure("bound     all-reduce W=4") > 0.0);
+    assert!(figure("reduce    float sum") > 0.0);
+    for w in [2, 4] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("bound     all-reduce W={w} ")))
+            .unwrap_or_else(|| panic!("no bound for W={w} in:\n{text}"));
+        let numbers: Vec<f64> = line
+            .rsplit(": ")
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        // Copies alone, then copies and sums: the sums can only lower the bound.
+        assert!(
+            matches!(numbers[..], [copies, with_sums] if copies > with_sums && with_sums > 0.0),
+            "{line}"
+        );
+    }
     let bad = Command::new(exe).args(["-np", "3"]).output().unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("power of two"));

@@ -339,7 +339,10 @@ mod tests {
             let start = Instant::now();
             req.wait(start + Duration::from_secs(5)).expect("completed");
             // A lost wake-up parks the waiter until its deadline.
-            assert!(start.elapsed() < Duration::from_secs(4), "wake-up lost at {i}");
+            assert!(
+                start.elapsed() < Duration::from_secs(4),
+                "wake-up lost at {i}"
+            );
         }
         drop(tx);
         completer.join().expect("completer");

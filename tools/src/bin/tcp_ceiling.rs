@@ -8,10 +8,13 @@
 //! - `stream`: one socket carries a 1 MiB buffer, which stays in cache (what `iperf3`
 //!   measures), then a 64 MiB buffer into another (both far larger than the caches, as in a
 //!   64 MiB collective), timing each end's CPU as well.
+//! - `reduce`: one core sums 512 KiB pieces (just received, so in cache) into a 64 MiB float
+//!   buffer with Chorus's kernel, as an all-reduce's receive-and-reduce steps do.
 //! - `bound`: from those CPU costs, the most bus bandwidth a ring or halving-doubling
-//!   all-reduce of 64 MiB could reach here, counting only its kernel copies (reducing for
-//!   free) and letting each rank keep at most one core busy (as when ranks outnumber or
-//!   equal the cores; softirq work charged elsewhere and memory contention only lower it).
+//!   all-reduce of 64 MiB could reach here, first counting only its kernel copies (reducing
+//!   for free), then its reductions too; each rank keeps at most one core busy (as when ranks
+//!   outnumber or equal the cores; softirq work charged elsewhere and memory contention only
+//!   lower it).
 //!
 //! `cargo run --release -p chorus-tools --bin tcp_ceiling -- -np 4`
 
@@ -70,9 +73,12 @@ fn main() -> io::Result<()> {
         "stream    one socket, 64 MiB buffers: {:.2} GB/s; a core sends {:.2} GB/s, receives {:.2} GB/s",
         cold.rate, cold.send_core, cold.recv_core
     );
+    let summed = reduce_rate(args.streams);
+    println!("reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core");
     // A ring or halving-doubling all-reduce sends and receives 2(W-1)/W of the buffer per
-    // rank: W ranks' worth of kernel copies shared by the cores (one per rank at most), even
-    // if reducing cost nothing.
+    // rank and reduces (W-1)/W of it: W ranks' worth of that work shared by the cores (one
+    // per rank at most). Per byte of bus bandwidth, a rank spends 1/send + 1/recv on copies
+    // and 1/(2 reduce) on sums.
     let cores = thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let worlds = if args.world == 2 {
         vec![2]
@@ -80,11 +86,36 @@ fn main() -> io::Result<()> {
         vec![2, args.world]
     };
     for w in worlds {
-        let per_byte = 1.0 / cold.send_core + 1.0 / cold.recv_core;
-        let busbw = cores.min(w as f64) / (w as f64 * per_byte);
-        println!("bound     all-reduce W={w} of 64 MiB on {cores} cores: busbw <= {busbw:.2} GB/s");
+        let copies = 1.0 / cold.send_core + 1.0 / cold.recv_core;
+        let bound = |per_byte: f64| cores.min(w as f64) / (w as f64 * per_byte);
+        println!(
+            "bound     all-reduce W={w} of 64 MiB on {cores} cores: busbw <= {:.2} GB/s; {:.2} counting the sums",
+            bound(copies),
+            bound(copies + 0.5 / summed)
+        );
     }
     Ok(())
+}
+
+/// GB/s of incoming bytes one core sums into a 64 MiB float buffer, 512 KiB at a time (the
+/// default pipeline chunk), median of `reps` passes.
+fn reduce_rate(reps: usize) -> f64 {
+    use chorus_kernels::{reduce, DType, ReduceOp};
+    const PIECE: usize = 512 << 10;
+    let mut out = vec![1u8; 64 << 20];
+    let incoming = vec![2u8; PIECE];
+    let mut rates: Vec<f64> = (0..=reps)
+        .map(|_| {
+            let start = Instant::now();
+            for piece in out.chunks_mut(PIECE) {
+                reduce(ReduceOp::Sum, DType::F32, piece, &incoming).expect("equal lengths");
+            }
+            out.len() as f64 / start.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    rates.remove(0);
+    rates.sort_by(f64::total_cmp);
+    rates[rates.len() / 2]
 }
 
 /// A full mesh of connected loopback sockets: `mesh[r][p]` joins rank `r` to rank `p`.
