@@ -316,6 +316,7 @@ fn tcp_ceiling_reports_floor_streams_and_bounds() {
     assert!(figure("exchange  W=4") > 0.0);
     assert!(figure("stream    one socket, 1 MiB") > 0.0);
     assert!(figure("reduce    float sum") > 0.0);
+    assert!(figure("bound     broadcast W=2") > 0.0);
     for w in [2, 4] {
         let line = text
             .lines()

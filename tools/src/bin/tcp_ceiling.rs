@@ -14,7 +14,8 @@
 //!   all-reduce of 64 MiB could reach here, first counting only its kernel copies (reducing
 //!   for free), then its reductions too; each rank keeps at most one core busy (as when ranks
 //!   outnumber or equal the cores; softirq work charged elsewhere and memory contention only
-//!   lower it).
+//!   lower it); and for a W=2 broadcast of 64 MiB, whose every byte is copied once by the
+//!   root's core and once by the other's, at best both at once.
 //!
 //! `cargo run --release -p chorus-tools --bin tcp_ceiling -- -np 4`
 
@@ -94,6 +95,10 @@ fn main() -> io::Result<()> {
             bound(copies + 0.5 / summed)
         );
     }
+    println!(
+        "bound     broadcast W=2 of 64 MiB: busbw <= {:.2} GB/s",
+        cold.send_core.min(cold.recv_core)
+    );
     Ok(())
 }
 
