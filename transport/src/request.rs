@@ -185,15 +185,7 @@ impl Request {
         len: usize,
         parts: usize,
     ) -> (Request, Arc<Completion>) {
-        let completion = Arc::new(Completion::new(parts));
-        let req = Request {
-            completion: completion.clone(),
-            peer,
-            direction,
-            len,
-            progress: None,
-        };
-        (req, completion)
+        Request::around(Arc::new(Completion::new(parts)), peer, direction, len)
     }
 
     /// Like [`in_parts`](Self::in_parts), with a completion from `pool`.
@@ -204,7 +196,15 @@ impl Request {
         len: usize,
         parts: usize,
     ) -> (Request, Arc<Completion>) {
-        let completion = pool.take(parts);
+        Request::around(pool.take(parts), peer, direction, len)
+    }
+
+    fn around(
+        completion: Arc<Completion>,
+        peer: usize,
+        direction: Direction,
+        len: usize,
+    ) -> (Request, Arc<Completion>) {
         let req = Request {
             completion: completion.clone(),
             peer,

@@ -143,16 +143,7 @@ impl Shared {
                 poll.registry()
                     .register(&mut stream, token, Interest::WRITABLE)?;
                 peers[peer].conns.push(token.0);
-                conns.push(Conn {
-                    peer,
-                    stream,
-                    sends: VecDeque::new(),
-                    recvs: VecDeque::new(),
-                    header: [0; HEADER_LEN],
-                    header_got: 0,
-                    eof: false,
-                    finished: 0,
-                });
+                conns.push(Conn::new(peer, stream));
             }
         }
         let engine = Engine {
@@ -552,6 +543,19 @@ impl Engine {
 }
 
 impl Conn {
+    fn new(peer: usize, stream: TcpStream) -> Conn {
+        Conn {
+            peer,
+            stream,
+            sends: VecDeque::new(),
+            recvs: VecDeque::new(),
+            header: [0; HEADER_LEN],
+            header_got: 0,
+            eof: false,
+            finished: 0,
+        }
+    }
+
     /// Writes queued stripes until the socket is full; `Ok(false)` if the budget ran out.
     fn flush(&mut self) -> Result<bool, TransportError> {
         let mut moved = 0;
@@ -717,17 +721,7 @@ mod tests {
         let (mine, _) = listener.accept().expect("accept");
         mine.set_nonblocking(true).expect("non-blocking");
         mine.set_nodelay(true).expect("nodelay");
-        let conn = Conn {
-            peer: 1,
-            stream: TcpStream::from_std(mine),
-            sends: VecDeque::new(),
-            recvs: VecDeque::new(),
-            header: [0; HEADER_LEN],
-            header_got: 0,
-            eof: false,
-            finished: 0,
-        };
-        (conn, other)
+        (Conn::new(1, TcpStream::from_std(mine)), other)
     }
 
     /// Bytes of the frame in flight that `conn` has taken in so far.
