@@ -109,18 +109,22 @@ fn reduce_rate(reps: usize) -> f64 {
     const PIECE: usize = 512 << 10;
     let mut out = vec![1u8; 64 << 20];
     let incoming = vec![2u8; PIECE];
-    let mut rates: Vec<f64> = (0..=reps)
-        .map(|_| {
-            let start = Instant::now();
-            for piece in out.chunks_mut(PIECE) {
-                reduce(ReduceOp::Sum, DType::F32, piece, &incoming).expect("equal lengths");
-            }
-            out.len() as f64 / start.elapsed().as_secs_f64() / 1e9
-        })
-        .collect();
-    rates.remove(0);
-    rates.sort_by(f64::total_cmp);
-    rates[rates.len() / 2]
+    let mut pass = || {
+        let start = Instant::now();
+        for piece in out.chunks_mut(PIECE) {
+            reduce(ReduceOp::Sum, DType::F32, piece, &incoming).expect("equal lengths");
+        }
+        out.len() as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    // The first pass warms the buffers up.
+    pass();
+    median((0..reps).map(|_| pass()).collect())
+}
+
+/// The middle value of `values` (the upper one of an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 /// A full mesh of connected loopback sockets: `mesh[r][p]` joins rank `r` to rank `p`.
@@ -247,10 +251,9 @@ fn stream(len: usize, reps: usize) -> io::Result<Stream> {
         }
     }
     let recv_cpu = receiver.join().expect("stream receiver")?;
-    rates.sort_by(f64::total_cmp);
     let bytes = (len * reps) as f64;
     Ok(Stream {
-        rate: rates[rates.len() / 2],
+        rate: median(rates),
         send_core: bytes / cpu / 1e9,
         recv_core: bytes / recv_cpu / 1e9,
     })
