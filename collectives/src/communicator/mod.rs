@@ -186,6 +186,29 @@ impl Communicator {
     /// store cannot be reached, or a peer does not show up, all within
     /// `config.timeout`.
     pub fn new(config: Config) -> Result<Communicator> {
+        let server = if config.rank == 0 && config.world_size > 1 {
+            let addr = SocketAddr::from(([0, 0, 0, 0], config.master_port));
+            Some(StoreServer::bind_with_auth(addr, config.auth.clone())?)
+        } else {
+            None
+        };
+        let prefix = format!("chorus/{}", CREATED.fetch_add(1, Ordering::Relaxed));
+        Communicator::with_store_server(config, server, &prefix)
+    }
+
+    /// Joins the job through the store already listening at `config.master_addr` and
+    /// `config.master_port`; `server` is that store when this process hosts it.
+    ///
+    /// For a job whose rank 0 binds its store first (on any free port) and tells the others
+    /// where through some other channel, as the torch backend does through torch's store.
+    /// `prefix` is the communicator's key space in the store: every rank passes the same one,
+    /// and no other communicator on that store uses it. The hosting process keeps the store
+    /// up until every rank is done with it. Fails as [`Communicator::new`] does.
+    pub fn with_store_server(
+        config: Config,
+        server: Option<StoreServer>,
+        prefix: &str,
+    ) -> Result<Communicator> {
         if config.world_size == 0 || config.rank >= config.world_size {
             return Err(Error::InvalidArgument(format!(
                 "rank {} is not below world size {}",
@@ -195,23 +218,14 @@ impl Communicator {
         if config.world_size == 1 {
             return Ok(Communicator::assemble(config, None, None, None));
         }
-        let server = if config.rank == 0 {
-            let addr = SocketAddr::from(([0, 0, 0, 0], config.master_port));
-            Some(Arc::new(StoreServer::bind_with_auth(
-                addr,
-                config.auth.clone(),
-            )?))
-        } else {
-            None
-        };
+        let server = server.map(Arc::new);
         let client = Arc::new(TcpStore::connect_with_auth(
             &config.master_addr,
             config.master_port,
             config.timeout,
             config.auth.clone(),
         )?);
-        let prefix = format!("chorus/{}", CREATED.fetch_add(1, Ordering::Relaxed));
-        let joined = Communicator::join(config, client, prefix, server.clone());
+        let joined = Communicator::join(config, client, prefix.to_string(), server.clone());
         if joined.is_err() && server.is_some() {
             // The others are failing too: keep the store up a moment so they read their own
             // errors (naming the missing ranks) rather than "the store closed".

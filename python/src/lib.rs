@@ -1,0 +1,475 @@
+//! `chorus_torch._chorus`: a Chorus communicator driven from Python over tensors' own memory.
+//!
+//! The Python package (`chorus_torch`) turns torch's process-group calls into calls of
+//! [`Comm`] with each tensor's address and length in bytes; this module runs them on the
+//! tensors' memory with the GIL released. It is private to that package: the addresses it
+//! is given must stay valid until the returned [`Handle`] completes, which the package
+//! ensures by keeping the tensors referenced until then.
+
+// The Python-facing calls take one argument per field of torch's call.
+#![allow(clippy::too_many_arguments)]
+
+mod buffer;
+mod lane;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chorus::{Auth, Communicator, Config, DType, ReduceOp};
+use chorus_transport::store::StoreServer;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use buffer::Raw;
+use lane::{Handle, Lane};
+
+/// Calls of at least this many bytes that may run in the background are queued to the
+/// communicator's worker thread, so the caller can overlap them (DDP's buckets); smaller
+/// ones run on the calling thread, which is faster than handing them over.
+const QUEUE_MIN_BYTES: usize = 256 << 10;
+
+/// Runs `$body` with `$t` standing for the Rust element type of `$dtype`.
+macro_rules! typed {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::F16 => {
+                type $t = chorus::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $t = chorus::bf16;
+                $body
+            }
+            DType::I8 => {
+                type $t = i8;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DType::U64 => {
+                type $t = u64;
+                $body
+            }
+        }
+    };
+}
+
+/// The data type with index `code` in [`DType::ALL`].
+fn dtype(code: usize) -> PyResult<DType> {
+    DType::ALL
+        .get(code)
+        .copied()
+        .ok_or_else(|| PyValueError::new_err(format!("unknown Chorus data type code {code}")))
+}
+
+/// The reduction operator for torch's `ReduceOp.RedOpType` value `code`.
+fn reduce_op(code: u32) -> PyResult<ReduceOp> {
+    match code {
+        0 => Ok(ReduceOp::Sum),
+        1 => Ok(ReduceOp::Avg),
+        2 => Ok(ReduceOp::Prod),
+        3 => Ok(ReduceOp::Min),
+        4 => Ok(ReduceOp::Max),
+        _ => Err(PyValueError::new_err(format!(
+            "the chorus backend does not support reduce op code {code}"
+        ))),
+    }
+}
+
+fn failed(e: impl std::fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+/// Rank 0's rendezvous store for one communicator, listening on a free port.
+#[pyclass(frozen, module = "chorus_torch._chorus")]
+struct StoreHost {
+    server: std::sync::Mutex<Option<StoreServer>>,
+    port: u16,
+}
+
+#[pymethods]
+impl StoreHost {
+    /// Listens on every interface at a port the system picks; peers must prove `token`.
+    #[new]
+    fn new(job_id: &str, token: &str) -> PyResult<StoreHost> {
+        let auth = Auth::new(job_id, token).map_err(PyValueError::new_err)?;
+        let server = StoreServer::bind_with_auth(([0, 0, 0, 0], 0).into(), auth).map_err(failed)?;
+        Ok(StoreHost {
+            port: server.local_addr().port(),
+            server: std::sync::Mutex::new(Some(server)),
+        })
+    }
+
+    /// The port the store listens on.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+/// One Chorus communicator and the worker thread that runs its queued calls in issue order.
+#[pyclass(frozen, module = "chorus_torch._chorus")]
+struct Comm {
+    lane: Arc<Lane>,
+}
+
+#[pymethods]
+impl Comm {
+    /// Joins a communicator of `size` ranks through the store at `addr:port` (hosted by
+    /// rank 0's `host`), proving `job_id` and `token`.
+    #[new]
+    #[pyo3(signature = (rank, size, addr, port, job_id, token, timeout, local_rank, local_size, host=None))]
+    fn new(
+        py: Python<'_>,
+        rank: usize,
+        size: usize,
+        addr: String,
+        port: u16,
+        job_id: &str,
+        token: &str,
+        timeout: f64,
+        local_rank: usize,
+        local_size: usize,
+        host: Option<&StoreHost>,
+    ) -> PyResult<Comm> {
+        let mut config = Config::from_lookup(|k| {
+            // Only the CHORUS_* tuning variables apply: the job's shape comes from torch.
+            if k.starts_with("CHORUS_") && k != "CHORUS_INIT_METHOD" {
+                std::env::var(k).ok()
+            } else {
+                None
+            }
+        })
+        .unwrap_or_else(|_| Config::new(0, 1, "127.0.0.1", 0));
+        config.rank = rank;
+        config.world_size = size;
+        config.local_rank = local_rank;
+        config.local_world_size = local_size;
+        config.master_addr = addr;
+        config.master_port = port;
+        if timeout.is_finite() && timeout > 0.0 {
+            config.timeout = Duration::from_secs_f64(timeout);
+        }
+        config.auth = Auth::new(job_id, token).map_err(PyValueError::new_err)?;
+        let server = match host {
+            Some(h) => h.server.lock().map_err(failed)?.take(),
+            None => None,
+        };
+        let comm = py
+            .detach(|| Communicator::with_store_server(config, server, "torch"))
+            .map_err(failed)?;
+        Ok(Comm {
+            lane: Lane::start(comm).map_err(failed)?,
+        })
+    }
+
+    /// This process's rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.lane.comm().rank()
+    }
+
+    /// The number of ranks.
+    #[getter]
+    fn size(&self) -> usize {
+        self.lane.comm().world_size()
+    }
+
+    /// Fails every call in flight and later, promptly, here and (through the store) on peers.
+    fn abort(&self) {
+        self.lane.comm().abort();
+    }
+
+    /// In-place all-reduce of `bytes` bytes at `ptr`.
+    #[pyo3(signature = (keep, ptr, bytes, dtype_code, op_code, may_queue))]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        ptr: usize,
+        bytes: usize,
+        dtype_code: usize,
+        op_code: u32,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
+        let buf = Raw::new(ptr, bytes, dtype)?;
+        self.issue(py, keep, may_queue, bytes, move |c| {
+            // SAFETY: the package keeps the tensor alive and untouched until the handle completes.
+            typed!(dtype, T => c.all_reduce(unsafe { buf.slice::<T>() }, op))
+        })
+    }
+
+    /// In-place broadcast from `root`.
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        ptr: usize,
+        bytes: usize,
+        dtype_code: usize,
+        root: usize,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let dtype = dtype(dtype_code)?;
+        let buf = Raw::new(ptr, bytes, dtype)?;
+        self.issue(py, keep, may_queue, bytes, move |c| {
+            // SAFETY: as in `all_reduce`.
+            typed!(dtype, T => c.broadcast(unsafe { buf.slice::<T>() }, root))
+        })
+    }
+
+    /// In-place reduce to `root` (other ranks' buffers become scratch).
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        ptr: usize,
+        bytes: usize,
+        dtype_code: usize,
+        op_code: u32,
+        root: usize,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
+        let buf = Raw::new(ptr, bytes, dtype)?;
+        self.issue(py, keep, may_queue, bytes, move |c| {
+            // SAFETY: as in `all_reduce`.
+            typed!(dtype, T => c.reduce(unsafe { buf.slice::<T>() }, op, root))
+        })
+    }
+
+    /// All-gather of `input` into `output` (world-size blocks); `input` may be `output`'s
+    /// own block of this rank (in place).
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        input: usize,
+        input_bytes: usize,
+        output: usize,
+        output_bytes: usize,
+        dtype_code: usize,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let dtype = dtype(dtype_code)?;
+        let (input, output) = (
+            Raw::new(input, input_bytes, dtype)?,
+            Raw::new(output, output_bytes, dtype)?,
+        );
+        let rank = self.rank();
+        self.issue(py, keep, may_queue, output_bytes, move |c| {
+            if output.block(rank, input.bytes) == Some(input) {
+                // SAFETY: as in `all_reduce`; only the output is referenced.
+                return typed!(dtype, T => c.all_gather_in_place(unsafe { output.slice::<T>() }));
+            }
+            let input = input.apart_from(output);
+            // SAFETY: as in `all_reduce`; `apart_from` copies an input that overlaps the output.
+            typed!(dtype, T => c.all_gather(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }))
+        })
+    }
+
+    /// Reduce-scatter of `input` (world-size blocks) into `output`.
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        input: usize,
+        input_bytes: usize,
+        output: usize,
+        output_bytes: usize,
+        dtype_code: usize,
+        op_code: u32,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
+        let (input, output) = (
+            Raw::new(input, input_bytes, dtype)?,
+            Raw::new(output, output_bytes, dtype)?,
+        );
+        self.issue(py, keep, may_queue, input_bytes, move |c| {
+            let input = input.apart_from(output);
+            // SAFETY: as in `all_gather`.
+            typed!(dtype, T => c.reduce_scatter(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, op))
+        })
+    }
+
+    /// All-to-all; with counts (elements per peer) when given, else equal blocks.
+    #[pyo3(signature = (keep, input, input_bytes, output, output_bytes, dtype_code, send_counts, recv_counts, may_queue))]
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        input: usize,
+        input_bytes: usize,
+        output: usize,
+        output_bytes: usize,
+        dtype_code: usize,
+        send_counts: Option<Vec<usize>>,
+        recv_counts: Option<Vec<usize>>,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let dtype = dtype(dtype_code)?;
+        let (input, output) = (
+            Raw::new(input, input_bytes, dtype)?,
+            Raw::new(output, output_bytes, dtype)?,
+        );
+        self.issue(py, keep, may_queue, input_bytes, move |c| {
+            let input = input.apart_from(output);
+            typed!(dtype, T => {
+                // SAFETY: as in `all_gather`.
+                let (i, o) = unsafe { (input.as_ref().slice::<T>(), output.slice::<T>()) };
+                match (&send_counts, &recv_counts) {
+                    (Some(s), Some(r)) => c.all_to_all_v(i, s, o, r),
+                    _ => c.all_to_all(i, o),
+                }
+            })
+        })
+    }
+
+    /// Gather of every rank's `input` into `root`'s `output` (ignored elsewhere).
+    fn gather(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        input: usize,
+        input_bytes: usize,
+        output: usize,
+        output_bytes: usize,
+        dtype_code: usize,
+        root: usize,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let dtype = dtype(dtype_code)?;
+        let (input, output) = (
+            Raw::new(input, input_bytes, dtype)?,
+            Raw::new(output, output_bytes, dtype)?,
+        );
+        self.issue(py, keep, may_queue, input_bytes, move |c| {
+            let input = input.apart_from(output);
+            // SAFETY: as in `all_gather`.
+            typed!(dtype, T => c.gather(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, root))
+        })
+    }
+
+    /// Scatter of `root`'s `input` (ignored elsewhere) into every rank's `output`.
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        input: usize,
+        input_bytes: usize,
+        output: usize,
+        output_bytes: usize,
+        dtype_code: usize,
+        root: usize,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let dtype = dtype(dtype_code)?;
+        let (input, output) = (
+            Raw::new(input, input_bytes, dtype)?,
+            Raw::new(output, output_bytes, dtype)?,
+        );
+        self.issue(py, keep, may_queue, output_bytes, move |c| {
+            let input = input.apart_from(output);
+            // SAFETY: as in `all_gather`.
+            typed!(dtype, T => c.scatter(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, root))
+        })
+    }
+
+    /// Sends the buffer to `peer` with `tag`.
+    fn send(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        ptr: usize,
+        bytes: usize,
+        dtype_code: usize,
+        peer: usize,
+        tag: u32,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let dtype = dtype(dtype_code)?;
+        let buf = Raw::new(ptr, bytes, dtype)?;
+        self.issue(py, keep, may_queue, bytes, move |c| {
+            // SAFETY: as in `all_reduce`.
+            typed!(dtype, T => c.send(unsafe { &*buf.slice::<T>() }, peer, tag))
+        })
+    }
+
+    /// Receives exactly the buffer's length from `peer` with `tag`.
+    fn recv(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        ptr: usize,
+        bytes: usize,
+        dtype_code: usize,
+        peer: usize,
+        tag: u32,
+        may_queue: bool,
+    ) -> PyResult<Handle> {
+        let dtype = dtype(dtype_code)?;
+        let buf = Raw::new(ptr, bytes, dtype)?;
+        self.issue(py, keep, may_queue, bytes, move |c| {
+            // SAFETY: as in `all_reduce`.
+            typed!(dtype, T => c.recv(unsafe { buf.slice::<T>() }, peer, tag))
+        })
+    }
+
+    /// Returns once every rank has entered the barrier (through the returned handle).
+    fn barrier(&self, py: Python<'_>, keep: Py<PyAny>, may_queue: bool) -> PyResult<Handle> {
+        self.issue(py, keep, may_queue, 0, |c| c.barrier())
+    }
+}
+
+impl Comm {
+    /// Runs `job` now, or queues it when `may_queue` and it is large or others are queued;
+    /// `keep` is held until it completes.
+    fn issue(
+        &self,
+        py: Python<'_>,
+        keep: Py<PyAny>,
+        may_queue: bool,
+        bytes: usize,
+        job: impl FnOnce(&Communicator) -> chorus::Result<()> + Send + 'static,
+    ) -> PyResult<Handle> {
+        let queue = may_queue && bytes >= QUEUE_MIN_BYTES;
+        let lane = &self.lane;
+        let (handle, keep) = py.detach(|| lane.issue(queue, keep, Box::new(job)));
+        drop(keep);
+        Ok(handle)
+    }
+}
+
+/// The extension module.
+#[pymodule]
+fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<StoreHost>()?;
+    m.add_class::<Comm>()?;
+    m.add_class::<Handle>()?;
+    m.add("QUEUE_MIN_BYTES", QUEUE_MIN_BYTES)?;
+    Ok(())
+}
