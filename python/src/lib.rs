@@ -154,22 +154,23 @@ impl Comm {
         local_size: usize,
         host: Option<&StoreHost>,
     ) -> PyResult<Comm> {
-        let mut config = Config::from_lookup(|k| {
-            // Only the CHORUS_* tuning variables apply: the job's shape comes from torch.
-            if k.starts_with("CHORUS_") && k != "CHORUS_INIT_METHOD" {
-                std::env::var(k).ok()
-            } else {
-                None
-            }
+        // Torch gives the job's shape; of the environment only the CHORUS_* tuning applies.
+        let mut config = Config::from_lookup(|k| match k {
+            "RANK" | "LOCAL_RANK" => Some("0".into()),
+            "WORLD_SIZE" | "LOCAL_WORLD_SIZE" => Some("1".into()),
+            "CHORUS_INIT_METHOD" => None,
+            _ if k.starts_with("CHORUS_") => std::env::var(k).ok(),
+            _ => None,
         })
-        .unwrap_or_else(|_| Config::new(0, 1, "127.0.0.1", 0));
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
         config.rank = rank;
         config.world_size = size;
         config.local_rank = local_rank;
         config.local_world_size = local_size;
         config.master_addr = addr;
         config.master_port = port;
-        if timeout.is_finite() && timeout > 0.0 {
+        // Torch's timeout (init_process_group's, 30 minutes by default) unless CHORUS_TIMEOUT says.
+        if timeout.is_finite() && timeout > 0.0 && std::env::var_os("CHORUS_TIMEOUT").is_none() {
             config.timeout = Duration::from_secs_f64(timeout);
         }
         config.auth = Auth::new(job_id, token).map_err(PyValueError::new_err)?;

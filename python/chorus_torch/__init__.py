@@ -1,0 +1,31 @@
+"""Chorus as a torch.distributed backend.
+
+    import chorus_torch  # registers the backend
+    torch.distributed.init_process_group("chorus")
+
+Every process-group operation runs on Chorus over CPU tensors' own memory, with
+the GIL released while Chorus works or waits.
+"""
+
+import torch.distributed as _dist
+
+from ._backend import ProcessGroupChorus, create_process_group
+
+__all__ = ["ProcessGroupChorus", "create_process_group", "BACKEND"]
+
+#: The name to pass to ``torch.distributed.init_process_group``.
+BACKEND = "chorus"
+
+
+def _register():
+    if hasattr(_dist.Backend, BACKEND.upper()):
+        return
+    try:
+        # torch 2.x: say which devices the backend serves (it warns otherwise).
+        _dist.Backend.register_backend(BACKEND, create_process_group, devices=["cpu"])
+    except TypeError:
+        # torch 1.13: no `devices` argument.
+        _dist.Backend.register_backend(BACKEND, create_process_group)
+
+
+_register()

@@ -1,0 +1,506 @@
+"""The process group: torch's calls turned into Chorus calls on tensors' memory."""
+
+import datetime
+import os
+import secrets
+import socket
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, Work
+
+from . import _chorus
+
+# Chorus's data type codes: the index in chorus::DType::ALL. Bool travels as u8.
+_DTYPES = {
+    torch.float32: 0,
+    torch.float64: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.int8: 4,
+    torch.uint8: 5,
+    torch.int32: 6,
+    torch.int64: 8,
+    torch.bool: 5,
+}
+_U8 = 5
+
+# torch's ReduceOp.RedOpType values.
+_SUM, _AVG, _PRODUCT, _MIN, _MAX, _BAND, _BOR, _BXOR = range(8)
+_OP_NAMES = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
+# On bool tensors every operator is a logical one, as Gloo computes them.
+_BOOL_OPS = {_SUM: _MAX, _PRODUCT: _MIN, _MIN: _MIN, _MAX: _MAX, _BAND: _MIN, _BOR: _MAX, _BXOR: _BXOR}
+_BITWISE = (_BAND, _BOR, _BXOR)
+
+_BOOTSTRAP_KEY = "chorus/bootstrap"
+_JOB_ID = "torch"
+
+
+def _dtype(tensor):
+    try:
+        return _DTYPES[tensor.dtype]
+    except KeyError:
+        raise TypeError(f"the chorus backend does not support tensors of {tensor.dtype}") from None
+
+
+def _check_cpu(tensor):
+    if tensor.device.type != "cpu":
+        raise ValueError(f"the chorus backend takes CPU tensors, got one on {tensor.device}")
+
+
+def _op(reduce_op, tensor):
+    """Chorus's code for torch's reduce op on `tensor`'s dtype; a clear error when none fits."""
+    code = int(getattr(reduce_op, "op", reduce_op))
+    dtype = tensor.dtype
+    if dtype == torch.bool:
+        if code not in _BOOL_OPS:
+            raise ValueError(f"ReduceOp.{_OP_NAMES[code]} is not defined on bool tensors")
+        return _BOOL_OPS[code]
+    if code in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"ReduceOp.{_OP_NAMES[code]} needs integer or bool tensors, got {dtype}")
+    if code > _BXOR:
+        raise ValueError(f"the chorus backend does not support ReduceOp.{_OP_NAMES[code]}")
+    return code
+
+
+def _one(tensors, what):
+    if len(tensors) != 1:
+        raise ValueError(f"chorus {what} takes exactly one tensor per call, got {len(tensors)}")
+    tensor = tensors[0]
+    _check_cpu(tensor)
+    return tensor
+
+
+def _seconds(timeout):
+    """torch's timeout as seconds; None for none (torch's zero means none)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+class ChorusWork(Work):
+    """One operation's handle, as Gloo's: wait, is_completed, get_future."""
+
+    def __init__(self, handle, result, finish=None):
+        super().__init__()
+        self._handle = handle
+        self._result = result
+        # Runs once after success (copies results out of staging tensors).
+        self._finish = finish
+
+    def _done(self):
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+    def wait(self, timeout=None):
+        if not self._handle.wait(_seconds(timeout)):
+            raise RuntimeError(f"chorus: operation timed out after {timeout}")
+        self._done()
+        return True
+
+    def is_completed(self):
+        return self._handle.is_completed()
+
+    def is_success(self):
+        return self._handle.is_completed() and self._handle.error() is None
+
+    def exception(self):
+        error = self._handle.error()
+        return None if error is None else RuntimeError(error)
+
+    def result(self):
+        return self._result
+
+    def source_rank(self):
+        raise RuntimeError("chorus: source_rank is only known for recv_anysource")
+
+    def synchronize(self):
+        pass
+
+    def get_future(self):
+        future = torch.futures.Future()
+
+        def settle():
+            error = self._handle.error()
+            if error is not None:
+                future.set_exception(RuntimeError(error))
+                return
+            try:
+                self._done()
+            except Exception as e:  # noqa: BLE001 - handed to the future's waiters
+                future.set_exception(e)
+                return
+            future.set_result(self._result)
+
+        self._handle.on_done(settle)
+        return future
+
+
+def _staged(tensor):
+    """`tensor` if contiguous, else a contiguous copy; and whether a copy was made."""
+    if tensor.is_contiguous():
+        return tensor, False
+    return tensor.contiguous(), True
+
+
+def _flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten_into(flat, tensors):
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def _span(tensor):
+    """The tensor's memory: address and length in bytes."""
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+def _host_address():
+    """The address other hosts reach this one by (CHORUS_SOCKET_ADDR, else the route to
+    MASTER_ADDR, else this host name's address)."""
+    given = os.environ.get("CHORUS_SOCKET_ADDR")
+    if given:
+        return given
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master, int(os.environ.get("MASTER_PORT", "1") or 1)))
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _local_shape(rank, size):
+    """This rank's place on its host: torchrun's LOCAL_* for the whole job, else unknown."""
+    try:
+        if int(os.environ.get("WORLD_SIZE", "-1")) == size:
+            return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        pass
+    return 0, 1
+
+
+def _connect(store, rank, size, timeout):
+    """A Chorus communicator for this group; rank 0 hosts its rendezvous store on a free port
+    and tells the others where, and the job's secret, through torch's store."""
+    seconds = _seconds(timeout) or 0.0
+    local_rank, local_size = _local_shape(rank, size)
+    host = None
+    if size == 1:
+        address, port, token = "127.0.0.1", 0, secrets.token_hex(16)
+    elif rank == 0:
+        token = secrets.token_hex(16)
+        host = _chorus.StoreHost(_JOB_ID, token)
+        address, port = _host_address(), host.port
+        store.set(_BOOTSTRAP_KEY, f"{address} {port} {token}")
+    else:
+        address, port, token = store.get(_BOOTSTRAP_KEY).decode().split(" ")
+        port = int(port)
+    return _chorus.Comm(rank, size, address, port, _JOB_ID, token, seconds, local_rank, local_size, host)
+
+
+class ProcessGroupChorus(ProcessGroup):
+    """A torch.distributed process group whose operations run on Chorus."""
+
+    def __init__(self, store, rank, size, timeout):
+        super().__init__(rank, size)
+        self._store = store
+        self._timeout = timeout
+        self._comm = _connect(store, rank, size, timeout)
+        self._barriers = 0
+
+    def getBackendName(self):
+        return "chorus"
+
+    def name(self):
+        return "chorus"
+
+    def _get_backend_name(self):
+        return "chorus"
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _work(self, handle, result, finish=None):
+        work = ChorusWork(handle, result, finish)
+        if finish is not None and handle.is_completed() and handle.error() is None:
+            work._done()
+        return work
+
+    def _root(self, root, what):
+        if not 0 <= root < self.size():
+            raise ValueError(f"chorus {what}: root {root} is not a rank of this group of {self.size()}")
+        return root
+
+    def _peer(self, peer, what):
+        if not 0 <= peer < self.size():
+            raise ValueError(f"chorus {what}: peer {peer} is not a rank of this group of {self.size()}")
+        return peer
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        tensor = _one(tensors, "allreduce")
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensor)
+        if tensor.is_contiguous():
+            ptr, nbytes = _span(tensor)
+            return self._work(self._comm.all_reduce(tensors, ptr, nbytes, _dtype(tensor), op, True), tensors)
+        staged = tensor.contiguous()
+        ptr, nbytes = _span(staged)
+        handle = self._comm.all_reduce(staged, ptr, nbytes, _dtype(tensor), op, False)
+        return self._work(handle, tensors, lambda: tensor.copy_(staged))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        if not tensors:
+            raise ValueError("chorus allreduce_coalesced needs at least one tensor")
+        for t in tensors:
+            _check_cpu(t)
+            if t.dtype != tensors[0].dtype:
+                raise ValueError("chorus allreduce_coalesced needs tensors of one dtype")
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensors[0])
+        flat = _flat(tensors)
+        ptr, nbytes = _span(flat)
+        handle = self._comm.all_reduce(flat, ptr, nbytes, _dtype(flat), op, False)
+        return self._work(handle, tensors, lambda: _unflatten_into(flat, tensors))
+
+    def broadcast(self, tensors, opts=None):
+        tensor = _one(tensors, "broadcast")
+        root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
+        staged, copied = _staged(tensor)
+        ptr, nbytes = _span(staged)
+        handle = self._comm.broadcast(tensors if not copied else staged, ptr, nbytes, _dtype(tensor), root, not copied)
+        return self._work(handle, tensors, (lambda: tensor.copy_(staged)) if copied else None)
+
+    def reduce(self, tensors, opts=None):
+        tensor = _one(tensors, "reduce")
+        root = self._root(opts.rootRank if opts is not None else 0, "reduce")
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensor)
+        staged, copied = _staged(tensor)
+        ptr, nbytes = _span(staged)
+        handle = self._comm.reduce(tensors if not copied else staged, ptr, nbytes, _dtype(tensor), op, root, not copied)
+        return self._work(handle, tensors, (lambda: tensor.copy_(staged)) if copied else None)
+
+    def _all_gather_flat(self, output, tensor, may_queue):
+        inp, _ = _staged(tensor)
+        ip, ib = _span(inp)
+        op_, ob = _span(output)
+        if ob != ib * self.size():
+            raise ValueError(
+                f"chorus allgather: the output holds {output.numel()} elements, "
+                f"not world size {self.size()} x {tensor.numel()}")
+        return self._comm.all_gather((inp, output), ip, ib, op_, ob, _dtype(tensor), may_queue)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        tensor = _one(input_tensors, "allgather")
+        outputs = _one_list(output_tensors, self.size(), tensor, "allgather")
+        flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype)
+        handle = self._all_gather_flat(flat, tensor, False)
+        return self._work(handle, output_tensors, lambda: _unflatten_into(flat, outputs))
+
+    def _allgather_base(self, output, input, opts=None):
+        _check_cpu(input)
+        _check_cpu(output)
+        _same_dtype(output, input, "all_gather_into_tensor")
+        staged, copied = _staged(output)
+        handle = self._all_gather_flat(staged, input, not copied)
+        return self._work(handle, [output], (lambda: output.copy_(staged)) if copied else None)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        if len(output_lists) != len(input_list):
+            raise ValueError("chorus allgather_coalesced needs one output list per input tensor")
+        works = [self.allgather([outs], [t]) for outs, t in zip(output_lists, input_list)]
+        return works[-1] if works else self.barrier()
+
+    def _reduce_scatter_flat(self, output, flat, op):
+        if flat.numel() != output.numel() * self.size():
+            raise ValueError(
+                f"chorus reduce_scatter: the input holds {flat.numel()} elements, "
+                f"not world size {self.size()} x {output.numel()}")
+        staged, copied = _staged(output)
+        ip, ib = _span(flat)
+        op_, ob = _span(staged)
+        handle = self._comm.reduce_scatter((flat, staged), ip, ib, op_, ob, _dtype(output), op, not copied)
+        return handle, ((lambda: output.copy_(staged)) if copied else None)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        output = _one(output_tensors, "reduce_scatter")
+        inputs = _one_list(input_tensors, self.size(), output, "reduce_scatter")
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
+        handle, finish = self._reduce_scatter_flat(output, _flat(inputs), op)
+        return self._work(handle, output_tensors, finish)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        _check_cpu(input)
+        _check_cpu(output)
+        _same_dtype(output, input, "reduce_scatter_tensor")
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
+        flat, _ = _staged(input)
+        handle, finish = self._reduce_scatter_flat(output, flat, op)
+        return self._work(handle, [output], finish)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        _check_cpu(input)
+        _check_cpu(output)
+        _same_dtype(output, input, "all_to_all_single")
+        size = self.size()
+        send = _counts(input, input_split_sizes, size, "input")
+        recv = _counts(output, output_split_sizes, size, "output")
+        if (send is None) != (recv is None):
+            send = send or [input.numel() // size] * size
+            recv = recv or [output.numel() // size] * size
+        inp, _ = _staged(input)
+        staged, copied = _staged(output)
+        ip, ib = _span(inp)
+        op_, ob = _span(staged)
+        handle = self._comm.all_to_all((inp, staged), ip, ib, op_, ob, _dtype(output), send, recv, not copied)
+        return self._work(handle, [output], (lambda: output.copy_(staged)) if copied else None)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        size = self.size()
+        if len(output_tensors) != size or len(input_tensors) != size:
+            raise ValueError(f"chorus alltoall needs {size} input and {size} output tensors")
+        for t in list(output_tensors) + list(input_tensors):
+            _check_cpu(t)
+            _same_dtype(t, input_tensors[0], "alltoall")
+        flat_in = _flat(input_tensors)
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
+        send = [t.numel() for t in input_tensors]
+        recv = [t.numel() for t in output_tensors]
+        ip, ib = _span(flat_in)
+        op_, ob = _span(flat_out)
+        handle = self._comm.all_to_all((flat_in, flat_out), ip, ib, op_, ob, _dtype(flat_in), send, recv, False)
+        return self._work(handle, output_tensors, lambda: _unflatten_into(flat_out, output_tensors))
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        tensor = _one(input_tensors, "gather")
+        root = self._root(opts.rootRank if opts is not None else 0, "gather")
+        inp, _ = _staged(tensor)
+        ip, ib = _span(inp)
+        if self.rank() == root:
+            outputs = _one_list(output_tensors, self.size(), tensor, "gather")
+            flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype)
+            finish = lambda: _unflatten_into(flat, outputs)  # noqa: E731
+        else:
+            if output_tensors and any(len(o) for o in output_tensors):
+                raise ValueError(f"chorus gather: only the root (rank {root}) passes output tensors")
+            flat, finish = torch.empty(0, dtype=tensor.dtype), None
+        op_, ob = _span(flat)
+        handle = self._comm.gather((inp, flat), ip, ib, op_, ob, _dtype(tensor), root, False)
+        return self._work(handle, output_tensors, finish)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        output = _one(output_tensors, "scatter")
+        root = self._root(opts.rootRank if opts is not None else 0, "scatter")
+        if self.rank() == root:
+            flat = _flat(_one_list(input_tensors, self.size(), output, "scatter"))
+        else:
+            if input_tensors and any(len(i) for i in input_tensors):
+                raise ValueError(f"chorus scatter: only the root (rank {root}) passes input tensors")
+            flat = torch.empty(0, dtype=output.dtype)
+        staged, copied = _staged(output)
+        ip, ib = _span(flat)
+        op_, ob = _span(staged)
+        handle = self._comm.scatter((flat, staged), ip, ib, op_, ob, _dtype(output), root, False)
+        return self._work(handle, output_tensors, (lambda: output.copy_(staged)) if copied else None)
+
+    def barrier(self, opts=None):
+        return self._work(self._comm.barrier(None, True), [])
+
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        """A barrier through torch's store that names the ranks that did not arrive in time
+        (all of them with `wait_all_ranks`, else the first), as Gloo's does."""
+        timeout = getattr(opts, "timeout", opts) if opts is not None else self._timeout
+        seconds = _seconds(timeout) or _seconds(self._timeout) or 1800.0
+        n = self._barriers
+        self._barriers += 1
+        key = lambda what, r: f"chorus/monitored/{n}/{what}/{r}"  # noqa: E731
+        rank, size = self.rank(), self.size()
+        if rank != 0:
+            self._store.set(key("arrived", rank), b"1")
+            try:
+                self._store.wait([key("released", 0)], datetime.timedelta(seconds=seconds))
+            except RuntimeError as e:
+                raise RuntimeError(f"chorus monitored_barrier: rank 0 did not release rank {rank} within {seconds} s ({e})") from None
+            return self._work(self._comm.barrier(None, False), [])
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=seconds)
+        missing = []
+        for r in range(1, size):
+            left = max((deadline - datetime.datetime.now()).total_seconds(), 0.001)
+            try:
+                self._store.wait([key("arrived", r)], datetime.timedelta(seconds=left))
+            except RuntimeError:
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            which = ", ".join(str(r) for r in missing)
+            raise RuntimeError(f"chorus monitored_barrier: rank{'s' if len(missing) > 1 else ''} {which} did not arrive within {seconds} s")
+        self._store.set(key("released", 0), b"1")
+        return self._work(self._comm.barrier(None, False), [])
+
+    # -- point to point --------------------------------------------------------------------
+
+    def send(self, tensors, dst, tag):
+        tensor = _one(tensors, "send")
+        staged, copied = _staged(tensor)
+        ptr, nbytes = _span(staged)
+        handle = self._comm.send(staged, ptr, nbytes, _dtype(tensor), self._peer(dst, "send"), tag, True)
+        return self._work(handle, tensors)
+
+    def recv(self, tensors, src, tag):
+        tensor = _one(tensors, "recv")
+        staged, copied = _staged(tensor)
+        ptr, nbytes = _span(staged)
+        handle = self._comm.recv(tensors if not copied else staged, ptr, nbytes, _dtype(tensor),
+                                 self._peer(src, "recv"), tag, not copied)
+        return self._work(handle, tensors, (lambda: tensor.copy_(staged)) if copied else None)
+
+    def recv_anysource(self, tensors, tag):
+        raise RuntimeError("the chorus backend cannot receive from any source yet: pass the sender's rank")
+
+
+def _one_list(lists, size, like, what):
+    if len(lists) != 1 or len(lists[0]) != size:
+        raise ValueError(f"chorus {what} needs one list of {size} tensors (the group's size)")
+    for t in lists[0]:
+        _check_cpu(t)
+        _same_dtype(t, like, what)
+        if t.numel() != like.numel():
+            raise ValueError(f"chorus {what}: every tensor in the list must hold {like.numel()} elements, one holds {t.numel()}")
+    return lists[0]
+
+
+def _same_dtype(a, b, what):
+    if a.dtype != b.dtype:
+        raise TypeError(f"chorus {what}: tensors of {a.dtype} and {b.dtype} cannot be mixed")
+
+
+def _counts(tensor, splits, size, which):
+    """Elements per peer for all_to_all_single's split sizes (rows of dim 0); None for equal blocks."""
+    if not splits:
+        if tensor.numel() % size:
+            raise ValueError(f"chorus all_to_all_single: the {which} ({tensor.numel()} elements) does not split into {size} equal blocks")
+        return None
+    if len(splits) != size:
+        raise ValueError(f"chorus all_to_all_single: {len(splits)} {which} split sizes for a group of {size}")
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if sum(splits) != rows:
+        raise ValueError(f"chorus all_to_all_single: {which} split sizes add up to {sum(splits)}, not the {rows} rows of dim 0")
+    row = tensor.numel() // rows if rows else 0
+    return [s * row for s in splits]
+
+
+def create_process_group(store, rank, size, timeout):
+    """The backend's creator, as torch.distributed.Backend.register_backend calls it."""
+    return ProcessGroupChorus(store, rank, size, timeout)

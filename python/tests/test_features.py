@@ -1,0 +1,152 @@
+"""Asynchronous calls and futures, sub-groups, object collectives, errors, and DDP."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run
+
+
+def async_and_futures(rank, world):
+    big = torch.full((1 << 20,), float(rank + 1))  # large enough to run in the background
+    small = torch.full((5,), float(rank + 1))
+    w1 = dist.all_reduce(big, async_op=True)
+    w2 = dist.all_reduce(small, async_op=True)
+    chained = w1.get_future().then(lambda f: f.value()[0] * 2)
+    w2.wait()
+    w1.wait()
+    total = world * (world + 1) / 2
+    assert w1.is_completed() and w2.is_completed()
+    assert torch.all(big == total) and torch.all(small == total)
+    assert torch.all(chained.wait() == 2 * total)
+    # A future asked for after completion is already done.
+    w3 = dist.all_reduce(small, async_op=True)
+    w3.wait()
+    assert torch.all(w3.get_future().wait()[0] == total * world)
+    # Many queued calls complete in issue order.
+    bufs = [torch.full((1 << 17,), float(i)) for i in range(6)]
+    works = [dist.broadcast(b, src=i % world, async_op=True) for i, b in enumerate(bufs)]
+    for w in works:
+        w.wait()
+    for i, b in enumerate(bufs):
+        assert torch.all(b == float(i))
+    return True
+
+
+def test_async_operations_and_futures():
+    assert run(3, async_and_futures) == [True] * 3
+
+
+def subgroups(rank, world):
+    evens = dist.new_group([0, 2])
+    odds = dist.new_group([1, 3])
+    mine = evens if rank % 2 == 0 else odds
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mine)
+    assert t.item() == (2.0 if rank % 2 == 0 else 4.0), t
+    # groups of two consecutive ranks (torch 1.13's new_subgroups needs CUDA; 2.x's does not)
+    if torch.__version__ >= "2":
+        sub, _ = dist.new_subgroups(group_size=2)
+    else:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        sub = pairs[rank // 2]
+    t = torch.tensor([rank])
+    dist.all_reduce(t, group=sub)
+    assert t.item() == (1 if rank < 2 else 5), t
+    # the world group still works after sub-groups
+    t = torch.tensor([1])
+    dist.all_reduce(t)
+    assert t.item() == world
+    return True
+
+
+def test_subgroups():
+    assert run(4, subgroups) == [True] * 4
+
+
+def objects(rank, world):
+    got = [None] * world
+    dist.all_gather_object(got, {"rank": rank, "name": f"r{rank}"})
+    assert got == [{"rank": r, "name": f"r{r}"} for r in range(world)]
+    items = [["hello", 3.5], {"k": 1}] if rank == 1 else [None, None]
+    dist.broadcast_object_list(items, src=1)
+    assert items == [["hello", 3.5], {"k": 1}]
+    out = [None] if rank != 0 else [None]
+    dist.scatter_object_list(out, [f"to {r}" for r in range(world)] if rank == 0 else None, src=0)
+    assert out[0] == f"to {rank}"
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(rank * 10, gathered, dst=0)
+    if rank == 0:
+        assert gathered == [r * 10 for r in range(world)]
+    return True
+
+
+def test_object_collectives():
+    assert run(3, objects) == [True] * 3
+
+
+def bad_arguments(rank, world):
+    errors = []
+    for call in (
+        lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
+        lambda: dist.broadcast(torch.ones(3), src=world + 5),
+        lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)),
+        lambda: dist.all_gather([torch.ones(2)] * (world + 1), torch.ones(2)),
+        lambda: dist.all_to_all_single(torch.ones(4), torch.ones(4), [1] * world, [1] * world),
+    ):
+        try:
+            call()
+        except (ValueError, TypeError, RuntimeError) as e:
+            errors.append(str(e))
+    # The group still works: nothing was sent.
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.all(t == world)
+    return errors
+
+
+def test_bad_arguments_fail_before_anything_is_sent():
+    results = run(2, bad_arguments)
+    for errors in results:
+        assert len(errors) == 5, errors
+    assert any("BAND" in e for e in results[0]), results[0]
+    assert any("root 7 is not a rank" in e for e in results[0]), results[0]
+    assert any("torch.int16" in e for e in results[0]), results[0]
+
+
+def mismatch(rank, world):
+    t = torch.ones(4 if rank == 0 else 6)
+    dist.all_reduce(t)
+
+
+def test_mismatched_calls_fail_on_every_rank():
+    results = run(2, mismatch, expect_errors=True, env={"CHORUS_TIMEOUT": "20"})
+    for status, text in results:
+        assert status == "error" and "RuntimeError" in text, text
+
+
+def killed(rank, world):
+    t = torch.ones(1 << 10)
+    dist.all_reduce(t)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+    except RuntimeError as e:
+        return (time.monotonic() - start, str(e))
+    return None
+
+
+def test_a_killed_rank_fails_its_peers_within_seconds():
+    results = run(3, killed, expect_errors=True, env={"CHORUS_TIMEOUT": "120"}, timeout=90)
+    for rank in (0, 2):
+        status, value = results[rank]
+        assert status == "ok" and value is not None, results[rank]
+        waited, text = value
+        assert waited < 30, (waited, text)
+        assert "rank 1" in text or "peer 1" in text, text
