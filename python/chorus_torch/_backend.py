@@ -7,7 +7,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, Work
+from torch._C._distributed_c10d import ProcessGroup, _create_work_from_future
 
 from . import _chorus
 
@@ -79,63 +79,19 @@ def _seconds(timeout):
     return seconds if seconds > 0 else None
 
 
-class ChorusWork(Work):
-    """One operation's handle, as Gloo's: wait, is_completed, get_future."""
+def _work(result, finish=None):
+    """torch's Work for a finished Chorus call whose outputs are `result`, after `finish` (a
+    copy out of staging tensors) has run.
 
-    def __init__(self, handle, result, finish=None):
-        super().__init__()
-        self._handle = handle
-        self._result = result
-        # Runs once after success (copies results out of staging tensors).
-        self._finish = finish
-
-    def _done(self):
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-
-    def wait(self, timeout=None):
-        if not self._handle.wait(_seconds(timeout)):
-            raise RuntimeError(f"chorus: operation timed out after {timeout}")
-        self._done()
-        return True
-
-    def is_completed(self):
-        return self._handle.is_completed()
-
-    def is_success(self):
-        return self._handle.is_completed() and self._handle.error() is None
-
-    def exception(self):
-        error = self._handle.error()
-        return None if error is None else RuntimeError(error)
-
-    def result(self):
-        return self._result
-
-    def source_rank(self):
-        raise RuntimeError("chorus: source_rank is only known for recv_anysource")
-
-    def synchronize(self):
-        pass
-
-    def get_future(self):
-        future = torch.futures.Future()
-
-        def settle():
-            error = self._handle.error()
-            if error is not None:
-                future.set_exception(RuntimeError(error))
-                return
-            try:
-                self._done()
-            except Exception as e:  # noqa: BLE001 - handed to the future's waiters
-                future.set_exception(e)
-                return
-            future.set_result(self._result)
-
-        self._handle.on_done(settle)
-        return future
+    Calls run to completion before they return (a failure raises there, with Chorus's
+    message), so the Work is complete: `wait()` returns at once and `get_future()` holds the
+    outputs. It is torch's own Work around a torch Future, so C++ callers such as DDP's
+    reducer never call back into a Python object that may be gone by then."""
+    if finish is not None:
+        finish()
+    future = torch.futures.Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
 
 
 def _staged(tensor):
@@ -232,12 +188,6 @@ class ProcessGroupChorus(ProcessGroup):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _work(self, handle, result, finish=None):
-        work = ChorusWork(handle, result, finish)
-        if finish is not None and handle.is_completed() and handle.error() is None:
-            work._done()
-        return work
-
     def _root(self, root, what):
         if not 0 <= root < self.size():
             raise ValueError(f"chorus {what}: root {root} is not a rank of this group of {self.size()}")
@@ -255,11 +205,12 @@ class ProcessGroupChorus(ProcessGroup):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensor)
         if tensor.is_contiguous():
             ptr, nbytes = _span(tensor)
-            return self._work(self._comm.all_reduce(tensors, ptr, nbytes, _dtype(tensor), op, True), tensors)
+            self._comm.all_reduce(ptr, nbytes, _dtype(tensor), op)
+            return _work(tensors)
         staged = tensor.contiguous()
         ptr, nbytes = _span(staged)
-        handle = self._comm.all_reduce(staged, ptr, nbytes, _dtype(tensor), op, False)
-        return self._work(handle, tensors, lambda: tensor.copy_(staged))
+        self._comm.all_reduce(ptr, nbytes, _dtype(tensor), op)
+        return _work(tensors, lambda: tensor.copy_(staged))
 
     def allreduce_coalesced(self, tensors, opts=None):
         if not tensors:
@@ -271,16 +222,16 @@ class ProcessGroupChorus(ProcessGroup):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensors[0])
         flat = _flat(tensors)
         ptr, nbytes = _span(flat)
-        handle = self._comm.all_reduce(flat, ptr, nbytes, _dtype(flat), op, False)
-        return self._work(handle, tensors, lambda: _unflatten_into(flat, tensors))
+        self._comm.all_reduce(ptr, nbytes, _dtype(flat), op)
+        return _work(tensors, lambda: _unflatten_into(flat, tensors))
 
     def broadcast(self, tensors, opts=None):
         tensor = _one(tensors, "broadcast")
         root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
         staged, copied = _staged(tensor)
         ptr, nbytes = _span(staged)
-        handle = self._comm.broadcast(tensors if not copied else staged, ptr, nbytes, _dtype(tensor), root, not copied)
-        return self._work(handle, tensors, (lambda: tensor.copy_(staged)) if copied else None)
+        self._comm.broadcast(ptr, nbytes, _dtype(tensor), root)
+        return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
     def reduce(self, tensors, opts=None):
         tensor = _one(tensors, "reduce")
@@ -288,10 +239,10 @@ class ProcessGroupChorus(ProcessGroup):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensor)
         staged, copied = _staged(tensor)
         ptr, nbytes = _span(staged)
-        handle = self._comm.reduce(tensors if not copied else staged, ptr, nbytes, _dtype(tensor), op, root, not copied)
-        return self._work(handle, tensors, (lambda: tensor.copy_(staged)) if copied else None)
+        self._comm.reduce(ptr, nbytes, _dtype(tensor), op, root)
+        return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
-    def _all_gather_flat(self, output, tensor, may_queue):
+    def _all_gather_flat(self, output, tensor):
         inp, _ = _staged(tensor)
         ip, ib = _span(inp)
         op_, ob = _span(output)
@@ -299,22 +250,22 @@ class ProcessGroupChorus(ProcessGroup):
             raise ValueError(
                 f"chorus allgather: the output holds {output.numel()} elements, "
                 f"not world size {self.size()} x {tensor.numel()}")
-        return self._comm.all_gather((inp, output), ip, ib, op_, ob, _dtype(tensor), may_queue)
+        self._comm.all_gather(ip, ib, op_, ob, _dtype(tensor))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "allgather")
         outputs = _one_list(output_tensors, self.size(), tensor, "allgather")
         flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype)
-        handle = self._all_gather_flat(flat, tensor, False)
-        return self._work(handle, output_tensors, lambda: _unflatten_into(flat, outputs))
+        self._all_gather_flat(flat, tensor)
+        return _work(output_tensors, lambda: _unflatten_into(flat, outputs))
 
     def _allgather_base(self, output, input, opts=None):
         _check_cpu(input)
         _check_cpu(output)
         _same_dtype(output, input, "all_gather_into_tensor")
         staged, copied = _staged(output)
-        handle = self._all_gather_flat(staged, input, not copied)
-        return self._work(handle, [output], (lambda: output.copy_(staged)) if copied else None)
+        self._all_gather_flat(staged, input)
+        return _work([output], (lambda: output.copy_(staged)) if copied else None)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         if len(output_lists) != len(input_list):
@@ -330,15 +281,15 @@ class ProcessGroupChorus(ProcessGroup):
         staged, copied = _staged(output)
         ip, ib = _span(flat)
         op_, ob = _span(staged)
-        handle = self._comm.reduce_scatter((flat, staged), ip, ib, op_, ob, _dtype(output), op, not copied)
-        return handle, ((lambda: output.copy_(staged)) if copied else None)
+        self._comm.reduce_scatter(ip, ib, op_, ob, _dtype(output), op)
+        return (lambda: output.copy_(staged)) if copied else None
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         output = _one(output_tensors, "reduce_scatter")
         inputs = _one_list(input_tensors, self.size(), output, "reduce_scatter")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
-        handle, finish = self._reduce_scatter_flat(output, _flat(inputs), op)
-        return self._work(handle, output_tensors, finish)
+        finish = self._reduce_scatter_flat(output, _flat(inputs), op)
+        return _work(output_tensors, finish)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         _check_cpu(input)
@@ -346,8 +297,8 @@ class ProcessGroupChorus(ProcessGroup):
         _same_dtype(output, input, "reduce_scatter_tensor")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
         flat, _ = _staged(input)
-        handle, finish = self._reduce_scatter_flat(output, flat, op)
-        return self._work(handle, [output], finish)
+        finish = self._reduce_scatter_flat(output, flat, op)
+        return _work([output], finish)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         _check_cpu(input)
@@ -363,8 +314,8 @@ class ProcessGroupChorus(ProcessGroup):
         staged, copied = _staged(output)
         ip, ib = _span(inp)
         op_, ob = _span(staged)
-        handle = self._comm.all_to_all((inp, staged), ip, ib, op_, ob, _dtype(output), send, recv, not copied)
-        return self._work(handle, [output], (lambda: output.copy_(staged)) if copied else None)
+        self._comm.all_to_all(ip, ib, op_, ob, _dtype(output), send, recv)
+        return _work([output], (lambda: output.copy_(staged)) if copied else None)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         size = self.size()
@@ -379,8 +330,8 @@ class ProcessGroupChorus(ProcessGroup):
         recv = [t.numel() for t in output_tensors]
         ip, ib = _span(flat_in)
         op_, ob = _span(flat_out)
-        handle = self._comm.all_to_all((flat_in, flat_out), ip, ib, op_, ob, _dtype(flat_in), send, recv, False)
-        return self._work(handle, output_tensors, lambda: _unflatten_into(flat_out, output_tensors))
+        self._comm.all_to_all(ip, ib, op_, ob, _dtype(flat_in), send, recv)
+        return _work(output_tensors, lambda: _unflatten_into(flat_out, output_tensors))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "gather")
@@ -396,8 +347,8 @@ class ProcessGroupChorus(ProcessGroup):
                 raise ValueError(f"chorus gather: only the root (rank {root}) passes output tensors")
             flat, finish = torch.empty(0, dtype=tensor.dtype), None
         op_, ob = _span(flat)
-        handle = self._comm.gather((inp, flat), ip, ib, op_, ob, _dtype(tensor), root, False)
-        return self._work(handle, output_tensors, finish)
+        self._comm.gather(ip, ib, op_, ob, _dtype(tensor), root)
+        return _work(output_tensors, finish)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         output = _one(output_tensors, "scatter")
@@ -411,11 +362,12 @@ class ProcessGroupChorus(ProcessGroup):
         staged, copied = _staged(output)
         ip, ib = _span(flat)
         op_, ob = _span(staged)
-        handle = self._comm.scatter((flat, staged), ip, ib, op_, ob, _dtype(output), root, False)
-        return self._work(handle, output_tensors, (lambda: output.copy_(staged)) if copied else None)
+        self._comm.scatter(ip, ib, op_, ob, _dtype(output), root)
+        return _work(output_tensors, (lambda: output.copy_(staged)) if copied else None)
 
     def barrier(self, opts=None):
-        return self._work(self._comm.barrier(None, True), [])
+        self._comm.barrier()
+        return _work([])
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         """A barrier through torch's store that names the ranks that did not arrive in time
@@ -432,7 +384,8 @@ class ProcessGroupChorus(ProcessGroup):
                 self._store.wait([key("released", 0)], datetime.timedelta(seconds=seconds))
             except RuntimeError as e:
                 raise RuntimeError(f"chorus monitored_barrier: rank 0 did not release rank {rank} within {seconds} s ({e})") from None
-            return self._work(self._comm.barrier(None, False), [])
+            self._comm.barrier()
+            return _work([])
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=seconds)
         missing = []
         for r in range(1, size):
@@ -447,7 +400,8 @@ class ProcessGroupChorus(ProcessGroup):
             which = ", ".join(str(r) for r in missing)
             raise RuntimeError(f"chorus monitored_barrier: rank{'s' if len(missing) > 1 else ''} {which} did not arrive within {seconds} s")
         self._store.set(key("released", 0), b"1")
-        return self._work(self._comm.barrier(None, False), [])
+        self._comm.barrier()
+        return _work([])
 
     # -- point to point --------------------------------------------------------------------
 
@@ -455,16 +409,16 @@ class ProcessGroupChorus(ProcessGroup):
         tensor = _one(tensors, "send")
         staged, copied = _staged(tensor)
         ptr, nbytes = _span(staged)
-        handle = self._comm.send(staged, ptr, nbytes, _dtype(tensor), self._peer(dst, "send"), tag, True)
-        return self._work(handle, tensors)
+        self._comm.send(ptr, nbytes, _dtype(tensor), self._peer(dst, "send"), tag)
+        return _work(tensors)
 
     def recv(self, tensors, src, tag):
         tensor = _one(tensors, "recv")
         staged, copied = _staged(tensor)
         ptr, nbytes = _span(staged)
-        handle = self._comm.recv(tensors if not copied else staged, ptr, nbytes, _dtype(tensor),
-                                 self._peer(src, "recv"), tag, not copied)
-        return self._work(handle, tensors, (lambda: tensor.copy_(staged)) if copied else None)
+        self._comm.recv(ptr, nbytes, _dtype(tensor),
+                                 self._peer(src, "recv"), tag)
+        return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
     def recv_anysource(self, tensors, tag):
         raise RuntimeError("the chorus backend cannot receive from any source yet: pass the sender's rank")

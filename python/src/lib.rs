@@ -3,16 +3,14 @@
 //! The Python package (`chorus_torch`) turns torch's process-group calls into calls of
 //! [`Comm`] with each tensor's address and length in bytes; this module runs them on the
 //! tensors' memory with the GIL released. It is private to that package: the addresses it
-//! is given must stay valid until the returned [`Handle`] completes, which the package
-//! ensures by keeping the tensors referenced until then.
+//! is given must be those of live tensors of the given type and length, which the package
+//! holds for the length of the call.
 
 // The Python-facing calls take one argument per field of torch's call.
 #![allow(clippy::too_many_arguments)]
 
 mod buffer;
-mod lane;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use chorus::{Auth, Communicator, Config, DType, ReduceOp};
@@ -21,12 +19,6 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use buffer::Raw;
-use lane::{Handle, Lane};
-
-/// Calls of at least this many bytes that may run in the background are queued to the
-/// communicator's worker thread, so the caller can overlap them (DDP's buckets); smaller
-/// ones run on the calling thread, which is faster than handing them over.
-const QUEUE_MIN_BYTES: usize = 256 << 10;
 
 /// Runs `$body` with `$t` standing for the Rust element type of `$dtype`.
 macro_rules! typed {
@@ -129,10 +121,10 @@ impl StoreHost {
     }
 }
 
-/// One Chorus communicator and the worker thread that runs its queued calls in issue order.
+/// One Chorus communicator; every call runs on the calling thread with the GIL released.
 #[pyclass(frozen, module = "chorus_torch._chorus")]
 struct Comm {
-    lane: Arc<Lane>,
+    comm: Communicator,
 }
 
 #[pymethods]
@@ -181,44 +173,39 @@ impl Comm {
         let comm = py
             .detach(|| Communicator::with_store_server(config, server, "torch"))
             .map_err(failed)?;
-        Ok(Comm {
-            lane: Lane::start(comm).map_err(failed)?,
-        })
+        Ok(Comm { comm })
     }
 
     /// This process's rank.
     #[getter]
     fn rank(&self) -> usize {
-        self.lane.comm().rank()
+        self.comm.rank()
     }
 
     /// The number of ranks.
     #[getter]
     fn size(&self) -> usize {
-        self.lane.comm().world_size()
+        self.comm.world_size()
     }
 
     /// Fails every call in flight and later, promptly, here and (through the store) on peers.
     fn abort(&self) {
-        self.lane.comm().abort();
+        self.comm.abort();
     }
 
     /// In-place all-reduce of `bytes` bytes at `ptr`.
-    #[pyo3(signature = (keep, ptr, bytes, dtype_code, op_code, may_queue))]
     fn all_reduce(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         ptr: usize,
         bytes: usize,
         dtype_code: usize,
         op_code: u32,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
         let buf = Raw::new(ptr, bytes, dtype)?;
-        self.issue(py, keep, may_queue, bytes, move |c| {
-            // SAFETY: the package keeps the tensor alive and untouched until the handle completes.
+        self.run(py, move |c| {
+            // SAFETY: the package passes a live tensor of this type and length, held for the call.
             typed!(dtype, T => c.all_reduce(unsafe { buf.slice::<T>() }, op))
         })
     }
@@ -227,16 +214,14 @@ impl Comm {
     fn broadcast(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         ptr: usize,
         bytes: usize,
         dtype_code: usize,
         root: usize,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
-        self.issue(py, keep, may_queue, bytes, move |c| {
+        self.run(py, move |c| {
             // SAFETY: as in `all_reduce`.
             typed!(dtype, T => c.broadcast(unsafe { buf.slice::<T>() }, root))
         })
@@ -246,17 +231,15 @@ impl Comm {
     fn reduce(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         ptr: usize,
         bytes: usize,
         dtype_code: usize,
         op_code: u32,
         root: usize,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
         let buf = Raw::new(ptr, bytes, dtype)?;
-        self.issue(py, keep, may_queue, bytes, move |c| {
+        self.run(py, move |c| {
             // SAFETY: as in `all_reduce`.
             typed!(dtype, T => c.reduce(unsafe { buf.slice::<T>() }, op, root))
         })
@@ -267,21 +250,19 @@ impl Comm {
     fn all_gather(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         input: usize,
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
         dtype_code: usize,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
         let (input, output) = (
             Raw::new(input, input_bytes, dtype)?,
             Raw::new(output, output_bytes, dtype)?,
         );
         let rank = self.rank();
-        self.issue(py, keep, may_queue, output_bytes, move |c| {
+        self.run(py, move |c| {
             if output.block(rank, input.bytes) == Some(input) {
                 // SAFETY: as in `all_reduce`; only the output is referenced.
                 return typed!(dtype, T => c.all_gather_in_place(unsafe { output.slice::<T>() }));
@@ -296,21 +277,19 @@ impl Comm {
     fn reduce_scatter(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         input: usize,
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
         dtype_code: usize,
         op_code: u32,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
         let (input, output) = (
             Raw::new(input, input_bytes, dtype)?,
             Raw::new(output, output_bytes, dtype)?,
         );
-        self.issue(py, keep, may_queue, input_bytes, move |c| {
+        self.run(py, move |c| {
             let input = input.apart_from(output);
             // SAFETY: as in `all_gather`.
             typed!(dtype, T => c.reduce_scatter(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, op))
@@ -318,11 +297,10 @@ impl Comm {
     }
 
     /// All-to-all; with counts (elements per peer) when given, else equal blocks.
-    #[pyo3(signature = (keep, input, input_bytes, output, output_bytes, dtype_code, send_counts, recv_counts, may_queue))]
+    #[pyo3(signature = (input, input_bytes, output, output_bytes, dtype_code, send_counts, recv_counts))]
     fn all_to_all(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         input: usize,
         input_bytes: usize,
         output: usize,
@@ -330,14 +308,13 @@ impl Comm {
         dtype_code: usize,
         send_counts: Option<Vec<usize>>,
         recv_counts: Option<Vec<usize>>,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
         let (input, output) = (
             Raw::new(input, input_bytes, dtype)?,
             Raw::new(output, output_bytes, dtype)?,
         );
-        self.issue(py, keep, may_queue, input_bytes, move |c| {
+        self.run(py, move |c| {
             let input = input.apart_from(output);
             typed!(dtype, T => {
                 // SAFETY: as in `all_gather`.
@@ -354,21 +331,19 @@ impl Comm {
     fn gather(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         input: usize,
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
         dtype_code: usize,
         root: usize,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
         let (input, output) = (
             Raw::new(input, input_bytes, dtype)?,
             Raw::new(output, output_bytes, dtype)?,
         );
-        self.issue(py, keep, may_queue, input_bytes, move |c| {
+        self.run(py, move |c| {
             let input = input.apart_from(output);
             // SAFETY: as in `all_gather`.
             typed!(dtype, T => c.gather(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, root))
@@ -379,21 +354,19 @@ impl Comm {
     fn scatter(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         input: usize,
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
         dtype_code: usize,
         root: usize,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
         let (input, output) = (
             Raw::new(input, input_bytes, dtype)?,
             Raw::new(output, output_bytes, dtype)?,
         );
-        self.issue(py, keep, may_queue, output_bytes, move |c| {
+        self.run(py, move |c| {
             let input = input.apart_from(output);
             // SAFETY: as in `all_gather`.
             typed!(dtype, T => c.scatter(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, root))
@@ -404,17 +377,15 @@ impl Comm {
     fn send(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         ptr: usize,
         bytes: usize,
         dtype_code: usize,
         peer: usize,
         tag: u32,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
-        self.issue(py, keep, may_queue, bytes, move |c| {
+        self.run(py, move |c| {
             // SAFETY: as in `all_reduce`.
             typed!(dtype, T => c.send(unsafe { &*buf.slice::<T>() }, peer, tag))
         })
@@ -424,44 +395,36 @@ impl Comm {
     fn recv(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
         ptr: usize,
         bytes: usize,
         dtype_code: usize,
         peer: usize,
         tag: u32,
-        may_queue: bool,
-    ) -> PyResult<Handle> {
+    ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
-        self.issue(py, keep, may_queue, bytes, move |c| {
+        self.run(py, move |c| {
             // SAFETY: as in `all_reduce`.
             typed!(dtype, T => c.recv(unsafe { buf.slice::<T>() }, peer, tag))
         })
     }
 
-    /// Returns once every rank has entered the barrier (through the returned handle).
-    fn barrier(&self, py: Python<'_>, keep: Py<PyAny>, may_queue: bool) -> PyResult<Handle> {
-        self.issue(py, keep, may_queue, 0, |c| c.barrier())
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |c| c.barrier())
     }
 }
 
 impl Comm {
-    /// Runs `job` now, or queues it when `may_queue` and it is large or others are queued;
-    /// `keep` is held until it completes.
-    fn issue(
+    /// Runs `job` on this thread with the GIL released; a failure raises RuntimeError with
+    /// Chorus's message.
+    fn run(
         &self,
         py: Python<'_>,
-        keep: Py<PyAny>,
-        may_queue: bool,
-        bytes: usize,
-        job: impl FnOnce(&Communicator) -> chorus::Result<()> + Send + 'static,
-    ) -> PyResult<Handle> {
-        let queue = may_queue && bytes >= QUEUE_MIN_BYTES;
-        let lane = &self.lane;
-        let (handle, keep) = py.detach(|| lane.issue(queue, keep, Box::new(job)));
-        drop(keep);
-        Ok(handle)
+        job: impl FnOnce(&Communicator) -> chorus::Result<()> + Send,
+    ) -> PyResult<()> {
+        let comm = &self.comm;
+        py.detach(|| job(comm)).map_err(failed)
     }
 }
 
@@ -470,7 +433,5 @@ impl Comm {
 fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StoreHost>()?;
     m.add_class::<Comm>()?;
-    m.add_class::<Handle>()?;
-    m.add("QUEUE_MIN_BYTES", QUEUE_MIN_BYTES)?;
     Ok(())
 }

@@ -150,3 +150,40 @@ def test_a_killed_rank_fails_its_peers_within_seconds():
         waited, text = value
         assert waited < 30, (waited, text)
         assert "rank 1" in text or "peer 1" in text, text
+
+
+def ddp_params(rank, world, steps):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from ddp_toy import train
+
+    return [p.tolist() for p in train(steps)]
+
+
+def test_ddp_trains_like_gloo():
+    chorus = run(2, ddp_params, 50)
+    gloo = run(2, ddp_params, 50, backend="gloo")
+    # DDP keeps replicas identical, and chorus's replicas match gloo's.
+    assert chorus[0] == chorus[1]
+    for mine, theirs in zip(chorus[0], gloo[0]):
+        assert torch.allclose(torch.tensor(mine), torch.tensor(theirs), rtol=1e-5, atol=1e-6)
+    # Training moved the parameters from their initial values.
+    torch.manual_seed(0)
+    sys_path_model = ddp_initial()
+    assert any(not torch.allclose(torch.tensor(m), p) for m, p in zip(chorus[0], sys_path_model))
+
+
+def ddp_initial():
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from ddp_toy import ToyModel
+
+    torch.manual_seed(0)
+    return [p.detach() for p in ToyModel().parameters()]
+
+
+def test_ddp_example_runs_under_a_launcher_with_three_ranks():
+    results = run(3, ddp_params, 5)
+    assert results[0] == results[1] == results[2]
