@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""torch.distributed through the chorus backend against gloo, in one sitting.
+
+For each world size: the time of `dist.all_reduce` on float32 tensors (8 B to 64 MiB, mean
+per call over ranks, with nccl-tests' bus bandwidth), then DDP training throughput
+(samples/s summed over ranks) for the DDP tutorial's ToyModel and for `train`'s MLP
+(784-256-128-10, batch 64 per rank, SGD with momentum):
+
+    /usr/bin/python3 benches/baselines/torch_backend_bench.py -np 2,4
+
+Needs torch and the chorus_torch package (pip install ./python).
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import time
+
+
+def parse_size(s):
+    units = {"K": 1 << 10, "M": 1 << 20}
+    s = s.strip().upper()
+    return int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def iters_for(nbytes, args):
+    return args.small_iters if nbytes <= 64 << 10 else args.iters
+
+
+def bench_allreduce(dist, torch, rank, world, args, reduces=True):
+    rows = []
+    for nbytes in [parse_size(s) for s in args.sizes.split(",")]:
+        t = torch.ones(max(nbytes // 4, 1))
+        n = iters_for(nbytes, args)
+        for _ in range(max(n // 10, 2)):
+            dist.all_reduce(t)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(t)
+        took = (time.perf_counter() - start) / n
+        if reduces:  # the mean over ranks (the floor's group reduces nothing: rank 0's own)
+            mean = torch.tensor([took], dtype=torch.float64)
+            dist.all_reduce(mean)
+            took = mean.item() / world
+        busbw = nbytes / took * 2 * (world - 1) / world / 1e9
+        rows.append((nbytes, took * 1e6, busbw))
+    return rows
+
+
+def bench_ddp(dist, torch, rank, world, model_name, args):
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    if model_name == "toy":
+        model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5))
+        x, y, batch = torch.randn(20, 10), torch.randn(20, 5), 20
+        loss_fn = nn.MSELoss()
+    else:
+        model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+        x, y, batch = torch.randn(64, 784), torch.randint(0, 10, (64,)), 64
+        loss_fn = nn.CrossEntropyLoss()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+    def step():
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+
+    for _ in range(20):
+        step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    dist.barrier()
+    took = time.perf_counter() - start
+    return args.steps * batch * world / took
+
+
+def register_floor(dist, torch):
+    """A Python process group whose operations only read the tensor's address: the cost of
+    torch's Python path to a backend, which no Python backend can go below."""
+    from torch._C._distributed_c10d import ProcessGroup, _create_work_from_future
+
+    class Floor(ProcessGroup):
+        def allreduce(self, tensors, opts=None):
+            tensors[0].data_ptr()
+            future = torch.futures.Future()
+            future.set_result(tensors)
+            return _create_work_from_future(future)
+
+        def barrier(self, opts=None):
+            return self.allreduce([torch.zeros(1)])
+
+        def getBackendName(self):
+            return "floor"
+
+    dist.Backend.register_backend("floor", lambda store, rank, size, timeout: Floor(rank, size))
+
+
+def rank_main(rank, world, port, backend, args, results):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "chorus":
+        import chorus_torch  # noqa: F401
+    if backend == "floor":
+        register_floor(dist, torch)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = {"allreduce": bench_allreduce(dist, torch, rank, world, args, reduces=backend != "floor")}
+    for name in ("toy", "mlp"):
+        out[name] = bench_ddp(dist, torch, rank, world, name, args) if backend != "floor" else float("nan")
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(out)
+
+
+def run(world, backend, args):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    env = {"GLOO_SOCKET_IFNAME": "lo"}
+    os.environ.update(env)
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, backend, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = results.get(timeout=1800)
+    for p in procs:
+        p.join(timeout=60)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-np", default="2,4", help="comma-separated world sizes")
+    p.add_argument("--sizes", default="8,1K,64K,1M,16M,64M")
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("--small-iters", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=300, help="DDP steps timed")
+    p.add_argument("--backends", default="chorus,gloo,floor",
+                   help="floor: a process group that does nothing (torch's own cost per call)")
+    args = p.parse_args()
+    for world in [int(w) for w in args.np.split(",")]:
+        got = {b: run(world, b, args) for b in args.backends.split(",")}
+        names = list(got)
+        print(f"\n# W={world}: all_reduce float32, time per call (us) and busbw (GB/s)")
+        print(f"{'bytes':>10} " + " ".join(f"{n + ' us':>12} {n + ' GB/s':>12}" for n in names)
+              + ("   chorus speed-up" if "chorus" in got and "gloo" in got else ""))
+        for i, (nbytes, _, _) in enumerate(got[names[0]]["allreduce"]):
+            cells = " ".join(f"{got[n]['allreduce'][i][1]:12.2f} {got[n]['allreduce'][i][2]:12.3f}" for n in names)
+            ratio = ""
+            if "chorus" in got and "gloo" in got:
+                ratio = f"   x{got['gloo']['allreduce'][i][1] / got['chorus']['allreduce'][i][1]:.1f}"
+            print(f"{nbytes:>10} {cells}{ratio}")
+        print(f"# W={world}: DDP samples/s (all ranks)")
+        for model in ("toy", "mlp"):
+            print(f"{model:>10} " + " ".join(f"{n}: {got[n][model]:10.0f}" for n in names))
+
+
+if __name__ == "__main__":
+    main()

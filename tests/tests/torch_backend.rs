@@ -1,0 +1,100 @@
+//! The torch backend's Python suite (`python/tests`, pytest over real processes), run against
+//! a fresh build of the `chorus-torch` extension, so `cargo test --workspace` covers it.
+//!
+//! It needs a Python with torch and pytest: `CHORUS_TEST_PYTHON`, else Debian's
+//! `/usr/bin/python3`, else `python3`. Without one it says so on stderr and checks nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The whole suite takes about two minutes on two cores; this bounds a hang.
+const SUITE_TIMEOUT: Duration = Duration::from_secs(1200);
+
+/// A Python that imports torch and pytest, if one is found.
+fn python() -> Option<String> {
+    let candidates = std::env::var("CHORUS_TEST_PYTHON")
+        .ok()
+        .into_iter()
+        .chain(["/usr/bin/python3".to_string(), "python3".to_string()]);
+    candidates.into_iter().find(|python| {
+        Command::new(python)
+            .args(["-c", "import torch, pytest"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    })
+}
+
+/// The profile directory this test was built into (`target/debug` or `target/release`).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("the test lives in <target>/<profile>/deps")
+        .to_path_buf()
+}
+
+/// Builds the extension with this test's profile and lays out an importable `chorus_torch`
+/// package under `dir`.
+fn build_package(dir: &Path) -> PathBuf {
+    let profile = profile_dir();
+    let mut build = Command::new(env!("CARGO"));
+    build.args(["build", "-p", "chorus-torch", "--lib"]);
+    if profile.file_name().is_some_and(|n| n == "release") {
+        build.arg("--release");
+    }
+    let status = build.status().expect("cargo runs");
+    assert!(status.success(), "building chorus-torch failed: {status}");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let package = dir.join("chorus_torch");
+    std::fs::create_dir_all(&package).expect("package directory");
+    for entry in std::fs::read_dir(root.join("python/chorus_torch")).expect("python sources") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "py") {
+            std::fs::copy(&path, package.join(path.file_name().expect("name"))).expect("copy");
+        }
+    }
+    std::fs::copy(
+        profile.join("lib_chorus.so"),
+        package.join("_chorus.abi3.so"),
+    )
+    .expect("the built extension");
+    root.join("python/tests")
+}
+
+#[test]
+fn torch_backend_python_suite() {
+    let Some(python) = python() else {
+        eprintln!(
+            "SKIPPED torch_backend_python_suite: no Python with torch and pytest \
+             (install python3-torch and python3-pytest, or set CHORUS_TEST_PYTHON)"
+        );
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("chorus-torch-test-{}", std::process::id()));
+    let tests = build_package(&dir);
+    let mut child = Command::new(&python)
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(&tests)
+        .env("PYTHONPATH", &dir)
+        .env("PYTHONUNBUFFERED", "1")
+        .spawn()
+        .expect("pytest starts");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("pytest's status") {
+            break status;
+        }
+        if start.elapsed() > SUITE_TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = std::fs::remove_dir_all(&dir);
+            panic!("the torch backend's suite ran past {SUITE_TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "the torch backend's suite failed: {status}");
+}
