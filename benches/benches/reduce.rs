@@ -24,6 +24,7 @@ fn kernels(c: &mut Criterion) {
             (DType::BF16, ReduceOp::Sum),
             (DType::F16, ReduceOp::Sum),
             (DType::I32, ReduceOp::Sum),
+            (DType::I32, ReduceOp::BXor),
         ] {
             let id = BenchmarkId::new(format!("{dtype}-{op}"), bytes);
             group.bench_with_input(id, &bytes, |b, _| {

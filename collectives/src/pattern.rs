@@ -5,7 +5,10 @@
 //! Inputs are small integers (products stay within +-2^8, sums within
 //! +-40), so float reductions are exact in every float type regardless of
 //! order; integer inputs lie in 60..=124 so that sums overflow 8-bit types
-//! and exercise wrapping.
+//! and exercise wrapping. For the bitwise operators (integers only), inputs
+//! are full-width bit patterns (all ones and zero among them) shared by the
+//! ranks with a few bits of each rank's own flipped, so AND, OR and XOR
+//! results neither vanish nor saturate at the world sizes tests use.
 
 use std::fmt;
 
@@ -36,6 +39,33 @@ fn base(rank: usize, i: usize, op: ReduceOp, unsigned: bool) -> i64 {
     }
 }
 
+/// splitmix64's finaliser: well-mixed bits from a counter.
+fn mix(x: u64) -> u64 {
+    let mut z = x ^ 0x9e37_79b9_7f4a_7c15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Rank `rank`'s bitwise-operator input at index `i` for a type of `width` bits: a pattern
+/// every rank shares (all ones at every fifth index, zero at every seventh, else mixed bits
+/// that rank 0 differs from in about half the places), with two bits of the rank's own
+/// flipped.
+fn bits(rank: usize, i: usize, width: u32) -> u64 {
+    let w = width as usize;
+    let flip = 1u64 << ((rank * 7 + i * 3) % w) | 1u64 << ((rank * 13 + i * 5 + 1) % w);
+    let pattern = if i % 5 == 0 {
+        u64::MAX
+    } else if i % 7 == 0 {
+        0
+    } else if rank == 0 {
+        mix(i as u64) ^ mix(!(i as u64))
+    } else {
+        mix(i as u64)
+    };
+    pattern ^ flip
+}
+
 /// Element types whose inputs and expected all-reduce results the tests can compute exactly.
 pub trait Value: Copy + fmt::Debug {
     /// Rank `rank`'s input at index `i` for `op`.
@@ -53,6 +83,11 @@ macro_rules! int_value {
                 if op == ReduceOp::Prod {
                     return base(rank, i, op, <$t>::MIN == 0) as $t;
                 }
+                if op.is_bitwise() {
+                    // Truncated to the type's width; negative for signed types when the
+                    // top bit is set.
+                    return bits(rank, i, <$t>::BITS) as $t;
+                }
                 // 60..=124: a handful of ranks overflows 8-bit sums and exercises wrapping.
                 (60 + 8 * base(rank, i, op, true)) as $t
             }
@@ -66,10 +101,13 @@ macro_rules! int_value {
                 for r in 1..world {
                     let v = Self::input(r, i, op);
                     want = match op {
+                        ReduceOp::Sum | ReduceOp::Avg => want.wrapping_add(v),
                         ReduceOp::Prod => want.wrapping_mul(v),
                         ReduceOp::Min => want.min(v),
                         ReduceOp::Max => want.max(v),
-                        _ => want.wrapping_add(v),
+                        ReduceOp::BAnd => want & v,
+                        ReduceOp::BOr => want | v,
+                        ReduceOp::BXor => want ^ v,
                     };
                 }
                 if op == ReduceOp::Avg {
@@ -101,7 +139,10 @@ macro_rules! float_value {
                     ReduceOp::Min => values.fold(f64::INFINITY, f64::min),
                     ReduceOp::Max => values.fold(f64::NEG_INFINITY, f64::max),
                     ReduceOp::Sum => values.sum(),
-                    _ => values.sum::<f64>() / world as f64,
+                    ReduceOp::Avg => values.sum::<f64>() / world as f64,
+                    ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => {
+                        return Err(format!("{op} is not defined on floats"));
+                    }
                 };
                 let got = $to(got);
                 // Everything but Avg is exact (small integers); Avg rounds once.
@@ -186,9 +227,55 @@ mod tests {
     }
 
     #[test]
+    fn bitwise_expectations_are_exact_and_keep_bits() {
+        // Two ranks, index 1: mixed bits, rank 0's different in places, with bits 3 and 6
+        // (rank 0) or 10 and 19 (rank 1) flipped.
+        let (shared, differ) = (mix(1) as u32, mix(!1) as u32);
+        let (r0, r1) = (
+            u32::input(0, 1, ReduceOp::BAnd),
+            u32::input(1, 1, ReduceOp::BAnd),
+        );
+        assert_eq!((r0, r1), (shared ^ differ ^ 0x48, shared ^ 0x80400));
+        for (op, want) in [
+            (ReduceOp::BAnd, r0 & r1),
+            (ReduceOp::BOr, r0 | r1),
+            (ReduceOp::BXor, differ ^ 0x80448),
+        ] {
+            assert!(u32::check(want, 1, 2, op).is_ok(), "{op}");
+            assert!(u32::check(want ^ 1 << 31, 1, 2, op).is_err(), "{op}");
+        }
+        // All ones at index 0 (bits 0 and 1 flipped on rank 0), negative for signed types.
+        assert_eq!(i8::input(0, 0, ReduceOp::BOr), -4);
+        assert!(f32::check(0.0, 0, 2, ReduceOp::BXor).is_err());
+        // Results are neither mostly zeros nor mostly ones, at small and large world sizes.
+        for world in [2, 3, 8, 16] {
+            let fold = |op: ReduceOp, i: usize| {
+                let mut acc = u64::input(0, i, op);
+                for r in 1..world {
+                    let v = u64::input(r, i, op);
+                    acc = match op {
+                        ReduceOp::BAnd => acc & v,
+                        ReduceOp::BOr => acc | v,
+                        _ => acc ^ v,
+                    };
+                }
+                acc
+            };
+            for op in ReduceOp::BITWISE {
+                let results: Vec<u64> = (0..64).map(|i| fold(op, i)).collect();
+                let ones: u32 = results.iter().map(|x| x.count_ones()).sum();
+                assert!(
+                    ones > 64 * 64 / 8 && ones < 64 * 64 * 7 / 8,
+                    "{op} W={world}: {ones}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn byte_level_fill_and_check_agree() {
         for dtype in DType::ALL {
-            for op in ReduceOp::ALL {
+            for op in ReduceOp::ALL.into_iter().filter(|op| op.applies_to(dtype)) {
                 let world = 3;
                 let mut acc = vec![0u8; 40 * dtype.size()];
                 let mut other = acc.clone();

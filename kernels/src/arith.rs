@@ -13,6 +13,12 @@ pub(crate) trait Arith: bytemuck::Pod {
     fn minimum(self, other: Self) -> Self;
     /// The larger operand; NaN if either is NaN; `+0.0` is larger than `-0.0`.
     fn maximum(self, other: Self) -> Self;
+    /// `a & b` (bitwise AND).
+    fn bit_and(self, other: Self) -> Self;
+    /// `a | b` (bitwise OR).
+    fn bit_or(self, other: Self) -> Self;
+    /// `a ^ b` (bitwise exclusive OR).
+    fn bit_xor(self, other: Self) -> Self;
     /// `buf[i] /= n` for `n >= 1` (integers truncate toward zero).
     fn divide(buf: &mut [Self], n: usize);
 }
@@ -38,6 +44,21 @@ macro_rules! impl_int_arith {
             #[inline(always)]
             fn maximum(self, other: Self) -> Self {
                 Ord::max(self, other)
+            }
+
+            #[inline(always)]
+            fn bit_and(self, other: Self) -> Self {
+                self & other
+            }
+
+            #[inline(always)]
+            fn bit_or(self, other: Self) -> Self {
+                self | other
+            }
+
+            #[inline(always)]
+            fn bit_xor(self, other: Self) -> Self {
+                self ^ other
             }
 
             #[inline(always)]
@@ -91,6 +112,24 @@ macro_rules! impl_float_arith {
                 let tie = <$t>::from_bits((a | b) & ((a & b) | !SIGN));
                 let m = if other > self { other } else { tie };
                 if self > other { self } else { m }
+            }
+
+            // The bitwise operators are not defined on floats: `reduce` and `reduce_into`
+            // reject them before any kernel runs. These act on the bit patterns only so that
+            // every element type has every operation (no panicking arm in the kernels).
+            #[inline(always)]
+            fn bit_and(self, other: Self) -> Self {
+                <$t>::from_bits(self.to_bits() & other.to_bits())
+            }
+
+            #[inline(always)]
+            fn bit_or(self, other: Self) -> Self {
+                <$t>::from_bits(self.to_bits() | other.to_bits())
+            }
+
+            #[inline(always)]
+            fn bit_xor(self, other: Self) -> Self {
+                <$t>::from_bits(self.to_bits() ^ other.to_bits())
             }
 
             #[inline(always)]

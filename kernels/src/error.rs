@@ -1,6 +1,7 @@
 //! The error type returned by every fallible function in this crate.
 
 use crate::dtype::DType;
+use crate::op::ReduceOp;
 
 /// Why a kernel call or a name lookup was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -13,8 +14,23 @@ pub enum KernelError {
     )]
     UnknownDType(String),
     /// A reduction operator name did not match any known [`ReduceOp`](crate::ReduceOp).
-    #[error("unknown reduction operator '{0}' (expected one of: sum, prod, min, max, avg)")]
+    #[error(
+        "unknown reduction operator '{0}' (expected one of: sum, prod, min, max, avg, band, \
+         bor, bxor)"
+    )]
     UnknownOp(String),
+    /// The reduction operator is not defined on the data type: a bitwise operator on a
+    /// floating-point type (see [`ReduceOp::applies_to`](crate::ReduceOp::applies_to)).
+    #[error(
+        "reduction operator {op} is not defined for {dtype} (bitwise operators need an integer \
+         type)"
+    )]
+    UnsupportedOp {
+        /// The operator asked for.
+        op: ReduceOp,
+        /// The data type it was asked for on.
+        dtype: DType,
+    },
     /// The buffers passed to a kernel have different byte lengths.
     #[error("buffer length mismatch: destination is {dst} bytes but source is {src} bytes")]
     LengthMismatch {

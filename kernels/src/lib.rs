@@ -24,6 +24,10 @@
 //!   overflowing to infinity) once per kernel call. Since `f32` has more than twice the
 //!   precision of either type, one `Sum` or `Prod` step gives the correctly rounded
 //!   half-precision result. NaN stays NaN, with an unspecified payload.
+//! * **`BAnd`, `BOr`, `BXor`**: bitwise AND, OR and XOR of the integer types' (two's
+//!   complement) bit patterns, so `-1i8 & 5 == 5` and `-1i32 ^ 1 == -2`. They are not defined
+//!   on floats: every kernel rejects them there with [`KernelError::UnsupportedOp`] before
+//!   touching a buffer ([`ReduceOp::applies_to`] tells beforehand).
 //! * **`Avg`**: the kernels treat it as `Sum`; the collective divides once at the end with
 //!   [`finish_avg`]. Floats divide by `n` (`f16`/`bf16` via `f32`). Integers divide the
 //!   wrapped sum by `n`, truncating toward zero (`-7 / 2 == -3`), so an integer average is

@@ -1,10 +1,10 @@
 //! Host reduction kernels on raw byte buffers.
 //!
-//! Every public function validates lengths, then describes its work as a [`Job`] and hands
-//! it to [`run`], which picks the element type from the [`DType`], views the bytes as typed
-//! slices (copying through small aligned stack blocks when a buffer is not aligned for the
-//! type) and runs plain element-wise zip loops that LLVM vectorises. `f16`/`bf16` are
-//! widened to `f32` a block at a time.
+//! Every public function validates the operator for the dtype and the lengths, then
+//! describes its work as a [`Job`] and hands it to [`run`], which picks the element type
+//! from the [`DType`], views the bytes as typed slices (copying through small aligned stack
+//! blocks when a buffer is not aligned for the type) and runs plain element-wise zip loops
+//! that LLVM vectorises. `f16`/`bf16` are widened to `f32` a block at a time.
 //!
 //! All of that is `#[inline(always)]` down to the scalar operations, so on x86-64 [`run`]
 //! can offer a second copy of the same code compiled for AVX2 (256-bit vectors) and F16C,
@@ -50,9 +50,11 @@ macro_rules! with_type {
 /// `dst[i] = dst[i] op src[i]` for every element, on raw bytes of the given dtype.
 ///
 /// `Avg` behaves as `Sum` here; the collective divides once at the end with [`finish_avg`].
-/// Fails with [`KernelError::LengthMismatch`] if the byte lengths differ and
+/// Fails with [`KernelError::UnsupportedOp`] for a bitwise operator on a float type,
+/// [`KernelError::LengthMismatch`] if the byte lengths differ and
 /// [`KernelError::Misaligned`] if they are not a multiple of the element size.
 pub fn reduce(op: ReduceOp, dtype: DType, dst: &mut [u8], src: &[u8]) -> Result<(), KernelError> {
+    op.check(dtype)?;
     check_lengths(dtype, dst.len(), &[src.len()])?;
     run(dtype, dst, [src], Combine(op));
     Ok(())
@@ -60,7 +62,8 @@ pub fn reduce(op: ReduceOp, dtype: DType, dst: &mut [u8], src: &[u8]) -> Result<
 
 /// `out[i] = a[i] op b[i]` for every element (the out-of-place form of [`reduce`]).
 ///
-/// Fails with [`KernelError::LengthMismatch`] unless all three byte lengths are equal and
+/// Fails with [`KernelError::UnsupportedOp`] for a bitwise operator on a float type,
+/// [`KernelError::LengthMismatch`] unless all three byte lengths are equal and
 /// [`KernelError::Misaligned`] if they are not a multiple of the element size.
 pub fn reduce_into(
     op: ReduceOp,
@@ -69,6 +72,7 @@ pub fn reduce_into(
     a: &[u8],
     b: &[u8],
 ) -> Result<(), KernelError> {
+    op.check(dtype)?;
     check_lengths(dtype, out.len(), &[a.len(), b.len()])?;
     run(dtype, out, [a, b], CombineInto(op));
     Ok(())
@@ -76,7 +80,8 @@ pub fn reduce_into(
 
 /// Typed convenience for [`reduce`]: `dst[i] = dst[i] op src[i]`.
 ///
-/// Fails with [`KernelError::LengthMismatch`] (reported in bytes) if the lengths differ.
+/// Fails with [`KernelError::UnsupportedOp`] for a bitwise operator on a float type and
+/// [`KernelError::LengthMismatch`] (reported in bytes) if the lengths differ.
 pub fn reduce_typed<T: Element>(op: ReduceOp, dst: &mut [T], src: &[T]) -> Result<(), KernelError> {
     reduce(
         op,
@@ -140,6 +145,9 @@ impl Job<1> for Combine {
             ReduceOp::Prod => zip_in_place(dst, src, T::prod),
             ReduceOp::Min => zip_in_place(dst, src, T::minimum),
             ReduceOp::Max => zip_in_place(dst, src, T::maximum),
+            ReduceOp::BAnd => zip_in_place(dst, src, T::bit_and),
+            ReduceOp::BOr => zip_in_place(dst, src, T::bit_or),
+            ReduceOp::BXor => zip_in_place(dst, src, T::bit_xor),
         }
     }
 }
@@ -158,6 +166,9 @@ impl Job<2> for CombineInto {
             ReduceOp::Prod => zip_into(out, a, b, T::prod),
             ReduceOp::Min => zip_into(out, a, b, T::minimum),
             ReduceOp::Max => zip_into(out, a, b, T::maximum),
+            ReduceOp::BAnd => zip_into(out, a, b, T::bit_and),
+            ReduceOp::BOr => zip_into(out, a, b, T::bit_or),
+            ReduceOp::BXor => zip_into(out, a, b, T::bit_xor),
         }
     }
 }

@@ -107,6 +107,17 @@ pub fn assert_identical_digests(report: &LaunchReport) -> usize {
     cases.len()
 }
 
+/// The (dtype, operator) pairs a reduction matrix covers: every operator on every type it
+/// applies to (the bitwise ones on integer types only).
+pub fn reduction_pairs() -> impl Iterator<Item = (DType, ReduceOp)> + Clone {
+    DType::ALL.into_iter().flat_map(|dtype| {
+        ReduceOp::ALL
+            .into_iter()
+            .filter(move |op| op.applies_to(dtype))
+            .map(move |op| (dtype, op))
+    })
+}
+
 /// One collective call of a test matrix.
 #[derive(Debug, Clone, Copy)]
 pub struct Case {

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use chorus_tests::{assert_identical_digests, assert_success, run};
+use chorus_tests::{assert_identical_digests, assert_success, reduction_pairs, run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
 
@@ -37,9 +37,12 @@ fn all_reduce_with(world: usize, algo: &str, nsocks: &str) {
     ];
     let report = run(world, worker(), &["all_reduce", &counts], &env);
     assert_success(&report);
-    // 10 dtypes x 5 ops x 2 placements per distinct count.
+    // Every (dtype, op) pair x 2 placements per distinct count.
     let distinct = counts.split(',').count();
-    assert_eq!(assert_identical_digests(&report), 100 * distinct);
+    assert_eq!(
+        assert_identical_digests(&report),
+        reduction_pairs().count() * 2 * distinct
+    );
 }
 
 #[test]
@@ -199,7 +202,7 @@ fn all_reduce_recursive_at_every_world_size() {
             assert_success(&report);
             assert_eq!(
                 assert_identical_digests(&report),
-                500,
+                reduction_pairs().count() * 5 * 2,
                 "{algo} at W={world}"
             );
         }

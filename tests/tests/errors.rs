@@ -131,6 +131,26 @@ fn mismatched_lengths_fail_on_every_rank() {
     }
 }
 
+#[test]
+fn bitwise_operators_on_floats_fail_on_every_rank_and_the_communicator_goes_on() {
+    for world in [2, 3] {
+        let report = run(world, worker(), &["bitwise_floats"], &[]);
+        assert_success(&report);
+        for r in &report.ranks {
+            assert!(
+                r.stdout.contains("bitwise on floats ok")
+                    && r.stdout.contains(
+                        "refused: reduce_scatter: reduction operator bxor is not defined for \
+                         double"
+                    ),
+                "rank {}: {}",
+                r.rank,
+                r.stdout
+            );
+        }
+    }
+}
+
 /// A rank with another job's id or another secret is refused by the store, saying why; the
 /// rank it never joins is named by the others.
 #[test]

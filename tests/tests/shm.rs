@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use chorus::launch::free_port;
-use chorus_tests::{assert_identical_digests, assert_success, run};
+use chorus_tests::{assert_identical_digests, assert_success, reduction_pairs, run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
 
@@ -52,7 +52,11 @@ fn two_hosts_of_two_ranks_use_shm_inside_and_tcp_across() {
     ];
     let report = run(4, worker(), &["all_reduce", "1,1023,300007"], &env);
     assert_success(&report);
-    assert_eq!(assert_identical_digests(&report), 300);
+    // Every (dtype, op) pair x 3 counts x 2 placements.
+    assert_eq!(
+        assert_identical_digests(&report),
+        reduction_pairs().count() * 3 * 2
+    );
     for r in &report.ranks {
         let partner = r.rank ^ 1;
         let routes = routes(&r.stderr)
@@ -78,7 +82,11 @@ fn tcp_alone_still_carries_every_collective() {
     let tcp = [("CHORUS_TRANSPORT", "tcp"), ("CHORUS_DEBUG", "info")];
     let report = run(3, worker(), &["all_reduce", "0,7,1048579"], &tcp);
     assert_success(&report);
-    assert_eq!(assert_identical_digests(&report), 300);
+    // Every (dtype, op) pair x 3 counts x 2 placements.
+    assert_eq!(
+        assert_identical_digests(&report),
+        reduction_pairs().count() * 3 * 2
+    );
     for r in &report.ranks {
         let routes = routes(&r.stderr).unwrap_or_default();
         assert!(routes.contains("shm_peers=[] tcp_peers=2"), "{routes}");
@@ -167,7 +175,7 @@ fn shared_buffers_carry_every_all_reduce_and_broadcast() {
         assert_success(&report);
         assert_eq!(
             assert_identical_digests(&report),
-            10 * 5 * 4 * 2,
+            reduction_pairs().count() * 4 * 2,
             "W={world}"
         );
     }
@@ -223,7 +231,11 @@ fn shared_buffers_across_hosts_or_over_tcp_are_plain_memory() {
         // The worker fails if a buffer is shared where it should not be.
         let report = run(4, worker(), &["all_reduce", "7,70001"], &env);
         assert_success(&report);
-        assert_eq!(assert_identical_digests(&report), 10 * 5 * 2 * 2, "{env:?}");
+        assert_eq!(
+            assert_identical_digests(&report),
+            reduction_pairs().count() * 2 * 2,
+            "{env:?}"
+        );
     }
 }
 

@@ -181,6 +181,39 @@ fn reduce_perf_over_every_root_in_turn() {
 }
 
 #[test]
+fn bitwise_ops_are_checked_on_integers_and_refused_on_floats() {
+    let exe = env!("CARGO_BIN_EXE_allreduce_perf");
+    for (op, dtype) in [("bxor", "int32"), ("band", "uint8"), ("bor", "int64")] {
+        let mut args = SWEEP.to_vec();
+        args.extend(["-o", op, "-d", dtype, "-np", "3"]);
+        let parsed = parse(&run_ok(exe, &args));
+        assert_eq!(parsed.rows.len(), 5);
+        assert!(
+            parsed
+                .rows
+                .iter()
+                .all(|r| r.redop == op && r.dtype == dtype),
+            "{:?}",
+            parsed.rows
+        );
+        assert_eq!(parsed.wrong_total, 0, "{op} {dtype}");
+    }
+    let out = run(exe, &["-b", "8", "-e", "8", "-o", "band", "-np", "2"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("-o band needs an integer -d") && stderr.contains("not float"),
+        "{stderr}"
+    );
+    // Collectives that do not reduce ignore -o.
+    let out = run_ok(
+        env!("CARGO_BIN_EXE_broadcast_perf"),
+        &["-b", "8", "-e", "8", "-o", "band", "-np", "2"],
+    );
+    assert_eq!(parse(&out).wrong_total, 0);
+}
+
+#[test]
 fn all_gather_perf_reports_and_checks() {
     let parsed = sweep(env!("CARGO_BIN_EXE_all_gather_perf"), 2, &[]);
     check(&parsed, 2, Shape::Blocks, "none", -1);

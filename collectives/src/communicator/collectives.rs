@@ -105,7 +105,7 @@ impl Communicator {
     ///
     /// Fails on a transport error or timeout.
     pub fn barrier(&self) -> Result<()> {
-        let info = CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0);
+        let info = CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0)?;
         let steps = self.inner.recent.get_or_build(Key::of(&info), || {
             barrier::dissemination(self.rank(), self.world_size())
         });
@@ -129,6 +129,7 @@ impl Inner {
         op: ReduceOp,
     ) -> Result<Call<'a>> {
         let count = elements(output.len(), dtype)?;
+        let info = CallInfo::new(Kind::AllReduce, dtype, op, 0, count)?;
         let (w, rank, chunk) = (
             self.config.world_size,
             self.config.rank,
@@ -136,7 +137,6 @@ impl Inner {
         );
         let local = self.config.local_world_size;
         let hosts_with_peers = local > 1 && local < w && w % local == 0;
-        let info = CallInfo::new(Kind::AllReduce, dtype, op, 0, count);
         let steps = self.recent.get_or_build(Key::of(&info), || {
             if hosts_with_peers && self.config.algo.get(Collective::AllReduce).is_none() {
                 // Several hosts with several ranks each: keep most traffic inside hosts.
@@ -177,7 +177,7 @@ impl Inner {
             self.chunk_elems(dtype),
         );
         self.check_root(root)?;
-        let info = CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count);
+        let info = CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count)?;
         let steps = self.recent.get_or_build(Key::of(&info), || {
             match self.pick(Collective::Broadcast, output.len()) {
                 Algorithm::Tree => broadcast::tree(rank, w, root, count, chunk),

@@ -567,6 +567,8 @@ fn elements(bytes: usize, dtype: DType) -> Result<usize> {
 /// 20 bits standing for root and count), so ranks that disagree on what they are running
 /// fail instead of mixing data.
 fn tag(seq: u64, call: &CallInfo) -> u64 {
+    // Both lists hold every value, so each gets its own code, and each fits its 4 bits.
+    const _: () = assert!(DType::ALL.len() <= 16 && ReduceOp::ALL.len() <= 16);
     let dtype = DType::ALL
         .iter()
         .position(|&d| d == call.dtype)
@@ -594,4 +596,116 @@ fn advertised_addr(config: &Config) -> Result<IpAddr> {
         value: config.master_addr.clone(),
         reason: format!("no route to it from this host ({e}); set CHORUS_SOCKET_ADDR"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(dtype: DType, op: ReduceOp) -> CallInfo {
+        CallInfo::new(Kind::AllReduce, dtype, op, 0, 1000).unwrap()
+    }
+
+    #[test]
+    fn every_operator_has_its_own_tag() {
+        let sum = tag(9, &call(DType::I64, ReduceOp::Sum));
+        let tags: Vec<u64> = ReduceOp::ALL
+            .iter()
+            .map(|&op| tag(9, &call(DType::I64, op)))
+            .collect();
+        for (i, t) in tags.iter().enumerate() {
+            // Only the operator's 4 bits differ, and they hold the operator's index.
+            assert_eq!(t & !(0xF << 20), sum & !(0xF << 20), "{}", ReduceOp::ALL[i]);
+            assert_eq!((t >> 20) & 0xF, i as u64, "{}", ReduceOp::ALL[i]);
+        }
+        let dtypes: std::collections::HashSet<u64> = DType::ALL
+            .iter()
+            .map(|&d| tag(9, &call(d, ReduceOp::Max)))
+            .collect();
+        assert_eq!(dtypes.len(), DType::ALL.len());
+    }
+
+    #[test]
+    fn bitwise_operators_on_floats_are_invalid_arguments() {
+        for dtype in DType::ALL {
+            for op in ReduceOp::BITWISE {
+                let info = CallInfo::new(Kind::ReduceScatter, dtype, op, 0, 8);
+                if !dtype.is_float() {
+                    assert_eq!(info.unwrap().op, op);
+                    continue;
+                }
+                match info {
+                    Err(Error::InvalidArgument(why)) => assert_eq!(
+                        why,
+                        format!(
+                            "reduction operator {op} is not defined for {dtype} (bitwise \
+                             operators need an integer type)"
+                        )
+                    ),
+                    other => panic!("{op} {dtype}: {other:?}"),
+                }
+            }
+        }
+    }
+
+    /// A one-rank communicator (no store, no peers).
+    fn solo() -> Communicator {
+        Communicator::new(Config::new(0, 1, "127.0.0.1", 0)).expect("one rank")
+    }
+
+    fn assert_invalid<T: std::fmt::Debug>(result: Result<T>, op: ReduceOp, dtype: DType) {
+        match result {
+            Err(Error::InvalidArgument(why)) => assert!(
+                why.contains(&format!("operator {op} ")) && why.contains(&format!(" {dtype} ")),
+                "{why}"
+            ),
+            other => panic!("{op} on {dtype}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn collectives_refuse_bitwise_operators_on_floats_and_go_on() {
+        let comm = solo();
+        let mut f = [1.5f32, -2.0];
+        assert_invalid(
+            comm.all_reduce(&mut f, ReduceOp::BAnd),
+            ReduceOp::BAnd,
+            DType::F32,
+        );
+        let mut out = [0.0f32; 2];
+        let r = comm.all_reduce_into(&f, &mut out, ReduceOp::BOr);
+        assert_invalid(r, ReduceOp::BOr, DType::F32);
+        let mut bytes = [0u8; 16];
+        let r = comm.all_reduce_bytes(None, &mut bytes, DType::F64, ReduceOp::BXor);
+        assert_invalid(r, ReduceOp::BXor, DType::F64);
+        let mut h = [crate::f16::ONE; 4];
+        assert_invalid(
+            comm.reduce(&mut h, ReduceOp::BOr, 0),
+            ReduceOp::BOr,
+            DType::F16,
+        );
+        let b = [crate::bf16::ONE; 4];
+        let mut b_out = [crate::bf16::ZERO; 4];
+        let r = comm.reduce_into(&b, &mut b_out, ReduceOp::BAnd, 0);
+        assert_invalid(r, ReduceOp::BAnd, DType::BF16);
+        let r = comm.reduce_scatter(&[1.0f64; 3], &mut [0.0; 3], ReduceOp::BXor);
+        assert_invalid(r, ReduceOp::BXor, DType::F64);
+        // Nothing was written, and the communicator still works (no call was started).
+        assert_eq!(
+            (f, out, bytes, b_out),
+            ([1.5, -2.0], [0.0; 2], [0; 16], [crate::bf16::ZERO; 4])
+        );
+        assert_eq!(h, [crate::f16::ONE; 4]);
+        let mut ints = [-1i32, 0x0F0F, 7];
+        for op in ReduceOp::BITWISE {
+            comm.all_reduce(&mut ints, op).unwrap();
+            comm.reduce(&mut ints, op, 0).unwrap();
+        }
+        assert_eq!(ints, [-1, 0x0F0F, 7]);
+        comm.all_reduce(&mut f, ReduceOp::Sum).unwrap();
+        assert_eq!(f, [1.5, -2.0]);
+        // Asynchronously the error comes back through the handle.
+        let work = comm.all_reduce_async(vec![1.0f32], ReduceOp::BXor);
+        assert_invalid(work.wait(), ReduceOp::BXor, DType::F32);
+    }
 }

@@ -42,14 +42,25 @@ pub(crate) struct CallInfo {
 }
 
 impl CallInfo {
-    pub fn new(kind: Kind, dtype: DType, op: ReduceOp, root: usize, count: usize) -> CallInfo {
-        CallInfo {
+    /// The description of a call. Every collective makes one before anything else, so this is
+    /// where an operator that is not defined on the data type (a bitwise one on a float
+    /// type) fails, with [`Error::InvalidArgument`] naming both, before anything is sent.
+    pub fn new(
+        kind: Kind,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        count: usize,
+    ) -> Result<CallInfo, Error> {
+        op.check(dtype)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        Ok(CallInfo {
             kind,
             dtype,
             op,
             root,
             count,
-        }
+        })
     }
 
     /// 20 bits standing for the root and the count in the message tag.
@@ -465,7 +476,7 @@ mod tests {
     use super::*;
 
     fn call(kind: Kind, root: usize, count: usize) -> CallInfo {
-        CallInfo::new(kind, DType::F32, ReduceOp::Sum, root, count)
+        CallInfo::new(kind, DType::F32, ReduceOp::Sum, root, count).unwrap()
     }
 
     #[test]

@@ -19,9 +19,9 @@ impl Communicator {
     /// unspecified. Fails as [`all_reduce`](Self::all_reduce) does, or if `root` is not a rank.
     pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
         let output = bytemuck::cast_slice_mut(buf);
-        let steps = self.reduce_steps(output.len(), T::DTYPE, root)?;
         let count = output.len() / T::DTYPE.size();
-        let info = CallInfo::new(Kind::Reduce, T::DTYPE, op, root, count);
+        let info = CallInfo::new(Kind::Reduce, T::DTYPE, op, root, count)?;
+        let steps = self.reduce_steps(output.len(), T::DTYPE, root)?;
         self.run_typed(info, Buffers::new(None, output), steps)
     }
 
@@ -39,14 +39,9 @@ impl Communicator {
             bytemuck::cast_slice(input),
             bytemuck::cast_slice_mut(output),
         );
+        let count = input.len() / T::DTYPE.size();
+        let info = CallInfo::new(Kind::Reduce, T::DTYPE, op, root, count)?;
         let steps = self.reduce_steps(output.len(), T::DTYPE, root)?;
-        let info = CallInfo::new(
-            Kind::Reduce,
-            T::DTYPE,
-            op,
-            root,
-            input.len() / T::DTYPE.size(),
-        );
         self.run_typed(info, Buffers::same_len(Some(input), output)?, steps)
     }
 
@@ -76,7 +71,7 @@ impl Communicator {
             self.inner.chunk_elems(T::DTYPE),
         );
         self.run_apart(
-            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n),
+            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n)?,
             input,
             output,
             steps,
@@ -97,7 +92,7 @@ impl Communicator {
             n * size,
         );
         self.run_typed(
-            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n),
+            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n)?,
             bufs,
             steps,
         )
@@ -113,18 +108,14 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         let n = self.blocks("reduce_scatter", "input", input.len(), output.len())?;
+        let info = CallInfo::new(Kind::ReduceScatter, T::DTYPE, op, 0, n)?;
         let steps = reduce_scatter::ring(
             self.rank(),
             self.world_size(),
             n,
             self.inner.chunk_elems(T::DTYPE),
         );
-        self.run_apart(
-            CallInfo::new(Kind::ReduceScatter, T::DTYPE, op, 0, n),
-            input,
-            output,
-            steps,
-        )
+        self.run_apart(info, input, output, steps)
     }
 
     /// Sends block `q` of `input` to rank `q` and receives rank `q`'s block into block `q` of `output`.
@@ -167,7 +158,7 @@ impl Communicator {
         }
         let steps = all_to_all::pairwise(rank, w, send_counts, recv_counts);
         // Counts may differ between ranks; each message's length is checked instead.
-        let info = CallInfo::new(Kind::AllToAll, T::DTYPE, ReduceOp::Sum, 0, 0);
+        let info = CallInfo::new(Kind::AllToAll, T::DTYPE, ReduceOp::Sum, 0, 0)?;
         self.run_apart(info, input, output, steps)
     }
 
@@ -180,7 +171,7 @@ impl Communicator {
             self.blocks("gather", "output", output.len(), input.len())?;
         }
         let steps = gather::direct(self.rank(), self.world_size(), root, input.len());
-        let info = CallInfo::new(Kind::Gather, T::DTYPE, ReduceOp::Sum, root, input.len());
+        let info = CallInfo::new(Kind::Gather, T::DTYPE, ReduceOp::Sum, root, input.len())?;
         self.run_apart(info, input, output, steps)
     }
 
@@ -193,7 +184,7 @@ impl Communicator {
             self.blocks("scatter", "input", input.len(), output.len())?;
         }
         let steps = scatter::direct(self.rank(), self.world_size(), root, output.len());
-        let info = CallInfo::new(Kind::Scatter, T::DTYPE, ReduceOp::Sum, root, output.len());
+        let info = CallInfo::new(Kind::Scatter, T::DTYPE, ReduceOp::Sum, root, output.len())?;
         self.run_apart(info, input, output, steps)
     }
 

@@ -43,10 +43,21 @@ struct Shared {
 
 /// The loaded kernel functions.
 struct Kernels {
-    /// `reduce[dtype_index * 4 + op_index]`, in [`DType::ALL`] and [`KERNEL_OPS`] order.
-    reduce: Vec<CudaFunction>,
+    /// `reduce[dtype_index * KERNEL_OPS.len() + op_index]`, in [`DType::ALL`] and
+    /// [`KERNEL_OPS`] order; `None` where the operator does not apply to the type.
+    reduce: Vec<Option<CudaFunction>>,
     /// `avg[dtype_index]`.
     avg: Vec<CudaFunction>,
+}
+
+impl Kernels {
+    /// The reduce kernel for `op` on `dtype`; [`KernelError::UnsupportedOp`] where there is
+    /// none (a bitwise operator on a float type).
+    fn reduce_fn(&self, op: ReduceOp, dtype: DType) -> Result<&CudaFunction, KernelError> {
+        self.reduce[reduce_index(op, dtype)]
+            .as_ref()
+            .ok_or(KernelError::UnsupportedOp { op, dtype })
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -182,6 +193,7 @@ impl Device {
     /// on `stream` (the GPU form of [`reduce`](crate::reduce)).
     ///
     /// `Avg` runs as `Sum`; divide once at the end with [`Device::finish_avg`]. Fails with
+    /// [`KernelError::UnsupportedOp`] (a bitwise operator on a float type),
     /// [`KernelError::LengthMismatch`] or [`KernelError::Misaligned`] (inside
     /// [`CudaError::Kernel`]) like the host kernel, and with [`CudaError::WrongDevice`] if a
     /// buffer or the stream belongs to another device.
@@ -197,6 +209,7 @@ impl Device {
         D: DevicePtrMut<u8>,
         S: DevicePtr<u8>,
     {
+        op.check(dtype)?;
         check_lengths(dtype, dst.len(), &[src.len()])?;
         self.check_stream(stream)?;
         self.check_buffer("destination buffer", dst)?;
@@ -205,7 +218,7 @@ impl Device {
             return Ok(());
         }
         let kernels = self.kernels()?;
-        let func = &kernels.reduce[reduce_index(op, dtype)];
+        let func = kernels.reduce_fn(op, dtype)?;
         let len = dst.len() / dtype.size();
         {
             let (out, _write) = dst.device_ptr_mut(stream);
@@ -231,6 +244,7 @@ impl Device {
         A: DevicePtr<u8>,
         B: DevicePtr<u8>,
     {
+        op.check(dtype)?;
         check_lengths(dtype, out.len(), &[a.len(), b.len()])?;
         self.check_stream(stream)?;
         self.check_buffer("output buffer", out)?;
@@ -240,7 +254,7 @@ impl Device {
             return Ok(());
         }
         let kernels = self.kernels()?;
-        let func = &kernels.reduce[reduce_index(op, dtype)];
+        let func = kernels.reduce_fn(op, dtype)?;
         let len = out.len() / dtype.size();
         {
             let (po, _write) = out.device_ptr_mut(stream);
@@ -354,7 +368,12 @@ impl Device {
         let mut avg = Vec::with_capacity(DType::ALL.len());
         for dtype in DType::ALL {
             for op in KERNEL_OPS {
-                reduce.push(function(source::reduce_kernel(op, dtype))?);
+                let kernel = op.applies_to(dtype);
+                reduce.push(
+                    kernel
+                        .then(|| function(source::reduce_kernel(op, dtype)))
+                        .transpose()?,
+                );
             }
             avg.push(function(source::avg_kernel(dtype))?);
         }
@@ -462,7 +481,7 @@ mod tests {
                 reduce_index(ReduceOp::Sum, dtype)
             );
         }
-        assert_eq!(seen.len(), 40);
-        assert!(seen.iter().all(|&i| i < 40));
+        assert_eq!(seen.len(), 70);
+        assert!(seen.iter().all(|&i| i < 70));
     }
 }

@@ -3,10 +3,11 @@
 //! [`Device::reduce`], [`Device::reduce_into`] and [`Device::finish_avg`] are the GPU forms
 //! of [`reduce`](crate::reduce), [`reduce_into`](crate::reduce_into) and
 //! [`finish_avg`](crate::finish_avg), for every [`DType`](crate::DType) and
-//! [`ReduceOp`](crate::ReduceOp), with the same semantics (see the [crate
+//! [`ReduceOp`](crate::ReduceOp) that applies to it, with the same semantics (see the [crate
 //! documentation](crate)): integers wrap, float `Min`/`Max` propagate NaN and order
 //! `-0.0 < +0.0`, `f16`/`bf16` are computed in `f32` and rounded once, `Avg` reduces as
-//! `Sum` and `finish_avg` divides (integers truncating toward zero). Results are bit for
+//! `Sum`, `finish_avg` divides (integers truncating toward zero), and the bitwise operators
+//! exist for integer types only (on floats they fail as on the host). Results are bit for
 //! bit those of the host kernels, NaN payloads aside. Buffers are raw bytes at any offset:
 //! aligned ones are processed 16 bytes at a time, others element by element.
 //!

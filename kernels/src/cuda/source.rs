@@ -1,5 +1,6 @@
 //! The CUDA C source of the kernels: a fixed prelude of templates plus one generated
-//! `extern "C"` entry point per (dtype, op) and one `finish_avg` entry point per dtype.
+//! `extern "C"` entry point per (dtype, op) where the op applies to the dtype (the bitwise
+//! ops have integer kernels only) and one `finish_avg` entry point per dtype.
 //!
 //! The source needs no headers (NVRTC is given no include path): `f16` is converted with
 //! the PTX `cvt` instructions, `bf16` with integer operations, and integer wrapping is done
@@ -14,9 +15,17 @@ use crate::{DType, ReduceOp};
 /// Threads per block of every kernel (also the kernels' `__launch_bounds__`).
 pub(crate) const BLOCK_THREADS: u32 = 256;
 
-/// The operators that have a kernel of their own (`Avg` uses `Sum`).
-pub(crate) const KERNEL_OPS: [ReduceOp; 4] =
-    [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max];
+/// The operators that have kernels of their own (`Avg` uses `Sum`); the bitwise ones for
+/// integer types only.
+pub(crate) const KERNEL_OPS: [ReduceOp; 7] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::BAnd,
+    ReduceOp::BOr,
+    ReduceOp::BXor,
+];
 
 /// Short type name used in kernel names.
 fn short(dtype: DType) -> &'static str {
@@ -84,12 +93,15 @@ fn generate() -> String {
     src.push_str("\n// ---- entry points (generated) ----\n");
     for dtype in DType::ALL {
         let t = traits(dtype);
-        for op in KERNEL_OPS {
+        for op in KERNEL_OPS.into_iter().filter(|op| op.applies_to(dtype)) {
             let functor = match op {
-                ReduceOp::Sum => "Sum",
+                ReduceOp::Sum | ReduceOp::Avg => "Sum",
                 ReduceOp::Prod => "Prod",
                 ReduceOp::Min => "Min",
-                _ => "Max",
+                ReduceOp::Max => "Max",
+                ReduceOp::BAnd => "BAnd",
+                ReduceOp::BOr => "BOr",
+                ReduceOp::BXor => "BXor",
             };
             // Writing to a String cannot fail.
             let _ = writeln!(
@@ -230,6 +242,10 @@ struct Sum { template <class C> __device__ __forceinline__ C operator()(C a, C b
 struct Prod { template <class C> __device__ __forceinline__ C operator()(C a, C b) const { return mul(a, b); } };
 struct Min { template <class C> __device__ __forceinline__ C operator()(C a, C b) const { return minimum(a, b); } };
 struct Max { template <class C> __device__ __forceinline__ C operator()(C a, C b) const { return maximum(a, b); } };
+// Bitwise, instantiated for the integer types only (the cast undoes the promotion to int).
+struct BAnd { template <class C> __device__ __forceinline__ C operator()(C a, C b) const { return (C)(a & b); } };
+struct BOr { template <class C> __device__ __forceinline__ C operator()(C a, C b) const { return (C)(a | b); } };
+struct BXor { template <class C> __device__ __forceinline__ C operator()(C a, C b) const { return (C)(a ^ b); } };
 struct DivBy {
     u64 n;
     __device__ explicit DivBy(u64 n) : n(n) {}

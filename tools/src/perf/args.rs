@@ -59,7 +59,7 @@ pub struct Args {
     /// Check results this many times per size (0: no check).
     #[arg(short = 'c', long = "check", default_value_t = 1)]
     pub check: u32,
-    /// Reduction operator: sum, prod, min, max, avg.
+    /// Reduction operator: sum, prod, min, max, avg; band, bor, bxor (integer types only).
     #[arg(short = 'o', long = "op", default_value = "sum")]
     pub op: ReduceOp,
     /// Data type: float, double, half, bfloat16, int8, uint8, int32, uint32, int64, uint64.
@@ -120,6 +120,18 @@ impl Args {
             }
         });
         Args::parse_from(argv)
+    }
+
+    /// Fails when `-o` is not defined on `-d` (a bitwise operator on a float type) and the
+    /// collective reduces; the others ignore `-o`.
+    pub fn check_op(&self, reduces: bool) -> Result<(), String> {
+        if reduces && !self.op.applies_to(self.dtype) {
+            return Err(format!(
+                "-o {} needs an integer -d (int8, uint8, int32, uint32, int64 or uint64), not {}",
+                self.op, self.dtype
+            ));
+        }
+        Ok(())
     }
 
     /// The sizes to measure, in bytes, as nccl-tests steps them.
@@ -227,6 +239,26 @@ mod tests {
         assert_eq!(Args::parse_from(["x"]).average, Average::Mean);
         assert_eq!(Args::parse_from(["x", "-a", "3"]).average, Average::Max);
         assert!(Args::try_parse_from(["x", "-a", "4"]).is_err());
+    }
+
+    #[test]
+    fn bitwise_ops_need_an_integer_type_where_they_apply() {
+        let args = Args::parse_from(["x", "-o", "bxor", "-d", "int8"]);
+        assert_eq!((args.op, args.dtype), (ReduceOp::BXor, DType::I8));
+        assert_eq!(args.check_op(true), Ok(()));
+        let args = Args::parse_from(["x", "-o", "BAND"]);
+        assert_eq!(args.op, ReduceOp::BAnd);
+        assert_eq!(
+            args.check_op(true),
+            Err(
+                "-o band needs an integer -d (int8, uint8, int32, uint32, int64 or uint64), \
+                 not float"
+                    .into()
+            )
+        );
+        // Collectives that do not reduce ignore -o.
+        assert_eq!(args.check_op(false), Ok(()));
+        assert_eq!(Args::parse_from(["x", "-d", "half"]).check_op(true), Ok(()));
     }
 
     #[test]

@@ -31,10 +31,12 @@ pub fn main(collective: &Collective) -> ExitCode {
         .init();
     let args = Args::from_env();
     let program = program_name();
-    let result = match args.np {
-        Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
-        _ => run_rank(collective, &args, &program),
-    };
+    let result = args
+        .check_op(collective.reduces())
+        .and_then(|()| match args.np {
+            Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
+            _ => run_rank(collective, &args, &program),
+        });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
