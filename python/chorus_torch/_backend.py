@@ -403,6 +403,44 @@ class ProcessGroupChorus(ProcessGroup):
         self._comm.barrier()
         return _work([])
 
+    def gather_single(self, output, tensor, opts=None):
+        """`gather` into one tensor of world-size blocks on the root (torch 2.x's
+        gather_into_tensor)."""
+        _check_cpu(tensor)
+        root = self._root(opts.rootRank if opts is not None else 0, "gather")
+        inp, _ = _staged(tensor)
+        if self.rank() == root:
+            _check_cpu(output)
+            _same_dtype(output, tensor, "gather")
+            if output.numel() != self.size() * tensor.numel():
+                raise ValueError(f"chorus gather: the output holds {output.numel()} elements, "
+                                 f"not world size {self.size()} x {tensor.numel()}")
+            staged, copied = _staged(output)
+        else:
+            staged, copied = torch.empty(0, dtype=tensor.dtype), False
+        ip, ib = _span(inp)
+        op_, ob = _span(staged)
+        self._comm.gather(ip, ib, op_, ob, _dtype(tensor), root)
+        return _work([output], (lambda: output.copy_(staged)) if copied else None)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        for output, tensor in zip(outputs, inputs):
+            self._allgather_base(output, tensor, opts)
+        return _work(outputs)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        for output, tensor in zip(outputs, inputs):
+            self._reduce_scatter_base(output, tensor, opts)
+        return _work(outputs)
+
+    # torch 2.x's names for the single-tensor forms.
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+    all_to_all_single = alltoall_base
+    gather_into_tensor = gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
     # -- point to point --------------------------------------------------------------------
 
     def send(self, tensors, dst, tag):

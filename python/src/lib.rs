@@ -84,6 +84,9 @@ fn reduce_op(code: u32) -> PyResult<ReduceOp> {
         2 => Ok(ReduceOp::Prod),
         3 => Ok(ReduceOp::Min),
         4 => Ok(ReduceOp::Max),
+        5 => Ok(ReduceOp::BAnd),
+        6 => Ok(ReduceOp::BOr),
+        7 => Ok(ReduceOp::BXor),
         _ => Err(PyValueError::new_err(format!(
             "the chorus backend does not support reduce op code {code}"
         ))),

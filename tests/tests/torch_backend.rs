@@ -96,5 +96,8 @@ fn torch_backend_python_suite() {
         std::thread::sleep(Duration::from_millis(200));
     };
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(status.success(), "the torch backend's suite failed: {status}");
+    assert!(
+        status.success(),
+        "the torch backend's suite failed: {status}"
+    );
 }
