@@ -39,6 +39,20 @@ impl Raw {
         Ok(Raw { ptr, bytes })
     }
 
+    /// An input and an output buffer of `dtype`, each checked as [`Raw::new`] does.
+    pub fn pair(
+        input: usize,
+        input_bytes: usize,
+        output: usize,
+        output_bytes: usize,
+        dtype: DType,
+    ) -> PyResult<(Raw, Raw)> {
+        Ok((
+            Raw::new(input, input_bytes, dtype)?,
+            Raw::new(output, output_bytes, dtype)?,
+        ))
+    }
+
     /// The memory as elements of `T`.
     ///
     /// # Safety

@@ -260,10 +260,7 @@ impl Comm {
         dtype_code: usize,
     ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
-        let (input, output) = (
-            Raw::new(input, input_bytes, dtype)?,
-            Raw::new(output, output_bytes, dtype)?,
-        );
+        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         let rank = self.rank();
         self.run(py, move |c| {
             if output.block(rank, input.bytes) == Some(input) {
@@ -288,10 +285,7 @@ impl Comm {
         op_code: u32,
     ) -> PyResult<()> {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
-        let (input, output) = (
-            Raw::new(input, input_bytes, dtype)?,
-            Raw::new(output, output_bytes, dtype)?,
-        );
+        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         self.run(py, move |c| {
             let input = input.apart_from(output);
             // SAFETY: as in `all_gather`.
@@ -313,10 +307,7 @@ impl Comm {
         recv_counts: Option<Vec<usize>>,
     ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
-        let (input, output) = (
-            Raw::new(input, input_bytes, dtype)?,
-            Raw::new(output, output_bytes, dtype)?,
-        );
+        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         self.run(py, move |c| {
             let input = input.apart_from(output);
             typed!(dtype, T => {
@@ -342,10 +333,7 @@ impl Comm {
         root: usize,
     ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
-        let (input, output) = (
-            Raw::new(input, input_bytes, dtype)?,
-            Raw::new(output, output_bytes, dtype)?,
-        );
+        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         self.run(py, move |c| {
             let input = input.apart_from(output);
             // SAFETY: as in `all_gather`.
@@ -365,10 +353,7 @@ impl Comm {
         root: usize,
     ) -> PyResult<()> {
         let dtype = dtype(dtype_code)?;
-        let (input, output) = (
-            Raw::new(input, input_bytes, dtype)?,
-            Raw::new(output, output_bytes, dtype)?,
-        );
+        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         self.run(py, move |c| {
             let input = input.apart_from(output);
             // SAFETY: as in `all_gather`.
