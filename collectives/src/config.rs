@@ -370,6 +370,28 @@ mod tests {
     }
 
     #[test]
+    fn torchruns_agent_store_is_used_where_torchrun_serves_it() {
+        let mut vars = BASE.to_vec();
+        assert_eq!(from(&vars).unwrap().store, StoreKind::Chorus);
+        vars.extend([
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "job7"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ]);
+        let run = "job7/2".to_string();
+        assert_eq!(from(&vars).unwrap().store, StoreKind::TorchAgent { run });
+        // Not announced, or a store elsewhere than the agent's: Chorus's own.
+        for extra in [
+            ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+            ("CHORUS_INIT_METHOD", "tcp://10.0.0.2:29501"),
+        ] {
+            let mut vars = vars.clone();
+            vars.push(extra);
+            assert_eq!(from(&vars).unwrap().store, StoreKind::Chorus, "{extra:?}");
+        }
+    }
+
+    #[test]
     fn a_single_process_needs_no_master() {
         let c = from(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap();
         assert_eq!(c.world_size, 1);

@@ -31,8 +31,8 @@
 //!
 //! Verified against torch 2.15.0's servers, both kinds, by `tests/tests/torchrun.rs`; the
 //! opcodes, the magic number and the `/` prefix above are the same in the headers of torch 2.2,
-//! 2.3, 2.4 and 2.5. Servers of torch 2.1 and older speak other variants of the protocol and fail
-//! the handshake.
+//! 2.3, 2.4 and 2.5. Servers of torch 2.1 and older speak other variants of the protocol, which
+//! this client does not.
 
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
