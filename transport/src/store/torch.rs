@@ -29,9 +29,9 @@
 //! 8 KiB (prefix included), values over 8 MiB and waits on more than 128 Ki keys; this client
 //! refuses them before sending.
 //!
-//! Verified against torch 2.15.0's servers, both kinds, by `tests/tests/torchrun.rs`; the
-//! opcodes, the magic number and the `/` prefix above are the same in the headers of torch 2.2,
-//! 2.3, 2.4 and 2.5. Servers of torch 2.1 and older speak other variants of the protocol, which
+//! Verified against the servers of torch 2.15.0 and 2.4.0, both kinds, by
+//! `tests/tests/torchrun.rs`; the opcodes, the magic number and the `/` prefix above are the
+//! same in the headers of torch 2.2, 2.3, 2.4 and 2.5. Servers of torch 2.1 and older speak other variants of the protocol, which
 //! this client does not.
 
 use std::net::TcpStream;
