@@ -28,7 +28,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::config::{bad, optional, Lookup, StoreKind};
-use crate::launch::{ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_USE_AGENT_STORE};
+use crate::launch::{
+    ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_RESTART_COUNT, ENV_RUN_ID, ENV_USE_AGENT_STORE,
+};
 use crate::Error;
 
 /// Offset of the store port derived from `SLURM_JOB_ID`.
@@ -779,8 +781,8 @@ pub(crate) fn store_kind(get: Lookup<'_>, master_addr: &str, master_port: u16) -
 
 /// The run a rendezvous file, or torchrun's agent store, holds keys of (see [`Master::File`]).
 fn run_token(get: Lookup<'_>) -> String {
-    let token = if let Some(id) = value(get, "TORCHELASTIC_RUN_ID") {
-        let restart = value(get, "TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+    let token = if let Some(id) = value(get, ENV_RUN_ID) {
+        let restart = value(get, ENV_RESTART_COUNT).unwrap_or_else(|| "0".into());
         format!("{id}/{restart}")
     } else if let Some(job) = value(get, "SLURM_JOB_ID").or_else(|| value(get, "SLURM_JOBID")) {
         let step = value(get, "SLURM_STEP_ID")

@@ -202,7 +202,8 @@ impl Communicator {
     }
 
     /// Joins the job through the store already listening at `config.master_addr` and
-    /// `config.master_port`; `server` is that store when this process hosts it.
+    /// `config.master_port` (of the kind `config.store` names); `server` is that store when
+    /// this process hosts it.
     ///
     /// For a job whose rank 0 binds its store first (on any free port) and tells the others
     /// where through some other channel, as the torch backend does through torch's store.
