@@ -59,6 +59,24 @@ pub struct Config {
     /// The job's id and shared secret, proven on every connection (`CHORUS_JOB_ID`, else
     /// `TORCHELASTIC_RUN_ID` or `SLURM_JOB_ID`; `CHORUS_AUTH_TOKEN`).
     pub auth: Auth,
+    /// The rendezvous store ranks meet through: torchrun's agent store when
+    /// `TORCHELASTIC_USE_AGENT_STORE` is `True`, else Chorus's own.
+    pub store: StoreKind,
+}
+
+/// The rendezvous store at `MASTER_ADDR:MASTER_PORT`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum StoreKind {
+    /// Chorus's own store, which rank 0 hosts ([`Communicator::new`](crate::Communicator::new)).
+    #[default]
+    Chorus,
+    /// torch's TCPStore that torchrun's elastic agent already serves there: no rank hosts a
+    /// store, and communicators keep their keys under `torchelastic/{run}/` so that a
+    /// restarted attempt never reads the last one's.
+    TorchAgent {
+        /// The attempt: `TORCHELASTIC_RUN_ID/TORCHELASTIC_RESTART_COUNT`.
+        run: String,
+    },
 }
 
 /// Defaults shared by `Config::new` and `Config::from_env`.
@@ -99,6 +117,7 @@ impl Config {
             shm_single_copy: DEFAULT_SHM_SINGLE_COPY,
             watchdog: DEFAULT_WATCHDOG,
             auth: Auth::default(),
+            store: StoreKind::Chorus,
         }
     }
 
@@ -171,6 +190,7 @@ impl Config {
         let auth = job_auth(get)?;
         // Last, since for file:// rank 0 publishes its address here.
         let (master_addr, master_port) = found.master.resolve(&found.ranks, timeout, get)?;
+        let store = rendezvous::store_kind(get, &master_addr, master_port);
         let Ranks {
             rank,
             world_size,
@@ -183,6 +203,7 @@ impl Config {
             local_rank,
             local_world_size,
             master = %format!("{master_addr}:{master_port}"),
+            ?store,
             "rendezvous through {}",
             found.method
         );
@@ -205,6 +226,7 @@ impl Config {
             transport,
             host_id,
             shm_single_copy,
+            store,
         })
     }
 }
@@ -345,6 +367,28 @@ mod tests {
             err.contains("CHORUS_TRANSPORT") && err.contains("auto, tcp or shm"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn torchruns_agent_store_is_used_where_torchrun_serves_it() {
+        let mut vars = BASE.to_vec();
+        assert_eq!(from(&vars).unwrap().store, StoreKind::Chorus);
+        vars.extend([
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "job7"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ]);
+        let run = "job7/2".to_string();
+        assert_eq!(from(&vars).unwrap().store, StoreKind::TorchAgent { run });
+        // Not announced, or a store elsewhere than the agent's: Chorus's own.
+        for extra in [
+            ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+            ("CHORUS_INIT_METHOD", "tcp://10.0.0.2:29501"),
+        ] {
+            let mut vars = vars.clone();
+            vars.push(extra);
+            assert_eq!(from(&vars).unwrap().store, StoreKind::Chorus, "{extra:?}");
+        }
     }
 
     #[test]

@@ -82,6 +82,12 @@ pub const ENV_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
 pub const ENV_MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
 /// Env var: the job's run id (`--run-id`).
 pub const ENV_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
+/// Env var: `True` when torchrun's agent serves torch's TCPStore at `MASTER_ADDR:MASTER_PORT`
+/// for its workers (set by torchrun, not by this launcher).
+pub const ENV_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
+/// Env var: where a failing worker writes the error torchrun's summary reports (set by
+/// torchrun; see [`write_error_file`]).
+pub const ENV_ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
 /// Env var: the GPUs CUDA lets the worker see (comma list).
 pub const ENV_CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 /// Env var: the node's GPU ids given to the worker (comma list, same as
@@ -654,6 +660,47 @@ pub(crate) fn free_port_on(addr: &str) -> io::Result<u16> {
     };
     let listener = TcpListener::bind((host, 0))?;
     Ok(listener.local_addr()?.port())
+}
+
+/// Records a worker's failure for torchrun: when `TORCHELASTIC_ERROR_FILE` names a file (torchrun
+/// sets it), writes `message` there as torch's `@record` does, so torchrun's failure summary
+/// shows it instead of "To enable traceback see ...". Returns the file written, or `None`
+/// when the variable is unset.
+///
+/// The file is `{"message": {"message": M, "extraInfo": {"py_callstack": M, "timestamp": S}}}`
+/// with S the seconds since 1970 as text; the summary prints `py_callstack` (here the message
+/// again, as there is no Python stack) and picks the failure with the smallest timestamp as the
+/// root cause. Fails if the file cannot be written.
+pub fn write_error_file(message: &str) -> io::Result<Option<PathBuf>> {
+    let Some(path) = std::env::var_os(ENV_ERROR_FILE).filter(|p| !p.is_empty()) else {
+        return Ok(None);
+    };
+    let path = PathBuf::from(path);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let json = error_file_json(message, now.map_or(0, |d| d.as_secs()));
+    std::fs::write(&path, json)?;
+    Ok(Some(path))
+}
+
+/// The error file's JSON for `message` at `timestamp` (seconds since 1970).
+fn error_file_json(message: &str, timestamp: u64) -> String {
+    let mut text = String::with_capacity(message.len() + 2);
+    text.push('"');
+    for c in message.chars() {
+        match c {
+            '"' => text.push_str("\\\""),
+            '\\' => text.push_str("\\\\"),
+            '\n' => text.push_str("\\n"),
+            '\r' => text.push_str("\\r"),
+            '\t' => text.push_str("\\t"),
+            c if u32::from(c) < 0x20 => text.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => text.push(c),
+        }
+    }
+    text.push('"');
+    format!(
+        r#"{{"message": {{"message": {text}, "extraInfo": {{"py_callstack": {text}, "timestamp": "{timestamp}"}}}}}}"#
+    )
 }
 
 /// `spec`, plus a fresh `CHORUS_AUTH_TOKEN` for a single-node job that has none, so that only
@@ -1342,6 +1389,16 @@ fn signal_name(sig: i32) -> Option<&'static str> {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn error_files_hold_the_message_as_json() {
+        let json = error_file_json("rank 1: \"x\" \\ \n\u{1} é", 1_700_000_000);
+        let text = r#""rank 1: \"x\" \\ \n\u0001 é""#;
+        let want = format!(
+            r#"{{"message": {{"message": {text}, "extraInfo": {{"py_callstack": {text}, "timestamp": "1700000000"}}}}}}"#
+        );
+        assert_eq!(json, want);
+    }
 
     /// A spec running `/bin/sh -c script` on every rank, capturing output, bounded in time.
     fn sh(world: usize, script: &str) -> LaunchSpec {

@@ -37,5 +37,7 @@ pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
 pub use chorus_transport::auth::Auth;
 pub use chorus_transport::TransportKind;
 pub use communicator::{Communicator, Group, SharedBuffer, Work};
-pub use config::{hostname, Config, DEFAULT_CHUNK_BYTES, DEFAULT_NSOCKS, DEFAULT_TIMEOUT};
+pub use config::{
+    hostname, Config, StoreKind, DEFAULT_CHUNK_BYTES, DEFAULT_NSOCKS, DEFAULT_TIMEOUT,
+};
 pub use error::{Error, Result};

@@ -27,7 +27,10 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::config::{bad, optional, Lookup};
+use crate::config::{bad, optional, Lookup, StoreKind};
+use crate::launch::{
+    ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_RESTART_COUNT, ENV_RUN_ID, ENV_USE_AGENT_STORE,
+};
 use crate::Error;
 
 /// Offset of the store port derived from `SLURM_JOB_ID`.
@@ -760,10 +763,26 @@ impl Master {
     }
 }
 
-/// The run a rendezvous file belongs to (see [`Master::File`]).
+/// torchrun's agent store when `TORCHELASTIC_USE_AGENT_STORE` is `True` and the store found is
+/// the one the agent names in `MASTER_ADDR` and `MASTER_PORT` (torch decides alike), else
+/// Chorus's own.
+pub(crate) fn store_kind(get: Lookup<'_>, master_addr: &str, master_port: u16) -> StoreKind {
+    let agent = value(get, ENV_USE_AGENT_STORE).as_deref() == Some("True")
+        && value(get, ENV_MASTER_ADDR).as_deref() == Some(master_addr)
+        && value(get, ENV_MASTER_PORT).and_then(|p| p.parse().ok()) == Some(master_port);
+    if agent {
+        StoreKind::TorchAgent {
+            run: run_token(get),
+        }
+    } else {
+        StoreKind::Chorus
+    }
+}
+
+/// The run a rendezvous file, or torchrun's agent store, holds keys of (see [`Master::File`]).
 fn run_token(get: Lookup<'_>) -> String {
-    let token = if let Some(id) = value(get, "TORCHELASTIC_RUN_ID") {
-        let restart = value(get, "TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+    let token = if let Some(id) = value(get, ENV_RUN_ID) {
+        let restart = value(get, ENV_RESTART_COUNT).unwrap_or_else(|| "0".into());
         format!("{id}/{restart}")
     } else if let Some(job) = value(get, "SLURM_JOB_ID").or_else(|| value(get, "SLURM_JOBID")) {
         let step = value(get, "SLURM_STEP_ID")

@@ -5,3 +5,17 @@
 
 pub mod perf;
 pub mod train;
+
+/// How a tool ends on `result`: success, or `program: error` on stderr and exit code 1. Under
+/// torchrun the error also goes to torchrun's error file, so its failure summary names it.
+pub fn finish(program: &str, result: Result<(), String>) -> std::process::ExitCode {
+    let Err(e) = result else {
+        return std::process::ExitCode::SUCCESS;
+    };
+    let message = format!("{program}: {e}");
+    eprintln!("{message}");
+    if let Err(e) = chorus::launch::write_error_file(&message) {
+        eprintln!("{program}: cannot write torchrun's error file: {e}");
+    }
+    std::process::ExitCode::FAILURE
+}

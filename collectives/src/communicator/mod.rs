@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use chorus_kernels::{DType, ReduceOp};
 use chorus_transport::shm::ShmConfig;
-use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore};
+use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore, TorchStore};
 use chorus_transport::tcp::TcpConfig;
 use chorus_transport::Transport;
 use chorus_transport::{RouteConfig, RoutedTransport};
@@ -30,7 +30,7 @@ use chorus_transport::{RouteConfig, RoutedTransport};
 use crate::executor::{self, Buffers, Job, Watch, Workspace};
 use crate::schedule::Schedule;
 use crate::tuner::{Algorithm, Collective, Tuner};
-use crate::{Config, Error, Result};
+use crate::{Config, Error, Result, StoreKind};
 
 pub(crate) use monitor::CallInfo;
 use monitor::{Monitor, Watcher};
@@ -108,7 +108,7 @@ pub(crate) struct Inner {
     /// tickets reach the worker in the order they were handed out.
     issue: Mutex<Issue>,
     /// The rendezvous store client and this communicator's key prefix (absent for one rank).
-    store: Option<(Arc<TcpStore>, String)>,
+    store: Option<(Arc<dyn Store>, String)>,
     /// The store server, when this process hosts it; shared with sub-communicators.
     server: Option<Arc<StoreServer>>,
     /// Picks algorithms from the cost model and `CHORUS_ALGO`.
@@ -180,24 +180,30 @@ impl Communicator {
         Communicator::new(Config::from_env()?)
     }
 
-    /// Joins the job: rendezvous through rank 0's store, then connect to every peer.
+    /// Joins the job: rendezvous through rank 0's store (or torchrun's agent store, as
+    /// `config.store` says), then connect to every peer.
     ///
     /// Fails with a clear error if the store's port is busy (rank 0), the
     /// store cannot be reached, or a peer does not show up, all within
     /// `config.timeout`.
     pub fn new(config: Config) -> Result<Communicator> {
-        let server = if config.rank == 0 && config.world_size > 1 {
+        let (space, hosted) = match &config.store {
+            StoreKind::Chorus => ("chorus".to_string(), true),
+            StoreKind::TorchAgent { run } => (format!("torchelastic/{run}/chorus"), false),
+        };
+        let server = if hosted && config.rank == 0 && config.world_size > 1 {
             let addr = SocketAddr::from(([0, 0, 0, 0], config.master_port));
             Some(StoreServer::bind_with_auth(addr, config.auth.clone())?)
         } else {
             None
         };
-        let prefix = format!("chorus/{}", CREATED.fetch_add(1, Ordering::Relaxed));
+        let prefix = format!("{space}/{}", CREATED.fetch_add(1, Ordering::Relaxed));
         Communicator::with_store_server(config, server, &prefix)
     }
 
     /// Joins the job through the store already listening at `config.master_addr` and
-    /// `config.master_port`; `server` is that store when this process hosts it.
+    /// `config.master_port` (of the kind `config.store` names); `server` is that store when
+    /// this process hosts it.
     ///
     /// For a job whose rank 0 binds its store first (on any free port) and tells the others
     /// where through some other channel, as the torch backend does through torch's store.
@@ -219,12 +225,7 @@ impl Communicator {
             return Ok(Communicator::assemble(config, None, None, None));
         }
         let server = server.map(Arc::new);
-        let client = Arc::new(TcpStore::connect_with_auth(
-            &config.master_addr,
-            config.master_port,
-            config.timeout,
-            config.auth.clone(),
-        )?);
+        let client = connect_store(&config, config.timeout)?;
         let joined = Communicator::join(config, client, prefix.to_string(), server.clone());
         if joined.is_err() && server.is_some() {
             // The others are failing too: keep the store up a moment so they read their own
@@ -237,7 +238,7 @@ impl Communicator {
     /// Connects `config.rank` to the other ranks through the store under `prefix`.
     fn join(
         config: Config,
-        client: Arc<TcpStore>,
+        client: Arc<dyn Store>,
         prefix: String,
         server: Option<Arc<StoreServer>>,
     ) -> Result<Communicator> {
@@ -283,7 +284,7 @@ impl Communicator {
     fn assemble(
         config: Config,
         transport: Option<RoutedTransport>,
-        store: Option<(Arc<TcpStore>, String)>,
+        store: Option<(Arc<dyn Store>, String)>,
         server: Option<Arc<StoreServer>>,
     ) -> Communicator {
         let state = State {
@@ -550,6 +551,21 @@ impl Inner {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A new client of the job's store at `config.master_addr:config.master_port`, of the kind
+/// `config.store` names, `timeout` bounding its requests.
+fn connect_store(config: &Config, timeout: Duration) -> Result<Arc<dyn Store>> {
+    let (host, port) = (config.master_addr.as_str(), config.master_port);
+    Ok(match config.store {
+        StoreKind::Chorus => Arc::new(TcpStore::connect_with_auth(
+            host,
+            port,
+            timeout,
+            config.auth.clone(),
+        )?),
+        StoreKind::TorchAgent { .. } => Arc::new(TorchStore::connect(host, port, timeout)?),
+    })
 }
 
 /// Number of `dtype` elements in `bytes` bytes; fails if not a whole number.

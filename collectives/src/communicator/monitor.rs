@@ -20,10 +20,10 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use chorus_kernels::{DType, ReduceOp};
-use chorus_transport::store::{PrefixStore, Store, StoreError, TcpStore};
+use chorus_transport::store::{PrefixStore, Store, StoreError};
 use chorus_transport::TransportError;
 
-use super::{lock, Inner, Kind};
+use super::{connect_store, lock, Inner, Kind};
 use crate::executor::Watch;
 use crate::{Config, Error};
 
@@ -152,12 +152,11 @@ impl Status {
 }
 
 /// This rank's side of the monitoring: its store client, its activity and its listener.
-#[derive(Debug)]
 pub(crate) struct Monitor {
     rank: usize,
     world_size: usize,
     /// A client of its own whose short timeout bounds every question and alarm.
-    store: PrefixStore<TcpStore>,
+    store: PrefixStore<Arc<dyn Store>>,
     /// How long to wait for answers.
     grace: Duration,
     /// When, into a call, the watchdog asks around (`None`: never).
@@ -174,12 +173,7 @@ impl Monitor {
     /// The listener holds `inner` weakly, so it never keeps a dropped communicator alive.
     pub fn start(config: &Config, prefix: &str, inner: Weak<Inner>) -> Result<Arc<Monitor>, Error> {
         let grace = (config.timeout / 10).clamp(Duration::from_secs(1), Duration::from_secs(5));
-        let client = TcpStore::connect_with_auth(
-            &config.master_addr,
-            config.master_port,
-            grace,
-            config.auth.clone(),
-        )?;
+        let client = connect_store(config, grace)?;
         let warn_after = (config.watchdog > 0.0).then(|| config.timeout.mul_f64(config.watchdog));
         let monitor = Arc::new(Monitor {
             rank: config.rank,

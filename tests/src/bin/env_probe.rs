@@ -13,6 +13,11 @@
 //!   name to `DIR/got<RANK>` and exits with 42.
 //! - `allreduce COUNT`: joins the job with `Communicator::from_env()`, all-reduces COUNT i64s
 //!   and checks the exact sums; prints `allreduce ok rank=R world=W`.
+//! - `elastic RANK`: joins the job, all-reduces, prints `attempt N joined rank=R` and meets the
+//!   others in a barrier. While `TORCHELASTIC_RESTART_COUNT` is 0, rank RANK then fails with 7,
+//!   recording `env_probe: rank RANK fails on purpose in attempt 0` in torchrun's error file,
+//!   and the others wait to be stopped; on a restart every rank all-reduces again and prints
+//!   `attempt N ok rank=R`.
 //!
 //! Every wait is bounded ([`WAIT_LIMIT`]): a worker that is never stopped ends by itself (with
 //! a status the tests treat as wrong) instead of hanging.
@@ -87,6 +92,7 @@ fn run(args: &[String]) -> Result<u8, String> {
         "fail-once" => fail_once(number(1)?),
         "signal" => wait_for_signal(Path::new(arg(1)?)),
         "allreduce" => all_reduce(number(1)?),
+        "elastic" => elastic(number(1)?),
         other => Err(format!("unknown scenario {other:?}")),
     }
 }
@@ -178,6 +184,19 @@ fn wait_for_signal(dir: &Path) -> Result<u8, String> {
 
 fn all_reduce(count: usize) -> Result<u8, String> {
     let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    check_all_reduce(&comm, count)?;
+    println!(
+        "allreduce ok rank={} world={} local_rank={} local_world={}",
+        comm.rank(),
+        comm.world_size(),
+        comm.local_rank(),
+        comm.local_world_size()
+    );
+    Ok(0)
+}
+
+/// All-reduces `count` i64s and checks the exact sums.
+fn check_all_reduce(comm: &Communicator, count: usize) -> Result<(), String> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut data: Vec<i64> = (0..count)
         .map(|i| (rank as i64 + 1) * (i as i64 + 1))
@@ -185,17 +204,34 @@ fn all_reduce(count: usize) -> Result<u8, String> {
     comm.all_reduce(&mut data, ReduceOp::Sum)
         .map_err(|e| e.to_string())?;
     let ranks_sum = (world * (world + 1) / 2) as i64;
-    if let Some(i) = (0..count).find(|&i| data[i] != ranks_sum * (i as i64 + 1)) {
-        return Err(format!(
+    match (0..count).find(|&i| data[i] != ranks_sum * (i as i64 + 1)) {
+        Some(i) => Err(format!(
             "element {i} is {}, expected {}",
             data[i],
             ranks_sum * (i as i64 + 1)
-        ));
+        )),
+        None => Ok(()),
     }
-    println!(
-        "allreduce ok rank={rank} world={world} local_rank={} local_world={}",
-        comm.local_rank(),
-        comm.local_world_size()
-    );
+}
+
+fn elastic(failing: usize) -> Result<u8, String> {
+    let restart = env_number("TORCHELASTIC_RESTART_COUNT")?;
+    let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    let rank = comm.rank();
+    check_all_reduce(&comm, 1000)?;
+    println!("attempt {restart} joined rank={rank}");
+    comm.barrier().map_err(|e| e.to_string())?;
+    if restart == 0 {
+        if rank != failing {
+            wait_until(|| false);
+            return Ok(NEVER_STOPPED);
+        }
+        let message = format!("env_probe: rank {rank} fails on purpose in attempt 0");
+        eprintln!("{message}");
+        chorus::launch::write_error_file(&message).map_err(|e| e.to_string())?;
+        return Ok(7);
+    }
+    check_all_reduce(&comm, 1000)?;
+    println!("attempt {restart} ok rank={rank}");
     Ok(0)
 }

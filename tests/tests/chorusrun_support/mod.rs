@@ -1,5 +1,5 @@
-//! Shared by `launcher.rs` and `multinode.rs`: where `chorusrun` and the probe are, and
-//! running them with a bound on time.
+//! Shared by `launcher.rs`, `multinode.rs` and `torchrun.rs`: where `chorusrun`, the perf
+//! tools and the probe are, and running them with a bound on time.
 
 #![allow(dead_code)]
 
@@ -15,7 +15,7 @@ pub const PROBE: &str = env!("CARGO_BIN_EXE_chorus-env-probe");
 
 /// Variables a launcher sets; removed from what the tests inherit, so that only what the test
 /// means to give reaches the workers.
-pub const LAUNCHER_VARS: [&str; 17] = [
+pub const LAUNCHER_VARS: [&str; 19] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -27,6 +27,8 @@ pub const LAUNCHER_VARS: [&str; 17] = [
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
     "OMP_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
     "CHORUS_DEVICE_IDS",
@@ -35,39 +37,39 @@ pub const LAUNCHER_VARS: [&str; 17] = [
     "OMPI_COMM_WORLD_RANK",
 ];
 
-/// The `chorusrun` binary of this build, built on first use.
-///
-/// Cargo builds another package's binaries only for that package's own tests, so under
-/// `cargo test` (which sets `CARGO`) this runs `cargo build -p chorus-tools --bin chorusrun`
-/// into the same target directory and profile as this test; run directly, it takes the binary
-/// that is there.
+/// The `chorusrun` binary of this build, built on first use (see [`tool`]).
 pub fn chorusrun() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(build_chorusrun)
+    BIN.get_or_init(|| tool("chorusrun"))
 }
 
-fn build_chorusrun() -> PathBuf {
+/// The `allreduce_perf` binary of this build, built on first use (see [`tool`]).
+pub fn allreduce_perf() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| tool("allreduce_perf"))
+}
+
+/// The binary `name` of chorus-tools in this build.
+///
+/// Cargo builds another package's binaries only for that package's own tests, so under
+/// `cargo test` (which sets `CARGO`) this runs `cargo build -p chorus-tools --bin NAME`
+/// into the same target directory and profile as this test; run directly, it takes the binary
+/// that is there.
+fn tool(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test's own path");
     // <target>/<profile>/deps/<test>
     let profile_dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("the test runs from <target>/<profile>/deps");
-    let bin = profile_dir.join(format!("chorusrun{}", std::env::consts::EXE_SUFFIX));
+    let bin = profile_dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     if let Some(cargo) = std::env::var_os("CARGO") {
         let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
             .parent()
             .expect("tests/ sits in the workspace");
         let mut cmd = Command::new(cargo);
         cmd.current_dir(workspace)
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "chorus-tools",
-                "--bin",
-                "chorusrun",
-            ])
+            .args(["build", "--quiet", "-p", "chorus-tools", "--bin", name])
             .stdin(Stdio::null());
         match profile_dir.file_name().and_then(|n| n.to_str()) {
             Some("debug") | None => {}
@@ -81,16 +83,16 @@ fn build_chorusrun() -> PathBuf {
         if let Some(target) = profile_dir.parent() {
             cmd.env("CARGO_TARGET_DIR", target);
         }
-        let out = cmd.output().expect("cannot run cargo to build chorusrun");
+        let out = cmd.output().expect("cannot run cargo to build a tool");
         assert!(
             out.status.success(),
-            "building chorusrun failed:\n{}",
+            "building {name} failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
     assert!(
         bin.exists(),
-        "{} not found: build it with `cargo build -p chorus-tools --bin chorusrun`",
+        "{} not found: build it with `cargo build -p chorus-tools --bin {name}`",
         bin.display()
     );
     bin

@@ -37,13 +37,7 @@ pub fn main(collective: &Collective) -> ExitCode {
             Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
             _ => run_rank(collective, &args, &program),
         });
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{program}: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    crate::finish(&program, result)
 }
 
 /// This program's file name, e.g. "allreduce_perf".

@@ -108,13 +108,7 @@ pub fn main() -> ExitCode {
         Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
         _ => run_rank(&args),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("train: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    crate::finish("train", result)
 }
 
 /// Starts `np` ranks of this program on this host (they see `RANK` and ignore `-np`).

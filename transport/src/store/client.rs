@@ -1,51 +1,31 @@
-//! The store client: blocking TCP connections, one request/response at a time on each.
-//!
-//! Idle connections wait in a small pool; a request takes one (or opens one when all are in
-//! use, so a thread parked in `get` never holds up another thread's `set`) and gives it back
-//! once its response has been read. Every request runs under a deadline enforced with socket
-//! read/write timeouts. When a request times out or its connection fails, the connection's
-//! state is unknown (a late response may still arrive), so it is closed instead of being given
-//! back; the next request opens a new one, retrying until its deadline like
-//! [`TcpStore::connect`]. A WAIT that times out asks the server, on another connection, which
-//! of its keys are still missing, to name them in the error.
+//! The client of Chorus's own store: one request/response at a time on each pooled connection
+//! (see the `conn` module), every one under a deadline. A WAIT that times out asks the server,
+//! on another connection, which of its keys are still missing, to name them in the error.
 
-use std::collections::HashMap;
-use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use tracing::{debug, trace};
-
+use super::conn::{self, read_exact_by, write_all_by, Failure, Greeting, Pool};
 use super::handshake;
 use super::protocol::{self, RESPONSE_HEADER_LEN, STATUS_OK};
 use super::{Store, StoreError};
 use crate::auth::Auth;
 
-const FIRST_BACKOFF: Duration = Duration::from_millis(10);
-const MAX_BACKOFF: Duration = Duration::from_millis(500);
-/// The longest a single TCP connect attempt may take before the next address or retry.
-const MAX_ATTEMPT: Duration = Duration::from_secs(5);
-/// The most time spent, after a WAIT timed out, asking which of its keys are missing.
-const MISSING_KEYS_BUDGET: Duration = Duration::from_secs(2);
-
 /// A client connection to a store server.
 ///
 /// Usable from several threads: concurrent requests use separate pooled connections. After a
-/// timeout or a connection failure that connection is closed and later requests reconnect.
+/// timeout or a connection failure that connection is closed and later requests reconnect,
+/// retrying until their deadline like [`TcpStore::connect`].
 #[derive(Debug)]
 pub struct TcpStore {
-    auth: Auth,
-    host: String,
-    port: u16,
+    pool: Pool<Auth>,
     timeout: Duration,
-    idle: Mutex<Vec<TcpStream>>,
-    /// Handles on the connections requests are using, so [`shutdown`](Self::shutdown) can
-    /// interrupt them; keyed by a request counter.
-    busy: Mutex<HashMap<u64, TcpStream>>,
-    requests: AtomicU64,
-    closed: AtomicBool,
+}
+
+impl Greeting for Auth {
+    fn greet(&self, stream: &mut TcpStream) -> Result<(), StoreError> {
+        handshake::client(stream, self)
+    }
 }
 
 impl TcpStore {
@@ -67,29 +47,8 @@ impl TcpStore {
         timeout: Duration,
         auth: Auth,
     ) -> Result<TcpStore, StoreError> {
-        let stream = connect_with_retry(host, port, &auth, Instant::now() + timeout)?;
-        Ok(TcpStore {
-            auth,
-            host: host.to_owned(),
-            port,
-            timeout,
-            idle: Mutex::new(vec![stream]),
-            busy: Mutex::new(HashMap::new()),
-            requests: AtomicU64::new(0),
-            closed: AtomicBool::new(false),
-        })
-    }
-
-    /// Closes every connection, interrupting requests in flight (they fail with
-    /// [`StoreError::Closed`]); later requests fail the same way.
-    pub fn shutdown(&self) {
-        self.closed.store(true, Ordering::Release);
-        for stream in self.with_idle(std::mem::take) {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
-        for stream in lock(&self.busy).values() {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
+        let pool = Pool::connect(host, port, auth, Instant::now() + timeout)?;
+        Ok(TcpStore { pool, timeout })
     }
 
     /// The timeout bounding connects, gets and every request's I/O.
@@ -99,28 +58,9 @@ impl TcpStore {
 
     /// Sends one request and returns the OK payload, reconnecting first if needed.
     fn call(&self, request: &[u8], deadline: Instant) -> Result<Vec<u8>, Failure> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(StoreError::Closed.into());
-        }
-        let pooled = self.with_idle(Vec::pop);
-        let stream = match pooled {
-            Some(stream) => stream,
-            None => connect_with_retry(&self.host, self.port, &self.auth, deadline)?,
-        };
-        let id = self.requests.fetch_add(1, Ordering::Relaxed);
-        if let Ok(handle) = stream.try_clone() {
-            lock(&self.busy).insert(id, handle);
-        }
-        if self.closed.load(Ordering::Acquire) {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
-        let exchanged = exchange(&stream, request, deadline);
-        lock(&self.busy).remove(&id);
-        let (status, payload) = exchanged?;
-        // Only a completed exchange leaves the connection in a known state.
-        if !self.closed.load(Ordering::Acquire) {
-            self.with_idle(|idle| idle.push(stream));
-        }
+        let (status, payload) = self
+            .pool
+            .run(deadline, |stream| exchange(stream, request, deadline))?;
         if status != STATUS_OK {
             let message = String::from_utf8_lossy(&payload);
             return Err(
@@ -128,29 +68,6 @@ impl TcpStore {
             );
         }
         Ok(payload)
-    }
-
-    fn with_idle<T>(&self, f: impl FnOnce(&mut Vec<TcpStream>) -> T) -> T {
-        // Only pushes and pops run under the lock, so a poisoned pool is still consistent.
-        let mut idle = self
-            .idle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        f(&mut idle)
-    }
-
-    /// Asks, in a new request, which of `keys` are still unset (all of them if that fails).
-    fn missing_keys(&self, keys: &[&str]) -> Vec<String> {
-        let budget = self.timeout.min(MISSING_KEYS_BUDGET);
-        let all = || keys.iter().map(|key| key.to_string()).collect();
-        let Ok(set) = self.call(&protocol::encode_check(keys), Instant::now() + budget) else {
-            return all();
-        };
-        if set.len() != keys.len() {
-            return all();
-        }
-        let missing = keys.iter().zip(set).filter(|(_, set)| *set == 0);
-        missing.map(|(key, _)| key.to_string()).collect()
     }
 }
 
@@ -185,20 +102,17 @@ impl Store for TcpStore {
             return Ok(());
         }
         let deadline = Instant::now() + timeout;
-        match self.call(&protocol::encode_wait(keys), deadline) {
-            Ok(_) => Ok(()),
-            Err(Failure::Store(e)) => Err(e),
-            Err(Failure::TimedOut) => {
-                let keys = self.missing_keys(keys);
-                if keys.is_empty() {
-                    return Ok(()); // Everything arrived just as the timeout passed.
-                }
-                Err(StoreError::Timeout {
-                    keys,
-                    waited: timeout,
-                })
-            }
-        }
+        let result = self.call(&protocol::encode_wait(keys), deadline);
+        conn::finish_wait(
+            result.map(|_| true),
+            keys,
+            timeout,
+            self.timeout,
+            |deadline| {
+                let set = self.call(&protocol::encode_check(keys), deadline)?;
+                Ok(set.into_iter().map(|set| set != 0).collect())
+            },
+        )
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
@@ -213,35 +127,9 @@ impl Store for TcpStore {
         })?;
         Ok(i64::from_le_bytes(bytes))
     }
-}
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// How a request failed: its deadline passed, or anything else.
-#[derive(Debug)]
-enum Failure {
-    TimedOut,
-    Store(StoreError),
-}
-
-impl From<StoreError> for Failure {
-    fn from(e: StoreError) -> Self {
-        Failure::Store(e)
-    }
-}
-
-impl Failure {
-    /// For requests that never block in the server, a timeout is an I/O failure.
-    fn into_io_error(self, what: impl FnOnce() -> String) -> StoreError {
-        match self {
-            Failure::TimedOut => StoreError::io(
-                format!("{} timed out", what()),
-                io::ErrorKind::TimedOut.into(),
-            ),
-            Failure::Store(e) => e,
-        }
+    fn shutdown(&self) {
+        self.pool.shutdown();
     }
 }
 
@@ -260,179 +148,12 @@ fn exchange(
     Ok((status, payload))
 }
 
-fn write_all_by(mut stream: &TcpStream, mut buf: &[u8], deadline: Instant) -> Result<(), Failure> {
-    while !buf.is_empty() {
-        stream
-            .set_write_timeout(Some(remaining(deadline)?))
-            .map_err(|e| io_failure("setting the store write timeout", e))?;
-        match stream.write(buf) {
-            Ok(0) => return Err(StoreError::Closed.into()),
-            Ok(n) => buf = &buf[n..],
-            Err(e) => check_retryable(e, deadline, "sending a store request")?,
-        }
-    }
-    Ok(())
-}
-
-fn read_exact_by(
-    mut stream: &TcpStream,
-    mut buf: &mut [u8],
-    deadline: Instant,
-) -> Result<(), Failure> {
-    while !buf.is_empty() {
-        stream
-            .set_read_timeout(Some(remaining(deadline)?))
-            .map_err(|e| io_failure("setting the store read timeout", e))?;
-        match stream.read(buf) {
-            Ok(0) => return Err(StoreError::Closed.into()),
-            Ok(n) => buf = &mut buf[n..],
-            Err(e) => check_retryable(e, deadline, "reading a store response")?,
-        }
-    }
-    Ok(())
-}
-
-/// Time left before `deadline`, or [`Failure::TimedOut`] when none is (a zero socket timeout
-/// would mean "block forever").
-fn remaining(deadline: Instant) -> Result<Duration, Failure> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(Failure::TimedOut);
-    }
-    Ok(left)
-}
-
-/// Classifies a socket error: Ok to try again (interrupted, or a socket timeout before the
-/// deadline), else the failure to report.
-fn check_retryable(e: io::Error, deadline: Instant, context: &str) -> Result<(), Failure> {
-    match e.kind() {
-        io::ErrorKind::Interrupted => Ok(()),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => remaining(deadline).map(|_| ()),
-        io::ErrorKind::ConnectionReset
-        | io::ErrorKind::ConnectionAborted
-        | io::ErrorKind::BrokenPipe
-        | io::ErrorKind::UnexpectedEof => Err(StoreError::Closed.into()),
-        _ => Err(io_failure(context, e)),
-    }
-}
-
-fn io_failure(context: &str, e: io::Error) -> Failure {
-    StoreError::io(context, e).into()
-}
-
-/// Connects to `host:port` and passes the handshake, retrying unreachable servers with a
-/// doubling backoff until `deadline`.
-fn connect_with_retry(
-    host: &str,
-    port: u16,
-    auth: &Auth,
-    deadline: Instant,
-) -> Result<TcpStream, StoreError> {
-    let start = Instant::now();
-    let mut backoff = FIRST_BACKOFF;
-    loop {
-        let error = match try_connect(host, port, deadline) {
-            Ok(mut stream) => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let bound = Some(left.max(Duration::from_millis(1)));
-                stream
-                    .set_read_timeout(bound)
-                    .and_then(|()| stream.set_write_timeout(bound))
-                    .map_err(|e| StoreError::io("store handshake", e))?;
-                handshake::client(&mut stream, auth)?;
-                debug!(host, port, "connected to the rendezvous store");
-                return Ok(stream);
-            }
-            Err(error) => error,
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(StoreError::Connect {
-                addr: format!("{host}:{port}"),
-                waited: start.elapsed(),
-                source: error,
-            });
-        }
-        trace!(host, port, error = %error, "rendezvous store not reachable yet; retrying");
-        std::thread::sleep(backoff.min(left));
-        backoff = (backoff * 2).min(MAX_BACKOFF);
-    }
-}
-
-/// One round: resolve `host` and try each of its addresses once.
-fn try_connect(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream> {
-    let addrs: Vec<SocketAddr> = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| io::Error::new(e.kind(), format!("cannot resolve host {host:?}: {e}")))?
-        .collect();
-    if addrs.is_empty() {
-        let message = format!("host {host:?} has no address");
-        return Err(io::Error::new(io::ErrorKind::NotFound, message));
-    }
-    let mut last = io::Error::new(io::ErrorKind::TimedOut, "no time left to connect");
-    for addr in addrs {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break;
-        }
-        match TcpStream::connect_timeout(&addr, left.min(MAX_ATTEMPT)) {
-            Ok(stream) if is_self_connected(&stream) => {
-                last = io::Error::new(io::ErrorKind::ConnectionRefused, "nothing listening");
-            }
-            Ok(stream) => {
-                stream.set_nodelay(true)?;
-                return Ok(stream);
-            }
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
-}
-
-/// Whether TCP simultaneous open connected the socket to itself: retrying a local port in the
-/// ephemeral range where nothing listens can pick that very port as the source.
-fn is_self_connected(stream: &TcpStream) -> bool {
-    matches!((stream.local_addr(), stream.peer_addr()), (Ok(local), Ok(peer)) if local == peer)
-}
-
 #[cfg(test)]
 mod tests {
+    use std::io::{Read, Write};
+
     use super::*;
     use crate::auth::{MAC_LEN, NONCE_LEN};
-
-    #[test]
-    fn remaining_is_a_timeout_once_the_deadline_passed() {
-        assert!(matches!(remaining(Instant::now()), Err(Failure::TimedOut)));
-        let left = remaining(Instant::now() + Duration::from_secs(60)).unwrap();
-        assert!(left > Duration::ZERO);
-    }
-
-    #[test]
-    fn socket_errors_are_classified() {
-        let later = Instant::now() + Duration::from_secs(60);
-        let kind = |kind: io::ErrorKind, deadline| check_retryable(kind.into(), deadline, "test");
-        assert!(kind(io::ErrorKind::Interrupted, later).is_ok());
-        assert!(kind(io::ErrorKind::WouldBlock, later).is_ok());
-        let now = Instant::now();
-        assert!(matches!(
-            kind(io::ErrorKind::WouldBlock, now),
-            Err(Failure::TimedOut)
-        ));
-        assert!(matches!(
-            kind(io::ErrorKind::ConnectionReset, later),
-            Err(Failure::Store(StoreError::Closed))
-        ));
-        assert!(matches!(
-            kind(io::ErrorKind::PermissionDenied, later),
-            Err(Failure::Store(StoreError::Io { .. }))
-        ));
-    }
-
-    #[test]
-    fn a_zero_timeout_connect_fails_without_blocking() {
-        let err = connect_with_retry("127.0.0.1", 9, &Auth::default(), Instant::now()).unwrap_err();
-        assert!(matches!(err, StoreError::Connect { .. }), "{err}");
-    }
 
     #[test]
     fn a_timed_out_request_leaves_its_connection_out_of_the_pool() {
@@ -450,10 +171,10 @@ mod tests {
         });
         let store = TcpStore::connect("127.0.0.1", port, Duration::from_millis(200)).unwrap();
         let _silent = server.join().unwrap();
-        assert_eq!(store.with_idle(|idle| idle.len()), 1);
+        assert_eq!(store.pool.idle_len(), 1);
         let err = store.set("k", b"v").unwrap_err();
         assert!(matches!(err, StoreError::Io { .. }), "{err}");
         assert!(err.to_string().contains("timed out"), "{err}");
-        assert_eq!(store.with_idle(|idle| idle.len()), 0);
+        assert_eq!(store.pool.idle_len(), 0);
     }
 }

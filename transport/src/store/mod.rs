@@ -2,9 +2,10 @@
 //! Gloo's rendezvous store).
 //!
 //! Rank 0 (or the launcher) hosts a [`StoreServer`] at `MASTER_ADDR:MASTER_PORT`; every rank,
-//! rank 0 included, talks to it through a [`TcpStore`] client. [`PrefixStore`] gives each
-//! communicator its own key space. The wire format is described in the `protocol` module's
-//! source.
+//! rank 0 included, talks to it through a [`TcpStore`] client. Under torchrun, whose agent
+//! already serves torch's TCPStore there, every rank is a [`TorchStore`] client of that one
+//! instead. [`PrefixStore`] gives each communicator its own key space. The wire formats are
+//! described in the `protocol` and `torch` modules' sources.
 //!
 //! ```
 //! use std::time::Duration;
@@ -20,9 +21,11 @@
 //! ```
 
 mod client;
+mod conn;
 pub mod handshake;
 pub mod protocol;
 mod server;
+mod torch;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -31,6 +34,7 @@ use std::time::Duration;
 pub use client::TcpStore;
 pub use protocol::{MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use server::StoreServer;
+pub use torch::TorchStore;
 
 /// A rendezvous key-value store (set/get/wait/add), as in c10d and Gloo.
 pub trait Store: Send + Sync {
@@ -42,6 +46,9 @@ pub trait Store: Send + Sync {
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError>;
     /// Atomically adds `delta` to the integer stored at `key` (0 if unset) and returns the new value.
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError>;
+    /// Closes this client's connections: requests in flight (a thread parked in `wait`) and
+    /// later ones fail with [`StoreError::Closed`]. Does nothing by default.
+    fn shutdown(&self) {}
 }
 
 /// Errors of the rendezvous store.
@@ -122,6 +129,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         (**self).add(key, delta)
     }
+    fn shutdown(&self) {
+        (**self).shutdown();
+    }
 }
 
 /// A view of another store under a key prefix (Gloo's PrefixStore): every key becomes
@@ -170,5 +180,8 @@ impl<S: Store> Store for PrefixStore<S> {
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         self.inner.add(&self.full_key(key), delta)
+    }
+    fn shutdown(&self) {
+        self.inner.shutdown();
     }
 }

@@ -1,0 +1,203 @@
+//! Chorus against torch itself: `TorchStore` and a Python `torch.distributed.TCPStore` reading
+//! each other's keys (libuv and classic servers), the perf tool under `torchrun --standalone`,
+//! and a `torchrun --max-restarts 1` job whose rank fails in the first attempt (the restart
+//! must not read the failed attempt's keys; torchrun's summary must show the error file).
+//!
+//! Needs a Python with torch 2.x: `CHORUS_TORCH_PYTHON` names it, else `python3` is tried.
+//! Without one each test prints "skipping: needs torch >= 2 ..." and passes. Every process is
+//! bounded in time.
+
+mod chorusrun_support;
+
+use std::io::Write;
+use std::process::Command;
+use std::time::Duration;
+
+use chorus::launch::free_port;
+use chorus_transport::store::{Store, StoreError, TorchStore};
+use chorusrun_support::{
+    allreduce_perf, clean_env, start, wait_for_files, Finished, Scratch, PROBE,
+};
+
+/// Bound on one Python or torchrun run.
+const LIMIT: Duration = Duration::from_secs(120);
+/// Bound on every TorchStore request and on the workers' collectives.
+const STORE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The Python that has torch 2.x, or `None` after printing (past the harness's capture) why
+/// the test skips.
+fn torch_python() -> Option<String> {
+    let python = std::env::var("CHORUS_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python)
+        .args(["-c", "import torch; print(torch.__version__)"])
+        .output();
+    let why = match probe {
+        Ok(out) if out.status.success() => {
+            let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            let major = version
+                .split('.')
+                .next()
+                .and_then(|m| m.parse::<u32>().ok());
+            if major.is_some_and(|m| m >= 2) {
+                return Some(python);
+            }
+            format!("{python} has torch {version}")
+        }
+        Ok(_) => format!("{python} cannot import torch"),
+        Err(e) => format!("cannot run {python}: {e}"),
+    };
+    let _ = writeln!(
+        std::io::stderr(),
+        "skipping: needs torch >= 2 ({why}; set CHORUS_TORCH_PYTHON to a python that has it)"
+    );
+    None
+}
+
+/// The Python side of the store test: a TCPStore server (argument: `libuv` or `classic`) that
+/// publishes its port in a file (second argument), then trades keys with the Rust client.
+const STORE_SCRIPT: &str = r#"
+import datetime, os, sys
+from torch.distributed import TCPStore
+kind, port_file = sys.argv[1], sys.argv[2]
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                 use_libuv=(kind == "libuv"), timeout=datetime.timedelta(seconds=60))
+with open(port_file + ".tmp", "w") as f:
+    f.write(str(store.port))
+os.rename(port_file + ".tmp", port_file)
+store.set("py/key", b"from python")
+store.set("py/bin", bytes(range(256)) * 1024)
+store.wait(["rust/key"])
+assert store.get("rust/key") == b"from rust", store.get("rust/key")
+assert store.get("rust/big") == bytes(range(256)) * 4096
+assert store.add("counter", 5) == 7
+store.set("py/added", b"")
+store.wait(["rust/done"])
+print("python ok", kind, flush=True)
+"#;
+
+#[test]
+fn torchstore_and_torchs_tcpstore_read_each_others_keys() {
+    let Some(python) = torch_python() else {
+        return;
+    };
+    for kind in ["libuv", "classic"] {
+        let scratch = Scratch::new(&format!("torch-store-{kind}"));
+        let port_file = scratch.path().join("port");
+        let mut cmd = Command::new(&python);
+        cmd.args(["-c", STORE_SCRIPT, kind])
+            .arg(&port_file)
+            .env("PYTHONUNBUFFERED", "1");
+        let server = start(cmd);
+        wait_for_files(std::slice::from_ref(&port_file));
+        let port: u16 = std::fs::read_to_string(&port_file)
+            .unwrap()
+            .parse()
+            .unwrap();
+
+        let store = TorchStore::connect("127.0.0.1", port, STORE_TIMEOUT).unwrap();
+        assert_eq!(store.get("py/key").unwrap(), b"from python", "{kind}");
+        let pattern: Vec<u8> = (0..=255u8).collect();
+        assert_eq!(store.get("py/bin").unwrap(), pattern.repeat(1024), "{kind}");
+        assert_eq!(store.add("counter", 2).unwrap(), 2, "{kind}");
+        store.set("rust/big", &pattern.repeat(4096)).unwrap();
+        store.set("rust/key", b"from rust").unwrap();
+        store.wait(&["py/added"], STORE_TIMEOUT).unwrap();
+        // ADD keeps its value as decimal text, as torch does.
+        assert_eq!(store.get("counter").unwrap(), b"7", "{kind}");
+        assert_eq!(store.add("counter", 0).unwrap(), 7, "{kind}");
+        // A wait that runs out is cancelled, names what is missing, and the store goes on.
+        let err = store
+            .wait(&["py/key", "never"], Duration::from_millis(300))
+            .unwrap_err();
+        assert!(
+            matches!(&err, StoreError::Timeout { keys, .. } if keys == &["never"]),
+            "{kind}: {err}"
+        );
+        store.set("rust/done", b"").unwrap();
+
+        let run = server.wait(LIMIT);
+        run.assert_code(0);
+        assert!(run.stdout.contains(&format!("python ok {kind}")), "{run:?}");
+    }
+}
+
+/// `python -m torch.distributed.run args..` (torchrun) with the launcher variables removed
+/// and every Chorus wait bounded, run to the end.
+fn torchrun(python: &str, args: &[&str]) -> Finished {
+    let mut cmd = Command::new(python);
+    clean_env(&mut cmd);
+    cmd.args(["-m", "torch.distributed.run"])
+        .args(args)
+        .env("CHORUS_TIMEOUT", STORE_TIMEOUT.as_secs().to_string())
+        .env("PYTHONUNBUFFERED", "1");
+    start(cmd).wait(LIMIT)
+}
+
+#[test]
+fn the_perf_tool_runs_under_torchrun_standalone() {
+    let Some(python) = torch_python() else {
+        return;
+    };
+    let perf = allreduce_perf().to_str().expect("a UTF-8 path");
+    let common = ["--standalone", "--nproc-per-node", "2", "--no-python", perf];
+    let mut args = common.to_vec();
+    args.extend(["-b", "8", "-e", "256K", "-f", "8", "-n", "2", "-w", "1"]);
+    let run = torchrun(&python, &args);
+    run.assert_code(0);
+    assert!(
+        run.stdout.contains("# Out of bounds values : 0 OK"),
+        "{run:?}"
+    );
+
+    // A failure reaches torchrun's summary through the error file.
+    let mut args = common.to_vec();
+    args.extend(["-n", "0"]);
+    let run = torchrun(&python, &args);
+    assert_ne!(run.status.code(), Some(0), "{run:?}");
+    run.assert_stderr_has("error_file")
+        .assert_stderr_has("traceback : allreduce_perf: -n and -m must be at least 1");
+}
+
+#[test]
+fn a_restarted_torchrun_attempt_starts_afresh_and_failures_are_summarised() {
+    let Some(python) = torch_python() else {
+        return;
+    };
+    let port = free_port().unwrap().to_string();
+    let job = |restarts: &str| {
+        let args = [
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--max-restarts",
+            restarts,
+            "--no-python",
+            PROBE,
+            "elastic",
+            "1",
+        ];
+        torchrun(&python, &args)
+    };
+
+    // The agent's store outlives attempt 0; attempt 1 must not read its keys.
+    let run = job("1");
+    run.assert_code(0);
+    for rank in 0..2 {
+        for line in [
+            format!("attempt 0 joined rank={rank}"),
+            format!("attempt 1 joined rank={rank}"),
+            format!("attempt 1 ok rank={rank}"),
+        ] {
+            assert!(run.stdout.contains(&line), "{line:?} missing: {run:?}");
+        }
+    }
+
+    let run = job("0");
+    assert_ne!(run.status.code(), Some(0), "{run:?}");
+    run.assert_stderr_has("traceback : env_probe: rank 1 fails on purpose in attempt 0");
+}
