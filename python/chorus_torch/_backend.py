@@ -7,7 +7,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, _create_work_from_future
+from torch._C._distributed_c10d import ProcessGroup, Work, _create_work_from_future
 
 from . import _chorus
 
@@ -92,6 +92,38 @@ def _work(result, finish=None):
     future = torch.futures.Future()
     future.set_result(result)
     return _create_work_from_future(future)
+
+
+class _ReceivedWork(Work):
+    """The finished Work of a receive from any source, which also tells the sender:
+    `dist.recv` without `src` waits on it, then asks `_source_rank()`.
+
+    torch's future-wrapping Work (see `_work`) cannot say who sent, so this one is a Python
+    Work. The torch 1.13 trap `_work` avoids (a C++ waiter holding a Python Work whose Python
+    object is gone) does not arise: on torch 1.13 and 2.x alike, `dist.recv` and `dist.irecv`
+    call this process group's `recv_anysource` from Python and use its result there."""
+
+    def __init__(self, tensors, source):
+        super().__init__()
+        self._tensors = tensors
+        self._source = source
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def _source_rank(self):
+        return self._source
+
+    # torch's older, deprecated name for it.
+    source_rank = _source_rank
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(self._tensors)
+        return future
 
 
 def _staged(tensor):
@@ -459,7 +491,15 @@ class ProcessGroupChorus(ProcessGroup):
         return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
     def recv_anysource(self, tensors, tag):
-        raise RuntimeError("the chorus backend cannot receive from any source yet: pass the sender's rank")
+        """A receive from whichever rank sends this one a message with `tag` first; the Work
+        returned names that rank (torch's `recv` and `irecv` without `src`)."""
+        tensor = _one(tensors, "recv")
+        staged, copied = _staged(tensor)
+        ptr, nbytes = _span(staged)
+        source = self._comm.recv_any(ptr, nbytes, _dtype(tensor), tag)
+        if copied:
+            tensor.copy_(staged)
+        return _ReceivedWork(tensors, source)
 
 
 def _one_list(lists, size, like, what):

@@ -397,6 +397,24 @@ impl Comm {
         })
     }
 
+    /// Receives exactly the buffer's length from whichever rank sends a message with `tag`
+    /// first; returns that rank.
+    fn recv_any(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        bytes: usize,
+        dtype_code: usize,
+        tag: u32,
+    ) -> PyResult<usize> {
+        let dtype = dtype(dtype_code)?;
+        let buf = Raw::new(ptr, bytes, dtype)?;
+        self.run(py, move |c| {
+            // SAFETY: as in `all_reduce`.
+            typed!(dtype, T => c.recv_any(unsafe { buf.slice::<T>() }, tag))
+        })
+    }
+
     /// Returns once every rank has entered the barrier.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         self.run(py, |c| c.barrier())
@@ -406,11 +424,11 @@ impl Comm {
 impl Comm {
     /// Runs `job` on this thread with the GIL released; a failure raises RuntimeError with
     /// Chorus's message.
-    fn run(
+    fn run<R: Send>(
         &self,
         py: Python<'_>,
-        job: impl FnOnce(&Communicator) -> chorus::Result<()> + Send,
-    ) -> PyResult<()> {
+        job: impl FnOnce(&Communicator) -> chorus::Result<R> + Send,
+    ) -> PyResult<R> {
         let comm = &self.comm;
         py.detach(|| job(comm)).map_err(failed)
     }

@@ -89,6 +89,33 @@ def test_object_collectives():
     assert run(3, objects) == [True] * 3
 
 
+def any_source(rank, world):
+    if rank != 0:
+        dist.send(torch.full((3,), float(rank)), dst=0)
+        tag = 2 + rank  # rank 1: 3, rank 2: 4
+        dist.send(torch.full((2,), float(10 * tag)), dst=0, tag=tag)
+        return None
+    got = {}
+    for _ in range(world - 1):
+        t = torch.zeros(3, 2)[:, 1]  # not contiguous: received through a staging copy
+        src = dist.recv(t)
+        got[src] = t.tolist()
+    # Rank 1's next message has tag 3: a receive of tag 4 from any source takes rank 2's.
+    t = torch.zeros(2)
+    work = dist.irecv(t, tag=4)
+    work.wait()
+    tagged = [(work._source_rank(), t.tolist())]
+    tagged.append((dist.recv(t, tag=3), t.tolist()))
+    return got, tagged
+
+
+def test_recv_without_a_source_names_each_sender():
+    results = run(3, any_source)
+    got, tagged = results[0]
+    assert got == {1: [1.0] * 3, 2: [2.0] * 3}, got
+    assert tagged == [(2, [40.0] * 2), (1, [30.0] * 2)], tagged
+
+
 def bad_arguments(rank, world):
     errors = []
     for call in (

@@ -18,12 +18,7 @@ pub(crate) struct MessageId {
 /// Fails with a `Protocol` error naming `peer` and both values unless `got` is what `want` expects.
 pub(crate) fn check(peer: usize, got: MessageId, want: MessageId) -> Result<(), TransportError> {
     let protocol = |detail: String| Err(TransportError::Protocol { peer, detail });
-    if got.seq != want.seq {
-        return protocol(format!(
-            "message sequence {} arrived where {} was expected (stream out of step)",
-            got.seq, want.seq
-        ));
-    }
+    check_seq(peer, got.seq, want.seq)?;
     if got.tag != want.tag {
         return protocol(format!(
             "message {} has tag {:#x}, expected {:#x}: the ranks are running different operations",
@@ -35,6 +30,19 @@ pub(crate) fn check(peer: usize, got: MessageId, want: MessageId) -> Result<(), 
             "message {} is {} bytes, expected {} bytes: do all ranks pass buffers of the same length?",
             got.seq, got.len, want.len
         ));
+    }
+    Ok(())
+}
+
+/// Fails with a `Protocol` error naming `peer` unless message `got` arrived where `want` is next.
+pub(crate) fn check_seq(peer: usize, got: u64, want: u64) -> Result<(), TransportError> {
+    if got != want {
+        return Err(TransportError::Protocol {
+            peer,
+            detail: format!(
+                "message sequence {got} arrived where {want} was expected (stream out of step)"
+            ),
+        });
     }
     Ok(())
 }

@@ -270,6 +270,10 @@ impl Transport for RoutedTransport {
         unsafe { self.to(peer)?.irecv(peer, tag, buf) }
     }
 
+    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
+        self.to(peer)?.probe(peer)
+    }
+
     fn abort(&self, reason: &str) {
         if let Some(t) = &self.shm {
             t.abort(reason);

@@ -78,6 +78,17 @@ pub trait Transport: Send + Sync {
         buf: &mut [u8],
     ) -> Result<Request, TransportError>;
 
+    /// Looks at the next message from `peer` that no posted receive has claimed, without taking
+    /// it: `Some((tag, len))` (`len` in bytes) once its header has arrived, `None` until then.
+    ///
+    /// The message stays where it is: the next receive posted for `peer` takes it (and checks
+    /// its tag and length as always). While receives posted for `peer` are pending, the answer
+    /// may be `None` even though the message has arrived. Fails if `peer` is out of range or its
+    /// connection has failed, and with [`TransportError::PeerClosed`] once `peer` has closed its
+    /// connection with no unclaimed message left; a peer found failed or closed is failed for
+    /// every later request too.
+    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError>;
+
     /// Fails every pending and later request with `Aborted(reason)` and closes
     /// the connections, so peers see this rank leave.
     ///

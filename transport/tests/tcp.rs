@@ -314,3 +314,66 @@ fn an_abort_wakes_a_sleeping_waiter() {
     });
     aborted_and_closed(&errors, "stopped by the test");
 }
+
+/// Probes `peer` until the probe reports a message or fails (bounded by the test's timeout).
+fn probe_until(t: &TcpTransport, peer: usize) -> Result<(u64, usize), TransportError> {
+    let end = deadline();
+    loop {
+        if let Some(next) = t.probe(peer)? {
+            return Ok(next);
+        }
+        assert!(
+            Instant::now() < end,
+            "nothing from rank {peer} within {TIMEOUT:?}"
+        );
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn probe_shows_the_next_message_without_taking_it() {
+    // Small, striped over every socket, empty, and striped in 4 KiB stripes.
+    const MESSAGES: [(u64, usize); 4] = [(4, 10), (5, (1 << 20) + 7), (6, 0), (7, 3 * 4096)];
+    for nsocks in [1, 3] {
+        with_ranks(3, nsocks, move |t| match t.rank() {
+            0 => {
+                for (tag, len) in MESSAGES {
+                    assert_eq!(probe_until(&t, 1).unwrap(), (tag, len), "nsocks {nsocks}");
+                    // Looking again shows the same message: the probe took nothing.
+                    assert_eq!(t.probe(1).unwrap(), Some((tag, len)));
+                    let mut got = vec![0u8; len];
+                    // SAFETY: `got` outlives the wait.
+                    let r = unsafe { t.irecv(1, tag, &mut got).unwrap() };
+                    r.wait(deadline()).unwrap();
+                    assert_eq!(got, pattern(1, len), "nsocks {nsocks} tag {tag}");
+                }
+                // Rank 1 left once its sends were done, rank 2 without sending anything:
+                // both are errors, not "nothing yet".
+                for peer in [1, 2] {
+                    let err = probe_until(&t, peer).unwrap_err();
+                    assert!(
+                        matches!(err, TransportError::PeerClosed { peer: p } if p == peer),
+                        "{err}"
+                    );
+                }
+                for peer in [0, 3] {
+                    let err = t.probe(peer).unwrap_err();
+                    assert!(matches!(err, TransportError::InvalidPeer { .. }), "{err}");
+                }
+            }
+            1 => {
+                let data: Vec<Vec<u8>> = MESSAGES.iter().map(|&(_, n)| pattern(1, n)).collect();
+                // SAFETY: `data` outlives the waits.
+                let reqs: Vec<_> = unsafe {
+                    MESSAGES
+                        .iter()
+                        .zip(&data)
+                        .map(|(&(tag, _), d)| t.isend(0, tag, d).unwrap())
+                        .collect()
+                };
+                chorus_transport::wait_all(&reqs, deadline()).unwrap();
+            }
+            _ => {}
+        });
+    }
+}

@@ -145,6 +145,9 @@ pub(crate) struct State {
     work: Workspace,
     /// Sub-communicators created so far (names their store keys).
     splits: u64,
+    /// Where the next `recv_any` starts looking: an offset past this rank, one past the last
+    /// sender found, so that every sender gets its turn.
+    any_from: usize,
 }
 
 struct Issue {
@@ -293,6 +296,7 @@ impl Communicator {
             waiting: 0,
             work: Workspace::default(),
             splits: 0,
+            any_from: 0,
         };
         // The transport's figures (shared memory's on one host, TCP's across hosts) unless
         // configured; every rank reaches the same ones.

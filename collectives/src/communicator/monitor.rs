@@ -376,7 +376,7 @@ impl Monitor {
 }
 
 /// "rank 3" or "ranks 1, 2".
-fn ranks(list: &[usize]) -> String {
+pub(super) fn ranks(list: &[usize]) -> String {
     let names: Vec<String> = list.iter().map(usize::to_string).collect();
     match list {
         [one] => format!("rank {one}"),

@@ -41,6 +41,10 @@ fn run(args: &[String]) -> Result<(), String> {
         "more" => more_collectives(&connect()?, &counts()?),
         "split" => split_and_dup(&connect()?),
         "p2p" => point_to_point(&connect()?),
+        "any_source" => any_source(&connect()?),
+        "any_source_timeout" => any_source_timeout(&connect()?),
+        "any_source_length" => any_source_length(&connect()?),
+        "any_source_left" => any_source_left(&connect()?),
         "hold" => hold(&connect()?),
         "shared_mismatch" => shared_mismatch(&connect()?),
         "shared_async" => shared_async(&connect()?),
@@ -560,6 +564,152 @@ fn point_to_point(comm: &Communicator) -> Result<(), String> {
     comm.barrier().map_err(err)?;
     println!("p2p ok");
     Ok(())
+}
+
+/// Rank 0 receives from any source: every other rank's message exactly once (small, then
+/// large: striped, read in place, or in chunks), and a message with another tag at the front of
+/// one rank's stream is passed over for another rank's. In a world of one, a clear error.
+fn any_source(comm: &Communicator) -> Result<(), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let err = |e: chorus::Error| e.to_string();
+    if world == 1 {
+        return match comm.recv_any(&mut [0u8; 4], 1) {
+            Err(Error::InvalidArgument(why)) if why.contains("one rank") => {
+                println!("any_source ok");
+                Ok(())
+            }
+            other => Err(format!("recv_any in a world of one: {other:?}")),
+        };
+    }
+    let message = |from: usize, len: usize| -> Vec<i32> {
+        (0..len).map(|i| (from * 1_000_000 + i) as i32).collect()
+    };
+    for (tag, len) in [(1u32, 5usize), (2, 300_000)] {
+        if rank == 0 {
+            let mut senders = Vec::new();
+            for _ in 1..world {
+                let mut buf = vec![0i32; len];
+                let from = comm.recv_any(&mut buf, tag).map_err(err)?;
+                check(
+                    &format!("tag {tag} from rank {from}"),
+                    buf == message(from, len),
+                    true,
+                )?;
+                senders.push(from);
+            }
+            senders.sort_unstable();
+            check(
+                &format!("senders of tag {tag}"),
+                senders,
+                (1..world).collect(),
+            )?;
+        } else {
+            comm.send(&message(rank, len), 0, tag).map_err(err)?;
+        }
+    }
+    // Rank 1's next message has tag 31, so the first receive of tag 32 takes rank 2's, and
+    // rank 1's own comes once its tag-31 message is out of the way.
+    match rank {
+        0 => {
+            let mut buf = [0i32; 2];
+            let first = comm.recv_any(&mut buf, 32).map_err(err)?;
+            check("first tag 32", (first, buf), (2, [2, 32]))?;
+            comm.recv(&mut buf, 1, 31).map_err(err)?;
+            check("tag 31", buf, [1, 31])?;
+            let second = comm.recv_any(&mut buf, 32).map_err(err)?;
+            check("second tag 32", (second, buf), (1, [1, 32]))?;
+        }
+        1 => {
+            comm.send(&[1i32, 31], 0, 31).map_err(err)?;
+            comm.send(&[1i32, 32], 0, 32).map_err(err)?;
+        }
+        2 => comm.send(&[2i32, 32], 0, 32).map_err(err)?,
+        _ => {}
+    }
+    // Receiving from any source leaves the collective sequence in step.
+    comm.barrier().map_err(err)?;
+    println!("any_source ok");
+    Ok(())
+}
+
+/// Rank 0 waits for a message with tag 6 that no rank sends (rank 1 sends tag 5) and times
+/// out; the others wait on rank 0 until it gives up.
+fn any_source_timeout(comm: &Communicator) -> Result<(), String> {
+    if comm.rank() == 0 {
+        let mut buf = [0u8; 4];
+        return match comm.recv_any(&mut buf, 6) {
+            Err(e @ Error::Timeout { .. }) => {
+                println!("expected error: {e}");
+                Ok(())
+            }
+            other => Err(format!("recv_any of a tag nobody sends: {other:?}")),
+        };
+    }
+    if comm.rank() == 1 {
+        comm.send(&[5u8; 4], 0, 5).map_err(|e| e.to_string())?;
+    }
+    wait_for_rank_0_to_fail(comm)
+}
+
+/// Rank 0 receives 4 elements from any source, but rank 1 sends 8; the others wait on rank 0
+/// until it gives up.
+fn any_source_length(comm: &Communicator) -> Result<(), String> {
+    if comm.rank() == 0 {
+        let mut buf = [0i32; 4];
+        return match comm.recv_any(&mut buf, 3) {
+            Err(e @ Error::Transport { .. }) => {
+                println!("expected error: {e}");
+                Ok(())
+            }
+            other => Err(format!("recv_any of the wrong length: {other:?}")),
+        };
+    }
+    if comm.rank() == 1 {
+        comm.send(&[7i32; 8], 0, 3).map_err(|e| e.to_string())?;
+    }
+    wait_for_rank_0_to_fail(comm)
+}
+
+/// Ranks leave once they have sent: rank 0 receives from any source past rank 1, which has
+/// (most likely) left by then, and fails once every other rank has left.
+fn any_source_left(comm: &Communicator) -> Result<(), String> {
+    let err = |e: chorus::Error| e.to_string();
+    let mut got = [0i32; 1];
+    match comm.rank() {
+        0 => {
+            let first = comm.recv_any(&mut got, 1).map_err(err)?;
+            check("first sender", (first, got), (1, [1]))?;
+            // Time for rank 1 to leave; the receive below works whether it has or not.
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            comm.send(&[0i32], 2, 9).map_err(err)?;
+            let second = comm.recv_any(&mut got, 1).map_err(err)?;
+            check("second sender", (second, got), (2, [2]))?;
+            match comm.recv_any(&mut got, 1) {
+                Err(e @ Error::Transport { .. }) if e.to_string().contains("closed") => {
+                    println!("expected error: {e}")
+                }
+                other => return Err(format!("recv_any with every other rank gone: {other:?}")),
+            }
+        }
+        1 => comm.send(&[1i32], 0, 1).map_err(err)?,
+        _ => {
+            comm.recv(&mut got, 0, 9).map_err(err)?;
+            comm.send(&[2i32], 0, 1).map_err(err)?;
+        }
+    }
+    println!("any_source_left ok");
+    Ok(())
+}
+
+/// Waits for a message rank 0 never sends: the wait ends when rank 0 fails (or it times out).
+fn wait_for_rank_0_to_fail(comm: &Communicator) -> Result<(), String> {
+    match comm.recv(&mut [0u8; 1], 0, 99) {
+        Ok(()) => Err("rank 0 sent a message it should not have".into()),
+        Err(e) => {
+            println!("rank {} saw: {e}", comm.rank());
+            Ok(())
+        }
+    }
 }
 
 /// Reduce, reduce-scatter (every dtype x op that applies to it), all-gather, all-to-all(v),

@@ -346,6 +346,18 @@ impl Engine {
         Ok(req)
     }
 
+    /// The tag and length of the next message from `peer` that no posted receive claims, once
+    /// its first chunk is published; fails the peer if it has left with nothing more published.
+    pub fn probe(&mut self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
+        let region = self.region.clone();
+        let link = self.link(peer)?;
+        let next = link.peek(region.control(link.peer_local).closed);
+        if let Err(e) = &next {
+            self.fail_peer(peer, e.clone());
+        }
+        next.map(|header| header.map(|h| (h.tag, h.msg_len as usize)))
+    }
+
     /// Moves whatever can move on every link; true if anything moved.
     pub fn progress(&mut self) -> bool {
         let mut moved = false;
@@ -477,6 +489,32 @@ impl Link {
     /// Whether any request to or from the peer is unfinished.
     fn busy(&self) -> bool {
         !self.sends.is_empty() || !self.recvs.is_empty() || !self.inflight.is_empty()
+    }
+
+    /// The header of the first chunk of the next message no posted receive claims, if it is
+    /// published (`None` while receives are queued); fails once the peer has left (`closed`:
+    /// its flag, set when it aborts or drops its transport) with nothing more published.
+    fn peek(&mut self, closed: &AtomicU32) -> Result<Option<SlotHeader>, TransportError> {
+        if !self.recvs.is_empty() {
+            return Ok(None);
+        }
+        if self.rx_head == self.rx_tail {
+            self.rx_tail = self.rx.tail().load(Ordering::Acquire);
+        }
+        if self.rx_head == self.rx_tail {
+            if !(self.gone || closed.load(Ordering::Acquire) != 0 || self.live.dead()) {
+                return Ok(None);
+            }
+            // Everything the peer published before it left is visible now.
+            self.rx_tail = self.rx.tail().load(Ordering::Acquire);
+            if self.rx_head == self.rx_tail {
+                self.gone = true;
+                return Err(TransportError::PeerClosed { peer: self.peer });
+            }
+        }
+        let header = self.rx.read_header(self.rx_head);
+        matching::check_seq(self.peer, header.seq, self.recv_seq)?;
+        Ok(Some(header))
     }
 
     /// Completes single-copy sends the peer has finished reading; true if any.

@@ -181,6 +181,10 @@ impl Transport for ShmTransport {
         req.map(|r| r.with_progress(self.shared.clone()))
     }
 
+    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
+        self.shared.lock().probe(peer)
+    }
+
     fn abort(&self, reason: &str) {
         self.shared.lock().abort(reason);
     }
@@ -343,6 +347,68 @@ mod tests {
             r2.wait(deadline()),
             Err(TransportError::PeerClosed { peer: 0 })
         ));
+    }
+
+    #[test]
+    fn probe_shows_the_next_message_without_taking_it() {
+        let mut t = pair(3);
+        assert_eq!(t[0].probe(1).unwrap(), None);
+        // One chunk, a single copy, empty, and three chunks (slots hold 256 bytes).
+        let messages = [(4u64, 10usize), (5, 5000), (6, 0), (7, 600)];
+        let data: Vec<Vec<u8>> = messages
+            .iter()
+            .map(|&(tag, n)| (0..n).map(|i| (i as u64 * 3 + tag) as u8).collect())
+            .collect();
+        // SAFETY: `data` outlives the sends, waited for below.
+        let sends: Vec<_> = unsafe {
+            messages
+                .iter()
+                .zip(&data)
+                .map(|(&(tag, _), d)| t[1].isend(0, tag, d).unwrap())
+                .collect()
+        };
+        std::thread::scope(|scope| {
+            scope.spawn(|| crate::wait_all(&sends, deadline()).unwrap());
+            for (&(tag, len), want) in messages.iter().zip(&data) {
+                let end = deadline();
+                let next = loop {
+                    match t[0].probe(1).unwrap() {
+                        Some(next) => break next,
+                        None => assert!(Instant::now() < end, "tag {tag} never arrived"),
+                    }
+                    std::thread::yield_now();
+                };
+                assert_eq!(next, (tag, len));
+                // Looking again shows the same message: the probe took nothing.
+                assert_eq!(t[0].probe(1).unwrap(), Some((tag, len)));
+                let mut got = vec![0u8; len];
+                // SAFETY: `got` outlives the wait.
+                let r = unsafe { t[0].irecv(1, tag, &mut got).unwrap() };
+                r.wait(deadline()).unwrap();
+                assert_eq!(&got, want, "tag {tag}");
+            }
+        });
+        // What a peer published before it left is still shown, then its leaving is an error.
+        let nine = [9u8; 3];
+        // SAFETY: `nine` outlives the wait.
+        let last = unsafe { t[2].isend(0, 9, &nine).unwrap() };
+        last.wait(deadline()).unwrap();
+        drop(t.pop());
+        assert_eq!(t[0].probe(2).unwrap(), Some((9, 3)));
+        let mut got = [0u8; 3];
+        // SAFETY: `got` outlives the wait.
+        let r = unsafe { t[0].irecv(2, 9, &mut got).unwrap() };
+        r.wait(deadline()).unwrap();
+        assert_eq!(got, nine);
+        let err = t[0].probe(2).unwrap_err();
+        assert!(
+            matches!(err, TransportError::PeerClosed { peer: 2 }),
+            "{err}"
+        );
+        for peer in [0, 3] {
+            let err = t[0].probe(peer).unwrap_err();
+            assert!(matches!(err, TransportError::InvalidPeer { .. }), "{err}");
+        }
     }
 
     #[test]

@@ -476,6 +476,35 @@ impl Engine {
         Ok(req)
     }
 
+    /// The tag and length of the next message from `peer` that no posted receive claims, once
+    /// the header of its first stripe has arrived; fails the peer if its socket has failed or
+    /// closed.
+    ///
+    /// Message `recv_seq`'s first stripe travels on a socket known from its number alone. With
+    /// no receive queued on that socket, every earlier frame on it has been read, so the bytes
+    /// at its front are that stripe's header: peeked (`MSG_PEEK`), never read.
+    pub(crate) fn probe(&mut self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
+        self.check_peer(peer)?;
+        let p = &self.peers[peer];
+        let seq = p.recv_seq;
+        let idx = p.conns[frame::first_socket(seq, p.conns.len())];
+        let conn = &mut self.conns[idx];
+        if !conn.recvs.is_empty() {
+            return Ok(None);
+        }
+        let next = conn.peek_header().and_then(|header| match header {
+            Some(h) => {
+                matching::check_seq(peer, h.seq, seq)?;
+                Ok(Some((h.tag, h.msg_len as usize)))
+            }
+            None => Ok(None),
+        });
+        if let Err(e) = &next {
+            self.fail_peer(peer, e.clone());
+        }
+        next
+    }
+
     /// Moves bytes on socket `idx`; a failure fails the whole peer.
     fn serve(&mut self, idx: usize, read: bool, write: bool) {
         let conn = &mut self.conns[idx];
@@ -658,6 +687,36 @@ impl Conn {
             }
         }
         Ok(true)
+    }
+
+    /// The header of the frame at the front of the socket, left there; `None` until all of it
+    /// has arrived. Only meaningful with nothing posted (no frame read in part).
+    fn peek_header(&mut self) -> Result<Option<FrameHeader>, TransportError> {
+        let mut bytes = [0u8; HEADER_LEN];
+        match self.stream.peek(&mut bytes) {
+            Ok(0) => {
+                self.eof = true;
+                Err(TransportError::PeerClosed { peer: self.peer })
+            }
+            Ok(n) if n < HEADER_LEN => Ok(None),
+            Ok(_) => {
+                FrameHeader::decode(&bytes)
+                    .map(Some)
+                    .map_err(|detail| TransportError::Protocol {
+                        peer: self.peer,
+                        detail,
+                    })
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(io_error(self.peer, "recv", e)),
+        }
     }
 
     /// With nothing posted, notes whether the peer closed this socket. That is only an error

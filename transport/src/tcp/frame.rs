@@ -71,6 +71,15 @@ pub struct Stripe {
     pub range: Range<usize>,
 }
 
+/// The socket (of `nsocks`) that carries message `seq`'s first stripe, whatever its length.
+pub fn first_socket(seq: u64, nsocks: usize) -> usize {
+    // One socket (the default) needs no division: this runs for every message.
+    match nsocks {
+        0 | 1 => 0,
+        _ => (seq % nsocks as u64) as usize,
+    }
+}
+
 /// Splits message `seq` of `len` bytes over `nsocks` sockets.
 ///
 /// Messages shorter than `2 * min_stripe` travel whole on one socket; longer
@@ -84,13 +93,10 @@ pub fn stripes(
     min_stripe: usize,
 ) -> impl ExactSizeIterator<Item = Stripe> {
     let nsocks = nsocks.max(1);
-    // One socket (the default) needs no division: this runs for every message.
-    let (count, first) = match nsocks {
-        1 => (1, 0),
-        _ => (
-            (len / min_stripe.max(64)).clamp(1, nsocks),
-            (seq % nsocks as u64) as usize,
-        ),
+    let first = first_socket(seq, nsocks);
+    let count = match nsocks {
+        1 => 1,
+        _ => (len / min_stripe.max(64)).clamp(1, nsocks),
     };
     let base = if count == 1 { len } else { (len / count) & !63 };
     (0..count).map(move |i| {
@@ -158,6 +164,8 @@ mod tests {
                     let s: Vec<Stripe> = stripes(seq, len, nsocks, 4096).collect();
                     assert!(!s.is_empty() && s.len() <= nsocks);
                     assert_eq!(s[0].range.start, 0);
+                    // A receiver finds the header of the next message here before knowing its length.
+                    assert_eq!(s[0].socket, first_socket(seq, nsocks));
                     assert_eq!(s.last().unwrap().range.end, len);
                     for w in s.windows(2) {
                         assert_eq!(w[0].range.end, w[1].range.start);

@@ -129,6 +129,14 @@ impl Transport for TcpTransport {
         req.map(|r| r.with_progress(self.shared.clone()))
     }
 
+    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
+        let mut engine = self.shared.lock();
+        let next = engine.probe(peer);
+        // A peer found failed has had its requests failed: their waiters are told.
+        self.shared.tell_sleepers(&mut engine);
+        next
+    }
+
     fn abort(&self, reason: &str) {
         let mut engine = self.shared.lock();
         engine.abort(reason, true);
