@@ -477,7 +477,7 @@ class ProcessGroupChorus(ProcessGroup):
 
     def send(self, tensors, dst, tag):
         tensor = _one(tensors, "send")
-        staged, copied = _staged(tensor)
+        staged, _ = _staged(tensor)
         ptr, nbytes = _span(staged)
         self._comm.send(ptr, nbytes, _dtype(tensor), self._peer(dst, "send"), tag)
         return _work(tensors)
@@ -486,8 +486,7 @@ class ProcessGroupChorus(ProcessGroup):
         tensor = _one(tensors, "recv")
         staged, copied = _staged(tensor)
         ptr, nbytes = _span(staged)
-        self._comm.recv(ptr, nbytes, _dtype(tensor),
-                                 self._peer(src, "recv"), tag)
+        self._comm.recv(ptr, nbytes, _dtype(tensor), self._peer(src, "recv"), tag)
         return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
     def recv_anysource(self, tensors, tag):
