@@ -8,6 +8,7 @@
 //! the wire fills the next chunk while this thread reduces the last one.
 
 use std::collections::VecDeque;
+use std::marker::PhantomData;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -91,18 +92,20 @@ pub trait Watch {
     fn failed(&self, error: Error) -> Error;
 }
 
-/// The caller's memory: raw because the transport reads and writes it in
-/// the background while this thread works on other regions.
-pub struct Buffers {
+/// The caller's memory, borrowed for `'a`: raw because the transport reads and writes it
+/// in the background while this thread works on other regions.
+pub struct Buffers<'a> {
     input: *const u8,
     input_len: usize,
     output: *mut u8,
     output_len: usize,
+    /// Holds the caller's borrows for as long as the pointers are in use.
+    _borrow: PhantomData<&'a mut [u8]>,
 }
 
-impl Buffers {
+impl<'a> Buffers<'a> {
     /// The caller's input (`None`: the output serves as input, in place) and output.
-    pub fn new(input: Option<&[u8]>, output: &mut [u8]) -> Buffers {
+    pub fn new(input: Option<&'a [u8]>, output: &'a mut [u8]) -> Buffers<'a> {
         let (input, input_len) =
             input.map_or((output.as_ptr(), output.len()), |i| (i.as_ptr(), i.len()));
         Buffers {
@@ -110,13 +113,14 @@ impl Buffers {
             input_len,
             output: output.as_mut_ptr(),
             output_len: output.len(),
+            _borrow: PhantomData,
         }
     }
 
     /// In place with the input inside the output: `len` bytes from byte `offset`.
     ///
     /// Panics if the input would reach past the output (callers check the sizes).
-    pub fn inside(output: &mut [u8], offset: usize, len: usize) -> Buffers {
+    pub fn inside(output: &'a mut [u8], offset: usize, len: usize) -> Buffers<'a> {
         assert!(
             offset + len <= output.len(),
             "input block outside the output"
@@ -128,6 +132,7 @@ impl Buffers {
             input_len: len,
             output: output.as_mut_ptr(),
             output_len: output.len(),
+            _borrow: PhantomData,
         }
     }
 
@@ -147,8 +152,8 @@ impl Buffers {
     /// No mutable slice of the input (nor, in place, of the output) may be
     /// alive while it is, and no request may be writing it.
     pub(crate) unsafe fn input(&self) -> &[u8] {
-        // SAFETY: the pointer and length come from a slice the caller still borrows
-        // (see `Call`); the absence of writers is the caller's promise.
+        // SAFETY: the pointer and length come from a slice borrowed for `'a`, which
+        // outlives `self`; the absence of writers is the caller's promise.
         unsafe { std::slice::from_raw_parts(self.input, self.input_len) }
     }
 
@@ -158,7 +163,7 @@ impl Buffers {
     }
 
     /// Input and output of equal length (reductions, broadcast); fails naming both lengths.
-    pub fn same_len(input: Option<&[u8]>, output: &mut [u8]) -> Result<Buffers, Error> {
+    pub fn same_len(input: Option<&'a [u8]>, output: &'a mut [u8]) -> Result<Buffers<'a>, Error> {
         match input {
             Some(i) if i.len() != output.len() => Err(Error::InvalidArgument(format!(
                 "input has {} bytes but output has {}",
@@ -218,7 +223,7 @@ fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
 /// still refers to the caller's buffers.
 pub fn execute(
     job: &Job<'_>,
-    bufs: &Buffers,
+    bufs: &Buffers<'_>,
     steps: &[Step],
     work: &mut Workspace,
 ) -> Result<(), Error> {
@@ -272,7 +277,7 @@ pub(crate) fn failed(
 
 struct Run<'a, 'j> {
     job: &'a Job<'j>,
-    bufs: &'a Buffers,
+    bufs: &'a Buffers<'a>,
     elem: usize,
     scratch: *mut u8,
     scratch_len: usize,
@@ -527,3 +532,4 @@ impl Run<'_, '_> {
         Ok(())
     }
 }
+
