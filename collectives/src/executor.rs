@@ -290,9 +290,15 @@ struct Run<'a, 'j> {
 }
 
 impl Drop for Run<'_, '_> {
-    /// Empties the kept queue, also when a panic unwinds: after a failure the transport has
-    /// been aborted, so no request still uses what the entries point to.
+    /// Empties the kept queue, also when a panic unwinds. After a failure the transport has
+    /// been aborted already; a panic aborts it here, so no request still uses the caller's
+    /// buffers once the unwinding frees them.
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Some(transport) = self.job.transport {
+                transport.abort("a collective panicked on this rank");
+            }
+        }
         self.pending.clear();
     }
 }
@@ -533,3 +539,126 @@ impl Run<'_, '_> {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use chorus_transport::Direction;
+
+    use super::*;
+
+    /// A transport whose requests never complete; records whether it was aborted.
+    #[derive(Default)]
+    struct Stuck {
+        aborted: AtomicBool,
+    }
+
+    impl Transport for Stuck {
+        fn rank(&self) -> usize {
+            0
+        }
+
+        fn world_size(&self) -> usize {
+            2
+        }
+
+        unsafe fn isend(
+            &self,
+            peer: usize,
+            _: u64,
+            data: &[u8],
+        ) -> Result<Request, TransportError> {
+            Ok(Request::new(peer, Direction::Send, data.len()).0)
+        }
+
+        unsafe fn irecv(
+            &self,
+            peer: usize,
+            _: u64,
+            buf: &mut [u8],
+        ) -> Result<Request, TransportError> {
+            Ok(Request::new(peer, Direction::Recv, buf.len()).0)
+        }
+
+        fn abort(&self, _: &str) {
+            self.aborted.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// A watchdog that panics when told of a stall, which it reports at once.
+    struct PanicsWhenStalled;
+
+    impl Watch for PanicsWhenStalled {
+        fn warn_at(&self) -> Option<Instant> {
+            Some(Instant::now())
+        }
+
+        fn stalled(&self) {
+            panic!("stalled");
+        }
+
+        fn failed(&self, error: Error) -> Error {
+            error
+        }
+    }
+
+    /// Runs a receive into the whole of `out` on `transport`, then waits for it.
+    fn receive(
+        transport: &Stuck,
+        deadline: Instant,
+        watch: Option<&dyn Watch>,
+        out: &mut [u8],
+    ) -> Result<(), Error> {
+        let job = Job {
+            transport: Some(transport),
+            tag: 1,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            world_size: 2,
+            deadline,
+            depth: 1,
+            watch,
+        };
+        let into = Loc {
+            buf: Buf::Output,
+            range: 0..out.len(),
+        };
+        let steps = [Step::Recv { peer: 1, into }, Step::Fence];
+        execute(
+            &job,
+            &Buffers::new(None, out),
+            &steps,
+            &mut Workspace::default(),
+        )
+    }
+
+    #[test]
+    fn a_failed_call_aborts_the_transport() {
+        let transport = Stuck::default();
+        let err = receive(&transport, Instant::now(), None, &mut [0; 8]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Transport {
+                    source: TransportError::Timeout { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(transport.aborted.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_panic_with_a_request_in_flight_aborts_the_transport() {
+        let transport = Stuck::default();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let panicked = catch_unwind(AssertUnwindSafe(|| {
+            receive(&transport, deadline, Some(&PanicsWhenStalled), &mut [0; 8])
+        }));
+        assert!(panicked.is_err());
+        assert!(transport.aborted.load(Ordering::SeqCst));
+    }
+}
