@@ -8,6 +8,7 @@
 //! the wire fills the next chunk while this thread reduces the last one.
 
 use std::collections::VecDeque;
+use std::marker::PhantomData;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -91,18 +92,20 @@ pub trait Watch {
     fn failed(&self, error: Error) -> Error;
 }
 
-/// The caller's memory: raw because the transport reads and writes it in
-/// the background while this thread works on other regions.
-pub struct Buffers {
+/// The caller's memory, borrowed for `'a`: raw because the transport reads and writes it
+/// in the background while this thread works on other regions.
+pub struct Buffers<'a> {
     input: *const u8,
     input_len: usize,
     output: *mut u8,
     output_len: usize,
+    /// Holds the caller's borrows for as long as the pointers are in use.
+    _borrow: PhantomData<&'a mut [u8]>,
 }
 
-impl Buffers {
+impl<'a> Buffers<'a> {
     /// The caller's input (`None`: the output serves as input, in place) and output.
-    pub fn new(input: Option<&[u8]>, output: &mut [u8]) -> Buffers {
+    pub fn new(input: Option<&'a [u8]>, output: &'a mut [u8]) -> Buffers<'a> {
         let (input, input_len) =
             input.map_or((output.as_ptr(), output.len()), |i| (i.as_ptr(), i.len()));
         Buffers {
@@ -110,13 +113,14 @@ impl Buffers {
             input_len,
             output: output.as_mut_ptr(),
             output_len: output.len(),
+            _borrow: PhantomData,
         }
     }
 
     /// In place with the input inside the output: `len` bytes from byte `offset`.
     ///
     /// Panics if the input would reach past the output (callers check the sizes).
-    pub fn inside(output: &mut [u8], offset: usize, len: usize) -> Buffers {
+    pub fn inside(output: &'a mut [u8], offset: usize, len: usize) -> Buffers<'a> {
         assert!(
             offset + len <= output.len(),
             "input block outside the output"
@@ -128,6 +132,7 @@ impl Buffers {
             input_len: len,
             output: output.as_mut_ptr(),
             output_len: output.len(),
+            _borrow: PhantomData,
         }
     }
 
@@ -147,8 +152,8 @@ impl Buffers {
     /// No mutable slice of the input (nor, in place, of the output) may be
     /// alive while it is, and no request may be writing it.
     pub(crate) unsafe fn input(&self) -> &[u8] {
-        // SAFETY: the pointer and length come from a slice the caller still borrows
-        // (see `Call`); the absence of writers is the caller's promise.
+        // SAFETY: the pointer and length come from a slice borrowed for `'a`, which
+        // outlives `self`; the absence of writers is the caller's promise.
         unsafe { std::slice::from_raw_parts(self.input, self.input_len) }
     }
 
@@ -158,7 +163,7 @@ impl Buffers {
     }
 
     /// Input and output of equal length (reductions, broadcast); fails naming both lengths.
-    pub fn same_len(input: Option<&[u8]>, output: &mut [u8]) -> Result<Buffers, Error> {
+    pub fn same_len(input: Option<&'a [u8]>, output: &'a mut [u8]) -> Result<Buffers<'a>, Error> {
         match input {
             Some(i) if i.len() != output.len() => Err(Error::InvalidArgument(format!(
                 "input has {} bytes but output has {}",
@@ -218,7 +223,7 @@ fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
 /// still refers to the caller's buffers.
 pub fn execute(
     job: &Job<'_>,
-    bufs: &Buffers,
+    bufs: &Buffers<'_>,
     steps: &[Step],
     work: &mut Workspace,
 ) -> Result<(), Error> {
@@ -272,7 +277,7 @@ pub(crate) fn failed(
 
 struct Run<'a, 'j> {
     job: &'a Job<'j>,
-    bufs: &'a Buffers,
+    bufs: &'a Buffers<'a>,
     elem: usize,
     scratch: *mut u8,
     scratch_len: usize,
@@ -285,9 +290,15 @@ struct Run<'a, 'j> {
 }
 
 impl Drop for Run<'_, '_> {
-    /// Empties the kept queue, also when a panic unwinds: after a failure the transport has
-    /// been aborted, so no request still uses what the entries point to.
+    /// Empties the kept queue, also when a panic unwinds. After a failure the transport has
+    /// been aborted already; a panic aborts it here, so no request still uses the caller's
+    /// buffers once the unwinding frees them.
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Some(transport) = self.job.transport {
+                transport.abort("a collective panicked on this rank");
+            }
+        }
         self.pending.clear();
     }
 }
@@ -525,5 +536,129 @@ impl Run<'_, '_> {
             self.free.push(slot);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use chorus_transport::Direction;
+
+    use super::*;
+
+    /// A transport whose requests never complete; records whether it was aborted.
+    #[derive(Default)]
+    struct Stuck {
+        aborted: AtomicBool,
+    }
+
+    impl Transport for Stuck {
+        fn rank(&self) -> usize {
+            0
+        }
+
+        fn world_size(&self) -> usize {
+            2
+        }
+
+        unsafe fn isend(
+            &self,
+            peer: usize,
+            _: u64,
+            data: &[u8],
+        ) -> Result<Request, TransportError> {
+            Ok(Request::new(peer, Direction::Send, data.len()).0)
+        }
+
+        unsafe fn irecv(
+            &self,
+            peer: usize,
+            _: u64,
+            buf: &mut [u8],
+        ) -> Result<Request, TransportError> {
+            Ok(Request::new(peer, Direction::Recv, buf.len()).0)
+        }
+
+        fn abort(&self, _: &str) {
+            self.aborted.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// A watchdog that panics when told of a stall, which it reports at once.
+    struct PanicsWhenStalled;
+
+    impl Watch for PanicsWhenStalled {
+        fn warn_at(&self) -> Option<Instant> {
+            Some(Instant::now())
+        }
+
+        fn stalled(&self) {
+            panic!("stalled");
+        }
+
+        fn failed(&self, error: Error) -> Error {
+            error
+        }
+    }
+
+    /// Runs a receive into the whole of `out` on `transport`, then waits for it.
+    fn receive(
+        transport: &Stuck,
+        deadline: Instant,
+        watch: Option<&dyn Watch>,
+        out: &mut [u8],
+    ) -> Result<(), Error> {
+        let job = Job {
+            transport: Some(transport),
+            tag: 1,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            world_size: 2,
+            deadline,
+            depth: 1,
+            watch,
+        };
+        let into = Loc {
+            buf: Buf::Output,
+            range: 0..out.len(),
+        };
+        let steps = [Step::Recv { peer: 1, into }, Step::Fence];
+        execute(
+            &job,
+            &Buffers::new(None, out),
+            &steps,
+            &mut Workspace::default(),
+        )
+    }
+
+    #[test]
+    fn a_failed_call_aborts_the_transport() {
+        let transport = Stuck::default();
+        let err = receive(&transport, Instant::now(), None, &mut [0; 8]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Transport {
+                    source: TransportError::Timeout { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(transport.aborted.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_panic_with_a_request_in_flight_aborts_the_transport() {
+        let transport = Stuck::default();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let panicked = catch_unwind(AssertUnwindSafe(|| {
+            receive(&transport, deadline, Some(&PanicsWhenStalled), &mut [0; 8])
+        }));
+        assert!(panicked.is_err());
+        assert!(transport.aborted.load(Ordering::SeqCst));
     }
 }

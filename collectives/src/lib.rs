@@ -14,7 +14,7 @@
 //! # Ok::<(), chorus::Error>(())
 //! ```
 //!
-//! Algorithms are [`schedule`]s (pure data), run by one [`executor`];
+//! Algorithms are [`schedule`]s (pure data), run by one executor;
 //! [`tuner`] picks one per call, `CHORUS_ALGO` forces it.
 //!
 //! [`all_reduce`]: Communicator::all_reduce
@@ -26,7 +26,7 @@ mod config;
 pub mod cost;
 pub mod ddp;
 mod error;
-pub mod executor;
+mod executor;
 pub mod launch;
 pub mod pattern;
 mod rendezvous;

@@ -549,19 +549,44 @@ mod tests {
     }
 
     #[test]
-    fn choices_are_deterministic_and_ties_go_to_the_first_candidate() {
-        let a = Tuner::new(7e-6, 3e9, Forced::none());
-        let b = a.clone();
+    fn picks_the_cheapest_and_near_ties_go_to_the_earlier_candidate() {
+        let t = Tuner::new(7e-6, 3e9, Forced::none());
         for c in Collective::ALL {
-            for w in [1, 2, 3, 5, 8, 100, 1000] {
+            let candidates = Tuner::candidates(c);
+            for w in [2, 3, 5, 8, 100, 1000] {
                 for shift in (0..31).step_by(3) {
-                    assert_eq!(a.choose(c, 1 << shift, w), b.choose(c, 1 << shift, w));
+                    let bytes = 1 << shift;
+                    let cost = |a| t.estimate(c, a, bytes, w);
+                    let pick = t.choose(c, bytes, w);
+                    let at = candidates.iter().position(|&a| a == pick).unwrap();
+                    // Every earlier candidate costs more; no later one is cheaper by the margin.
+                    for &a in &candidates[..at] {
+                        assert!(cost(a) > cost(pick), "{c} W={w} {bytes} B: {a} vs {pick}");
+                    }
+                    for &a in &candidates[at + 1..] {
+                        assert!(
+                            cost(a) >= cost(pick) * (1.0 - TIE_MARGIN),
+                            "{c} W={w} {bytes} B: {a} vs {pick}"
+                        );
+                    }
                 }
             }
         }
+        // Where the tree's estimate is below the chain's but within the margin, the chain
+        // (the earlier candidate) stays.
+        let (c, w) = (Collective::Broadcast, 1024);
+        let cost = |a, bytes| t.estimate(c, a, bytes, w);
+        let near_tie = (1..=1 << 18)
+            .map(|k| k << 12)
+            .find(|&bytes| {
+                let (ring, tree) = (cost(Algorithm::Ring, bytes), cost(Algorithm::Tree, bytes));
+                tree < ring && tree >= ring * (1.0 - TIE_MARGIN)
+            })
+            .expect("a size where the two estimates are within the margin");
+        assert_eq!(t.choose(c, near_tie, w), Algorithm::Ring, "{near_tie} B");
         // One rank: everything is free, the first candidate wins.
-        assert_eq!(a.choose(Collective::AllReduce, 1 << 20, 1), Algorithm::Ring);
-        assert_eq!(a.choose(Collective::AllReduce, 0, 64), Algorithm::Ring);
+        assert_eq!(t.choose(Collective::AllReduce, 1 << 20, 1), Algorithm::Ring);
+        assert_eq!(t.choose(Collective::AllReduce, 0, 64), Algorithm::Ring);
     }
 
     #[test]

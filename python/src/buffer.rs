@@ -78,7 +78,10 @@ impl Raw {
 
     /// This memory, or a copy of it when it overlaps `other`'s (so the two can be borrowed
     /// at once).
-    pub fn apart_from(self, other: Raw) -> Input {
+    ///
+    /// # Safety
+    /// When it overlaps `other`, the memory must be valid for reads of `bytes` bytes.
+    pub unsafe fn apart_from(self, other: Raw) -> Input {
         let overlap = self.bytes > 0
             && other.bytes > 0
             && self.ptr < other.ptr + other.bytes
@@ -87,8 +90,8 @@ impl Raw {
             return Input::Borrowed(self);
         }
         let mut copy = vec![0u64; self.bytes.div_ceil(8)];
-        // SAFETY: `self` is valid for reads of `bytes` bytes (the caller's promise to `slice`),
-        // and the fresh copy holds at least that many.
+        // SAFETY: `self` is valid for reads of `bytes` bytes (the caller's promise), and the
+        // fresh copy holds at least that many.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.ptr as *const u8,

@@ -267,7 +267,9 @@ impl Comm {
                 // SAFETY: as in `all_reduce`; only the output is referenced.
                 return typed!(dtype, T => c.all_gather_in_place(unsafe { output.slice::<T>() }));
             }
-            let input = input.apart_from(output);
+            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
+            // the call.
+            let input = unsafe { input.apart_from(output) };
             // SAFETY: as in `all_reduce`; `apart_from` copies an input that overlaps the output.
             typed!(dtype, T => c.all_gather(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }))
         })
@@ -287,7 +289,9 @@ impl Comm {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         self.run(py, move |c| {
-            let input = input.apart_from(output);
+            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
+            // the call.
+            let input = unsafe { input.apart_from(output) };
             // SAFETY: as in `all_gather`.
             typed!(dtype, T => c.reduce_scatter(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, op))
         })
@@ -309,7 +313,9 @@ impl Comm {
         let dtype = dtype(dtype_code)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         self.run(py, move |c| {
-            let input = input.apart_from(output);
+            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
+            // the call.
+            let input = unsafe { input.apart_from(output) };
             typed!(dtype, T => {
                 // SAFETY: as in `all_gather`.
                 let (i, o) = unsafe { (input.as_ref().slice::<T>(), output.slice::<T>()) };
@@ -335,7 +341,9 @@ impl Comm {
         let dtype = dtype(dtype_code)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         self.run(py, move |c| {
-            let input = input.apart_from(output);
+            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
+            // the call.
+            let input = unsafe { input.apart_from(output) };
             // SAFETY: as in `all_gather`.
             typed!(dtype, T => c.gather(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, root))
         })
@@ -355,7 +363,9 @@ impl Comm {
         let dtype = dtype(dtype_code)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         self.run(py, move |c| {
-            let input = input.apart_from(output);
+            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
+            // the call.
+            let input = unsafe { input.apart_from(output) };
             // SAFETY: as in `all_gather`.
             typed!(dtype, T => c.scatter(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, root))
         })

@@ -316,6 +316,8 @@ mod tests {
             completion.complete(Ok(()));
         });
         req.wait(Instant::now() + Duration::from_secs(10)).unwrap();
+        // The wait ended because the request completed, not before.
+        assert!(matches!(req.test(), Some(Ok(()))));
         t.join().unwrap();
     }
 

@@ -117,12 +117,18 @@ fn wait_returns_once_every_key_is_set() {
     thread::spawn(move || {
         let _ = tx.send(waiter.wait(&["a", "b", "c"], BOUND));
     });
-    for key in ["c", "a", "b"] {
-        thread::sleep(Duration::from_millis(10));
+    // A wait that returned early has had every chance to say so during the pause: only a
+    // broken wait can fail this check, however slow the machine.
+    for key in ["c", "a"] {
         setter.set(key, key.as_bytes()).unwrap();
+        match rx.recv_timeout(SHORT) {
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            returned => panic!("wait returned before key 'b' was set: {returned:?}"),
+        }
     }
+    setter.set("b", b"b").unwrap();
     rx.recv_timeout(BOUND)
-        .expect("wait did not return")
+        .expect("wait did not return once every key was set")
         .unwrap();
     setter.wait(&["a", "b", "c"], SHORT).unwrap();
     setter.wait(&[], SHORT).unwrap();

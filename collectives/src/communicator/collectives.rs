@@ -1,7 +1,5 @@
 //! The collective operations: typed entry points over one byte-level form each.
 
-use std::marker::PhantomData;
-
 use chorus_kernels::{DType, Element, ReduceOp};
 
 use super::recent::Key;
@@ -115,7 +113,6 @@ impl Communicator {
             shared: self.inner.shared_call(&info, &bufs),
             bufs,
             steps,
-            _borrow: PhantomData,
         })
     }
 }
@@ -159,7 +156,6 @@ impl Inner {
             shared: self.shared_call(&info, &bufs),
             bufs,
             steps,
-            _borrow: PhantomData,
         })
     }
 
@@ -190,7 +186,6 @@ impl Inner {
             shared: self.shared_call(&info, &bufs),
             bufs,
             steps,
-            _borrow: PhantomData,
         })
     }
 

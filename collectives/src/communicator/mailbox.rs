@@ -19,7 +19,7 @@ pub(super) fn run(
     place: &CallPlace,
     (deadline, stall): (Instant, Option<Stall<'_>>),
     info: &CallInfo,
-    bufs: &Buffers,
+    bufs: &Buffers<'_>,
 ) -> Result<()> {
     let (kind, root, dtype, op) = (info.kind, info.root, info.dtype, info.op);
     if kind == Kind::Barrier {

@@ -155,15 +155,13 @@ struct Issue {
     worker: Option<Worker>,
 }
 
-/// One operation, ready to run: its schedule and the memory it works on.
+/// One operation, ready to run: its schedule and the memory it works on, borrowed for `'a`.
 pub(crate) struct Call<'a> {
     pub info: CallInfo,
-    pub bufs: Buffers,
+    pub bufs: Buffers<'a>,
     pub steps: Arc<Schedule>,
     /// How to run it through shared buffers instead, when it works on them.
     pub shared: Option<SharedCall>,
-    /// Ties the raw buffers to the caller's borrows.
-    pub _borrow: std::marker::PhantomData<&'a mut [u8]>,
 }
 
 impl std::fmt::Debug for Communicator {

@@ -1,7 +1,6 @@
 //! The rooted and data-movement collectives: reduce, all-gather,
 //! reduce-scatter, all-to-all, gather and scatter.
 
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use chorus_kernels::{DType, Element, ReduceOp};
@@ -215,13 +214,12 @@ impl Communicator {
         self.run_typed(info, bufs, steps)
     }
 
-    fn run_typed(&self, info: CallInfo, bufs: Buffers, steps: Schedule) -> Result<()> {
+    fn run_typed(&self, info: CallInfo, bufs: Buffers<'_>, steps: Schedule) -> Result<()> {
         self.run_now(Call {
             info,
             bufs,
             steps: Arc::new(steps),
             shared: None,
-            _borrow: PhantomData,
         })
     }
 }

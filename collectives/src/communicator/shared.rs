@@ -214,7 +214,7 @@ impl Inner {
     /// How to run `call` on `bufs` through shared memory: by mailbox when
     /// small, directly when they lie in this communicator's shared buffers;
     /// `None` runs it as messages.
-    pub(super) fn shared_call(&self, call: &CallInfo, bufs: &Buffers) -> Option<SharedCall> {
+    pub(super) fn shared_call(&self, call: &CallInfo, bufs: &Buffers<'_>) -> Option<SharedCall> {
         self.all_shm()?;
         let len = bufs.addresses().1.len();
         let forced = match call.kind {
@@ -230,7 +230,7 @@ impl Inner {
 
     /// How to run `call` on `bufs` directly, if they lie in this
     /// communicator's shared buffers.
-    fn window_call(&self, call: &CallInfo, bufs: &Buffers) -> Option<WindowCall> {
+    fn window_call(&self, call: &CallInfo, bufs: &Buffers<'_>) -> Option<WindowCall> {
         let windows = lock(&self.windows);
         if windows.live.is_empty() {
             return None;
@@ -270,7 +270,7 @@ impl Inner {
     pub(super) fn run_shared(
         &self,
         how: &SharedCall,
-        bufs: &Buffers,
+        bufs: &Buffers<'_>,
         tag: u64,
         info: &CallInfo,
         watch: Option<&dyn Watch>,

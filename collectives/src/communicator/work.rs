@@ -63,6 +63,30 @@ impl Drop for Worker {
 }
 
 /// A handle to an operation in flight; gives its buffer back when it completes.
+///
+/// The operation owns its buffer meanwhile:
+///
+/// ```no_run
+/// # use chorus::{Communicator, ReduceOp};
+/// let comm = Communicator::from_env()?;
+/// let grads = vec![1.0f32; 1024];
+/// let work = comm.all_reduce_async(grads, ReduceOp::Sum);
+/// let grads = work.wait()?;
+/// # Ok::<(), chorus::Error>(())
+/// ```
+///
+/// A borrowed buffer does not compile, so the transport never writes memory that was
+/// freed while the operation ran:
+///
+/// ```compile_fail,E0597
+/// # use chorus::{Communicator, ReduceOp};
+/// let comm = Communicator::from_env()?;
+/// let mut grads = vec![1.0f32; 1024];
+/// let work = comm.all_reduce_async(&mut grads[..], ReduceOp::Sum);
+/// drop(grads);
+/// work.wait()?;
+/// # Ok::<(), chorus::Error>(())
+/// ```
 #[derive(Debug)]
 #[must_use = "an operation's result is only seen through its handle"]
 pub struct Work<B> {

@@ -1,7 +1,7 @@
 //! Algorithms as schedules: pure data saying, for one rank, which region of
 //! the buffer goes to which peer, what comes back, and what is reduced.
 //!
-//! A schedule knows nothing of sockets; [`crate::executor`] runs any schedule
+//! A schedule knows nothing of sockets; the executor runs any schedule
 //! over any transport, and the tests below run every schedule for hundreds of
 //! ranks in memory to prove it correct.
 

@@ -112,6 +112,8 @@ impl Liveness {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
     use super::*;
 
     #[test]
@@ -136,9 +138,16 @@ mod tests {
             w.fetch_add(1, Ordering::SeqCst);
             futex_wake(&w);
         });
+        // Without the wake the wait would run its full minute.
+        let start = Instant::now();
         while word.load(Ordering::SeqCst) == 0 {
-            futex_wait(&word, 0, Duration::from_secs(10));
+            futex_wait(&word, 0, Duration::from_secs(60));
         }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            start.elapsed()
+        );
         t.join().unwrap();
         // A word that already differs returns at once.
         futex_wait(&word, 0, Duration::from_secs(3600));
