@@ -582,6 +582,10 @@ mod tests {
             Ok(Request::new(peer, Direction::Recv, buf.len()).0)
         }
 
+        fn probe(&self, _: usize) -> Result<Option<(u64, usize)>, TransportError> {
+            Ok(None)
+        }
+
         fn abort(&self, _: &str) {
             self.aborted.store(true, Ordering::SeqCst);
         }
