@@ -9,7 +9,7 @@ use chorus_transport::auth::Auth;
 
 use crate::rendezvous::{self, Ranks};
 use crate::tuner::Forced;
-use crate::Error;
+use crate::{env, Error};
 
 /// How configuration reads a variable: its value, or `None` when unset.
 pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
@@ -79,6 +79,9 @@ pub enum StoreKind {
     },
 }
 
+/// Default of `MASTER_ADDR` where it may be left out (a job of one rank) and the launchers'
+/// default address of rank 0.
+pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 /// Defaults shared by `Config::new` and `Config::from_env`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default TCP sockets per peer (striping gained nothing on loopback; raise it on fast NICs).
@@ -140,11 +143,11 @@ impl Config {
     /// With `CHORUS_INIT_METHOD=file://...` this reads or writes that file.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
         let get: Lookup<'_> = &get;
-        let timeout = match optional::<f64>(get, "CHORUS_TIMEOUT")? {
+        let timeout = match optional::<f64>(get, env::CHORUS_TIMEOUT)? {
             Some(s) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s),
             Some(s) => {
                 return Err(bad(
-                    "CHORUS_TIMEOUT",
+                    env::CHORUS_TIMEOUT,
                     &s.to_string(),
                     "must be a positive number of seconds",
                 ))
@@ -152,35 +155,35 @@ impl Config {
             None => DEFAULT_TIMEOUT,
         };
         let found = rendezvous::detect(get)?;
-        let nsocks = optional(get, "CHORUS_NSOCKS")?.unwrap_or(DEFAULT_NSOCKS);
+        let nsocks = optional(get, env::CHORUS_NSOCKS)?.unwrap_or(DEFAULT_NSOCKS);
         if !(1..=64).contains(&nsocks) {
             return Err(bad(
-                "CHORUS_NSOCKS",
+                env::CHORUS_NSOCKS,
                 &nsocks.to_string(),
                 "must be between 1 and 64",
             ));
         }
-        let chunk_bytes = optional(get, "CHORUS_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES);
+        let chunk_bytes = optional(get, env::CHORUS_CHUNK_BYTES)?.unwrap_or(DEFAULT_CHUNK_BYTES);
         if chunk_bytes < 64 {
             return Err(bad(
-                "CHORUS_CHUNK_BYTES",
+                env::CHORUS_CHUNK_BYTES,
                 &chunk_bytes.to_string(),
                 "must be at least 64",
             ));
         }
-        let algo = optional(get, "CHORUS_ALGO")?.unwrap_or_default();
-        let alpha = positive(get, "CHORUS_ALPHA_US")?.map(|us| us * 1e-6);
-        let beta = positive(get, "CHORUS_BANDWIDTH_GBS")?.map(|gbs| gbs * 1e9);
-        let socket_addr = optional(get, "CHORUS_SOCKET_ADDR")?;
-        let transport = optional(get, "CHORUS_TRANSPORT")?.unwrap_or_default();
-        let host_id = get("CHORUS_HOST_ID").filter(|h| !h.trim().is_empty());
+        let algo = optional(get, env::CHORUS_ALGO)?.unwrap_or_default();
+        let alpha = positive(get, env::CHORUS_ALPHA_US)?.map(|us| us * 1e-6);
+        let beta = positive(get, env::CHORUS_BANDWIDTH_GBS)?.map(|gbs| gbs * 1e9);
+        let socket_addr = optional(get, env::CHORUS_SOCKET_ADDR)?;
+        let transport = optional(get, env::CHORUS_TRANSPORT)?.unwrap_or_default();
+        let host_id = get(env::CHORUS_HOST_ID).filter(|h| !h.trim().is_empty());
         let shm_single_copy =
-            optional(get, "CHORUS_SHM_SINGLE_COPY")?.unwrap_or(DEFAULT_SHM_SINGLE_COPY);
-        let watchdog = match optional::<f64>(get, "CHORUS_WATCHDOG")? {
+            optional(get, env::CHORUS_SHM_SINGLE_COPY)?.unwrap_or(DEFAULT_SHM_SINGLE_COPY);
+        let watchdog = match optional::<f64>(get, env::CHORUS_WATCHDOG)? {
             Some(f) if (0.0..1.0).contains(&f) => f,
             Some(f) => {
                 return Err(bad(
-                    "CHORUS_WATCHDOG",
+                    env::CHORUS_WATCHDOG,
                     &f.to_string(),
                     "must be a fraction of CHORUS_TIMEOUT, at least 0 and below 1",
                 ))
@@ -233,11 +236,15 @@ impl Config {
 
 /// The job's identity from the environment; every rank of a job reads the same values.
 fn job_auth(get: Lookup<'_>) -> Result<Auth, Error> {
-    let (var, job_id) = ["CHORUS_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"]
-        .into_iter()
-        .find_map(|var| get(var).filter(|v| !v.is_empty()).map(|v| (var, v)))
-        .unwrap_or(("CHORUS_JOB_ID", String::new()));
-    let token = get("CHORUS_AUTH_TOKEN").unwrap_or_default();
+    let (var, job_id) = [
+        env::CHORUS_JOB_ID,
+        env::TORCHELASTIC_RUN_ID,
+        env::SLURM_JOB_ID,
+    ]
+    .into_iter()
+    .find_map(|var| get(var).filter(|v| !v.is_empty()).map(|v| (var, v)))
+    .unwrap_or((env::CHORUS_JOB_ID, String::new()));
+    let token = get(env::CHORUS_AUTH_TOKEN).unwrap_or_default();
     Auth::new(job_id.clone(), token).map_err(|reason| bad(var, &job_id, &reason))
 }
 

@@ -1,11 +1,11 @@
 //! The launcher: runs `nproc_per_node` copies of a worker program on this host, as node
 //! `node_rank` of a job of `nnodes` nodes.
 //!
-//! Every worker gets torchrun's environment contract ([`ENV_MASTER_ADDR`], [`ENV_MASTER_PORT`],
-//! [`ENV_RANK`], [`ENV_WORLD_SIZE`], [`ENV_LOCAL_RANK`], [`ENV_LOCAL_WORLD_SIZE`],
-//! [`ENV_GROUP_RANK`], [`ENV_GROUP_WORLD_SIZE`], [`ENV_RESTART_COUNT`], [`ENV_MAX_RESTARTS`],
-//! [`ENV_RUN_ID`]) and, when the node's GPUs are given, its share of them
-//! ([`ENV_CUDA_VISIBLE_DEVICES`], [`ENV_DEVICE_IDS`], see [`gpus_for_local_rank`]), on top of
+//! Every worker gets torchrun's environment contract ([`MASTER_ADDR`](env::MASTER_ADDR), [`MASTER_PORT`](env::MASTER_PORT),
+//! [`RANK`](env::RANK), [`WORLD_SIZE`](env::WORLD_SIZE), [`LOCAL_RANK`](env::LOCAL_RANK), [`LOCAL_WORLD_SIZE`](env::LOCAL_WORLD_SIZE),
+//! [`GROUP_RANK`](env::GROUP_RANK), [`GROUP_WORLD_SIZE`](env::GROUP_WORLD_SIZE), [`TORCHELASTIC_RESTART_COUNT`](env::TORCHELASTIC_RESTART_COUNT), [`TORCHELASTIC_MAX_RESTARTS`](env::TORCHELASTIC_MAX_RESTARTS),
+//! [`TORCHELASTIC_RUN_ID`](env::TORCHELASTIC_RUN_ID)) and, when the node's GPUs are given, its share of them
+//! ([`CUDA_VISIBLE_DEVICES`](env::CUDA_VISIBLE_DEVICES), [`CHORUS_DEVICE_IDS`](env::CHORUS_DEVICE_IDS), see [`gpus_for_local_rank`]), on top of
 //! the launcher's own environment and the caller's extra variables. `RANK` is
 //! `node_rank * nproc_per_node + LOCAL_RANK`.
 //!
@@ -60,44 +60,8 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
-/// Env var: address of the rank-0 rendezvous host.
-pub const ENV_MASTER_ADDR: &str = "MASTER_ADDR";
-/// Env var: TCP port of the rank-0 rendezvous listener.
-pub const ENV_MASTER_PORT: &str = "MASTER_PORT";
-/// Env var: global rank of the worker, `0..WORLD_SIZE`.
-pub const ENV_RANK: &str = "RANK";
-/// Env var: total number of workers in the job.
-pub const ENV_WORLD_SIZE: &str = "WORLD_SIZE";
-/// Env var: rank of the worker among the workers on its node.
-pub const ENV_LOCAL_RANK: &str = "LOCAL_RANK";
-/// Env var: number of workers on the worker's node.
-pub const ENV_LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
-/// Env var: rank of the worker's node, `0..GROUP_WORLD_SIZE`.
-pub const ENV_GROUP_RANK: &str = "GROUP_RANK";
-/// Env var: number of nodes in the job.
-pub const ENV_GROUP_WORLD_SIZE: &str = "GROUP_WORLD_SIZE";
-/// Env var: how many times this node's workers have been restarted (0 at first).
-pub const ENV_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
-/// Env var: how many restarts the launcher allows.
-pub const ENV_MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
-/// Env var: the job's run id (`--run-id`).
-pub const ENV_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
-/// Env var: `True` when torchrun's agent serves torch's TCPStore at `MASTER_ADDR:MASTER_PORT`
-/// for its workers (set by torchrun, not by this launcher).
-pub const ENV_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
-/// Env var: where a failing worker writes the error torchrun's summary reports (set by
-/// torchrun; see [`write_error_file`]).
-pub const ENV_ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
-/// Env var: the GPUs CUDA lets the worker see (comma list).
-pub const ENV_CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
-/// Env var: the node's GPU ids given to the worker (comma list, same as
-/// `CUDA_VISIBLE_DEVICES`; inside the worker they are CUDA devices `0..n`).
-pub const ENV_DEVICE_IDS: &str = "CHORUS_DEVICE_IDS";
-/// The job's shared secret; a single-node launch generates one when none is given.
-pub const ENV_AUTH_TOKEN: &str = "CHORUS_AUTH_TOKEN";
+use crate::{env, DEFAULT_MASTER_ADDR};
 
-/// Master address used by [`LaunchSpec::new`].
-pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 /// Whole-job time limit used by [`LaunchSpec::new`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Run id used by [`LaunchSpec::new`] (torchrun's default).
@@ -672,7 +636,8 @@ pub(crate) fn free_port_on(addr: &str) -> io::Result<u16> {
 /// again, as there is no Python stack) and picks the failure with the smallest timestamp as the
 /// root cause. Fails if the file cannot be written.
 pub fn write_error_file(message: &str) -> io::Result<Option<PathBuf>> {
-    let Some(path) = std::env::var_os(ENV_ERROR_FILE).filter(|p| !p.is_empty()) else {
+    let Some(path) = std::env::var_os(env::TORCHELASTIC_ERROR_FILE).filter(|p| !p.is_empty())
+    else {
         return Ok(None);
     };
     let path = PathBuf::from(path);
@@ -708,13 +673,13 @@ fn error_file_json(message: &str, timestamp: u64) -> String {
 /// agree on generated secrets: there the user sets one on every node.)
 fn with_job_secret(spec: &LaunchSpec) -> LaunchSpec {
     let mut spec = spec.clone();
-    let given = spec.env.iter().any(|(k, _)| k == ENV_AUTH_TOKEN)
-        || std::env::var_os(ENV_AUTH_TOKEN).is_some();
+    let given = spec.env.iter().any(|(k, _)| k == env::CHORUS_AUTH_TOKEN)
+        || std::env::var_os(env::CHORUS_AUTH_TOKEN).is_some();
     if given || spec.nnodes > 1 {
         return spec;
     }
     match chorus_transport::auth::random_token() {
-        Ok(token) => spec.env.push((ENV_AUTH_TOKEN.to_string(), token)),
+        Ok(token) => spec.env.push((env::CHORUS_AUTH_TOKEN.to_string(), token)),
         Err(e) => warn!("the workers get no secret of their own: {e}"),
     }
     spec
@@ -989,20 +954,23 @@ fn worker_command(spec: &LaunchSpec, local: usize, port: u16, restart: u32) -> C
     if !spec.devices.is_empty() {
         let mine = &spec.devices[gpus_for_local_rank(local, nproc, spec.devices.len())];
         let list = mine.join(",");
-        cmd.env(ENV_CUDA_VISIBLE_DEVICES, &list)
-            .env(ENV_DEVICE_IDS, &list);
+        cmd.env(env::CUDA_VISIBLE_DEVICES, &list)
+            .env(env::CHORUS_DEVICE_IDS, &list);
     }
-    cmd.env(ENV_MASTER_ADDR, &spec.master_addr)
-        .env(ENV_MASTER_PORT, port.to_string())
-        .env(ENV_RANK, &rank)
-        .env(ENV_WORLD_SIZE, spec.world_size().to_string())
-        .env(ENV_LOCAL_RANK, local.to_string())
-        .env(ENV_LOCAL_WORLD_SIZE, nproc.to_string())
-        .env(ENV_GROUP_RANK, spec.node_rank.to_string())
-        .env(ENV_GROUP_WORLD_SIZE, spec.nnodes.to_string())
-        .env(ENV_RESTART_COUNT, restart.to_string())
-        .env(ENV_MAX_RESTARTS, spec.max_restarts.to_string())
-        .env(ENV_RUN_ID, &spec.run_id);
+    cmd.env(env::MASTER_ADDR, &spec.master_addr)
+        .env(env::MASTER_PORT, port.to_string())
+        .env(env::RANK, &rank)
+        .env(env::WORLD_SIZE, spec.world_size().to_string())
+        .env(env::LOCAL_RANK, local.to_string())
+        .env(env::LOCAL_WORLD_SIZE, nproc.to_string())
+        .env(env::GROUP_RANK, spec.node_rank.to_string())
+        .env(env::GROUP_WORLD_SIZE, spec.nnodes.to_string())
+        .env(env::TORCHELASTIC_RESTART_COUNT, restart.to_string())
+        .env(
+            env::TORCHELASTIC_MAX_RESTARTS,
+            spec.max_restarts.to_string(),
+        )
+        .env(env::TORCHELASTIC_RUN_ID, &spec.run_id);
     cmd
 }
 

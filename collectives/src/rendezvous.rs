@@ -27,11 +27,8 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::config::{bad, optional, Lookup, StoreKind};
-use crate::launch::{
-    ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_RESTART_COUNT, ENV_RUN_ID, ENV_USE_AGENT_STORE,
-};
-use crate::Error;
+use crate::config::{bad, optional, Lookup, StoreKind, DEFAULT_MASTER_ADDR};
+use crate::{env, Error};
 
 /// Offset of the store port derived from `SLURM_JOB_ID`.
 const SLURM_PORT_BASE: u16 = 10_000;
@@ -132,54 +129,54 @@ struct Vars {
 
 const TORCHRUN: Vars = Vars {
     method: Method::Torchrun,
-    rank: "RANK",
-    size: "WORLD_SIZE",
-    local_rank: "LOCAL_RANK",
-    local_size: "LOCAL_WORLD_SIZE",
+    rank: env::RANK,
+    size: env::WORLD_SIZE,
+    local_rank: env::LOCAL_RANK,
+    local_size: env::LOCAL_WORLD_SIZE,
 };
 
 /// The MPI flavours, in detection order.
 const MPI: [Vars; 3] = [
     Vars {
         method: Method::OpenMpi,
-        rank: "OMPI_COMM_WORLD_RANK",
-        size: "OMPI_COMM_WORLD_SIZE",
-        local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
-        local_size: "OMPI_COMM_WORLD_LOCAL_SIZE",
+        rank: env::OMPI_COMM_WORLD_RANK,
+        size: env::OMPI_COMM_WORLD_SIZE,
+        local_rank: env::OMPI_COMM_WORLD_LOCAL_RANK,
+        local_size: env::OMPI_COMM_WORLD_LOCAL_SIZE,
     },
     Vars {
         method: Method::Pmi,
-        rank: "PMI_RANK",
-        size: "PMI_SIZE",
-        local_rank: "MPI_LOCALRANKID",
-        local_size: "MPI_LOCALNRANKS",
+        rank: env::PMI_RANK,
+        size: env::PMI_SIZE,
+        local_rank: env::MPI_LOCALRANKID,
+        local_size: env::MPI_LOCALNRANKS,
     },
     Vars {
         method: Method::Mvapich2,
-        rank: "MV2_COMM_WORLD_RANK",
-        size: "MV2_COMM_WORLD_SIZE",
-        local_rank: "MV2_COMM_WORLD_LOCAL_RANK",
-        local_size: "MV2_COMM_WORLD_LOCAL_SIZE",
+        rank: env::MV2_COMM_WORLD_RANK,
+        size: env::MV2_COMM_WORLD_SIZE,
+        local_rank: env::MV2_COMM_WORLD_LOCAL_RANK,
+        local_size: env::MV2_COMM_WORLD_LOCAL_SIZE,
     },
 ];
 
 /// Every SLURM variable read, in the order error messages list them.
 const SLURM_VARS: [&str; 15] = [
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_NPROCS",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_NTASKS_PER_NODE",
-    "SLURM_TASKS_PER_NODE",
-    "SLURM_STEP_NODELIST",
-    "SLURM_JOB_NODELIST",
-    "SLURM_NODELIST",
-    "SLURM_JOB_ID",
-    "SLURM_JOBID",
-    "SLURM_STEP_ID",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+    env::SLURM_PROCID,
+    env::SLURM_NTASKS,
+    env::SLURM_NPROCS,
+    env::SLURM_LOCALID,
+    env::SLURM_NODEID,
+    env::SLURM_NTASKS_PER_NODE,
+    env::SLURM_TASKS_PER_NODE,
+    env::SLURM_STEP_NODELIST,
+    env::SLURM_JOB_NODELIST,
+    env::SLURM_NODELIST,
+    env::SLURM_JOB_ID,
+    env::SLURM_JOBID,
+    env::SLURM_STEP_ID,
+    env::MASTER_ADDR,
+    env::MASTER_PORT,
 ];
 
 /// Works out the job from the environment (see the module docs for the order).
@@ -187,12 +184,12 @@ const SLURM_VARS: [&str; 15] = [
 /// Fails naming the variable when one is missing, malformed or contradicts another, listing
 /// the related variables that were found.
 pub(crate) fn detect(get: Lookup<'_>) -> Result<Rendezvous, Error> {
-    if let Some(url) = value(get, "CHORUS_INIT_METHOD") {
+    if let Some(url) = value(get, env::CHORUS_INIT_METHOD) {
         return init_method(&url, get);
     }
     let (method, ranks) = launcher_ranks(get)?.ok_or_else(|| {
         bad(
-            "RANK",
+            env::RANK,
             "",
             "no launcher found: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as chorusrun \
              and torchrun do), start the processes with srun or mpirun, or set \
@@ -217,7 +214,7 @@ fn launcher_ranks(get: Lookup<'_>) -> Result<Option<(Method, Ranks)>, Error> {
         return standard_ranks(get, &TORCHRUN, false).map(|r| Some((Method::Torchrun, r)));
     }
     let mpi = MPI.iter().find(|v| value(get, v.rank).is_some());
-    let slurm = value(get, "SLURM_PROCID").is_some();
+    let slurm = value(get, env::SLURM_PROCID).is_some();
     match (slurm, mpi) {
         (false, None) => Ok(None),
         (true, None) => slurm_ranks(get).map(|r| Some((Method::Slurm, r))),
@@ -239,7 +236,7 @@ fn launcher_ranks(get: Lookup<'_>) -> Result<Option<(Method, Ranks)>, Error> {
                 vars.method,
                 mpi.rank,
                 mpi.world_size,
-                value(get, "SLURM_PROCID").unwrap_or_default(),
+                value(get, env::SLURM_PROCID).unwrap_or_default(),
                 vars.method
             );
             Ok(Some((vars.method, mpi)))
@@ -249,7 +246,7 @@ fn launcher_ranks(get: Lookup<'_>) -> Result<Option<(Method, Ranks)>, Error> {
 
 /// `CHORUS_INIT_METHOD`: `env://`, `tcp://HOST:PORT` or `file:///PATH`.
 fn init_method(url: &str, get: Lookup<'_>) -> Result<Rendezvous, Error> {
-    const VAR: &str = "CHORUS_INIT_METHOD";
+    const VAR: &str = env::CHORUS_INIT_METHOD;
     if url == "env://" {
         if value(get, TORCHRUN.rank).is_none() && value(get, TORCHRUN.size).is_none() {
             return Err(bad(
@@ -257,7 +254,15 @@ fn init_method(url: &str, get: Lookup<'_>) -> Result<Rendezvous, Error> {
                 url,
                 &format!(
                     "env:// needs RANK and WORLD_SIZE; found {}",
-                    found(get, &["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"])
+                    found(
+                        get,
+                        &[
+                            env::RANK,
+                            env::WORLD_SIZE,
+                            env::MASTER_ADDR,
+                            env::MASTER_PORT
+                        ]
+                    )
                 ),
             ));
         }
@@ -295,7 +300,7 @@ fn init_method(url: &str, get: Lookup<'_>) -> Result<Rendezvous, Error> {
     };
     let (source, ranks) = launcher_ranks(get)?.ok_or_else(|| {
         bad(
-            "RANK",
+            env::RANK,
             "",
             &format!(
                 "CHORUS_INIT_METHOD={url} says where rank 0 is but not which rank this is: set \
@@ -370,28 +375,29 @@ fn slurm_ranks(get: Lookup<'_>) -> Result<Ranks, Error> {
     let need = |var: &'static str| -> Result<usize, Error> {
         optional(get, var)?.ok_or_else(|| missing(get, var, &SLURM_VARS, method))
     };
-    let rank = need("SLURM_PROCID")?;
-    let world_size = match optional(get, "SLURM_NTASKS")? {
+    let rank = need(env::SLURM_PROCID)?;
+    let world_size = match optional(get, env::SLURM_NTASKS)? {
         Some(n) => n,
-        None => optional(get, "SLURM_NPROCS")?
-            .ok_or_else(|| missing(get, "SLURM_NTASKS", &SLURM_VARS, method))?,
+        None => optional(get, env::SLURM_NPROCS)?
+            .ok_or_else(|| missing(get, env::SLURM_NTASKS, &SLURM_VARS, method))?,
     };
-    let local_rank = need("SLURM_LOCALID")?;
-    let (local_world_size, local_var) = if let Some(n) = optional(get, "SLURM_NTASKS_PER_NODE")? {
-        (n, "SLURM_NTASKS_PER_NODE")
-    } else if let Some(list) = value(get, "SLURM_TASKS_PER_NODE") {
-        let node = need("SLURM_NODEID")?;
+    let local_rank = need(env::SLURM_LOCALID)?;
+    let (local_world_size, local_var) = if let Some(n) = optional(get, env::SLURM_NTASKS_PER_NODE)?
+    {
+        (n, env::SLURM_NTASKS_PER_NODE)
+    } else if let Some(list) = value(get, env::SLURM_TASKS_PER_NODE) {
+        let node = need(env::SLURM_NODEID)?;
         let n = tasks_on_node(&list, node).map_err(|reason| {
             bad(
-                "SLURM_TASKS_PER_NODE",
+                env::SLURM_TASKS_PER_NODE,
                 &list,
                 &format!("{reason} (SLURM_NODEID={node})"),
             )
         })?;
-        (n, "SLURM_TASKS_PER_NODE")
+        (n, env::SLURM_TASKS_PER_NODE)
     } else {
         return Err(bad(
-            "SLURM_TASKS_PER_NODE",
+            env::SLURM_TASKS_PER_NODE,
             "",
             &format!(
                 "found {} but neither SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set \
@@ -408,9 +414,9 @@ fn slurm_ranks(get: Lookup<'_>) -> Result<Ranks, Error> {
     };
     check(
         &ranks,
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "SLURM_LOCALID",
+        env::SLURM_PROCID,
+        env::SLURM_NTASKS,
+        env::SLURM_LOCALID,
         local_var,
     )?;
     Ok(ranks)
@@ -420,13 +426,13 @@ fn slurm_ranks(get: Lookup<'_>) -> Result<Ranks, Error> {
 /// derived from the job id.
 fn slurm_master(get: Lookup<'_>, ranks: &Ranks) -> Result<Master, Error> {
     let single = ranks.world_size == 1;
-    let addr = match value(get, "MASTER_ADDR") {
+    let addr = match value(get, env::MASTER_ADDR) {
         Some(addr) => addr,
         None => {
             let list = [
-                "SLURM_STEP_NODELIST",
-                "SLURM_JOB_NODELIST",
-                "SLURM_NODELIST",
+                env::SLURM_STEP_NODELIST,
+                env::SLURM_JOB_NODELIST,
+                env::SLURM_NODELIST,
             ]
             .into_iter()
             .find_map(|var| value(get, var).map(|list| (var, list)));
@@ -434,11 +440,11 @@ fn slurm_master(get: Lookup<'_>, ranks: &Ranks) -> Result<Master, Error> {
                 Some((var, list)) => {
                     first_host(&list).map_err(|reason| bad(var, &list, &reason))?
                 }
-                None if single => "127.0.0.1".to_string(),
+                None if single => DEFAULT_MASTER_ADDR.to_string(),
                 None => {
                     return Err(missing(
                         get,
-                        "SLURM_JOB_NODELIST",
+                        env::SLURM_JOB_NODELIST,
                         &SLURM_VARS,
                         Method::Slurm,
                     ))
@@ -446,15 +452,15 @@ fn slurm_master(get: Lookup<'_>, ranks: &Ranks) -> Result<Master, Error> {
             }
         }
     };
-    let job_id = match optional::<u64>(get, "SLURM_JOB_ID")? {
+    let job_id = match optional::<u64>(get, env::SLURM_JOB_ID)? {
         Some(id) => Some(id),
-        None => optional::<u64>(get, "SLURM_JOBID")?,
+        None => optional::<u64>(get, env::SLURM_JOBID)?,
     };
-    let port = match (optional::<u16>(get, "MASTER_PORT")?, job_id) {
+    let port = match (optional::<u16>(get, env::MASTER_PORT)?, job_id) {
         (Some(port), _) => port,
         (None, Some(id)) => slurm_port(id),
         (None, None) if single => 0,
-        (None, None) => return Err(missing(get, "SLURM_JOB_ID", &SLURM_VARS, Method::Slurm)),
+        (None, None) => return Err(missing(get, env::SLURM_JOB_ID, &SLURM_VARS, Method::Slurm)),
     };
     Ok(Master::Addr(addr, port))
 }
@@ -480,20 +486,20 @@ fn given_master(get: Lookup<'_>, ranks: &Ranks, method: Method) -> Result<Master
                     &[vars.rank, vars.size, vars.local_rank, vars.local_size]
                 )
             ),
-            None if var == "MASTER_ADDR" => "not set (the host of rank 0)".to_string(),
+            None if var == env::MASTER_ADDR => "not set (the host of rank 0)".to_string(),
             None => "not set (the port of rank 0's store)".to_string(),
         };
         bad(var, "", &reason)
     };
-    let addr = match value(get, "MASTER_ADDR") {
+    let addr = match value(get, env::MASTER_ADDR) {
         Some(addr) => addr,
-        None if single => "127.0.0.1".to_string(),
-        None => return Err(hint("MASTER_ADDR")),
+        None if single => DEFAULT_MASTER_ADDR.to_string(),
+        None => return Err(hint(env::MASTER_ADDR)),
     };
-    let port = match optional::<u16>(get, "MASTER_PORT")? {
+    let port = match optional::<u16>(get, env::MASTER_PORT)? {
         Some(port) => port,
         None if single => 0,
-        None => return Err(hint("MASTER_PORT")),
+        None => return Err(hint(env::MASTER_PORT)),
     };
     Ok(Master::Addr(addr, port))
 }
@@ -723,26 +729,28 @@ impl Master {
     ) -> Result<(String, u16), Error> {
         match self {
             Master::Addr(addr, port) => Ok((addr.clone(), *port)),
-            Master::File { .. } if ranks.world_size == 1 => Ok(("127.0.0.1".to_string(), 0)),
+            Master::File { .. } if ranks.world_size == 1 => {
+                Ok((DEFAULT_MASTER_ADDR.to_string(), 0))
+            }
             Master::File { path, url } => {
                 let run = run_token(get);
                 if ranks.rank == 0 {
-                    let addr = match value(get, "CHORUS_SOCKET_ADDR") {
+                    let addr = match value(get, env::CHORUS_SOCKET_ADDR) {
                         Some(addr) => addr,
                         None if ranks.local_world_size == ranks.world_size => {
                             "127.0.0.1".to_string()
                         }
                         None => host_name(),
                     };
-                    let port = match optional::<u16>(get, "MASTER_PORT")? {
+                    let port = match optional::<u16>(get, env::MASTER_PORT)? {
                         Some(port) if port != 0 => port,
                         _ => crate::launch::free_port_on("0.0.0.0").map_err(|e| {
-                            bad("CHORUS_INIT_METHOD", url, &format!("no free port: {e}"))
+                            bad(env::CHORUS_INIT_METHOD, url, &format!("no free port: {e}"))
                         })?,
                     };
                     publish(path, &run, &addr, port).map_err(|e| {
                         bad(
-                            "CHORUS_INIT_METHOD",
+                            env::CHORUS_INIT_METHOD,
                             url,
                             &format!("rank 0 cannot write {}: {e}", path.display()),
                         )
@@ -752,7 +760,7 @@ impl Master {
                 } else {
                     wait_for_file(path, &run, timeout).map_err(|reason| {
                         bad(
-                            "CHORUS_INIT_METHOD",
+                            env::CHORUS_INIT_METHOD,
                             url,
                             &format!("rank {} of {}: {reason}", ranks.rank, ranks.world_size),
                         )
@@ -767,9 +775,9 @@ impl Master {
 /// the one the agent names in `MASTER_ADDR` and `MASTER_PORT` (torch decides alike), else
 /// Chorus's own.
 pub(crate) fn store_kind(get: Lookup<'_>, master_addr: &str, master_port: u16) -> StoreKind {
-    let agent = value(get, ENV_USE_AGENT_STORE).as_deref() == Some("True")
-        && value(get, ENV_MASTER_ADDR).as_deref() == Some(master_addr)
-        && value(get, ENV_MASTER_PORT).and_then(|p| p.parse().ok()) == Some(master_port);
+    let agent = value(get, env::TORCHELASTIC_USE_AGENT_STORE).as_deref() == Some("True")
+        && value(get, env::MASTER_ADDR).as_deref() == Some(master_addr)
+        && value(get, env::MASTER_PORT).and_then(|p| p.parse().ok()) == Some(master_port);
     if agent {
         StoreKind::TorchAgent {
             run: run_token(get),
@@ -781,15 +789,16 @@ pub(crate) fn store_kind(get: Lookup<'_>, master_addr: &str, master_port: u16) -
 
 /// The run a rendezvous file, or torchrun's agent store, holds keys of (see [`Master::File`]).
 fn run_token(get: Lookup<'_>) -> String {
-    let token = if let Some(id) = value(get, ENV_RUN_ID) {
-        let restart = value(get, ENV_RESTART_COUNT).unwrap_or_else(|| "0".into());
+    let token = if let Some(id) = value(get, env::TORCHELASTIC_RUN_ID) {
+        let restart = value(get, env::TORCHELASTIC_RESTART_COUNT).unwrap_or_else(|| "0".into());
         format!("{id}/{restart}")
-    } else if let Some(job) = value(get, "SLURM_JOB_ID").or_else(|| value(get, "SLURM_JOBID")) {
-        let step = value(get, "SLURM_STEP_ID")
-            .or_else(|| value(get, "SLURM_STEPID"))
+    } else if let Some(job) = value(get, env::SLURM_JOB_ID).or_else(|| value(get, env::SLURM_JOBID))
+    {
+        let step = value(get, env::SLURM_STEP_ID)
+            .or_else(|| value(get, env::SLURM_STEPID))
             .unwrap_or_else(|| "-".into());
         format!("slurm-{job}.{step}")
-    } else if let Some(ns) = value(get, "PMIX_NAMESPACE") {
+    } else if let Some(ns) = value(get, env::PMIX_NAMESPACE) {
         ns
     } else {
         "-".to_string()
@@ -868,7 +877,7 @@ fn wait_for_file(path: &Path, run: &str, timeout: Duration) -> Result<(String, u
 fn host_name() -> String {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
+        .or_else(|| std::env::var(env::HOSTNAME).ok())
         .map(|n| n.trim().to_string())
         .filter(|n| !n.is_empty());
     name.unwrap_or_else(|| {

@@ -10,15 +10,21 @@ use std::path::Path;
 use std::time::Duration;
 
 use chorus::launch::{launch, LaunchReport, LaunchSpec, Output};
-use chorus::{DType, ReduceOp};
+use chorus::{env, DType, ReduceOp};
 
 /// Sends `tracing` output to stderr, filtered by `CHORUS_DEBUG` (for the test binaries).
 pub fn init_logging() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env(env::CHORUS_DEBUG))
         .with_writer(std::io::stderr)
         .init();
 }
+
+/// The test worker's variable: `1` makes it allocate its buffers with `alloc_shared`.
+pub const CHORUS_TEST_SHARED: &str = "CHORUS_TEST_SHARED";
+/// The test worker's variable: ranks per simulated host (each group of this many consecutive
+/// ranks gets a host id of its own).
+pub const CHORUS_TEST_RANKS_PER_HOST: &str = "CHORUS_TEST_RANKS_PER_HOST";
 
 /// Bound on one whole multi-process test.
 pub const JOB_TIMEOUT: Duration = Duration::from_secs(240);
@@ -37,7 +43,7 @@ pub fn run(world: usize, program: &Path, args: &[&str], env: &[(&str, &str)]) ->
         .args(args.iter().copied())
         .timeout(JOB_TIMEOUT)
         .output(Output::Capture)
-        .env("CHORUS_TIMEOUT", "30");
+        .env(env::CHORUS_TIMEOUT, "30");
     for (k, v) in env {
         spec = spec.env(*k, *v);
     }
@@ -171,12 +177,12 @@ pub fn run_one(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Durat
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
+        env::RANK,
+        env::WORLD_SIZE,
+        env::LOCAL_RANK,
+        env::LOCAL_WORLD_SIZE,
+        env::MASTER_ADDR,
+        env::MASTER_PORT,
     ] {
         cmd.env_remove(var);
     }

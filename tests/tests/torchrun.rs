@@ -27,7 +27,8 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The Python that has torch 2.x, or `None` after printing (past the harness's capture) why
 /// the test skips.
 fn torch_python() -> Option<String> {
-    let python = std::env::var("CHORUS_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let python =
+        std::env::var(chorus::env::CHORUS_TORCH_PYTHON).unwrap_or_else(|_| "python3".into());
     let probe = Command::new(&python)
         .args(["-c", "import torch; print(torch.__version__)"])
         .output();

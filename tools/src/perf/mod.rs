@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime};
 
 use chorus::launch::{launch, LaunchSpec, Output};
-use chorus::{Communicator, ReduceOp};
+use chorus::{env, Communicator, ReduceOp};
 
 pub use args::{parse_size, Args, Average};
 use buffer::Buffer;
@@ -26,7 +26,7 @@ use report::{Device, Row, Timing};
 /// The main of a perf binary: starts local ranks for `-np`, or runs as one rank.
 pub fn main(collective: &Collective) -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env(env::CHORUS_DEBUG))
         .with_writer(std::io::stderr)
         .init();
     let args = Args::from_env();
@@ -34,7 +34,7 @@ pub fn main(collective: &Collective) -> ExitCode {
     let result = args
         .check_op(collective.reduces())
         .and_then(|()| match args.np {
-            Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
+            Some(np) if std::env::var_os(env::RANK).is_none() => spawn_ranks(&args, np),
             _ => run_rank(collective, &args, &program),
         });
     crate::finish(&program, result)

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use chorus::ddp::{Compression, Ddp, DdpOptions, DistributedSampler};
 use chorus::launch::{launch, LaunchSpec, Output};
-use chorus::{Communicator, Config, ReduceOp};
+use chorus::{env, Communicator, Config, ReduceOp};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -99,13 +99,13 @@ const EVAL_BATCH: usize = 500;
 /// The `train` binary: starts local ranks for `-np`, or runs as one rank.
 pub fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env(env::CHORUS_DEBUG))
         .with_writer(std::io::stderr)
         .init();
     let argv = std::env::args_os().map(|a| if a == "-np" { "--np".into() } else { a });
     let args = Args::parse_from(argv);
     let result = match args.np {
-        Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
+        Some(np) if std::env::var_os(env::RANK).is_none() => spawn_ranks(&args, np),
         _ => run_rank(&args),
     };
     crate::finish("train", result)
@@ -221,7 +221,9 @@ fn run_rank(args: &Args) -> Result<(), String> {
 fn join() -> Result<Communicator, String> {
     let config = match Config::from_env() {
         Err(chorus::Error::Config {
-            var: "RANK", value, ..
+            var: env::RANK,
+            value,
+            ..
         }) if value.is_empty() => Config::new(0, 1, "127.0.0.1", 0),
         other => other.map_err(|e| e.to_string())?,
     };
