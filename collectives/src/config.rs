@@ -1,11 +1,12 @@
 //! Configuration: one typed `Config`, read from the environment or built in code.
 
 use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chorus_transport::TransportKind;
-
 use chorus_transport::auth::Auth;
+use chorus_transport::store::StoreServer;
+use chorus_transport::TransportKind;
 
 use crate::rendezvous::{self, Ranks};
 use crate::tuner::Forced;
@@ -62,6 +63,26 @@ pub struct Config {
     /// The rendezvous store ranks meet through: torchrun's agent store when
     /// `TORCHELASTIC_USE_AGENT_STORE` is `True`, else Chorus's own.
     pub store: StoreKind,
+    /// The store rank 0 already bound at `master_port` while reading its configuration.
+    pub(crate) bound_store: BoundStore,
+}
+
+/// A store this process bound while its configuration was read: rank 0 of a `file://`
+/// rendezvous binds its store before it publishes the port. The first communicator made from
+/// the configuration (or a clone of it) serves it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct BoundStore(Option<Arc<Mutex<Option<StoreServer>>>>);
+
+impl BoundStore {
+    fn new(server: Option<StoreServer>) -> BoundStore {
+        BoundStore(server.map(|s| Arc::new(Mutex::new(Some(s)))))
+    }
+
+    /// The bound store, if there is one and no communicator has taken it yet.
+    pub(crate) fn take(&self) -> Option<StoreServer> {
+        let slot = self.0.as_ref()?;
+        slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
 
 /// The rendezvous store at `MASTER_ADDR:MASTER_PORT`.
@@ -121,6 +142,7 @@ impl Config {
             watchdog: DEFAULT_WATCHDOG,
             auth: Auth::default(),
             store: StoreKind::Chorus,
+            bound_store: BoundStore::default(),
         }
     }
 
@@ -131,9 +153,15 @@ impl Config {
     /// contract (`RANK`, `WORLD_SIZE`, ..., as chorusrun sets it), SLURM (`srun`), Open MPI,
     /// MPICH/Intel MPI (PMI) and MVAPICH2; see the README's "Launching jobs".
     ///
+    /// With `CHORUS_INIT_METHOD=file://...`, rank 0 binds its store here (on `MASTER_PORT`,
+    /// else on any free port, which `master_port` then names) before it writes the port into
+    /// the file, and the first [`Communicator`](crate::Communicator) made from this
+    /// configuration serves that store.
+    ///
     /// Fails naming the variable when one is missing, malformed or contradicts another (listing
     /// the related variables found), when RANK is not below WORLD_SIZE, or, for `file://`,
-    /// when rank 0's address does not appear in the file within `CHORUS_TIMEOUT`.
+    /// when rank 0 cannot bind its store or rank 0's address does not appear in the file within
+    /// `CHORUS_TIMEOUT`.
     pub fn from_env() -> Result<Config, Error> {
         Config::from_lookup(|k| std::env::var(k).ok())
     }
@@ -192,7 +220,8 @@ impl Config {
         };
         let auth = job_auth(get)?;
         // Last, since for file:// rank 0 publishes its address here.
-        let (master_addr, master_port) = found.master.resolve(&found.ranks, timeout, get)?;
+        let (master_addr, master_port, bound) =
+            found.master.resolve(&found.ranks, timeout, get, &auth)?;
         let store = rendezvous::store_kind(get, &master_addr, master_port);
         let Ranks {
             rank,
@@ -230,6 +259,7 @@ impl Config {
             host_id,
             shm_single_copy,
             store,
+            bound_store: BoundStore::new(bound),
         })
     }
 }

@@ -24,8 +24,12 @@
 
 use std::fmt;
 use std::io::{self, Write};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use chorus_transport::auth::Auth;
+use chorus_transport::store::StoreServer;
 
 use crate::config::{bad, optional, Lookup, StoreKind, DEFAULT_MASTER_ADDR};
 use crate::{env, Error};
@@ -94,10 +98,10 @@ pub(crate) enum Master {
     /// Published through a file on a shared filesystem (`file://`).
     ///
     /// Protocol: rank 0 picks its address (`CHORUS_SOCKET_ADDR`; else `127.0.0.1` when the
-    /// whole job is on its host, else its host name) and port (`MASTER_PORT`, else a free
-    /// one), writes `chorus-rendezvous-v1 run=<run> addr=<host> port=<port>` into a temporary
-    /// file beside the path and renames it over the path (atomic: readers see all of it or
-    /// none). Every other rank polls the path until it holds a line for its own run, or
+    /// whole job is on its host, else its host name), binds its store on `MASTER_PORT` (else
+    /// on any free port: the port is bound before it is published), writes
+    /// `chorus-rendezvous-v1 run=<run> addr=<host> port=<port>` into a temporary file beside
+    /// the path and renames it over the path (atomic: readers see all of it or none). Every other rank polls the path until it holds a line for its own run, or
     /// `CHORUS_TIMEOUT` passes. `<run>` is `TORCHELASTIC_RUN_ID/TORCHELASTIC_RESTART_COUNT`,
     /// else `slurm-SLURM_JOB_ID.SLURM_STEP_ID`, else `PMIX_NAMESPACE`, else `-`, so a file left
     /// by an earlier attempt is not mistaken for this one's; with none of those set, use a path
@@ -719,18 +723,25 @@ pub(crate) fn first_host(list: &str) -> Result<String, String> {
 }
 
 impl Master {
-    /// The store's host and port; for `file://` this writes (rank 0) or waits for (others)
-    /// the shared file, within `timeout`.
+    /// The store's host and port, and the store itself when this process had to bind it to
+    /// learn its port; for `file://` this writes (rank 0) or waits for (others) the shared
+    /// file, within `timeout`.
+    ///
+    /// Rank 0 of a `file://` rendezvous binds its store (with `auth`) before it publishes the
+    /// port, on `MASTER_PORT` or else on any free port, so that the port it publishes is
+    /// already its own; only where torchrun's agent serves its store at `MASTER_PORT` (see
+    /// [`store_kind`]) does it publish that one without binding anything.
     pub(crate) fn resolve(
         &self,
         ranks: &Ranks,
         timeout: Duration,
         get: Lookup<'_>,
-    ) -> Result<(String, u16), Error> {
+        auth: &Auth,
+    ) -> Result<(String, u16, Option<StoreServer>), Error> {
         match self {
-            Master::Addr(addr, port) => Ok((addr.clone(), *port)),
+            Master::Addr(addr, port) => Ok((addr.clone(), *port, None)),
             Master::File { .. } if ranks.world_size == 1 => {
-                Ok((DEFAULT_MASTER_ADDR.to_string(), 0))
+                Ok((DEFAULT_MASTER_ADDR.to_string(), 0, None))
             }
             Master::File { path, url } => {
                 let run = run_token(get);
@@ -742,11 +753,14 @@ impl Master {
                         }
                         None => host_name(),
                     };
-                    let port = match optional::<u16>(get, env::MASTER_PORT)? {
-                        Some(port) if port != 0 => port,
-                        _ => crate::launch::free_port_on("0.0.0.0").map_err(|e| {
-                            bad(env::CHORUS_INIT_METHOD, url, &format!("no free port: {e}"))
-                        })?,
+                    let given = optional::<u16>(get, env::MASTER_PORT)?.unwrap_or(0);
+                    let agent = given != 0 && store_kind(get, &addr, given) != StoreKind::Chorus;
+                    let (port, server) = if agent {
+                        (given, None)
+                    } else {
+                        let any = SocketAddr::from(([0, 0, 0, 0], given));
+                        let server = StoreServer::bind_with_auth(any, auth.clone())?;
+                        (server.local_addr().port(), Some(server))
                     };
                     publish(path, &run, &addr, port).map_err(|e| {
                         bad(
@@ -756,15 +770,16 @@ impl Master {
                         )
                     })?;
                     tracing::info!(path = %path.display(), %addr, port, %run, "published the store address");
-                    Ok((addr, port))
+                    Ok((addr, port, server))
                 } else {
-                    wait_for_file(path, &run, timeout).map_err(|reason| {
+                    let (addr, port) = wait_for_file(path, &run, timeout).map_err(|reason| {
                         bad(
                             env::CHORUS_INIT_METHOD,
                             url,
                             &format!("rank {} of {}: {reason}", ranks.rank, ranks.world_size),
                         )
-                    })
+                    })?;
+                    Ok((addr, port, None))
                 }
             }
         }
@@ -1411,29 +1426,29 @@ mod tests {
     fn file_protocol() {
         let path = scratch_file("ok");
         let master = file_master(&path);
-        let env = |port: &'static str| {
-            move |k: &str| match k {
-                "TORCHELASTIC_RUN_ID" => Some("job7".to_string()),
-                "MASTER_PORT" => Some(port.to_string()),
-                _ => None,
-            }
-        };
-        // Rank 1 starts waiting first; rank 0 publishes; rank 1 reads what rank 0 wrote.
+        let auth = Auth::default();
+        let env = |k: &str| (k == "TORCHELASTIC_RUN_ID").then(|| "job7".to_string());
+        // Rank 1 starts waiting first; rank 0 binds its store, then publishes its port; rank 1
+        // reads what rank 0 wrote.
         let reader = {
             let master = master.clone();
             std::thread::spawn(move || {
-                master.resolve(&ranks(1, 2, 1, 2), Duration::from_secs(20), &env(""))
+                let auth = Auth::default();
+                master.resolve(&ranks(1, 2, 1, 2), Duration::from_secs(20), &env, &auth)
             })
         };
-        let writer = master
-            .resolve(&ranks(0, 2, 0, 2), Duration::from_secs(20), &env("29123"))
+        let (host, port, server) = master
+            .resolve(&ranks(0, 2, 0, 2), Duration::from_secs(20), &env, &auth)
             .unwrap();
-        assert_eq!(writer, ("127.0.0.1".to_string(), 29_123));
-        assert_eq!(reader.join().unwrap().unwrap(), writer);
+        assert_eq!(host, "127.0.0.1");
+        assert_eq!(server.expect("rank 0's store").local_addr().port(), port);
+        let (read_host, read_port, none) = reader.join().unwrap().unwrap();
+        assert_eq!((read_host.as_str(), read_port), ("127.0.0.1", port));
+        assert!(none.is_none());
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(
             text,
-            "chorus-rendezvous-v1 run=job7/0 addr=127.0.0.1 port=29123\n"
+            format!("chorus-rendezvous-v1 run=job7/0 addr=127.0.0.1 port={port}\n")
         );
         // No temporary file left beside it.
         assert_eq!(
@@ -1441,13 +1456,38 @@ mod tests {
             1
         );
 
-        // Rank 0 of a multi-node job publishes CHORUS_SOCKET_ADDR, or a free port.
+        // Rank 0 of a multi-node job publishes CHORUS_SOCKET_ADDR.
         let get = |k: &str| (k == "CHORUS_SOCKET_ADDR").then(|| "10.9.8.7".to_string());
-        let (host, port) = master
-            .resolve(&ranks(0, 4, 0, 2), Duration::from_secs(1), &get)
+        let (host, port, server) = master
+            .resolve(&ranks(0, 4, 0, 2), Duration::from_secs(1), &get, &auth)
             .unwrap();
         assert_eq!(host, "10.9.8.7");
-        assert_ne!(port, 0);
+        assert_eq!(server.expect("rank 0's store").local_addr().port(), port);
+
+        // A MASTER_PORT in use is rank 0's error, unless torchrun's agent serves its store
+        // there: then that is the store, and rank 0 publishes it without binding anything.
+        let agent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let busy = agent.local_addr().unwrap().port().to_string();
+        let given = |k: &str| (k == "MASTER_PORT").then(|| busy.clone());
+        let err = master
+            .resolve(&ranks(0, 2, 0, 2), Duration::from_secs(1), &given, &auth)
+            .unwrap_err()
+            .to_string();
+        assert_mentions(&err, &[&busy, "rendezvous store"]);
+        let torchrun = |k: &str| match k {
+            "MASTER_PORT" => Some(busy.clone()),
+            "MASTER_ADDR" => Some("127.0.0.1".to_string()),
+            "TORCHELASTIC_USE_AGENT_STORE" => Some("True".to_string()),
+            _ => None,
+        };
+        let (host, port, server) = master
+            .resolve(&ranks(0, 2, 0, 2), Duration::from_secs(1), &torchrun, &auth)
+            .unwrap();
+        assert_eq!(
+            (host.as_str(), port.to_string()),
+            ("127.0.0.1", busy.clone())
+        );
+        assert!(server.is_none());
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
@@ -1456,9 +1496,10 @@ mod tests {
         let path = scratch_file("errors");
         let master = file_master(&path);
         let none = |_: &str| None;
+        let auth = Auth::default();
         let wait = |get: &dyn Fn(&str) -> Option<String>| {
             master
-                .resolve(&ranks(2, 3, 2, 3), Duration::from_millis(100), get)
+                .resolve(&ranks(2, 3, 2, 3), Duration::from_millis(100), get, &auth)
                 .unwrap_err()
                 .to_string()
         };
@@ -1491,7 +1532,7 @@ mod tests {
         // Rank 0 cannot write into a missing directory.
         let bad_dir = file_master(&path.join("missing/dir/file"));
         let err = bad_dir
-            .resolve(&ranks(0, 2, 0, 2), Duration::from_millis(100), &none)
+            .resolve(&ranks(0, 2, 0, 2), Duration::from_millis(100), &none, &auth)
             .unwrap_err()
             .to_string();
         assert_mentions(&err, &["rank 0 cannot write"]);
@@ -1499,9 +1540,10 @@ mod tests {
         let single = file_master(Path::new("/nonexistent/never"));
         assert_eq!(
             single
-                .resolve(&ranks(0, 1, 0, 1), Duration::from_millis(1), &none)
+                .resolve(&ranks(0, 1, 0, 1), Duration::from_millis(1), &none, &auth)
+                .map(|(host, port, server)| (host, port, server.is_none()))
                 .unwrap(),
-            ("127.0.0.1".to_string(), 0)
+            ("127.0.0.1".to_string(), 0, true)
         );
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
