@@ -42,7 +42,7 @@ pub const TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
 /// workers (set by torchrun only).
 pub const TORCHELASTIC_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 /// Where a failing worker records its error for torchrun's summary (set by torchrun only; see
-/// [`write_error_file`](crate::launch::write_error_file)).
+/// [`write_error_file`](crate::torchrun::write_error_file)).
 pub const TORCHELASTIC_ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
 /// Threads of OpenMP and of torch's CPU kernels; chorusrun sets it to 1 when it is unset, as
 /// torchrun does.

@@ -28,10 +28,10 @@ pub mod ddp;
 pub mod env;
 mod error;
 pub mod executor;
-pub mod launch;
 pub mod pattern;
 mod rendezvous;
 pub mod schedule;
+pub mod torchrun;
 pub mod tuner;
 
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};

@@ -1,5 +1,5 @@
 //! The loopback test harness: starts W real worker processes through
-//! [`chorus::launch`] (the launcher the tools use), with the same environment
+//! [`chorus_launch`] (the launcher the tools use), with the same environment
 //! contract users use, and checks what they report.
 //!
 //! Also holds the test case description the worker and the tests share.
@@ -9,8 +9,8 @@ use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
-use chorus::launch::{launch, LaunchReport, LaunchSpec, Output};
 use chorus::{env, DType, ReduceOp};
+use chorus_launch::{launch, LaunchReport, LaunchSpec, Output};
 
 /// Sends `tracing` output to stderr, filtered by `CHORUS_DEBUG` (for the test binaries).
 pub fn init_logging() {
@@ -29,15 +29,12 @@ pub const CHORUS_TEST_RANKS_PER_HOST: &str = "CHORUS_TEST_RANKS_PER_HOST";
 /// Bound on one whole multi-process test.
 pub const JOB_TIMEOUT: Duration = Duration::from_secs(240);
 
-/// Launches of one job at most, when its port is taken before rank 0 binds it.
-const PORT_ATTEMPTS: usize = 3;
-
 /// Starts `world` workers running `program args..` and waits for them.
 ///
 /// Every worker gets `CHORUS_TIMEOUT=30` (so a broken collective fails in
 /// seconds, not minutes) plus `env`. Panics only if the launch itself fails.
-/// The launcher picks a free port, which another process may take before
-/// rank 0 binds it; such a job never started, so it runs again.
+/// The launcher reserves rank 0's port until the job ends, so no other process
+/// can take it before rank 0 binds it.
 pub fn run(world: usize, program: &Path, args: &[&str], env: &[(&str, &str)]) -> LaunchReport {
     let mut spec = LaunchSpec::new(program, world)
         .args(args.iter().copied())
@@ -47,19 +44,7 @@ pub fn run(world: usize, program: &Path, args: &[&str], env: &[(&str, &str)]) ->
     for (k, v) in env {
         spec = spec.env(*k, *v);
     }
-    let launch_once =
-        || launch(&spec).unwrap_or_else(|e| panic!("cannot launch {}: {e}", program.display()));
-    for _ in 1..PORT_ATTEMPTS {
-        let report = launch_once();
-        let lost_port = report.ranks.iter().any(|r| {
-            r.stderr
-                .contains("for the rendezvous store: Address already in use")
-        });
-        if !lost_port {
-            return report;
-        }
-    }
-    launch_once()
+    launch(&spec).unwrap_or_else(|e| panic!("cannot launch {}: {e}", program.display()))
 }
 
 /// Panics with the launcher's summary and every rank's stderr unless all ranks succeeded.

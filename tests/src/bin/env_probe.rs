@@ -228,7 +228,7 @@ fn elastic(failing: usize) -> Result<u8, String> {
         }
         let message = format!("env_probe: rank {rank} fails on purpose in attempt 0");
         eprintln!("{message}");
-        chorus::launch::write_error_file(&message).map_err(|e| e.to_string())?;
+        chorus::torchrun::write_error_file(&message).map_err(|e| e.to_string())?;
         return Ok(7);
     }
     check_all_reduce(&comm, 1000)?;

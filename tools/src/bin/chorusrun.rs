@@ -1,5 +1,5 @@
 //! `chorusrun`: starts the workers of a Chorus job on this node, with torchrun's flags and
-//! environment contract, on top of [`chorus::launch`].
+//! environment contract, on top of [`chorus_launch`].
 //!
 //! ```text
 //! chorusrun --standalone --nproc-per-node 4 ./train --epochs 3
@@ -24,7 +24,7 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use chorus::env;
-use chorus::launch::{launch, Interrupt, LaunchSpec, Output, DEFAULT_RUN_ID};
+use chorus_launch::{launch, Interrupt, LaunchSpec, Output, DEFAULT_RUN_ID};
 use clap::Parser;
 use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::EnvFilter;
@@ -68,7 +68,8 @@ struct Args {
     #[arg(long = "master-port", alias = "master_port")]
     master_port: Option<u16>,
 
-    /// Single-node job on 127.0.0.1 with a free port chosen by chorusrun.
+    /// Single-node job on 127.0.0.1 with a free port that chorusrun reserves for rank 0's store
+    /// until the job ends.
     #[arg(long)]
     standalone: bool,
 
@@ -155,7 +156,7 @@ fn run(args: Args) -> Result<u8, String> {
         .timeout(args.timeout.unwrap_or(Duration::MAX));
     if args.standalone {
         if args.master_port.is_some() {
-            tracing::warn!("--standalone picks a free port: --master-port is ignored");
+            tracing::warn!("--standalone reserves a free port: --master-port is ignored");
         }
         spec = spec.master_addr(chorus::DEFAULT_MASTER_ADDR);
     } else {

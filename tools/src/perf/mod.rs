@@ -11,8 +11,8 @@ use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime};
 
-use chorus::launch::{launch, LaunchSpec, Output};
 use chorus::{env, Communicator, ReduceOp};
+use chorus_launch::{launch, LaunchSpec, Output};
 
 pub use args::{parse_size, Args, Average};
 use buffer::Buffer;

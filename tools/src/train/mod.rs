@@ -15,8 +15,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use chorus::ddp::{Compression, Ddp, DdpOptions, DistributedSampler};
-use chorus::launch::{launch, LaunchSpec, Output};
 use chorus::{env, Communicator, Config, ReduceOp};
+use chorus_launch::{launch, LaunchSpec, Output};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
