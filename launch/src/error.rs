@@ -3,7 +3,10 @@
 use std::io;
 use std::path::PathBuf;
 
-/// Why [`launch`](crate::launch) could not run the job at all.
+use crate::LaunchReport;
+
+/// Why [`launch`](crate::launch) could not run the job at all, or why the job of
+/// [`run_copies`](crate::run_copies) did not succeed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LaunchError {
@@ -35,6 +38,13 @@ pub enum LaunchError {
     /// No master port could be reserved (see [`PortReservation`](crate::PortReservation)).
     #[error("could not reserve a master port: {0}")]
     Port(#[source] io::Error),
+    /// The running program cannot find its own file (to start copies of it).
+    #[error("cannot find the running program: {0}")]
+    CurrentExe(#[source] io::Error),
+    /// The job ran and did not succeed (only from [`run_copies`](crate::run_copies)): its
+    /// report, shown as the summary and the stderr of the rank that failed first.
+    #[error("{}", failure(.0))]
+    Failed(Box<LaunchReport>),
     /// A log directory or file could not be created.
     #[error("cannot create log file {path}: {source}", path = path.display())]
     LogFile {
@@ -44,4 +54,17 @@ pub enum LaunchError {
         #[source]
         source: io::Error,
     },
+}
+
+/// The summary of a failed job, then the stderr of the rank that failed first.
+fn failure(report: &LaunchReport) -> String {
+    let mut text = report.summary();
+    if let Some(failed) = report.first_failure() {
+        text.push_str(&format!(
+            "\n--- rank {} stderr:\n{}",
+            failed.rank,
+            failed.stderr.trim_end()
+        ));
+    }
+    text
 }

@@ -23,8 +23,8 @@
 //! running (or unreaped) when [`launch`] returns, also when it returns an error or unwinds from
 //! a panic.
 //!
-//! Used by `chorusrun`, the perf tools' and `train`'s `-np W`, the test harness and the
-//! benchmarks.
+//! Used by `chorusrun`, the perf tools' and `train`'s `-np W` ([`run_copies`]), the test
+//! harness and the benchmarks.
 //!
 //! ```no_run
 //! use chorus_launch::{launch, LaunchSpec, Output};
@@ -50,6 +50,7 @@
 //! when its workers fail (the peers of a dead worker fail in turn and restart too) and the
 //! store port stays the same.
 
+mod copies;
 mod error;
 mod output;
 mod port;
@@ -59,6 +60,7 @@ mod spec;
 
 use std::time::Duration;
 
+pub use copies::run_copies;
 pub use error::LaunchError;
 pub use port::PortReservation;
 pub use report::{Exit, LaunchReport, RankOutcome};

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use chorus::ddp::{Compression, Ddp, DdpOptions, DistributedSampler};
 use chorus::{env, Communicator, Config, ReduceOp};
-use chorus_launch::{launch, LaunchSpec, Output};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -111,26 +110,12 @@ pub fn main() -> ExitCode {
     crate::finish("train", result)
 }
 
-/// Starts `np` ranks of this program on this host (they see `RANK` and ignore `-np`).
+/// Starts `np` ranks of this program on this host (they see `RANK` and ignore `-np`); rank
+/// 0's output is shown.
 fn spawn_ranks(args: &Args, np: usize) -> Result<(), String> {
-    if np == 0 {
-        return Err("-np must be at least 1".into());
-    }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
-    let spec = LaunchSpec::new(exe, np)
-        .args(std::env::args_os().skip(1))
-        .output(Output::RankZero)
-        .timeout(Duration::from_secs(args.job_timeout));
-    let report = launch(&spec).map_err(|e| e.to_string())?;
-    match report.first_failure() {
-        None => Ok(()),
-        Some(failed) => Err(format!(
-            "{}\n--- rank {} stderr:\n{}",
-            report.summary(),
-            failed.rank,
-            failed.stderr.trim_end()
-        )),
-    }
+    let forwarded = std::env::args_os().skip(1);
+    chorus_launch::run_copies(np, forwarded, Duration::from_secs(args.job_timeout))
+        .map_err(|e| e.to_string())
 }
 
 /// Progress through an epoch: an indicatif bar, or plain lines.
