@@ -615,7 +615,7 @@ fn advertised_addr(config: &Config) -> Result<IpAddr> {
         Ok(probe.local_addr()?.ip())
     };
     route().map_err(|e| Error::Config {
-        var: "MASTER_ADDR",
+        var: crate::env::MASTER_ADDR,
         value: config.master_addr.clone(),
         reason: format!("no route to it from this host ({e}); set CHORUS_SOCKET_ADDR"),
     })

@@ -209,7 +209,7 @@ fn join() -> Result<Communicator, String> {
             var: env::RANK,
             value,
             ..
-        }) if value.is_empty() => Config::new(0, 1, "127.0.0.1", 0),
+        }) if value.is_empty() => Config::new(0, 1, chorus::DEFAULT_MASTER_ADDR, 0),
         other => other.map_err(|e| e.to_string())?,
     };
     Communicator::new(config).map_err(|e| e.to_string())
