@@ -1,15 +1,16 @@
 //! Configuration: one typed `Config`, read from the environment or built in code.
 
 use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chorus_transport::TransportKind;
-
 use chorus_transport::auth::Auth;
+use chorus_transport::store::StoreServer;
+use chorus_transport::TransportKind;
 
 use crate::rendezvous::{self, Ranks};
 use crate::tuner::Forced;
-use crate::Error;
+use crate::{env, Error};
 
 /// How configuration reads a variable: its value, or `None` when unset.
 pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
@@ -62,6 +63,26 @@ pub struct Config {
     /// The rendezvous store ranks meet through: torchrun's agent store when
     /// `TORCHELASTIC_USE_AGENT_STORE` is `True`, else Chorus's own.
     pub store: StoreKind,
+    /// The store rank 0 already bound at `master_port` while reading its configuration.
+    pub(crate) bound_store: BoundStore,
+}
+
+/// A store this process bound while its configuration was read: rank 0 of a `file://`
+/// rendezvous binds its store before it publishes the port. The first communicator made from
+/// the configuration (or a clone of it) serves it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct BoundStore(Option<Arc<Mutex<Option<StoreServer>>>>);
+
+impl BoundStore {
+    fn new(server: Option<StoreServer>) -> BoundStore {
+        BoundStore(server.map(|s| Arc::new(Mutex::new(Some(s)))))
+    }
+
+    /// The bound store, if there is one and no communicator has taken it yet.
+    pub(crate) fn take(&self) -> Option<StoreServer> {
+        let slot = self.0.as_ref()?;
+        slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
 
 /// The rendezvous store at `MASTER_ADDR:MASTER_PORT`.
@@ -79,6 +100,9 @@ pub enum StoreKind {
     },
 }
 
+/// Default of `MASTER_ADDR` where it may be left out (a job of one rank) and the launchers'
+/// default address of rank 0.
+pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 /// Defaults shared by `Config::new` and `Config::from_env`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default TCP sockets per peer (striping gained nothing on loopback; raise it on fast NICs).
@@ -118,6 +142,7 @@ impl Config {
             watchdog: DEFAULT_WATCHDOG,
             auth: Auth::default(),
             store: StoreKind::Chorus,
+            bound_store: BoundStore::default(),
         }
     }
 
@@ -128,9 +153,15 @@ impl Config {
     /// contract (`RANK`, `WORLD_SIZE`, ..., as chorusrun sets it), SLURM (`srun`), Open MPI,
     /// MPICH/Intel MPI (PMI) and MVAPICH2; see the README's "Launching jobs".
     ///
+    /// With `CHORUS_INIT_METHOD=file://...`, rank 0 binds its store here (on `MASTER_PORT`,
+    /// else on any free port, which `master_port` then names) before it writes the port into
+    /// the file, and the first [`Communicator`](crate::Communicator) made from this
+    /// configuration serves that store.
+    ///
     /// Fails naming the variable when one is missing, malformed or contradicts another (listing
     /// the related variables found), when RANK is not below WORLD_SIZE, or, for `file://`,
-    /// when rank 0's address does not appear in the file within `CHORUS_TIMEOUT`.
+    /// when rank 0 cannot bind its store or rank 0's address does not appear in the file within
+    /// `CHORUS_TIMEOUT`.
     pub fn from_env() -> Result<Config, Error> {
         Config::from_lookup(|k| std::env::var(k).ok())
     }
@@ -140,11 +171,11 @@ impl Config {
     /// With `CHORUS_INIT_METHOD=file://...` this reads or writes that file.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
         let get: Lookup<'_> = &get;
-        let timeout = match optional::<f64>(get, "CHORUS_TIMEOUT")? {
+        let timeout = match optional::<f64>(get, env::CHORUS_TIMEOUT)? {
             Some(s) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s),
             Some(s) => {
                 return Err(bad(
-                    "CHORUS_TIMEOUT",
+                    env::CHORUS_TIMEOUT,
                     &s.to_string(),
                     "must be a positive number of seconds",
                 ))
@@ -152,35 +183,35 @@ impl Config {
             None => DEFAULT_TIMEOUT,
         };
         let found = rendezvous::detect(get)?;
-        let nsocks = optional(get, "CHORUS_NSOCKS")?.unwrap_or(DEFAULT_NSOCKS);
+        let nsocks = optional(get, env::CHORUS_NSOCKS)?.unwrap_or(DEFAULT_NSOCKS);
         if !(1..=64).contains(&nsocks) {
             return Err(bad(
-                "CHORUS_NSOCKS",
+                env::CHORUS_NSOCKS,
                 &nsocks.to_string(),
                 "must be between 1 and 64",
             ));
         }
-        let chunk_bytes = optional(get, "CHORUS_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES);
+        let chunk_bytes = optional(get, env::CHORUS_CHUNK_BYTES)?.unwrap_or(DEFAULT_CHUNK_BYTES);
         if chunk_bytes < 64 {
             return Err(bad(
-                "CHORUS_CHUNK_BYTES",
+                env::CHORUS_CHUNK_BYTES,
                 &chunk_bytes.to_string(),
                 "must be at least 64",
             ));
         }
-        let algo = optional(get, "CHORUS_ALGO")?.unwrap_or_default();
-        let alpha = positive(get, "CHORUS_ALPHA_US")?.map(|us| us * 1e-6);
-        let beta = positive(get, "CHORUS_BANDWIDTH_GBS")?.map(|gbs| gbs * 1e9);
-        let socket_addr = optional(get, "CHORUS_SOCKET_ADDR")?;
-        let transport = optional(get, "CHORUS_TRANSPORT")?.unwrap_or_default();
-        let host_id = get("CHORUS_HOST_ID").filter(|h| !h.trim().is_empty());
+        let algo = optional(get, env::CHORUS_ALGO)?.unwrap_or_default();
+        let alpha = positive(get, env::CHORUS_ALPHA_US)?.map(|us| us * 1e-6);
+        let beta = positive(get, env::CHORUS_BANDWIDTH_GBS)?.map(|gbs| gbs * 1e9);
+        let socket_addr = optional(get, env::CHORUS_SOCKET_ADDR)?;
+        let transport = optional(get, env::CHORUS_TRANSPORT)?.unwrap_or_default();
+        let host_id = get(env::CHORUS_HOST_ID).filter(|h| !h.trim().is_empty());
         let shm_single_copy =
-            optional(get, "CHORUS_SHM_SINGLE_COPY")?.unwrap_or(DEFAULT_SHM_SINGLE_COPY);
-        let watchdog = match optional::<f64>(get, "CHORUS_WATCHDOG")? {
+            optional(get, env::CHORUS_SHM_SINGLE_COPY)?.unwrap_or(DEFAULT_SHM_SINGLE_COPY);
+        let watchdog = match optional::<f64>(get, env::CHORUS_WATCHDOG)? {
             Some(f) if (0.0..1.0).contains(&f) => f,
             Some(f) => {
                 return Err(bad(
-                    "CHORUS_WATCHDOG",
+                    env::CHORUS_WATCHDOG,
                     &f.to_string(),
                     "must be a fraction of CHORUS_TIMEOUT, at least 0 and below 1",
                 ))
@@ -189,7 +220,8 @@ impl Config {
         };
         let auth = job_auth(get)?;
         // Last, since for file:// rank 0 publishes its address here.
-        let (master_addr, master_port) = found.master.resolve(&found.ranks, timeout, get)?;
+        let (master_addr, master_port, bound) =
+            found.master.resolve(&found.ranks, timeout, get, &auth)?;
         let store = rendezvous::store_kind(get, &master_addr, master_port);
         let Ranks {
             rank,
@@ -227,17 +259,22 @@ impl Config {
             host_id,
             shm_single_copy,
             store,
+            bound_store: BoundStore::new(bound),
         })
     }
 }
 
 /// The job's identity from the environment; every rank of a job reads the same values.
 fn job_auth(get: Lookup<'_>) -> Result<Auth, Error> {
-    let (var, job_id) = ["CHORUS_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"]
-        .into_iter()
-        .find_map(|var| get(var).filter(|v| !v.is_empty()).map(|v| (var, v)))
-        .unwrap_or(("CHORUS_JOB_ID", String::new()));
-    let token = get("CHORUS_AUTH_TOKEN").unwrap_or_default();
+    let (var, job_id) = [
+        env::CHORUS_JOB_ID,
+        env::TORCHELASTIC_RUN_ID,
+        env::SLURM_JOB_ID,
+    ]
+    .into_iter()
+    .find_map(|var| get(var).filter(|v| !v.is_empty()).map(|v| (var, v)))
+    .unwrap_or((env::CHORUS_JOB_ID, String::new()));
+    let token = get(env::CHORUS_AUTH_TOKEN).unwrap_or_default();
     Auth::new(job_id.clone(), token).map_err(|reason| bad(var, &job_id, &reason))
 }
 

@@ -25,12 +25,13 @@ mod communicator;
 mod config;
 pub mod cost;
 pub mod ddp;
+pub mod env;
 mod error;
 mod executor;
-pub mod launch;
 pub mod pattern;
 mod rendezvous;
 pub mod schedule;
+pub mod torchrun;
 pub mod tuner;
 
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
@@ -38,6 +39,7 @@ pub use chorus_transport::auth::Auth;
 pub use chorus_transport::TransportKind;
 pub use communicator::{Communicator, Group, SharedBuffer, Work};
 pub use config::{
-    hostname, Config, StoreKind, DEFAULT_CHUNK_BYTES, DEFAULT_NSOCKS, DEFAULT_TIMEOUT,
+    hostname, Config, StoreKind, DEFAULT_CHUNK_BYTES, DEFAULT_MASTER_ADDR, DEFAULT_NSOCKS,
+    DEFAULT_TIMEOUT,
 };
 pub use error::{Error, Result};

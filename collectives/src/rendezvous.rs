@@ -24,14 +24,15 @@
 
 use std::fmt;
 use std::io::{self, Write};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::config::{bad, optional, Lookup, StoreKind};
-use crate::launch::{
-    ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_RESTART_COUNT, ENV_RUN_ID, ENV_USE_AGENT_STORE,
-};
-use crate::Error;
+use chorus_transport::auth::Auth;
+use chorus_transport::store::StoreServer;
+
+use crate::config::{bad, optional, Lookup, StoreKind, DEFAULT_MASTER_ADDR};
+use crate::{env, Error};
 
 /// Offset of the store port derived from `SLURM_JOB_ID`.
 const SLURM_PORT_BASE: u16 = 10_000;
@@ -97,10 +98,10 @@ pub(crate) enum Master {
     /// Published through a file on a shared filesystem (`file://`).
     ///
     /// Protocol: rank 0 picks its address (`CHORUS_SOCKET_ADDR`; else `127.0.0.1` when the
-    /// whole job is on its host, else its host name) and port (`MASTER_PORT`, else a free
-    /// one), writes `chorus-rendezvous-v1 run=<run> addr=<host> port=<port>` into a temporary
-    /// file beside the path and renames it over the path (atomic: readers see all of it or
-    /// none). Every other rank polls the path until it holds a line for its own run, or
+    /// whole job is on its host, else its host name), binds its store on `MASTER_PORT` (else
+    /// on any free port: the port is bound before it is published), writes
+    /// `chorus-rendezvous-v1 run=<run> addr=<host> port=<port>` into a temporary file beside
+    /// the path and renames it over the path (atomic: readers see all of it or none). Every other rank polls the path until it holds a line for its own run, or
     /// `CHORUS_TIMEOUT` passes. `<run>` is `TORCHELASTIC_RUN_ID/TORCHELASTIC_RESTART_COUNT`,
     /// else `slurm-SLURM_JOB_ID.SLURM_STEP_ID`, else `PMIX_NAMESPACE`, else `-`, so a file left
     /// by an earlier attempt is not mistaken for this one's; with none of those set, use a path
@@ -132,54 +133,54 @@ struct Vars {
 
 const TORCHRUN: Vars = Vars {
     method: Method::Torchrun,
-    rank: "RANK",
-    size: "WORLD_SIZE",
-    local_rank: "LOCAL_RANK",
-    local_size: "LOCAL_WORLD_SIZE",
+    rank: env::RANK,
+    size: env::WORLD_SIZE,
+    local_rank: env::LOCAL_RANK,
+    local_size: env::LOCAL_WORLD_SIZE,
 };
 
 /// The MPI flavours, in detection order.
 const MPI: [Vars; 3] = [
     Vars {
         method: Method::OpenMpi,
-        rank: "OMPI_COMM_WORLD_RANK",
-        size: "OMPI_COMM_WORLD_SIZE",
-        local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
-        local_size: "OMPI_COMM_WORLD_LOCAL_SIZE",
+        rank: env::OMPI_COMM_WORLD_RANK,
+        size: env::OMPI_COMM_WORLD_SIZE,
+        local_rank: env::OMPI_COMM_WORLD_LOCAL_RANK,
+        local_size: env::OMPI_COMM_WORLD_LOCAL_SIZE,
     },
     Vars {
         method: Method::Pmi,
-        rank: "PMI_RANK",
-        size: "PMI_SIZE",
-        local_rank: "MPI_LOCALRANKID",
-        local_size: "MPI_LOCALNRANKS",
+        rank: env::PMI_RANK,
+        size: env::PMI_SIZE,
+        local_rank: env::MPI_LOCALRANKID,
+        local_size: env::MPI_LOCALNRANKS,
     },
     Vars {
         method: Method::Mvapich2,
-        rank: "MV2_COMM_WORLD_RANK",
-        size: "MV2_COMM_WORLD_SIZE",
-        local_rank: "MV2_COMM_WORLD_LOCAL_RANK",
-        local_size: "MV2_COMM_WORLD_LOCAL_SIZE",
+        rank: env::MV2_COMM_WORLD_RANK,
+        size: env::MV2_COMM_WORLD_SIZE,
+        local_rank: env::MV2_COMM_WORLD_LOCAL_RANK,
+        local_size: env::MV2_COMM_WORLD_LOCAL_SIZE,
     },
 ];
 
 /// Every SLURM variable read, in the order error messages list them.
 const SLURM_VARS: [&str; 15] = [
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_NPROCS",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_NTASKS_PER_NODE",
-    "SLURM_TASKS_PER_NODE",
-    "SLURM_STEP_NODELIST",
-    "SLURM_JOB_NODELIST",
-    "SLURM_NODELIST",
-    "SLURM_JOB_ID",
-    "SLURM_JOBID",
-    "SLURM_STEP_ID",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+    env::SLURM_PROCID,
+    env::SLURM_NTASKS,
+    env::SLURM_NPROCS,
+    env::SLURM_LOCALID,
+    env::SLURM_NODEID,
+    env::SLURM_NTASKS_PER_NODE,
+    env::SLURM_TASKS_PER_NODE,
+    env::SLURM_STEP_NODELIST,
+    env::SLURM_JOB_NODELIST,
+    env::SLURM_NODELIST,
+    env::SLURM_JOB_ID,
+    env::SLURM_JOBID,
+    env::SLURM_STEP_ID,
+    env::MASTER_ADDR,
+    env::MASTER_PORT,
 ];
 
 /// Works out the job from the environment (see the module docs for the order).
@@ -187,12 +188,12 @@ const SLURM_VARS: [&str; 15] = [
 /// Fails naming the variable when one is missing, malformed or contradicts another, listing
 /// the related variables that were found.
 pub(crate) fn detect(get: Lookup<'_>) -> Result<Rendezvous, Error> {
-    if let Some(url) = value(get, "CHORUS_INIT_METHOD") {
+    if let Some(url) = value(get, env::CHORUS_INIT_METHOD) {
         return init_method(&url, get);
     }
     let (method, ranks) = launcher_ranks(get)?.ok_or_else(|| {
         bad(
-            "RANK",
+            env::RANK,
             "",
             "no launcher found: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as chorusrun \
              and torchrun do), start the processes with srun or mpirun, or set \
@@ -217,7 +218,7 @@ fn launcher_ranks(get: Lookup<'_>) -> Result<Option<(Method, Ranks)>, Error> {
         return standard_ranks(get, &TORCHRUN, false).map(|r| Some((Method::Torchrun, r)));
     }
     let mpi = MPI.iter().find(|v| value(get, v.rank).is_some());
-    let slurm = value(get, "SLURM_PROCID").is_some();
+    let slurm = value(get, env::SLURM_PROCID).is_some();
     match (slurm, mpi) {
         (false, None) => Ok(None),
         (true, None) => slurm_ranks(get).map(|r| Some((Method::Slurm, r))),
@@ -239,7 +240,7 @@ fn launcher_ranks(get: Lookup<'_>) -> Result<Option<(Method, Ranks)>, Error> {
                 vars.method,
                 mpi.rank,
                 mpi.world_size,
-                value(get, "SLURM_PROCID").unwrap_or_default(),
+                value(get, env::SLURM_PROCID).unwrap_or_default(),
                 vars.method
             );
             Ok(Some((vars.method, mpi)))
@@ -249,7 +250,7 @@ fn launcher_ranks(get: Lookup<'_>) -> Result<Option<(Method, Ranks)>, Error> {
 
 /// `CHORUS_INIT_METHOD`: `env://`, `tcp://HOST:PORT` or `file:///PATH`.
 fn init_method(url: &str, get: Lookup<'_>) -> Result<Rendezvous, Error> {
-    const VAR: &str = "CHORUS_INIT_METHOD";
+    const VAR: &str = env::CHORUS_INIT_METHOD;
     if url == "env://" {
         if value(get, TORCHRUN.rank).is_none() && value(get, TORCHRUN.size).is_none() {
             return Err(bad(
@@ -257,7 +258,15 @@ fn init_method(url: &str, get: Lookup<'_>) -> Result<Rendezvous, Error> {
                 url,
                 &format!(
                     "env:// needs RANK and WORLD_SIZE; found {}",
-                    found(get, &["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"])
+                    found(
+                        get,
+                        &[
+                            env::RANK,
+                            env::WORLD_SIZE,
+                            env::MASTER_ADDR,
+                            env::MASTER_PORT
+                        ]
+                    )
                 ),
             ));
         }
@@ -295,7 +304,7 @@ fn init_method(url: &str, get: Lookup<'_>) -> Result<Rendezvous, Error> {
     };
     let (source, ranks) = launcher_ranks(get)?.ok_or_else(|| {
         bad(
-            "RANK",
+            env::RANK,
             "",
             &format!(
                 "CHORUS_INIT_METHOD={url} says where rank 0 is but not which rank this is: set \
@@ -370,28 +379,29 @@ fn slurm_ranks(get: Lookup<'_>) -> Result<Ranks, Error> {
     let need = |var: &'static str| -> Result<usize, Error> {
         optional(get, var)?.ok_or_else(|| missing(get, var, &SLURM_VARS, method))
     };
-    let rank = need("SLURM_PROCID")?;
-    let world_size = match optional(get, "SLURM_NTASKS")? {
+    let rank = need(env::SLURM_PROCID)?;
+    let world_size = match optional(get, env::SLURM_NTASKS)? {
         Some(n) => n,
-        None => optional(get, "SLURM_NPROCS")?
-            .ok_or_else(|| missing(get, "SLURM_NTASKS", &SLURM_VARS, method))?,
+        None => optional(get, env::SLURM_NPROCS)?
+            .ok_or_else(|| missing(get, env::SLURM_NTASKS, &SLURM_VARS, method))?,
     };
-    let local_rank = need("SLURM_LOCALID")?;
-    let (local_world_size, local_var) = if let Some(n) = optional(get, "SLURM_NTASKS_PER_NODE")? {
-        (n, "SLURM_NTASKS_PER_NODE")
-    } else if let Some(list) = value(get, "SLURM_TASKS_PER_NODE") {
-        let node = need("SLURM_NODEID")?;
+    let local_rank = need(env::SLURM_LOCALID)?;
+    let (local_world_size, local_var) = if let Some(n) = optional(get, env::SLURM_NTASKS_PER_NODE)?
+    {
+        (n, env::SLURM_NTASKS_PER_NODE)
+    } else if let Some(list) = value(get, env::SLURM_TASKS_PER_NODE) {
+        let node = need(env::SLURM_NODEID)?;
         let n = tasks_on_node(&list, node).map_err(|reason| {
             bad(
-                "SLURM_TASKS_PER_NODE",
+                env::SLURM_TASKS_PER_NODE,
                 &list,
                 &format!("{reason} (SLURM_NODEID={node})"),
             )
         })?;
-        (n, "SLURM_TASKS_PER_NODE")
+        (n, env::SLURM_TASKS_PER_NODE)
     } else {
         return Err(bad(
-            "SLURM_TASKS_PER_NODE",
+            env::SLURM_TASKS_PER_NODE,
             "",
             &format!(
                 "found {} but neither SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set \
@@ -408,9 +418,9 @@ fn slurm_ranks(get: Lookup<'_>) -> Result<Ranks, Error> {
     };
     check(
         &ranks,
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "SLURM_LOCALID",
+        env::SLURM_PROCID,
+        env::SLURM_NTASKS,
+        env::SLURM_LOCALID,
         local_var,
     )?;
     Ok(ranks)
@@ -420,13 +430,13 @@ fn slurm_ranks(get: Lookup<'_>) -> Result<Ranks, Error> {
 /// derived from the job id.
 fn slurm_master(get: Lookup<'_>, ranks: &Ranks) -> Result<Master, Error> {
     let single = ranks.world_size == 1;
-    let addr = match value(get, "MASTER_ADDR") {
+    let addr = match value(get, env::MASTER_ADDR) {
         Some(addr) => addr,
         None => {
             let list = [
-                "SLURM_STEP_NODELIST",
-                "SLURM_JOB_NODELIST",
-                "SLURM_NODELIST",
+                env::SLURM_STEP_NODELIST,
+                env::SLURM_JOB_NODELIST,
+                env::SLURM_NODELIST,
             ]
             .into_iter()
             .find_map(|var| value(get, var).map(|list| (var, list)));
@@ -434,11 +444,11 @@ fn slurm_master(get: Lookup<'_>, ranks: &Ranks) -> Result<Master, Error> {
                 Some((var, list)) => {
                     first_host(&list).map_err(|reason| bad(var, &list, &reason))?
                 }
-                None if single => "127.0.0.1".to_string(),
+                None if single => DEFAULT_MASTER_ADDR.to_string(),
                 None => {
                     return Err(missing(
                         get,
-                        "SLURM_JOB_NODELIST",
+                        env::SLURM_JOB_NODELIST,
                         &SLURM_VARS,
                         Method::Slurm,
                     ))
@@ -446,15 +456,15 @@ fn slurm_master(get: Lookup<'_>, ranks: &Ranks) -> Result<Master, Error> {
             }
         }
     };
-    let job_id = match optional::<u64>(get, "SLURM_JOB_ID")? {
+    let job_id = match optional::<u64>(get, env::SLURM_JOB_ID)? {
         Some(id) => Some(id),
-        None => optional::<u64>(get, "SLURM_JOBID")?,
+        None => optional::<u64>(get, env::SLURM_JOBID)?,
     };
-    let port = match (optional::<u16>(get, "MASTER_PORT")?, job_id) {
+    let port = match (optional::<u16>(get, env::MASTER_PORT)?, job_id) {
         (Some(port), _) => port,
         (None, Some(id)) => slurm_port(id),
         (None, None) if single => 0,
-        (None, None) => return Err(missing(get, "SLURM_JOB_ID", &SLURM_VARS, Method::Slurm)),
+        (None, None) => return Err(missing(get, env::SLURM_JOB_ID, &SLURM_VARS, Method::Slurm)),
     };
     Ok(Master::Addr(addr, port))
 }
@@ -480,20 +490,20 @@ fn given_master(get: Lookup<'_>, ranks: &Ranks, method: Method) -> Result<Master
                     &[vars.rank, vars.size, vars.local_rank, vars.local_size]
                 )
             ),
-            None if var == "MASTER_ADDR" => "not set (the host of rank 0)".to_string(),
+            None if var == env::MASTER_ADDR => "not set (the host of rank 0)".to_string(),
             None => "not set (the port of rank 0's store)".to_string(),
         };
         bad(var, "", &reason)
     };
-    let addr = match value(get, "MASTER_ADDR") {
+    let addr = match value(get, env::MASTER_ADDR) {
         Some(addr) => addr,
-        None if single => "127.0.0.1".to_string(),
-        None => return Err(hint("MASTER_ADDR")),
+        None if single => DEFAULT_MASTER_ADDR.to_string(),
+        None => return Err(hint(env::MASTER_ADDR)),
     };
-    let port = match optional::<u16>(get, "MASTER_PORT")? {
+    let port = match optional::<u16>(get, env::MASTER_PORT)? {
         Some(port) => port,
         None if single => 0,
-        None => return Err(hint("MASTER_PORT")),
+        None => return Err(hint(env::MASTER_PORT)),
     };
     Ok(Master::Addr(addr, port))
 }
@@ -713,50 +723,63 @@ pub(crate) fn first_host(list: &str) -> Result<String, String> {
 }
 
 impl Master {
-    /// The store's host and port; for `file://` this writes (rank 0) or waits for (others)
-    /// the shared file, within `timeout`.
+    /// The store's host and port, and the store itself when this process had to bind it to
+    /// learn its port; for `file://` this writes (rank 0) or waits for (others) the shared
+    /// file, within `timeout`.
+    ///
+    /// Rank 0 of a `file://` rendezvous binds its store (with `auth`) before it publishes the
+    /// port, on `MASTER_PORT` or else on any free port, so that the port it publishes is
+    /// already its own; only where torchrun's agent serves its store at `MASTER_PORT` (see
+    /// [`store_kind`]) does it publish that one without binding anything.
     pub(crate) fn resolve(
         &self,
         ranks: &Ranks,
         timeout: Duration,
         get: Lookup<'_>,
-    ) -> Result<(String, u16), Error> {
+        auth: &Auth,
+    ) -> Result<(String, u16, Option<StoreServer>), Error> {
         match self {
-            Master::Addr(addr, port) => Ok((addr.clone(), *port)),
-            Master::File { .. } if ranks.world_size == 1 => Ok(("127.0.0.1".to_string(), 0)),
+            Master::Addr(addr, port) => Ok((addr.clone(), *port, None)),
+            Master::File { .. } if ranks.world_size == 1 => {
+                Ok((DEFAULT_MASTER_ADDR.to_string(), 0, None))
+            }
             Master::File { path, url } => {
                 let run = run_token(get);
                 if ranks.rank == 0 {
-                    let addr = match value(get, "CHORUS_SOCKET_ADDR") {
+                    let addr = match value(get, env::CHORUS_SOCKET_ADDR) {
                         Some(addr) => addr,
                         None if ranks.local_world_size == ranks.world_size => {
                             "127.0.0.1".to_string()
                         }
                         None => host_name(),
                     };
-                    let port = match optional::<u16>(get, "MASTER_PORT")? {
-                        Some(port) if port != 0 => port,
-                        _ => crate::launch::free_port_on("0.0.0.0").map_err(|e| {
-                            bad("CHORUS_INIT_METHOD", url, &format!("no free port: {e}"))
-                        })?,
+                    let given = optional::<u16>(get, env::MASTER_PORT)?.unwrap_or(0);
+                    let agent = given != 0 && store_kind(get, &addr, given) != StoreKind::Chorus;
+                    let (port, server) = if agent {
+                        (given, None)
+                    } else {
+                        let any = SocketAddr::from(([0, 0, 0, 0], given));
+                        let server = StoreServer::bind_with_auth(any, auth.clone())?;
+                        (server.local_addr().port(), Some(server))
                     };
                     publish(path, &run, &addr, port).map_err(|e| {
                         bad(
-                            "CHORUS_INIT_METHOD",
+                            env::CHORUS_INIT_METHOD,
                             url,
                             &format!("rank 0 cannot write {}: {e}", path.display()),
                         )
                     })?;
                     tracing::info!(path = %path.display(), %addr, port, %run, "published the store address");
-                    Ok((addr, port))
+                    Ok((addr, port, server))
                 } else {
-                    wait_for_file(path, &run, timeout).map_err(|reason| {
+                    let (addr, port) = wait_for_file(path, &run, timeout).map_err(|reason| {
                         bad(
-                            "CHORUS_INIT_METHOD",
+                            env::CHORUS_INIT_METHOD,
                             url,
                             &format!("rank {} of {}: {reason}", ranks.rank, ranks.world_size),
                         )
-                    })
+                    })?;
+                    Ok((addr, port, None))
                 }
             }
         }
@@ -767,9 +790,9 @@ impl Master {
 /// the one the agent names in `MASTER_ADDR` and `MASTER_PORT` (torch decides alike), else
 /// Chorus's own.
 pub(crate) fn store_kind(get: Lookup<'_>, master_addr: &str, master_port: u16) -> StoreKind {
-    let agent = value(get, ENV_USE_AGENT_STORE).as_deref() == Some("True")
-        && value(get, ENV_MASTER_ADDR).as_deref() == Some(master_addr)
-        && value(get, ENV_MASTER_PORT).and_then(|p| p.parse().ok()) == Some(master_port);
+    let agent = value(get, env::TORCHELASTIC_USE_AGENT_STORE).as_deref() == Some("True")
+        && value(get, env::MASTER_ADDR).as_deref() == Some(master_addr)
+        && value(get, env::MASTER_PORT).and_then(|p| p.parse().ok()) == Some(master_port);
     if agent {
         StoreKind::TorchAgent {
             run: run_token(get),
@@ -781,15 +804,16 @@ pub(crate) fn store_kind(get: Lookup<'_>, master_addr: &str, master_port: u16) -
 
 /// The run a rendezvous file, or torchrun's agent store, holds keys of (see [`Master::File`]).
 fn run_token(get: Lookup<'_>) -> String {
-    let token = if let Some(id) = value(get, ENV_RUN_ID) {
-        let restart = value(get, ENV_RESTART_COUNT).unwrap_or_else(|| "0".into());
+    let token = if let Some(id) = value(get, env::TORCHELASTIC_RUN_ID) {
+        let restart = value(get, env::TORCHELASTIC_RESTART_COUNT).unwrap_or_else(|| "0".into());
         format!("{id}/{restart}")
-    } else if let Some(job) = value(get, "SLURM_JOB_ID").or_else(|| value(get, "SLURM_JOBID")) {
-        let step = value(get, "SLURM_STEP_ID")
-            .or_else(|| value(get, "SLURM_STEPID"))
+    } else if let Some(job) = value(get, env::SLURM_JOB_ID).or_else(|| value(get, env::SLURM_JOBID))
+    {
+        let step = value(get, env::SLURM_STEP_ID)
+            .or_else(|| value(get, env::SLURM_STEPID))
             .unwrap_or_else(|| "-".into());
         format!("slurm-{job}.{step}")
-    } else if let Some(ns) = value(get, "PMIX_NAMESPACE") {
+    } else if let Some(ns) = value(get, env::PMIX_NAMESPACE) {
         ns
     } else {
         "-".to_string()
@@ -868,7 +892,7 @@ fn wait_for_file(path: &Path, run: &str, timeout: Duration) -> Result<(String, u
 fn host_name() -> String {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
+        .or_else(|| std::env::var(env::HOSTNAME).ok())
         .map(|n| n.trim().to_string())
         .filter(|n| !n.is_empty());
     name.unwrap_or_else(|| {
@@ -1402,29 +1426,29 @@ mod tests {
     fn file_protocol() {
         let path = scratch_file("ok");
         let master = file_master(&path);
-        let env = |port: &'static str| {
-            move |k: &str| match k {
-                "TORCHELASTIC_RUN_ID" => Some("job7".to_string()),
-                "MASTER_PORT" => Some(port.to_string()),
-                _ => None,
-            }
-        };
-        // Rank 1 starts waiting first; rank 0 publishes; rank 1 reads what rank 0 wrote.
+        let auth = Auth::default();
+        let env = |k: &str| (k == "TORCHELASTIC_RUN_ID").then(|| "job7".to_string());
+        // Rank 1 starts waiting first; rank 0 binds its store, then publishes its port; rank 1
+        // reads what rank 0 wrote.
         let reader = {
             let master = master.clone();
             std::thread::spawn(move || {
-                master.resolve(&ranks(1, 2, 1, 2), Duration::from_secs(20), &env(""))
+                let auth = Auth::default();
+                master.resolve(&ranks(1, 2, 1, 2), Duration::from_secs(20), &env, &auth)
             })
         };
-        let writer = master
-            .resolve(&ranks(0, 2, 0, 2), Duration::from_secs(20), &env("29123"))
+        let (host, port, server) = master
+            .resolve(&ranks(0, 2, 0, 2), Duration::from_secs(20), &env, &auth)
             .unwrap();
-        assert_eq!(writer, ("127.0.0.1".to_string(), 29_123));
-        assert_eq!(reader.join().unwrap().unwrap(), writer);
+        assert_eq!(host, "127.0.0.1");
+        assert_eq!(server.expect("rank 0's store").local_addr().port(), port);
+        let (read_host, read_port, none) = reader.join().unwrap().unwrap();
+        assert_eq!((read_host.as_str(), read_port), ("127.0.0.1", port));
+        assert!(none.is_none());
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(
             text,
-            "chorus-rendezvous-v1 run=job7/0 addr=127.0.0.1 port=29123\n"
+            format!("chorus-rendezvous-v1 run=job7/0 addr=127.0.0.1 port={port}\n")
         );
         // No temporary file left beside it.
         assert_eq!(
@@ -1432,13 +1456,38 @@ mod tests {
             1
         );
 
-        // Rank 0 of a multi-node job publishes CHORUS_SOCKET_ADDR, or a free port.
+        // Rank 0 of a multi-node job publishes CHORUS_SOCKET_ADDR.
         let get = |k: &str| (k == "CHORUS_SOCKET_ADDR").then(|| "10.9.8.7".to_string());
-        let (host, port) = master
-            .resolve(&ranks(0, 4, 0, 2), Duration::from_secs(1), &get)
+        let (host, port, server) = master
+            .resolve(&ranks(0, 4, 0, 2), Duration::from_secs(1), &get, &auth)
             .unwrap();
         assert_eq!(host, "10.9.8.7");
-        assert_ne!(port, 0);
+        assert_eq!(server.expect("rank 0's store").local_addr().port(), port);
+
+        // A MASTER_PORT in use is rank 0's error, unless torchrun's agent serves its store
+        // there: then that is the store, and rank 0 publishes it without binding anything.
+        let agent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let busy = agent.local_addr().unwrap().port().to_string();
+        let given = |k: &str| (k == "MASTER_PORT").then(|| busy.clone());
+        let err = master
+            .resolve(&ranks(0, 2, 0, 2), Duration::from_secs(1), &given, &auth)
+            .unwrap_err()
+            .to_string();
+        assert_mentions(&err, &[&busy, "rendezvous store"]);
+        let torchrun = |k: &str| match k {
+            "MASTER_PORT" => Some(busy.clone()),
+            "MASTER_ADDR" => Some("127.0.0.1".to_string()),
+            "TORCHELASTIC_USE_AGENT_STORE" => Some("True".to_string()),
+            _ => None,
+        };
+        let (host, port, server) = master
+            .resolve(&ranks(0, 2, 0, 2), Duration::from_secs(1), &torchrun, &auth)
+            .unwrap();
+        assert_eq!(
+            (host.as_str(), port.to_string()),
+            ("127.0.0.1", busy.clone())
+        );
+        assert!(server.is_none());
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
@@ -1447,9 +1496,10 @@ mod tests {
         let path = scratch_file("errors");
         let master = file_master(&path);
         let none = |_: &str| None;
+        let auth = Auth::default();
         let wait = |get: &dyn Fn(&str) -> Option<String>| {
             master
-                .resolve(&ranks(2, 3, 2, 3), Duration::from_millis(100), get)
+                .resolve(&ranks(2, 3, 2, 3), Duration::from_millis(100), get, &auth)
                 .unwrap_err()
                 .to_string()
         };
@@ -1482,7 +1532,7 @@ mod tests {
         // Rank 0 cannot write into a missing directory.
         let bad_dir = file_master(&path.join("missing/dir/file"));
         let err = bad_dir
-            .resolve(&ranks(0, 2, 0, 2), Duration::from_millis(100), &none)
+            .resolve(&ranks(0, 2, 0, 2), Duration::from_millis(100), &none, &auth)
             .unwrap_err()
             .to_string();
         assert_mentions(&err, &["rank 0 cannot write"]);
@@ -1490,9 +1540,10 @@ mod tests {
         let single = file_master(Path::new("/nonexistent/never"));
         assert_eq!(
             single
-                .resolve(&ranks(0, 1, 0, 1), Duration::from_millis(1), &none)
+                .resolve(&ranks(0, 1, 0, 1), Duration::from_millis(1), &none, &auth)
+                .map(|(host, port, server)| (host, port, server.is_none()))
                 .unwrap(),
-            ("127.0.0.1".to_string(), 0)
+            ("127.0.0.1".to_string(), 0, true)
         );
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }

@@ -63,6 +63,7 @@ mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod dtype;
+pub mod env;
 mod error;
 mod op;
 mod reduce;

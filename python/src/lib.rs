@@ -13,7 +13,7 @@ mod buffer;
 
 use std::time::Duration;
 
-use chorus::{Auth, Communicator, Config, DType, ReduceOp};
+use chorus::{env, Auth, Communicator, Config, DType, ReduceOp};
 use chorus_transport::store::StoreServer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -151,10 +151,10 @@ impl Comm {
     ) -> PyResult<Comm> {
         // Torch gives the job's shape; of the environment only the CHORUS_* tuning applies.
         let mut config = Config::from_lookup(|k| match k {
-            "RANK" | "LOCAL_RANK" => Some("0".into()),
-            "WORLD_SIZE" | "LOCAL_WORLD_SIZE" => Some("1".into()),
-            "CHORUS_INIT_METHOD" => None,
-            _ if k.starts_with("CHORUS_") => std::env::var(k).ok(),
+            env::RANK | env::LOCAL_RANK => Some("0".into()),
+            env::WORLD_SIZE | env::LOCAL_WORLD_SIZE => Some("1".into()),
+            env::CHORUS_INIT_METHOD => None,
+            _ if k.starts_with(env::CHORUS_PREFIX) => std::env::var(k).ok(),
             _ => None,
         })
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -165,7 +165,7 @@ impl Comm {
         config.master_addr = addr;
         config.master_port = port;
         // Torch's timeout (init_process_group's, 30 minutes by default) unless CHORUS_TIMEOUT says.
-        if timeout.is_finite() && timeout > 0.0 && std::env::var_os("CHORUS_TIMEOUT").is_none() {
+        if timeout.is_finite() && timeout > 0.0 && std::env::var_os(env::CHORUS_TIMEOUT).is_none() {
             config.timeout = Duration::from_secs_f64(timeout);
         }
         config.auth = Auth::new(job_id, token).map_err(PyValueError::new_err)?;

@@ -8,10 +8,14 @@ import traceback
 import chorus_torch  # noqa: F401  (registers the backend in this process too)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reserve_port():
+    """A socket holding a free port until it is closed: bound with SO_REUSEADDR, never
+    listening, it keeps the port from every other process on Linux, yet rank 0's store (torch's
+    TCPStore sets SO_REUSEADDR too) binds it (see chorus-launch's PortReservation)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 0))
+    return s
 
 
 def _main(rank, world, port, backend, fn, args, results, env):
@@ -38,7 +42,8 @@ def run(world, fn, *args, backend="chorus", timeout=180, env=None, expect_errors
     ("error", text)), or if the job outlasts `timeout` seconds (every process is killed)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    reserved = reserve_port()
+    port = reserved.getsockname()[1]
     procs = [ctx.Process(target=_main, args=(r, world, port, backend, fn, args, results, env or {}), daemon=True)
              for r in range(world)]
     for p in procs:
@@ -70,6 +75,7 @@ def run(world, fn, *args, backend="chorus", timeout=180, env=None, expect_errors
             if p.is_alive():
                 p.kill()
                 p.join()
+        reserved.close()
     if expect_errors:
         return [got[r] for r in range(world)]
     errors = [f"rank {r}: {v}" for r, (s, v) in sorted(got.items()) if s != "ok"]

@@ -1,5 +1,5 @@
 //! The loopback test harness: starts W real worker processes through
-//! [`chorus::launch`] (the launcher the tools use), with the same environment
+//! [`chorus_launch`] (the launcher the tools use), with the same environment
 //! contract users use, and checks what they report.
 //!
 //! Also holds the test case description the worker and the tests share.
@@ -9,51 +9,42 @@ use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
-use chorus::launch::{launch, LaunchReport, LaunchSpec, Output};
-use chorus::{DType, ReduceOp};
+use chorus::{env, DType, ReduceOp};
+use chorus_launch::{launch, LaunchReport, LaunchSpec, Output};
 
 /// Sends `tracing` output to stderr, filtered by `CHORUS_DEBUG` (for the test binaries).
 pub fn init_logging() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env(env::CHORUS_DEBUG))
         .with_writer(std::io::stderr)
         .init();
 }
 
+/// The test worker's variable: `1` makes it allocate its buffers with `alloc_shared`.
+pub const CHORUS_TEST_SHARED: &str = "CHORUS_TEST_SHARED";
+/// The test worker's variable: ranks per simulated host (each group of this many consecutive
+/// ranks gets a host id of its own).
+pub const CHORUS_TEST_RANKS_PER_HOST: &str = "CHORUS_TEST_RANKS_PER_HOST";
+
 /// Bound on one whole multi-process test.
 pub const JOB_TIMEOUT: Duration = Duration::from_secs(240);
-
-/// Launches of one job at most, when its port is taken before rank 0 binds it.
-const PORT_ATTEMPTS: usize = 3;
 
 /// Starts `world` workers running `program args..` and waits for them.
 ///
 /// Every worker gets `CHORUS_TIMEOUT=30` (so a broken collective fails in
 /// seconds, not minutes) plus `env`. Panics only if the launch itself fails.
-/// The launcher picks a free port, which another process may take before
-/// rank 0 binds it; such a job never started, so it runs again.
+/// The launcher reserves rank 0's port until the job ends, so no other process
+/// can take it before rank 0 binds it.
 pub fn run(world: usize, program: &Path, args: &[&str], env: &[(&str, &str)]) -> LaunchReport {
     let mut spec = LaunchSpec::new(program, world)
         .args(args.iter().copied())
         .timeout(JOB_TIMEOUT)
         .output(Output::Capture)
-        .env("CHORUS_TIMEOUT", "30");
+        .env(env::CHORUS_TIMEOUT, "30");
     for (k, v) in env {
         spec = spec.env(*k, *v);
     }
-    let launch_once =
-        || launch(&spec).unwrap_or_else(|e| panic!("cannot launch {}: {e}", program.display()));
-    for _ in 1..PORT_ATTEMPTS {
-        let report = launch_once();
-        let lost_port = report.ranks.iter().any(|r| {
-            r.stderr
-                .contains("for the rendezvous store: Address already in use")
-        });
-        if !lost_port {
-            return report;
-        }
-    }
-    launch_once()
+    launch(&spec).unwrap_or_else(|e| panic!("cannot launch {}: {e}", program.display()))
 }
 
 /// Panics with the launcher's summary and every rank's stderr unless all ranks succeeded.
@@ -171,12 +162,12 @@ pub fn run_one(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Durat
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
+        env::RANK,
+        env::WORLD_SIZE,
+        env::LOCAL_RANK,
+        env::LOCAL_WORLD_SIZE,
+        env::MASTER_ADDR,
+        env::MASTER_PORT,
     ] {
         cmd.env_remove(var);
     }

@@ -6,8 +6,8 @@ use std::io::Write;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use chorus::launch::{free_port, launch, Exit, LaunchReport, LaunchSpec, Output};
 use chorus::Auth;
+use chorus_launch::{launch, Exit, LaunchReport, LaunchSpec, Output, PortReservation};
 use chorus_transport::store::{Store, StoreError, TcpStore};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-chaos-worker");
@@ -177,7 +177,9 @@ fn drop_with_queued_work_returns_promptly() {
 /// hello, a client with the wrong secret. They are refused; the job completes correctly.
 #[test]
 fn strangers_do_not_disturb_a_running_job() {
-    let port = free_port().unwrap();
+    // Held until the job is over: the port stays rank 0's.
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port();
     let token = "chaos-secret";
     let spec = LaunchSpec::new(WORKER, 2)
         .args(["rounds", "1500"])
@@ -216,6 +218,7 @@ fn strangers_do_not_disturb_a_running_job() {
         other => panic!("a client with the wrong secret got {other:?}"),
     }
     let report = job.join().unwrap();
+    drop(reserved);
     assert!(report.success(), "{}", dump(&report));
 }
 

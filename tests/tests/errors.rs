@@ -6,7 +6,7 @@ use std::path::Path;
 use std::thread;
 use std::time::Duration;
 
-use chorus::launch::free_port;
+use chorus_launch::PortReservation;
 use chorus_tests::{assert_success, run, run_one};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
@@ -71,7 +71,9 @@ fn invalid_rank_variables_are_named() {
 
 #[test]
 fn an_unreachable_store_times_out_with_its_address() {
-    let port = free_port().unwrap().to_string();
+    // Reserved: nothing listens there, and nothing can start to.
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port().to_string();
     let done = connect_as("1", "2", &port, "2");
     assert!(!done.success);
     assert_clean_failure(&done.stderr, &[&format!("127.0.0.1:{port}")]);
@@ -94,7 +96,8 @@ fn a_busy_master_port_is_reported() {
 
 #[test]
 fn a_rank_that_never_shows_up_is_named() {
-    let port = free_port().unwrap().to_string();
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port().to_string();
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
             let port = port.clone();
@@ -163,7 +166,8 @@ fn ranks_of_another_job_or_secret_are_refused() {
         ),
     ];
     for (intruder, needle) in intruders {
-        let port = free_port().unwrap().to_string();
+        let reserved = PortReservation::new("127.0.0.1").unwrap();
+        let port = reserved.port().to_string();
         let base = [
             ("WORLD_SIZE", "2"),
             ("MASTER_ADDR", "127.0.0.1"),

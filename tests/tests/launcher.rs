@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use chorus::launch::free_port;
+use chorus_launch::PortReservation;
 use chorusrun_support::{
     chorusrun_cmd, clean_env, start, wait_for_files, Finished, Scratch, PROBE,
 };
@@ -306,7 +306,9 @@ fn all_reduce_lines(outputs: &[&str]) -> Vec<String> {
 
 #[test]
 fn all_reduce_across_two_chorusrun_nodes_on_loopback() {
-    let port = free_port().unwrap().to_string();
+    // Held until both nodes are done: the port stays for rank 0's store.
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port().to_string();
     let node = |rank: &str| {
         let mut cmd = chorusrun_cmd([
             "--nnodes",
@@ -421,7 +423,8 @@ fn rendezvous_from_slurm_variables() {
 
 #[test]
 fn rendezvous_from_open_mpi_variables() {
-    let port = free_port().unwrap().to_string();
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port().to_string();
     run_group(2, |rank| {
         vec![
             ("OMPI_COMM_WORLD_RANK", rank.to_string()),

@@ -8,8 +8,11 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use chorus::launch::free_port;
-use chorus_tests::{assert_identical_digests, assert_success, reduction_pairs, run};
+use chorus_launch::PortReservation;
+use chorus_tests::{
+    assert_identical_digests, assert_success, reduction_pairs, run, CHORUS_TEST_RANKS_PER_HOST,
+    CHORUS_TEST_SHARED,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
 
@@ -46,10 +49,7 @@ fn logged(stderr: &str, marker: &str) -> Option<String> {
 
 #[test]
 fn two_hosts_of_two_ranks_use_shm_inside_and_tcp_across() {
-    let env = [
-        ("CHORUS_TEST_RANKS_PER_HOST", "2"),
-        ("CHORUS_DEBUG", "info"),
-    ];
+    let env = [(CHORUS_TEST_RANKS_PER_HOST, "2"), ("CHORUS_DEBUG", "info")];
     let report = run(4, worker(), &["all_reduce", "1,1023,300007"], &env);
     assert_success(&report);
     // Every (dtype, op) pair x 3 counts x 2 placements.
@@ -122,7 +122,7 @@ fn one_host_tunes_for_shared_memory_unless_configured() {
 fn forcing_shm_across_hosts_is_a_clear_error() {
     let env = [
         ("CHORUS_TRANSPORT", "shm"),
-        ("CHORUS_TEST_RANKS_PER_HOST", "1"),
+        (CHORUS_TEST_RANKS_PER_HOST, "1"),
     ];
     let report = run(2, worker(), &["connect"], &env);
     assert!(!report.success(), "{}", report.summary());
@@ -168,7 +168,7 @@ fn leftovers(pids: &[u32]) -> Vec<String> {
 
 #[test]
 fn shared_buffers_carry_every_all_reduce_and_broadcast() {
-    let shared = [("CHORUS_TEST_SHARED", "1")];
+    let shared = [(CHORUS_TEST_SHARED, "1")];
     for world in [2, 3, 4] {
         // Blocks of uneven size (3 ranks), fewer elements than ranks, none at all.
         let report = run(world, worker(), &["all_reduce", "0,1,5,70001"], &shared);
@@ -222,11 +222,8 @@ fn a_shared_buffer_of_another_size_fails_on_every_rank_and_the_communicator_goes
 #[test]
 fn shared_buffers_across_hosts_or_over_tcp_are_plain_memory() {
     for env in [
-        [("CHORUS_TEST_SHARED", "1"), ("CHORUS_TRANSPORT", "tcp")],
-        [
-            ("CHORUS_TEST_SHARED", "1"),
-            ("CHORUS_TEST_RANKS_PER_HOST", "2"),
-        ],
+        [(CHORUS_TEST_SHARED, "1"), ("CHORUS_TRANSPORT", "tcp")],
+        [(CHORUS_TEST_SHARED, "1"), (CHORUS_TEST_RANKS_PER_HOST, "2")],
     ] {
         // The worker fails if a buffer is shared where it should not be.
         let report = run(4, worker(), &["all_reduce", "7,70001"], &env);
@@ -286,7 +283,8 @@ fn a_rank_killed_in_a_call_on_shared_buffers_fails_its_peer_promptly() {
 /// Two ranks all-reduce (on shared buffers, or not) until rank 1 is killed:
 /// rank 0 must fail naming it, and /dev/shm must hold nothing of theirs.
 fn killed_rank_fails_its_peer(shared: bool) {
-    let port = free_port().unwrap().to_string();
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port().to_string();
     let mut ranks = Ranks(Vec::new());
     for rank in 0..2 {
         let child = Command::new(worker())
@@ -299,7 +297,7 @@ fn killed_rank_fails_its_peer(shared: bool) {
             .env("MASTER_PORT", &port)
             // Far longer than the test waits: only noticing the death can end the survivor's wait.
             .env("CHORUS_TIMEOUT", "120")
-            .env("CHORUS_TEST_SHARED", if shared { "1" } else { "0" })
+            .env(CHORUS_TEST_SHARED, if shared { "1" } else { "0" })
             .env_remove("CHORUS_TRANSPORT")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -14,7 +14,7 @@ const SUITE_TIMEOUT: Duration = Duration::from_secs(1200);
 
 /// A Python that imports torch and pytest, if one is found.
 fn python() -> Option<String> {
-    let candidates = std::env::var("CHORUS_TEST_PYTHON")
+    let candidates = std::env::var(chorus::env::CHORUS_TEST_PYTHON)
         .ok()
         .into_iter()
         .chain(["/usr/bin/python3".to_string(), "python3".to_string()]);

@@ -13,7 +13,7 @@ use std::io::Write;
 use std::process::Command;
 use std::time::Duration;
 
-use chorus::launch::free_port;
+use chorus_launch::PortReservation;
 use chorus_transport::store::{Store, StoreError, TorchStore};
 use chorusrun_support::{
     allreduce_perf, clean_env, start, wait_for_files, Finished, Scratch, PROBE,
@@ -27,7 +27,8 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The Python that has torch 2.x, or `None` after printing (past the harness's capture) why
 /// the test skips.
 fn torch_python() -> Option<String> {
-    let python = std::env::var("CHORUS_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let python =
+        std::env::var(chorus::env::CHORUS_TORCH_PYTHON).unwrap_or_else(|_| "python3".into());
     let probe = Command::new(&python)
         .args(["-c", "import torch; print(torch.__version__)"])
         .output();
@@ -163,7 +164,9 @@ fn a_restarted_torchrun_attempt_starts_afresh_and_failures_are_summarised() {
     let Some(python) = torch_python() else {
         return;
     };
-    let port = free_port().unwrap().to_string();
+    // Held while torchrun runs: its agent's store binds it (with SO_REUSEADDR, as torch does).
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port().to_string();
     let job = |restarts: &str| {
         let args = [
             "--nnodes",

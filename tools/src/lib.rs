@@ -14,7 +14,7 @@ pub fn finish(program: &str, result: Result<(), String>) -> std::process::ExitCo
     };
     let message = format!("{program}: {e}");
     eprintln!("{message}");
-    if let Err(e) = chorus::launch::write_error_file(&message) {
+    if let Err(e) = chorus::torchrun::write_error_file(&message) {
         eprintln!("{program}: cannot write torchrun's error file: {e}");
     }
     std::process::ExitCode::FAILURE

@@ -5,7 +5,7 @@
 //! interleaving likely; no assertion depends on them.
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread;
@@ -15,6 +15,7 @@ use chorus_transport::auth::Auth;
 use chorus_transport::store::{
     handshake, PrefixStore, Store, StoreError, StoreServer, TcpStore, MAX_VALUE_LEN,
 };
+use socket2::{Domain, Socket, Type};
 
 /// Long enough never to pass on a working machine; only a hang would reach it.
 const BOUND: Duration = Duration::from_secs(30);
@@ -38,10 +39,16 @@ fn finish_within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T
         .expect("operation did not finish in time")
 }
 
-/// A port on which nothing listens (bound then released).
-fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
+/// A port on which nothing listens, reserved while the socket lives: bound with SO_REUSEADDR
+/// and never listening, it keeps the port from every other process, yet a store (which sets
+/// SO_REUSEADDR too) may bind it (see chorus-launch's `PortReservation`).
+fn reserved_port() -> (Socket, u16) {
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    socket.set_reuse_address(true).unwrap();
+    let any: SocketAddr = "0.0.0.0:0".parse().unwrap();
+    socket.bind(&any.into()).unwrap();
+    let port = socket.local_addr().unwrap().as_socket().unwrap().port();
+    (socket, port)
 }
 
 #[test]
@@ -245,7 +252,7 @@ fn binding_a_busy_port_names_the_address() {
 
 #[test]
 fn connecting_where_nothing_listens_times_out() {
-    let port = free_port();
+    let (_reserved, port) = reserved_port();
     let start = Instant::now();
     match TcpStore::connect("127.0.0.1", port, SHORT) {
         Err(StoreError::Connect { addr, waited, .. }) => {
@@ -269,14 +276,14 @@ fn an_unresolvable_host_is_a_connect_error() {
 
 #[test]
 fn a_client_started_before_the_server_retries_until_it_is_up() {
-    let port = free_port();
+    let (_reserved, port) = reserved_port();
     let (tx, rx) = mpsc::channel();
     thread::spawn(move || {
         let _ = tx.send(TcpStore::connect("localhost", port, BOUND));
     });
     thread::sleep(Duration::from_millis(100)); // Lets the client fail a few times (not required).
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let server = StoreServer::bind(addr).expect("the released port is free again");
+    let server = StoreServer::bind(addr).expect("the store binds the reserved port");
     let store = rx
         .recv_timeout(BOUND)
         .expect("connect did not return")

@@ -7,7 +7,8 @@ use std::io::{BufRead, BufReader, Lines, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use chorus::Communicator;
+use chorus::{env, Communicator};
+use chorus_launch::PortReservation;
 
 /// What both ranks do once per iteration.
 pub type Step = fn(&Communicator, &mut [u8]);
@@ -17,6 +18,8 @@ const PEER_VAR: &str = "CHORUS_BENCH_PEER";
 
 /// The two rank processes.
 pub struct Pair {
+    /// Rank 0's store port, held while the ranks live.
+    _port: PortReservation,
     ranks: Vec<Child>,
     orders: Vec<ChildStdin>,
     reports: Lines<BufReader<ChildStdout>>,
@@ -25,16 +28,16 @@ pub struct Pair {
 /// The variables of `rank` in a 2-rank TCP job with `nsocks` sockets per peer.
 fn vars(rank: usize, port: u16, nsocks: usize) -> Vec<(&'static str, String)> {
     vec![
-        ("RANK", rank.to_string()),
-        ("WORLD_SIZE", "2".into()),
-        ("LOCAL_RANK", rank.to_string()),
-        ("LOCAL_WORLD_SIZE", "2".into()),
-        ("MASTER_ADDR", "127.0.0.1".into()),
-        ("MASTER_PORT", port.to_string()),
-        ("CHORUS_NSOCKS", nsocks.to_string()),
-        ("CHORUS_TIMEOUT", "60".into()),
+        (env::RANK, rank.to_string()),
+        (env::WORLD_SIZE, "2".into()),
+        (env::LOCAL_RANK, rank.to_string()),
+        (env::LOCAL_WORLD_SIZE, "2".into()),
+        (env::MASTER_ADDR, chorus::DEFAULT_MASTER_ADDR.into()),
+        (env::MASTER_PORT, port.to_string()),
+        (env::CHORUS_NSOCKS, nsocks.to_string()),
+        (env::CHORUS_TIMEOUT, "60".into()),
         // Both ranks share a host: keep them on TCP, which is what these benches measure.
-        ("CHORUS_TRANSPORT", "tcp".into()),
+        (env::CHORUS_TRANSPORT, "tcp".into()),
     ]
 }
 
@@ -72,7 +75,8 @@ impl Pair {
     /// Starts two rank processes running the step registered in [`main`] as `name` on a
     /// `bytes`-long buffer, over TCP with `nsocks` sockets per peer.
     pub fn new(name: &str, nsocks: usize, bytes: usize) -> Pair {
-        let port = chorus::launch::free_port().expect("a free port");
+        let reserved = PortReservation::new(chorus::DEFAULT_MASTER_ADDR).expect("a free port");
+        let port = reserved.port();
         let exe = std::env::current_exe().expect("this bench's path");
         let mut ranks: Vec<Child> = (0..2)
             .map(|rank| {
@@ -88,6 +92,7 @@ impl Pair {
         let orders = ranks.iter_mut().filter_map(|r| r.stdin.take()).collect();
         let reports = BufReader::new(ranks[0].stdout.take().expect("rank 0's stdout")).lines();
         Pair {
+            _port: reserved,
             ranks,
             orders,
             reports,

@@ -182,7 +182,9 @@ impl Communicator {
     }
 
     /// Joins the job: rendezvous through rank 0's store (or torchrun's agent store, as
-    /// `config.store` says), then connect to every peer.
+    /// `config.store` says), then connect to every peer. Rank 0 binds its store at
+    /// `config.master_port`, unless it already bound it while reading its configuration
+    /// ([`Config::from_lookup`] under a `file://` rendezvous).
     ///
     /// Fails with a clear error if the store's port is busy (rank 0), the
     /// store cannot be reached, or a peer does not show up, all within
@@ -193,8 +195,13 @@ impl Communicator {
             StoreKind::TorchAgent { run } => (format!("torchelastic/{run}/chorus"), false),
         };
         let server = if hosted && config.rank == 0 && config.world_size > 1 {
-            let addr = SocketAddr::from(([0, 0, 0, 0], config.master_port));
-            Some(StoreServer::bind_with_auth(addr, config.auth.clone())?)
+            match config.bound_store.take() {
+                Some(bound) => Some(bound),
+                None => {
+                    let addr = SocketAddr::from(([0, 0, 0, 0], config.master_port));
+                    Some(StoreServer::bind_with_auth(addr, config.auth.clone())?)
+                }
+            }
         } else {
             None
         };
@@ -610,7 +617,7 @@ fn advertised_addr(config: &Config) -> Result<IpAddr> {
         Ok(probe.local_addr()?.ip())
     };
     route().map_err(|e| Error::Config {
-        var: "MASTER_ADDR",
+        var: crate::env::MASTER_ADDR,
         value: config.master_addr.clone(),
         reason: format!("no route to it from this host ({e}); set CHORUS_SOCKET_ADDR"),
     })

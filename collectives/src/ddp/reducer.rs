@@ -5,7 +5,7 @@ use std::ops::Range;
 use super::bucket::{assign, Flat, ParamSpec};
 use super::fingerprint;
 use super::hook::Compression;
-use crate::{Communicator, DType, Element, Error, ReduceOp, Result, Work};
+use crate::{env, Communicator, DType, Element, Error, ReduceOp, Result, Work};
 
 /// Bytes in a MiB.
 const MIB: f64 = (1 << 20) as f64;
@@ -45,12 +45,12 @@ impl DdpOptions {
     ///
     /// Fails if the variable is set to something other than `0` or `1`.
     pub fn from_env() -> Result<DdpOptions> {
-        let overlap = match std::env::var("CHORUS_DDP_OVERLAP").ok().as_deref() {
+        let overlap = match std::env::var(env::CHORUS_DDP_OVERLAP).ok().as_deref() {
             None | Some("1") => true,
             Some("0") => false,
             Some(other) => {
                 return Err(Error::Config {
-                    var: "CHORUS_DDP_OVERLAP",
+                    var: env::CHORUS_DDP_OVERLAP,
                     value: other.to_string(),
                     reason: "must be 0 or 1".into(),
                 })

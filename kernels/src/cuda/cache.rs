@@ -11,15 +11,17 @@ use std::ffi::OsString;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use crate::env;
+
 const MAGIC: &[u8; 8] = b"CHORUSK1";
 const HEADER: usize = 24;
 
 /// The cache folder from the environment, if any can be named.
 pub(crate) fn dir() -> Option<PathBuf> {
     dir_from(
-        std::env::var_os("CHORUS_CUDA_CACHE"),
-        std::env::var_os("XDG_CACHE_HOME"),
-        std::env::var_os("HOME"),
+        std::env::var_os(env::CHORUS_CUDA_CACHE),
+        std::env::var_os(env::XDG_CACHE_HOME),
+        std::env::var_os(env::HOME),
     )
 }
 

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use super::error::CudaError;
+use crate::env;
 
 /// Checks that the CUDA driver library (`libcuda.so.1`, installed with the NVIDIA driver)
 /// can be opened.
@@ -107,7 +108,7 @@ fn names(lib: &str) -> String {
 
 /// Lib folders of the CUDA toolkits named by the environment, then the default install.
 fn toolkit_lib_dirs() -> Vec<PathBuf> {
-    let roots = ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"]
+    let roots = [env::CUDA_HOME, env::CUDA_PATH, env::CUDA_ROOT]
         .iter()
         .filter_map(std::env::var_os)
         .filter(|v| !v.is_empty())

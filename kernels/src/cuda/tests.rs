@@ -23,7 +23,7 @@ use crate::{bf16, f16, DType, KernelError, ReduceOp};
 
 /// Reports a skipped test, or fails it when `CHORUS_REQUIRE_CUDA=1`.
 fn skip(test: &str, what: &str, err: &CudaError) {
-    if std::env::var("CHORUS_REQUIRE_CUDA").as_deref() == Ok("1") {
+    if std::env::var(crate::env::CHORUS_REQUIRE_CUDA).as_deref() == Ok("1") {
         panic!("{test}: CHORUS_REQUIRE_CUDA=1 but {err}");
     }
     // Straight to the file descriptor, in one write: `eprintln!` output of a passing test

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chorus::{Communicator, Error, ReduceOp};
+use chorus::{env, Communicator, Error, ReduceOp};
 use nix::sys::signal::{kill, raise, Signal};
 use nix::unistd::Pid;
 
@@ -40,7 +40,7 @@ fn main() -> ExitCode {
     chorus_tests::init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or("");
-    if arg(0) == "rounds" && std::env::var("RANK").as_deref() == Ok("1") {
+    if arg(0) == "rounds" && std::env::var(env::RANK).as_deref() == Ok("1") {
         std::thread::sleep(Duration::from_millis(parse(arg(1)) as u64));
     }
     let comm = match Communicator::from_env() {

@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chorus::{Communicator, ReduceOp};
+use chorus::{env, Communicator, ReduceOp};
 
 /// The longest any scenario waits for something.
 const WAIT_LIMIT: Duration = Duration::from_secs(60);
@@ -39,22 +39,22 @@ const NEVER_STOPPED: u8 = 99;
 
 /// The variables `env` prints, in order.
 const VARS: [&str; 16] = [
-    "RANK",
-    "LOCAL_RANK",
-    "GROUP_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_RUN_ID",
-    "OMP_NUM_THREADS",
-    "CUDA_VISIBLE_DEVICES",
-    "CHORUS_DEVICE_IDS",
-    "CHORUS_TIMEOUT",
-    "CHORUS_INIT_METHOD",
+    env::RANK,
+    env::LOCAL_RANK,
+    env::GROUP_RANK,
+    env::WORLD_SIZE,
+    env::LOCAL_WORLD_SIZE,
+    env::GROUP_WORLD_SIZE,
+    env::MASTER_ADDR,
+    env::MASTER_PORT,
+    env::TORCHELASTIC_RESTART_COUNT,
+    env::TORCHELASTIC_MAX_RESTARTS,
+    env::TORCHELASTIC_RUN_ID,
+    env::OMP_NUM_THREADS,
+    env::CUDA_VISIBLE_DEVICES,
+    env::CHORUS_DEVICE_IDS,
+    env::CHORUS_TIMEOUT,
+    env::CHORUS_INIT_METHOD,
 ];
 
 fn main() -> ExitCode {
@@ -85,7 +85,7 @@ fn run(args: &[String]) -> Result<u8, String> {
                 .map(|var| format!("{var}={}", var_or_dash(var)))
                 .collect();
             println!("probe {}", line.join(" "));
-            eprintln!("probe stderr {}", var_or_dash("RANK"));
+            eprintln!("probe stderr {}", var_or_dash(env::RANK));
             Ok(0)
         }
         "fail" => fail(number(1)?, number(2)?, Path::new(arg(3)?)),
@@ -128,9 +128,9 @@ fn wait_until(mut done: impl FnMut() -> bool) -> bool {
 }
 
 fn fail(failing: usize, code: usize, dir: &Path) -> Result<u8, String> {
-    let rank = env_number("RANK")?;
-    let local_world = env_number("LOCAL_WORLD_SIZE")?;
-    let first = rank - env_number("LOCAL_RANK")?;
+    let rank = env_number(env::RANK)?;
+    let local_world = env_number(env::LOCAL_WORLD_SIZE)?;
+    let first = rank - env_number(env::LOCAL_RANK)?;
     write_atomic(dir, &format!("pid{rank}"), &std::process::id().to_string())?;
     if rank != failing {
         wait_until(|| false);
@@ -147,8 +147,8 @@ fn fail(failing: usize, code: usize, dir: &Path) -> Result<u8, String> {
 }
 
 fn fail_once(failing: usize) -> Result<u8, String> {
-    let rank = env_number("RANK")?;
-    let restart = env_number("TORCHELASTIC_RESTART_COUNT")?;
+    let rank = env_number(env::RANK)?;
+    let restart = env_number(env::TORCHELASTIC_RESTART_COUNT)?;
     if restart > 0 {
         println!("attempt {restart} ok");
         return Ok(0);
@@ -163,7 +163,7 @@ fn fail_once(failing: usize) -> Result<u8, String> {
 
 fn wait_for_signal(dir: &Path) -> Result<u8, String> {
     use signal_hook::consts::{SIGINT, SIGTERM};
-    let rank = env_number("RANK")?;
+    let rank = env_number(env::RANK)?;
     let term = Arc::new(AtomicBool::new(false));
     let int = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(SIGTERM, Arc::clone(&term)).map_err(|e| e.to_string())?;
@@ -215,7 +215,7 @@ fn check_all_reduce(comm: &Communicator, count: usize) -> Result<(), String> {
 }
 
 fn elastic(failing: usize) -> Result<u8, String> {
-    let restart = env_number("TORCHELASTIC_RESTART_COUNT")?;
+    let restart = env_number(env::TORCHELASTIC_RESTART_COUNT)?;
     let comm = Communicator::from_env().map_err(|e| e.to_string())?;
     let rank = comm.rank();
     check_all_reduce(&comm, 1000)?;
@@ -228,7 +228,7 @@ fn elastic(failing: usize) -> Result<u8, String> {
         }
         let message = format!("env_probe: rank {rank} fails on purpose in attempt 0");
         eprintln!("{message}");
-        chorus::launch::write_error_file(&message).map_err(|e| e.to_string())?;
+        chorus::torchrun::write_error_file(&message).map_err(|e| e.to_string())?;
         return Ok(7);
     }
     check_all_reduce(&comm, 1000)?;

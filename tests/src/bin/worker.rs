@@ -7,7 +7,7 @@
 use std::process::ExitCode;
 
 use chorus::pattern::{digest, Value};
-use chorus::{Communicator, DType, Element, Error, ReduceOp, SharedBuffer};
+use chorus::{env, Communicator, DType, Element, Error, ReduceOp, SharedBuffer};
 use chorus_tests::{reduction_pairs, Case};
 
 fn main() -> ExitCode {
@@ -58,7 +58,7 @@ fn run(args: &[String]) -> Result<(), String> {
 /// host `h` (a host-identity override, so one machine can stand in for several hosts).
 fn connect() -> Result<Communicator, String> {
     let mut config = chorus::Config::from_env().map_err(|e| e.to_string())?;
-    if let Ok(k) = std::env::var("CHORUS_TEST_RANKS_PER_HOST") {
+    if let Ok(k) = std::env::var(chorus_tests::CHORUS_TEST_RANKS_PER_HOST) {
         let k: usize = k
             .parse()
             .map_err(|e| format!("CHORUS_TEST_RANKS_PER_HOST={k}: {e}"))?;
@@ -198,12 +198,12 @@ fn exercise<T: Element + Value>(
 /// `len` zeroed elements: with `CHORUS_TEST_SHARED=1` from `alloc_shared`
 /// (failing unless shared when all ranks are on one shared-memory host), else a vector.
 fn buffer<T: Element>(comm: &Communicator, len: usize) -> Result<Buffer<T>, String> {
-    if std::env::var("CHORUS_TEST_SHARED").as_deref() != Ok("1") {
+    if std::env::var(chorus_tests::CHORUS_TEST_SHARED).as_deref() != Ok("1") {
         return Ok(Buffer::Private(vec![T::zeroed(); len]));
     }
     let buf = comm.alloc_shared(len).map_err(|e| e.to_string())?;
-    let one_host = std::env::var_os("CHORUS_TEST_RANKS_PER_HOST").is_none()
-        && std::env::var("CHORUS_TRANSPORT").as_deref() != Ok("tcp");
+    let one_host = std::env::var_os(chorus_tests::CHORUS_TEST_RANKS_PER_HOST).is_none()
+        && std::env::var(env::CHORUS_TRANSPORT).as_deref() != Ok("tcp");
     if buf.is_shared() != one_host {
         return Err(format!(
             "a shared buffer on rank {} is {}shared",

@@ -10,31 +10,33 @@ use std::sync::OnceLock;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use chorus::env;
+
 /// The worker the launcher tests start.
 pub const PROBE: &str = env!("CARGO_BIN_EXE_chorus-env-probe");
 
 /// Variables a launcher sets; removed from what the tests inherit, so that only what the test
 /// means to give reaches the workers.
 pub const LAUNCHER_VARS: [&str; 19] = [
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_ERROR_FILE",
-    "OMP_NUM_THREADS",
-    "CUDA_VISIBLE_DEVICES",
-    "CHORUS_DEVICE_IDS",
-    "CHORUS_INIT_METHOD",
-    "SLURM_PROCID",
-    "OMPI_COMM_WORLD_RANK",
+    env::RANK,
+    env::WORLD_SIZE,
+    env::LOCAL_RANK,
+    env::LOCAL_WORLD_SIZE,
+    env::GROUP_RANK,
+    env::GROUP_WORLD_SIZE,
+    env::MASTER_ADDR,
+    env::MASTER_PORT,
+    env::TORCHELASTIC_RESTART_COUNT,
+    env::TORCHELASTIC_MAX_RESTARTS,
+    env::TORCHELASTIC_RUN_ID,
+    env::TORCHELASTIC_USE_AGENT_STORE,
+    env::TORCHELASTIC_ERROR_FILE,
+    env::OMP_NUM_THREADS,
+    env::CUDA_VISIBLE_DEVICES,
+    env::CHORUS_DEVICE_IDS,
+    env::CHORUS_INIT_METHOD,
+    env::SLURM_PROCID,
+    env::OMPI_COMM_WORLD_RANK,
 ];
 
 /// The `chorusrun` binary of this build, built on first use (see [`tool`]).

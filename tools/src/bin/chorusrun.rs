@@ -1,5 +1,5 @@
 //! `chorusrun`: starts the workers of a Chorus job on this node, with torchrun's flags and
-//! environment contract, on top of [`chorus::launch`].
+//! environment contract, on top of [`chorus_launch`].
 //!
 //! ```text
 //! chorusrun --standalone --nproc-per-node 4 ./train --epochs 3
@@ -23,7 +23,8 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use chorus::launch::{launch, Interrupt, LaunchSpec, Output};
+use chorus::env;
+use chorus_launch::{launch, Interrupt, LaunchSpec, Output, DEFAULT_RUN_ID};
 use clap::Parser;
 use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::EnvFilter;
@@ -58,7 +59,7 @@ struct Args {
     #[arg(
         long = "master-addr",
         alias = "master_addr",
-        default_value = "127.0.0.1"
+        default_value = chorus::DEFAULT_MASTER_ADDR
     )]
     master_addr: String,
 
@@ -67,7 +68,8 @@ struct Args {
     #[arg(long = "master-port", alias = "master_port")]
     master_port: Option<u16>,
 
-    /// Single-node job on 127.0.0.1 with a free port chosen by chorusrun.
+    /// Single-node job on 127.0.0.1 with a free port that chorusrun reserves for rank 0's store
+    /// until the job ends.
     #[arg(long)]
     standalone: bool,
 
@@ -76,7 +78,7 @@ struct Args {
     max_restarts: u32,
 
     /// Job id, given to the workers as TORCHELASTIC_RUN_ID.
-    #[arg(long = "run-id", alias = "run_id", default_value = "none")]
+    #[arg(long = "run-id", alias = "run_id", default_value = DEFAULT_RUN_ID)]
     run_id: String,
 
     /// Also write each rank's output to <DIR>/attempt_<n>/rank<RANK>.{stdout,stderr}.log.
@@ -104,7 +106,7 @@ struct Args {
 fn main() -> ExitCode {
     let filter = EnvFilter::builder()
         .with_default_directive(LevelFilter::WARN.into())
-        .with_env_var("CHORUS_DEBUG")
+        .with_env_var(env::CHORUS_DEBUG)
         .from_env_lossy();
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -154,9 +156,9 @@ fn run(args: Args) -> Result<u8, String> {
         .timeout(args.timeout.unwrap_or(Duration::MAX));
     if args.standalone {
         if args.master_port.is_some() {
-            tracing::warn!("--standalone picks a free port: --master-port is ignored");
+            tracing::warn!("--standalone reserves a free port: --master-port is ignored");
         }
-        spec = spec.master_addr("127.0.0.1");
+        spec = spec.master_addr(chorus::DEFAULT_MASTER_ADDR);
     } else {
         spec = spec
             .master_addr(&args.master_addr)
@@ -165,9 +167,9 @@ fn run(args: Args) -> Result<u8, String> {
     if let Some(dir) = &args.log_dir {
         spec = spec.log_dir(dir);
     }
-    if std::env::var_os("OMP_NUM_THREADS").is_none() {
+    if std::env::var_os(env::OMP_NUM_THREADS).is_none() {
         eprintln!("{OMP_NOTICE}");
-        spec = spec.env("OMP_NUM_THREADS", "1");
+        spec = spec.env(env::OMP_NUM_THREADS, "1");
     }
 
     let report = launch(&spec).map_err(|e| e.to_string())?;
@@ -245,7 +247,7 @@ fn nproc_per_node(spec: &str, gpus: usize) -> Result<usize, String> {
 /// The GPU ids of this node: the first `--gpus-per-node` entries of `CUDA_VISIBLE_DEVICES` (or
 /// `0..N` when it is unset), else all of its entries, else one per GPU `nvidia-smi -L` lists.
 fn node_devices(gpus_per_node: Option<usize>) -> Result<Vec<String>, String> {
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES")
+    let visible = std::env::var(env::CUDA_VISIBLE_DEVICES)
         .ok()
         .map(|v| visible_devices(&v));
     match (gpus_per_node, visible) {

@@ -7,12 +7,10 @@ pub mod collective;
 pub mod plot;
 pub mod report;
 
-use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime};
 
-use chorus::launch::{launch, LaunchSpec, Output};
-use chorus::{Communicator, ReduceOp};
+use chorus::{env, Communicator, ReduceOp};
 
 pub use args::{parse_size, Args, Average};
 use buffer::Buffer;
@@ -26,7 +24,7 @@ use report::{Device, Row, Timing};
 /// The main of a perf binary: starts local ranks for `-np`, or runs as one rank.
 pub fn main(collective: &Collective) -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env(env::CHORUS_DEBUG))
         .with_writer(std::io::stderr)
         .init();
     let args = Args::from_env();
@@ -34,7 +32,7 @@ pub fn main(collective: &Collective) -> ExitCode {
     let result = args
         .check_op(collective.reduces())
         .and_then(|()| match args.np {
-            Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
+            Some(np) if std::env::var_os(env::RANK).is_none() => spawn_ranks(&args, np),
             _ => run_rank(collective, &args, &program),
         });
     crate::finish(&program, result)
@@ -49,29 +47,12 @@ fn program_name() -> String {
         .unwrap_or_else(|| "perf".into())
 }
 
-/// Starts `np` copies of this program on this host, each one rank; rank 0's output is shown.
+/// Starts `np` copies of this program on this host, each one rank (without `-np`); rank 0's
+/// output is shown.
 fn spawn_ranks(args: &Args, np: usize) -> Result<(), String> {
-    if np == 0 {
-        return Err("-np must be at least 1".into());
-    }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
-    let forwarded: Vec<OsString> = args::strip_np(std::env::args_os().skip(1).collect());
-    let spec = LaunchSpec::new(exe, np)
-        .args(forwarded)
-        .output(Output::RankZero)
-        .timeout(Duration::from_secs(args.job_timeout));
-    let report = launch(&spec).map_err(|e| e.to_string())?;
-    if report.success() {
-        return Ok(());
-    }
-    if let Some(failed) = report.first_failure() {
-        eprintln!(
-            "--- rank {} stderr:\n{}",
-            failed.rank,
-            failed.stderr.trim_end()
-        );
-    }
-    Err(report.summary())
+    let forwarded = args::strip_np(std::env::args_os().skip(1).collect());
+    chorus_launch::run_copies(np, forwarded, Duration::from_secs(args.job_timeout))
+        .map_err(|e| e.to_string())
 }
 
 /// One rank's run: every root and size, timed and checked, with the table on rank 0.

@@ -7,6 +7,7 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
+use chorus::env;
 use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 
@@ -30,7 +31,7 @@ const FAMILY: &str = "sans-serif";
 fn text_available() -> Result<bool, String> {
     static FONT: OnceLock<Result<bool, String>> = OnceLock::new();
     FONT.get_or_init(|| {
-        let chosen = std::env::var("CHORUS_PLOT_FONT").ok();
+        let chosen = std::env::var(env::CHORUS_PLOT_FONT).ok();
         let path = match chosen.as_deref() {
             Some("none") => return Ok(false),
             Some(p) => p.to_string(),

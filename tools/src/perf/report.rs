@@ -168,7 +168,7 @@ pub fn json(
         "start_time": time_string(start),
         "args": std::env::args().collect::<Vec<_>>(),
         "env": std::env::vars()
-            .filter(|(k, _)| k.starts_with("CHORUS_"))
+            .filter(|(k, _)| k.starts_with(chorus::env::CHORUS_PREFIX))
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>(),
         "chorus_version": env!("CARGO_PKG_VERSION"),

@@ -15,8 +15,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use chorus::ddp::{Compression, Ddp, DdpOptions, DistributedSampler};
-use chorus::launch::{launch, LaunchSpec, Output};
-use chorus::{Communicator, Config, ReduceOp};
+use chorus::{env, Communicator, Config, ReduceOp};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -99,38 +98,24 @@ const EVAL_BATCH: usize = 500;
 /// The `train` binary: starts local ranks for `-np`, or runs as one rank.
 pub fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("CHORUS_DEBUG"))
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env(env::CHORUS_DEBUG))
         .with_writer(std::io::stderr)
         .init();
     let argv = std::env::args_os().map(|a| if a == "-np" { "--np".into() } else { a });
     let args = Args::parse_from(argv);
     let result = match args.np {
-        Some(np) if std::env::var_os("RANK").is_none() => spawn_ranks(&args, np),
+        Some(np) if std::env::var_os(env::RANK).is_none() => spawn_ranks(&args, np),
         _ => run_rank(&args),
     };
     crate::finish("train", result)
 }
 
-/// Starts `np` ranks of this program on this host (they see `RANK` and ignore `-np`).
+/// Starts `np` ranks of this program on this host (they see `RANK` and ignore `-np`); rank
+/// 0's output is shown.
 fn spawn_ranks(args: &Args, np: usize) -> Result<(), String> {
-    if np == 0 {
-        return Err("-np must be at least 1".into());
-    }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
-    let spec = LaunchSpec::new(exe, np)
-        .args(std::env::args_os().skip(1))
-        .output(Output::RankZero)
-        .timeout(Duration::from_secs(args.job_timeout));
-    let report = launch(&spec).map_err(|e| e.to_string())?;
-    match report.first_failure() {
-        None => Ok(()),
-        Some(failed) => Err(format!(
-            "{}\n--- rank {} stderr:\n{}",
-            report.summary(),
-            failed.rank,
-            failed.stderr.trim_end()
-        )),
-    }
+    let forwarded = std::env::args_os().skip(1);
+    chorus_launch::run_copies(np, forwarded, Duration::from_secs(args.job_timeout))
+        .map_err(|e| e.to_string())
 }
 
 /// Progress through an epoch: an indicatif bar, or plain lines.
@@ -221,8 +206,10 @@ fn run_rank(args: &Args) -> Result<(), String> {
 fn join() -> Result<Communicator, String> {
     let config = match Config::from_env() {
         Err(chorus::Error::Config {
-            var: "RANK", value, ..
-        }) if value.is_empty() => Config::new(0, 1, "127.0.0.1", 0),
+            var: env::RANK,
+            value,
+            ..
+        }) if value.is_empty() => Config::new(0, 1, chorus::DEFAULT_MASTER_ADDR, 0),
         other => other.map_err(|e| e.to_string())?,
     };
     Communicator::new(config).map_err(|e| e.to_string())
