@@ -1,6 +1,7 @@
 """The process group: torch's calls turned into Chorus calls on tensors' memory."""
 
 import datetime
+import functools
 import os
 import secrets
 import socket
@@ -199,6 +200,73 @@ def _connect(store, rank, size, timeout):
     return _chorus.Comm(rank, size, address, port, _JOB_ID, token, seconds, local_rank, local_size, host)
 
 
+class _Batch:
+    """Point-to-point calls posted and not yet run. They run together, as one Chorus group
+    (every send and receive posted before any is waited for), when one of their Works is
+    waited on or before the group's next other call: torch's `isend`/`irecv` and
+    `batch_isend_irecv` then cannot wait on each other, even with large messages both ways.
+    The tensors are held until the batch has run."""
+
+    def __init__(self, comm):
+        self._comm = comm
+        self._ops = []
+        self._held = []
+        self._copies = []
+        self._error = None
+        self.ran = False
+
+    def add(self, is_send, tensor, peer, tag):
+        staged, copied = _staged(tensor)
+        ptr, nbytes = _span(staged)
+        self._ops.append((is_send, ptr, nbytes, _dtype(tensor), peer, tag))
+        self._held.append(staged)
+        if copied and not is_send:
+            self._copies.append((tensor, staged))
+
+    def run(self):
+        """Runs the batch once; raises its failure, on this and every later call."""
+        if not self.ran:
+            self.ran = True
+            try:
+                self._comm.exchange(self._ops)
+                for tensor, staged in self._copies:
+                    tensor.copy_(staged)
+            except (RuntimeError, ValueError) as e:
+                self._error = e
+            self._ops = self._held = self._copies = None
+        if self._error is not None:
+            raise self._error
+
+
+class _PointToPointWork(Work):
+    """The Work of a send or receive in a `_Batch`: waiting on it runs the batch.
+
+    Like `_ReceivedWork`, a Python Work: torch's `send`, `recv`, `isend`, `irecv` and
+    `batch_isend_irecv` hand it to Python callers only, never to a C++ waiter."""
+
+    def __init__(self, batch, tensors):
+        super().__init__()
+        self._batch = batch
+        self._tensors = tensors
+
+    def wait(self, timeout=None):
+        self._batch.run()
+        return True
+
+    def is_completed(self):
+        try:
+            self._batch.run()
+        except (RuntimeError, ValueError):
+            pass
+        return True
+
+    def get_future(self):
+        self._batch.run()
+        future = torch.futures.Future()
+        future.set_result(self._tensors)
+        return future
+
+
 class ProcessGroupChorus(ProcessGroup):
     """A torch.distributed process group whose operations run on Chorus."""
 
@@ -208,6 +276,7 @@ class ProcessGroupChorus(ProcessGroup):
         self._timeout = timeout
         self._comm = _connect(store, rank, size, timeout)
         self._barriers = 0
+        self._batch = None
 
     def getBackendName(self):
         return "chorus"
@@ -217,6 +286,12 @@ class ProcessGroupChorus(ProcessGroup):
 
     def _get_backend_name(self):
         return "chorus"
+
+    def _get_backend(self, device=None):
+        """The backend serving `device`'s tensors: this group itself (torch 2.x's
+        `batch_isend_irecv` asks it whether it coalesces; it does not, so torch posts the
+        calls one by one and `_Batch` runs them together)."""
+        return self
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -476,18 +551,22 @@ class ProcessGroupChorus(ProcessGroup):
     # -- point to point --------------------------------------------------------------------
 
     def send(self, tensors, dst, tag):
-        tensor = _one(tensors, "send")
-        staged, _ = _staged(tensor)
-        ptr, nbytes = _span(staged)
-        self._comm.send(ptr, nbytes, _dtype(tensor), self._peer(dst, "send"), tag)
-        return _work(tensors)
+        return self._post(True, tensors, self._peer(dst, "send"), tag, "send")
 
     def recv(self, tensors, src, tag):
-        tensor = _one(tensors, "recv")
-        staged, copied = _staged(tensor)
-        ptr, nbytes = _span(staged)
-        self._comm.recv(ptr, nbytes, _dtype(tensor), self._peer(src, "recv"), tag)
-        return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
+        return self._post(False, tensors, self._peer(src, "recv"), tag, "recv")
+
+    def _post(self, is_send, tensors, peer, tag, what):
+        tensor = _one(tensors, what)
+        if self._batch is None or self._batch.ran:
+            self._batch = _Batch(self._comm)
+        self._batch.add(is_send, tensor, peer, tag)
+        return _PointToPointWork(self._batch, tensors)
+
+    def _run_batch(self):
+        batch, self._batch = self._batch, None
+        if batch is not None and not batch.ran:
+            batch.run()
 
     def recv_anysource(self, tensors, tag):
         """A receive from whichever rank sends this one a message with `tag` first; the Work
@@ -499,6 +578,26 @@ class ProcessGroupChorus(ProcessGroup):
         if copied:
             tensor.copy_(staged)
         return _ReceivedWork(tensors, source)
+
+
+def _after_batch(method):
+    """`method`, called once the point-to-point calls posted before it have run."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        self._run_batch()
+        return method(self, *args, **kwargs)
+
+    return run
+
+
+# Every operation but the point-to-point ones (and the helpers) first runs the batch they
+# posted, so calls run in the order they were made.
+_NOT_AFTER_BATCH = {"getBackendName", "name", "_get_backend_name", "_get_backend", "_root", "_peer", "send", "recv", "_post",
+                    "_run_batch"}
+for _name, _method in list(vars(ProcessGroupChorus).items()):
+    if callable(_method) and not _name.startswith("__") and _name not in _NOT_AFTER_BATCH:
+        setattr(ProcessGroupChorus, _name, _after_batch(_method))
 
 
 def _one_list(lists, size, like, what):

@@ -67,6 +67,18 @@ impl Raw {
         unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, len) }
     }
 
+    /// The memory as bytes, to be read.
+    ///
+    /// # Safety
+    /// The memory must be valid for reads for `'a` and not written meanwhile.
+    pub unsafe fn bytes<'a>(self) -> &'a [u8] {
+        if self.bytes == 0 {
+            return &[];
+        }
+        // SAFETY: non-null (checked in `new`); validity is the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.bytes) }
+    }
+
     /// Block `index` of `len` bytes, if it lies inside.
     pub fn block(self, index: usize, len: usize) -> Option<Raw> {
         let start = index.checked_mul(len)?;
@@ -76,17 +88,21 @@ impl Raw {
         })
     }
 
+    /// Whether the two share a byte.
+    pub fn overlaps(self, other: Raw) -> bool {
+        self.bytes > 0
+            && other.bytes > 0
+            && self.ptr < other.ptr + other.bytes
+            && other.ptr < self.ptr + self.bytes
+    }
+
     /// This memory, or a copy of it when it overlaps `other`'s (so the two can be borrowed
     /// at once).
     ///
     /// # Safety
     /// When it overlaps `other`, the memory must be valid for reads of `bytes` bytes.
     pub unsafe fn apart_from(self, other: Raw) -> Input {
-        let overlap = self.bytes > 0
-            && other.bytes > 0
-            && self.ptr < other.ptr + other.bytes
-            && other.ptr < self.ptr + self.bytes;
-        if !overlap {
+        if !self.overlaps(other) {
             return Input::Borrowed(self);
         }
         let mut copy = vec![0u64; self.bytes.div_ceil(8)];

@@ -371,39 +371,45 @@ impl Comm {
         })
     }
 
-    /// Sends the buffer to `peer` with `tag`.
-    fn send(
+    /// Posts every send and receive of `ops` together and waits for all of them (torch's
+    /// `isend`/`irecv` batched, so two ranks exchanging large messages both ways cannot wait
+    /// on each other). Each op is `(is_send, ptr, bytes, dtype_code, peer, tag)`.
+    ///
+    /// A receive's memory may overlap no other op's: that is a `ValueError` before anything
+    /// is sent.
+    fn exchange(
         &self,
         py: Python<'_>,
-        ptr: usize,
-        bytes: usize,
-        dtype_code: usize,
-        peer: usize,
-        tag: u32,
+        ops: Vec<(bool, usize, usize, usize, usize, u32)>,
     ) -> PyResult<()> {
-        let dtype = dtype(dtype_code)?;
-        let buf = Raw::new(ptr, bytes, dtype)?;
+        let mut checked = Vec::with_capacity(ops.len());
+        for (i, &(is_send, ptr, bytes, code, peer, tag)) in ops.iter().enumerate() {
+            let raw = Raw::new(ptr, bytes, dtype(code)?)?;
+            if let Some(j) = checked
+                .iter()
+                .position(|&(other_send, other): &(bool, Raw)| {
+                    (!is_send || !other_send) && raw.overlaps(other)
+                })
+            {
+                return Err(PyValueError::new_err(format!(
+                    "point-to-point call {i} (to or from rank {peer}, tag {tag}) shares memory with call {j} of the same batch, and one of them receives into it"
+                )));
+            }
+            checked.push((is_send, raw));
+        }
         self.run(py, move |c| {
-            // SAFETY: as in `all_reduce`.
-            typed!(dtype, T => c.send(unsafe { &*buf.slice::<T>() }, peer, tag))
-        })
-    }
-
-    /// Receives exactly the buffer's length from `peer` with `tag`.
-    fn recv(
-        &self,
-        py: Python<'_>,
-        ptr: usize,
-        bytes: usize,
-        dtype_code: usize,
-        peer: usize,
-        tag: u32,
-    ) -> PyResult<()> {
-        let dtype = dtype(dtype_code)?;
-        let buf = Raw::new(ptr, bytes, dtype)?;
-        self.run(py, move |c| {
-            // SAFETY: as in `all_reduce`.
-            typed!(dtype, T => c.recv(unsafe { buf.slice::<T>() }, peer, tag))
+            c.group(|g| {
+                for (&(is_send, raw), &(_, _, _, _, peer, tag)) in checked.iter().zip(&ops) {
+                    if is_send {
+                        // SAFETY: the package passes live tensors of these lengths, held until
+                        // the batch has run; no receive writes this memory (checked above).
+                        g.send(unsafe { raw.bytes() }, peer, tag);
+                    } else {
+                        // SAFETY: as above; no other op of the batch touches this memory.
+                        g.recv(unsafe { raw.slice::<u8>() }, peer, tag);
+                    }
+                }
+            })
         })
     }
 

@@ -116,6 +116,38 @@ def test_recv_without_a_source_names_each_sender():
     assert tagged == [(2, [40.0] * 2), (1, [30.0] * 2)], tagged
 
 
+def exchange_both_ways(rank, world):
+    after, before = (rank + 1) % world, (rank - 1) % world
+    n = 8 << 20  # 32 MiB each way, far past the sockets' buffers: sends run one at a time would wait on each other
+    out, into = torch.full((n,), float(rank)), torch.empty(n)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, after), dist.P2POp(dist.irecv, into, before)])
+    for req in reqs:
+        req.wait()
+    assert torch.all(into == float(before))
+    # An isend not yet waited on runs with the blocking recv after it, into a non-contiguous tensor.
+    work = dist.isend(out, after, tag=3)
+    column = torch.zeros(n, 2)[:, 1]
+    dist.recv(column, before, tag=3)
+    assert work.is_completed()
+    work.wait()
+    assert torch.all(column == float(before))
+    # A receive into memory another call of its batch uses is refused before anything is sent.
+    refused = None
+    try:
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, out[:10], after), dist.P2POp(dist.irecv, out[5:15], before)])[0].wait()
+    except ValueError as e:
+        refused = str(e)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world
+    return refused
+
+
+def test_isend_and_irecv_run_together():
+    for refused in run(3, exchange_both_ways, timeout=120, env={"CHORUS_TIMEOUT": "60"}):
+        assert refused is not None and "shares memory with call 0" in refused, refused
+
+
 def bad_arguments(rank, world):
     errors = []
     for call in (
