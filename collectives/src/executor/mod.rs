@@ -2,10 +2,13 @@
 //!
 //! [`machine`] decides what to do (post, wait, reduce, copy) from the steps'
 //! data dependencies; [`drive`] does it over a transport, with the caller's
-//! buffers, the deadline and the watchdog.
+//! buffers, the deadline and the watchdog; the tests' `in_memory` driver runs
+//! every rank's machine in one process.
 
 mod buffers;
 mod drive;
+#[cfg(test)]
+mod in_memory;
 mod machine;
 
 use std::time::Instant;
