@@ -22,6 +22,10 @@ pub use buffers::Buffers;
 pub(crate) use drive::{execute, failed};
 use machine::Machine;
 
+/// Staging slots a call uses (receive-and-reduce chunks in flight at once): the pipeline
+/// depth of the communicator, and the cost evaluator's default.
+pub(crate) const PIPELINE_DEPTH: usize = 4;
+
 /// Memory the executor keeps between calls: staging slots for chunks that
 /// are reduced on arrival, the scratch buffer schedules may use, and the
 /// machine with its queues (empty between calls).
