@@ -27,7 +27,7 @@ use chorus_transport::tcp::TcpConfig;
 use chorus_transport::Transport;
 use chorus_transport::{RouteConfig, RoutedTransport};
 
-use crate::executor::{self, Buffers, Job, Watch, Workspace};
+use crate::executor::{self, Buffers, Job, Watch, Workspace, PIPELINE_DEPTH};
 use crate::schedule::Schedule;
 use crate::tuner::{Algorithm, Collective, Tuner};
 use crate::{Config, Error, Result, StoreKind};
@@ -39,9 +39,6 @@ pub use shared::SharedBuffer;
 use shared::{SharedCall, Windows};
 pub use work::Work;
 use work::Worker;
-
-/// Receive-and-reduce chunks in flight per call.
-const PIPELINE_DEPTH: usize = 4;
 
 /// How long rank 0 keeps the store up after its own set-up failed.
 const SETUP_LINGER: Duration = Duration::from_secs(1);

@@ -49,7 +49,7 @@ use super::LinkModel;
 use crate::schedule::{Buf, Loc, Schedule, Step};
 
 /// Staging slots per rank the communicator's executor uses (its pipeline depth).
-pub const DEFAULT_DEPTH: usize = 4;
+pub const DEFAULT_DEPTH: usize = crate::executor::PIPELINE_DEPTH;
 
 /// Default bound on compiled steps held for all ranks at once (16 bytes each: 512 MiB).
 pub const DEFAULT_RESIDENT_STEPS: usize = 1 << 25;

@@ -1,0 +1,95 @@
+//! The caller's memory for one call, as the real driver reaches it.
+
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use crate::Error;
+
+/// The caller's memory, borrowed for `'a`: raw because the transport reads and writes it
+/// in the background while this thread works on other regions.
+pub struct Buffers<'a> {
+    pub(super) input: *const u8,
+    pub(super) input_len: usize,
+    /// Where the input lies in the output (`Some(0)`: in place), or `None`: apart from it.
+    pub(super) input_at: Option<usize>,
+    pub(super) output: *mut u8,
+    pub(super) output_len: usize,
+    /// Holds the caller's borrows for as long as the pointers are in use.
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Buffers<'a> {
+    /// The caller's input (`None`: the output serves as input, in place) and output.
+    pub fn new(input: Option<&'a [u8]>, output: &'a mut [u8]) -> Buffers<'a> {
+        let (input, input_len, input_at) = input
+            .map_or((output.as_ptr(), output.len(), Some(0)), |i| {
+                (i.as_ptr(), i.len(), None)
+            });
+        Buffers {
+            input,
+            input_len,
+            input_at,
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// In place with the input inside the output: `len` bytes from byte `offset`.
+    ///
+    /// Panics if the input would reach past the output (callers check the sizes).
+    pub fn inside(output: &'a mut [u8], offset: usize, len: usize) -> Buffers<'a> {
+        assert!(
+            offset + len <= output.len(),
+            "input block outside the output"
+        );
+        // SAFETY: `offset + len <= output.len()`, checked above.
+        let input = unsafe { output.as_ptr().add(offset) };
+        Buffers {
+            input,
+            input_len: len,
+            input_at: Some(offset),
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// The addresses of the input's and the output's bytes (equal when in place).
+    pub(crate) fn addresses(&self) -> (Range<usize>, Range<usize>) {
+        let (input, output) = (self.input as usize, self.output as usize);
+        (
+            input..input + self.input_len,
+            output..output + self.output_len,
+        )
+    }
+
+    /// The input as a slice.
+    ///
+    /// # Safety
+    ///
+    /// No mutable slice of the input (nor, in place, of the output) may be
+    /// alive while it is, and no request may be writing it.
+    pub(crate) unsafe fn input(&self) -> &[u8] {
+        // SAFETY: the pointer and length come from a slice borrowed for `'a`, which
+        // outlives `self`; the absence of writers is the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.input, self.input_len) }
+    }
+
+    /// The start and length of the output.
+    pub(crate) fn output_raw(&self) -> (*mut u8, usize) {
+        (self.output, self.output_len)
+    }
+
+    /// Input and output of equal length (reductions, broadcast); fails naming both lengths.
+    pub fn same_len(input: Option<&'a [u8]>, output: &'a mut [u8]) -> Result<Buffers<'a>, Error> {
+        match input {
+            Some(i) if i.len() != output.len() => Err(Error::InvalidArgument(format!(
+                "input has {} bytes but output has {}",
+                i.len(),
+                output.len()
+            ))),
+            _ => Ok(Buffers::new(input, output)),
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! The real driver: performs the machine's actions on the caller's buffers
+//! with the transport and the kernels, waiting with the deadline and the watchdog.
+
+use chorus_kernels::{reduce, reduce_into, ReduceOp};
+use chorus_transport::{Request, Transport, TransportError};
+
+use super::machine::{Action, Dest, Layout, Machine, Reduce, Region};
+use super::{Buffers, Job, Watch, Workspace};
+use crate::schedule::{Buf, Step};
+use crate::Error;
+
+/// Runs `steps` to completion.
+///
+/// On any error the transport is aborted before returning, so no request
+/// still refers to the caller's buffers.
+pub(crate) fn execute(
+    job: &Job<'_>,
+    bufs: &Buffers<'_>,
+    steps: &[Step],
+    work: &mut Workspace,
+) -> Result<(), Error> {
+    let layout = Layout {
+        elem: job.dtype.size(),
+        input_len: bufs.input_len,
+        input_at: bufs.input_at,
+        output_len: bufs.output_len,
+        depth: job.depth,
+        finish: job.op == ReduceOp::Avg && job.world_size > 1,
+    };
+    let needs = work.machine.start(steps, &layout);
+    work.reserve(job.depth, needs.slot_bytes, needs.scratch_bytes);
+    let mut run = Run {
+        job,
+        bufs,
+        scratch: work.scratch.as_mut_ptr(),
+        slots: &mut work.slots,
+        machine: &mut work.machine,
+        warned: false,
+    };
+    run.run(steps)
+        .map_err(|error| failed(error, job.watch, job.transport))
+}
+
+/// Explains a call's failure through `watch`, then aborts `transport` so no
+/// peer request still refers to the caller's buffers; returns the error to report.
+pub(crate) fn failed(
+    error: Error,
+    watch: Option<&dyn Watch>,
+    transport: Option<&dyn Transport>,
+) -> Error {
+    let error = match watch {
+        Some(watch) => watch.failed(error),
+        None => error,
+    };
+    if let Some(transport) = transport {
+        transport.abort(&format!("a collective failed on this rank: {error}"));
+    }
+    error
+}
+
+struct Run<'a, 'j> {
+    job: &'a Job<'j>,
+    bufs: &'a Buffers<'a>,
+    scratch: *mut u8,
+    slots: &'a mut [Vec<u8>],
+    machine: &'a mut Machine<Request>,
+    /// Whether the watchdog has reported this call as stalled.
+    warned: bool,
+}
+
+impl Drop for Run<'_, '_> {
+    /// Empties the machine's queue, also when a panic unwinds. After a failure the transport
+    /// has been aborted already; a panic aborts it here, so no request still uses the
+    /// caller's buffers once the unwinding frees them.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Some(transport) = self.job.transport {
+                transport.abort("a collective panicked on this rank");
+            }
+        }
+        self.machine.reset();
+    }
+}
+
+impl Run<'_, '_> {
+    fn transport(&self) -> Result<&dyn Transport, Error> {
+        self.job.transport.ok_or_else(|| {
+            Error::InvalidArgument("a schedule for one rank tried to communicate".into())
+        })
+    }
+
+    /// The address of `region`'s first byte.
+    fn ptr(&self, region: Region) -> *mut u8 {
+        let base = match region.buf {
+            Buf::Input => self.bufs.input.cast_mut(),
+            Buf::Output => self.bufs.output,
+            Buf::Scratch => self.scratch,
+        };
+        // SAFETY: the machine checked that the region lies within its buffer, whose length
+        // it was given (the scratch holds at least what it asked for).
+        unsafe { base.add(region.start) }
+    }
+
+    fn run(&mut self, steps: &[Step]) -> Result<(), Error> {
+        loop {
+            let action = self
+                .machine
+                .next(steps, |req| matches!(req.test(), Some(Ok(()))))?;
+            match action {
+                Action::Send { peer, from, .. } => {
+                    let ptr = self.ptr(from);
+                    // SAFETY: `from` lies within the caller's buffers or the scratch; the
+                    // machine posts no write to it until this request is settled, which
+                    // happens (or the transport is aborted) before `execute` returns.
+                    let req = unsafe {
+                        let data = std::slice::from_raw_parts(ptr.cast_const(), from.len);
+                        self.transport()?.isend(peer, self.job.tag, data)?
+                    };
+                    self.machine.posted(req);
+                }
+                Action::Recv { peer, into, .. } => {
+                    let (ptr, len) = match into {
+                        Dest::Region(region) => (self.ptr(region), region.len),
+                        Dest::Slot { slot, len } => (self.slots[slot].as_mut_ptr(), len),
+                    };
+                    // SAFETY: as for sends; nothing else touches the region until the
+                    // request is settled, because the machine settles it before any later
+                    // step that touches it. A slot holds at least the largest
+                    // receive-and-reduce of the schedule (`Workspace::reserve`) and belongs
+                    // to this request until its reduction.
+                    let req = unsafe {
+                        let buf = std::slice::from_raw_parts_mut(ptr, len);
+                        self.transport()?.irecv(peer, self.job.tag, buf)?
+                    };
+                    self.machine.posted(req);
+                }
+                Action::Wait { id } => {
+                    wait(self.job, &mut self.warned, self.machine.waiting())?;
+                    if let Some(reduction) = self.machine.complete(id) {
+                        self.reduce(reduction)?;
+                    }
+                }
+                Action::Copy { from, into } => {
+                    // SAFETY: both regions are in bounds and no pending request touches them
+                    // (settled by the machine); `copy` allows overlap.
+                    unsafe {
+                        std::ptr::copy(self.ptr(from).cast_const(), self.ptr(into), into.len)
+                    };
+                }
+                Action::Finish { at } => {
+                    // SAFETY: in bounds, and no pending request touches it (settled first).
+                    let out = unsafe { std::slice::from_raw_parts_mut(self.ptr(at), at.len) };
+                    chorus_kernels::finish_avg(self.job.dtype, out, self.job.world_size)?;
+                }
+                Action::Done => return Ok(()),
+            }
+        }
+    }
+}
+
+impl Run<'_, '_> {
+    /// Reduces a received chunk from its staging slot.
+    fn reduce(&self, Reduce { into, with, slot }: Reduce) -> Result<(), Error> {
+        let len = into.len;
+        // SAFETY: the slot holds this request's completed message; `into` and `with` are in
+        // bounds, of equal length, identical or disjoint (checked by the machine), and no
+        // pending request touches them (settled first).
+        unsafe {
+            let incoming = std::slice::from_raw_parts(self.slots[slot].as_ptr(), len);
+            let out = std::slice::from_raw_parts_mut(self.ptr(into), len);
+            match with {
+                None => reduce(self.job.op, self.job.dtype, out, incoming)?,
+                Some(with) => {
+                    let operand = std::slice::from_raw_parts(self.ptr(with).cast_const(), len);
+                    reduce_into(self.job.op, self.job.dtype, out, operand, incoming)?
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Waits for `req` until the job's deadline, reporting a stall to the watchdog once on the way.
+fn wait(job: &Job<'_>, warned: &mut bool, req: &Request) -> Result<(), Error> {
+    let deadline = job.deadline;
+    if let Some(watch) = job.watch.filter(|_| !*warned) {
+        if let Some(warn_at) = watch.warn_at().filter(|&t| t < deadline) {
+            match req.wait(warn_at) {
+                Err(TransportError::Timeout { .. }) => {
+                    *warned = true;
+                    watch.stalled();
+                }
+                done => return Ok(done?),
+            }
+        }
+    }
+    Ok(req.wait(deadline)?)
+}

@@ -1,0 +1,211 @@
+//! The executor: runs any schedule over any transport.
+//!
+//! [`machine`] decides what to do (post, wait, reduce, copy) from the steps'
+//! data dependencies; [`drive`] does it over a transport, with the caller's
+//! buffers, the deadline and the watchdog; the tests' `in_memory` driver runs
+//! every rank's machine in one process.
+
+mod buffers;
+mod drive;
+#[cfg(test)]
+mod in_memory;
+mod machine;
+
+use std::time::Instant;
+
+use chorus_kernels::{DType, ReduceOp};
+use chorus_transport::{Request, Transport};
+
+use crate::Error;
+
+pub use buffers::Buffers;
+pub(crate) use drive::{execute, failed};
+use machine::Machine;
+
+/// Staging slots a call uses (receive-and-reduce chunks in flight at once): the pipeline
+/// depth of the communicator, and the cost evaluator's default.
+pub(crate) const PIPELINE_DEPTH: usize = 4;
+
+/// Memory the executor keeps between calls: staging slots for chunks that
+/// are reduced on arrival, the scratch buffer schedules may use, and the
+/// machine with its queues (empty between calls).
+#[derive(Debug, Default)]
+pub struct Workspace {
+    slots: Vec<Vec<u8>>,
+    scratch: Vec<u8>,
+    machine: Machine<Request>,
+}
+
+impl Workspace {
+    /// Makes sure there are `depth` slots of `slot_bytes` and `scratch_bytes` of scratch.
+    fn reserve(&mut self, depth: usize, slot_bytes: usize, scratch_bytes: usize) {
+        self.slots.resize_with(depth.max(1), Vec::new);
+        for slot in &mut self.slots {
+            if slot.len() < slot_bytes {
+                slot.resize(slot_bytes, 0);
+            }
+        }
+        if self.scratch.len() < scratch_bytes {
+            self.scratch.resize(scratch_bytes, 0);
+        }
+    }
+}
+
+/// What one collective call operates on.
+pub struct Job<'a> {
+    /// The transport to the other ranks (`None` for a world of one).
+    pub transport: Option<&'a dyn Transport>,
+    /// The tag on every message of this call.
+    pub tag: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduction operator (for `RecvReduce` and `Finish`).
+    pub op: ReduceOp,
+    /// Number of ranks (the divisor of `Avg`).
+    pub world_size: usize,
+    /// When every wait gives up.
+    pub deadline: Instant,
+    /// Most receive-and-reduce chunks in flight at once.
+    pub depth: usize,
+    /// Watches the call: told when it stalls, and asked to explain a failure.
+    pub watch: Option<&'a dyn Watch>,
+}
+
+/// A watchdog over one call.
+pub trait Watch {
+    /// When a wait still pending should be reported as stalled (`None`: never).
+    fn warn_at(&self) -> Option<Instant>;
+    /// Called once, when a wait outlasts [`warn_at`](Self::warn_at); the call goes on waiting.
+    fn stalled(&self);
+    /// Turns a failure into the error to report, before the transport is aborted.
+    fn failed(&self, error: Error) -> Error;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use chorus_transport::{Direction, TransportError};
+
+    use super::*;
+    use crate::schedule::{Buf, Loc, Step};
+
+    /// A transport whose requests never complete; records whether it was aborted.
+    #[derive(Default)]
+    struct Stuck {
+        aborted: AtomicBool,
+    }
+
+    impl Transport for Stuck {
+        fn rank(&self) -> usize {
+            0
+        }
+
+        fn world_size(&self) -> usize {
+            2
+        }
+
+        unsafe fn isend(
+            &self,
+            peer: usize,
+            _: u64,
+            data: &[u8],
+        ) -> Result<Request, TransportError> {
+            Ok(Request::new(peer, Direction::Send, data.len()).0)
+        }
+
+        unsafe fn irecv(
+            &self,
+            peer: usize,
+            _: u64,
+            buf: &mut [u8],
+        ) -> Result<Request, TransportError> {
+            Ok(Request::new(peer, Direction::Recv, buf.len()).0)
+        }
+
+        fn probe(&self, _: usize) -> Result<Option<(u64, usize)>, TransportError> {
+            Ok(None)
+        }
+
+        fn abort(&self, _: &str) {
+            self.aborted.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// A watchdog that panics when told of a stall, which it reports at once.
+    struct PanicsWhenStalled;
+
+    impl Watch for PanicsWhenStalled {
+        fn warn_at(&self) -> Option<Instant> {
+            Some(Instant::now())
+        }
+
+        fn stalled(&self) {
+            panic!("stalled");
+        }
+
+        fn failed(&self, error: Error) -> Error {
+            error
+        }
+    }
+
+    /// Runs a receive into the whole of `out` on `transport`, then waits for it.
+    fn receive(
+        transport: &Stuck,
+        deadline: Instant,
+        watch: Option<&dyn Watch>,
+        out: &mut [u8],
+    ) -> Result<(), Error> {
+        let job = Job {
+            transport: Some(transport),
+            tag: 1,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            world_size: 2,
+            deadline,
+            depth: 1,
+            watch,
+        };
+        let into = Loc {
+            buf: Buf::Output,
+            range: 0..out.len(),
+        };
+        let steps = [Step::Recv { peer: 1, into }, Step::Fence];
+        execute(
+            &job,
+            &Buffers::new(None, out),
+            &steps,
+            &mut Workspace::default(),
+        )
+    }
+
+    #[test]
+    fn a_failed_call_aborts_the_transport() {
+        let transport = Stuck::default();
+        let err = receive(&transport, Instant::now(), None, &mut [0; 8]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Transport {
+                    source: TransportError::Timeout { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(transport.aborted.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_panic_with_a_request_in_flight_aborts_the_transport() {
+        let transport = Stuck::default();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let panicked = catch_unwind(AssertUnwindSafe(|| {
+            receive(&transport, deadline, Some(&PanicsWhenStalled), &mut [0; 8])
+        }));
+        assert!(panicked.is_err());
+        assert!(transport.aborted.load(Ordering::SeqCst));
+    }
+}
