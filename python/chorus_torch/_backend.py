@@ -12,6 +12,8 @@ from torch._C._distributed_c10d import ProcessGroup, Work, _create_work_from_fut
 
 from . import _chorus
 
+_Future = torch._C.Future
+
 # Chorus's data type codes: the index in chorus::DType::ALL. Bool travels as u8.
 _DTYPES = {
     torch.float32: 0,
@@ -45,13 +47,15 @@ def _dtype(tensor):
 
 
 def _check_cpu(tensor):
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise ValueError(f"the chorus backend takes CPU tensors, got one on {tensor.device}")
 
 
 def _op(reduce_op, tensor):
     """Chorus's code for torch's reduce op on `tensor`'s dtype; a clear error when none fits."""
     code = int(getattr(reduce_op, "op", reduce_op))
+    if code == _SUM:
+        return code if tensor.dtype is not torch.bool else _MAX
     dtype = tensor.dtype
     if dtype == torch.bool:
         if code not in _BOOL_OPS:
@@ -90,7 +94,7 @@ def _work(result, finish=None):
     reducer never call back into a Python object that may be gone by then."""
     if finish is not None:
         finish()
-    future = torch.futures.Future()
+    future = _Future([])  # torch.futures.Future's C++ base: the same future, without its Python __init__
     future.set_result(result)
     return _create_work_from_future(future)
 
@@ -309,10 +313,9 @@ class ProcessGroupChorus(ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         tensor = _one(tensors, "allreduce")
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensor)
+        op = _op(opts.reduceOp if opts is not None else _SUM, tensor)
         if tensor.is_contiguous():
-            ptr, nbytes = _span(tensor)
-            self._comm.all_reduce(ptr, nbytes, _dtype(tensor), op)
+            self._comm.all_reduce(tensor.data_ptr(), tensor.numel() * tensor.element_size(), _dtype(tensor), op)
             return _work(tensors)
         staged = tensor.contiguous()
         ptr, nbytes = _span(staged)
@@ -585,7 +588,8 @@ def _after_batch(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        self._run_batch()
+        if self._batch is not None:
+            self._run_batch()
         return method(self, *args, **kwargs)
 
     return run
