@@ -1,11 +1,8 @@
 //! Data types: the runtime [`DType`] tag and the compile-time [`Element`] trait.
 
 use std::fmt;
-use std::str::FromStr;
 
 use half::{bf16, f16};
-
-use crate::error::KernelError;
 
 /// The element type of a buffer, as a runtime tag.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -77,43 +74,11 @@ impl DType {
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
     }
-
-    /// Extra accepted spellings besides [`DType::name`] (all matched case-insensitively).
-    fn aliases(self) -> &'static [&'static str] {
-        match self {
-            DType::F32 => &["f32", "float32"],
-            DType::F64 => &["f64", "float64"],
-            DType::F16 => &["f16", "float16"],
-            DType::BF16 => &["bf16"],
-            DType::I8 => &["i8"],
-            DType::U8 => &["u8"],
-            DType::I32 => &["i32", "int"],
-            DType::U32 => &["u32"],
-            DType::I64 => &["i64"],
-            DType::U64 => &["u64"],
-        }
-    }
 }
 
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.pad(self.name())
-    }
-}
-
-impl FromStr for DType {
-    type Err = KernelError;
-
-    /// Parses an nccl-tests name or an alias (`f32`, `float32`, `bf16`, `int`, ...), ignoring case.
-    /// Fails with [`KernelError::UnknownDType`] for anything else.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        DType::ALL
-            .into_iter()
-            .find(|d| {
-                d.name().eq_ignore_ascii_case(s)
-                    || d.aliases().iter().any(|a| a.eq_ignore_ascii_case(s))
-            })
-            .ok_or_else(|| KernelError::UnknownDType(s.to_owned()))
     }
 }
 
@@ -170,58 +135,8 @@ mod tests {
     }
 
     #[test]
-    fn names_round_trip_through_display_and_from_str() {
-        for d in DType::ALL {
-            assert_eq!(d.to_string(), d.name());
-            assert_eq!(d.name().parse::<DType>().unwrap(), d);
-            assert_eq!(d.name().to_uppercase().parse::<DType>().unwrap(), d);
-            for alias in d.aliases() {
-                assert_eq!(alias.parse::<DType>().unwrap(), d, "{alias}");
-            }
-        }
-    }
-
-    #[test]
-    fn aliases_parse_to_expected_types() {
-        let cases = [
-            ("f32", DType::F32),
-            ("Float32", DType::F32),
-            ("F64", DType::F64),
-            ("float64", DType::F64),
-            ("f16", DType::F16),
-            ("FLOAT16", DType::F16),
-            ("BF16", DType::BF16),
-            ("i8", DType::I8),
-            ("u8", DType::U8),
-            ("int", DType::I32),
-            ("I32", DType::I32),
-            ("u32", DType::U32),
-            ("i64", DType::I64),
-            ("u64", DType::U64),
-        ];
-        for (s, d) in cases {
-            assert_eq!(s.parse::<DType>().unwrap(), d, "{s}");
-        }
-    }
-
-    #[test]
     fn is_float_only_for_floating_types() {
         let floats: Vec<_> = DType::ALL.into_iter().filter(|d| d.is_float()).collect();
         assert_eq!(floats, [DType::F32, DType::F64, DType::F16, DType::BF16]);
-    }
-
-    #[test]
-    fn unknown_names_are_rejected() {
-        for bad in ["", "foo", "int16", "float ", "uint"] {
-            assert_eq!(
-                bad.parse::<DType>().unwrap_err(),
-                KernelError::UnknownDType(bad.to_owned())
-            );
-        }
-        let msg = "foo".parse::<DType>().unwrap_err().to_string();
-        assert!(
-            msg.starts_with("unknown data type 'foo' (expected one of: float, double"),
-            "{msg}"
-        );
     }
 }

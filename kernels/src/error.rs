@@ -54,3 +54,45 @@ pub enum KernelError {
     #[error("cannot average over zero contributors (n must be at least 1)")]
     ZeroCount,
 }
+
+impl ReduceOp {
+    /// `Ok` if the operator is defined on `dtype`, else [`KernelError::UnsupportedOp`]
+    /// naming both.
+    pub fn check(self, dtype: DType) -> Result<(), KernelError> {
+        if self.applies_to(dtype) {
+            Ok(())
+        } else {
+            Err(KernelError::UnsupportedOp { op: self, dtype })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bitwise_ops_apply_to_integers_only() {
+        for dtype in DType::ALL {
+            for op in ReduceOp::ARITHMETIC {
+                assert!(op.applies_to(dtype), "{op} {dtype}");
+                assert_eq!(op.check(dtype), Ok(()));
+            }
+            for op in ReduceOp::BITWISE {
+                assert_eq!(op.applies_to(dtype), !dtype.is_float(), "{op} {dtype}");
+                let want = if dtype.is_float() {
+                    Err(KernelError::UnsupportedOp { op, dtype })
+                } else {
+                    Ok(())
+                };
+                assert_eq!(op.check(dtype), want);
+            }
+        }
+        let msg = ReduceOp::BXor.check(DType::BF16).unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "reduction operator bxor is not defined for bfloat16 (bitwise operators need an \
+             integer type)"
+        );
+    }
+}

@@ -66,6 +66,7 @@ mod dtype;
 pub mod env;
 mod error;
 mod op;
+mod parse;
 mod reduce;
 #[cfg(test)]
 mod test_rng;
