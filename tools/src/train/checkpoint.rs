@@ -5,11 +5,11 @@
 //! little-endian `f32`, in registration order. Floats are stored bit for bit,
 //! so a resumed run continues exactly where the saved one stopped.
 
-use std::io::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::file::write_atomically;
 use super::report::EpochLog;
 
 /// First bytes of every checkpoint.
@@ -106,24 +106,6 @@ impl Checkpoint {
             momentum,
         })
     }
-}
-
-/// Replaces `path` with `bytes` atomically (temporary file, fsync, rename).
-///
-/// Fails naming the file on an I/O error.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    let what = path.display();
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)
-    };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        format!("cannot write {what}: {e}")
-    })
 }
 
 #[cfg(test)]

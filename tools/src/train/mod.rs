@@ -5,6 +5,7 @@
 //! mpirun it runs as one rank of the job.
 
 pub mod checkpoint;
+mod file;
 pub mod idx;
 pub mod mlp;
 pub mod report;

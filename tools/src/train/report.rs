@@ -5,7 +5,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::write_atomically;
+use super::file::write_atomically;
 
 /// One epoch's results, averaged over all ranks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
