@@ -6,7 +6,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use chorus::{env, DType, ReduceOp};
@@ -198,4 +199,38 @@ pub fn run_one(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Durat
         stderr: reader.join().unwrap_or_default(),
         elapsed: start.elapsed(),
     }
+}
+
+/// Builds the `chorus-torch` extension with the calling test's profile and lays out an
+/// importable `chorus_torch` package in `dir` (for `PYTHONPATH`), as `pip install ./python`
+/// would install it.
+pub fn torch_package(dir: &Path) {
+    // The calling test lives in <target>/<profile>/deps.
+    let exe = std::env::current_exe().expect("the test's own path");
+    let profile: PathBuf = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the test lives in <target>/<profile>/deps")
+        .to_path_buf();
+    let mut build = Command::new(env!("CARGO"));
+    build.args(["build", "-p", "chorus-torch", "--lib"]);
+    if profile.file_name().is_some_and(|n| n == "release") {
+        build.arg("--release");
+    }
+    let status = build.status().expect("cargo runs");
+    assert!(status.success(), "building chorus-torch failed: {status}");
+    let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/chorus_torch");
+    let package = dir.join("chorus_torch");
+    std::fs::create_dir_all(&package).expect("package directory");
+    for entry in std::fs::read_dir(sources).expect("python sources") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "py") {
+            std::fs::copy(&path, package.join(path.file_name().expect("name"))).expect("copy");
+        }
+    }
+    std::fs::copy(
+        profile.join("lib_chorus.so"),
+        package.join("_chorus.abi3.so"),
+    )
+    .expect("the built extension");
 }

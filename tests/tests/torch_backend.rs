@@ -5,7 +5,7 @@
 //! `/usr/bin/python3`, else `python3`. Without one it says so on stderr and checks nothing.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -28,43 +28,6 @@ fn python() -> Option<String> {
     })
 }
 
-/// The profile directory this test was built into (`target/debug` or `target/release`).
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's own path");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("the test lives in <target>/<profile>/deps")
-        .to_path_buf()
-}
-
-/// Builds the extension with this test's profile and lays out an importable `chorus_torch`
-/// package under `dir`.
-fn build_package(dir: &Path) -> PathBuf {
-    let profile = profile_dir();
-    let mut build = Command::new(env!("CARGO"));
-    build.args(["build", "-p", "chorus-torch", "--lib"]);
-    if profile.file_name().is_some_and(|n| n == "release") {
-        build.arg("--release");
-    }
-    let status = build.status().expect("cargo runs");
-    assert!(status.success(), "building chorus-torch failed: {status}");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let package = dir.join("chorus_torch");
-    std::fs::create_dir_all(&package).expect("package directory");
-    for entry in std::fs::read_dir(root.join("python/chorus_torch")).expect("python sources") {
-        let path = entry.expect("entry").path();
-        if path.extension().is_some_and(|e| e == "py") {
-            std::fs::copy(&path, package.join(path.file_name().expect("name"))).expect("copy");
-        }
-    }
-    std::fs::copy(
-        profile.join("lib_chorus.so"),
-        package.join("_chorus.abi3.so"),
-    )
-    .expect("the built extension");
-    root.join("python/tests")
-}
-
 #[test]
 fn torch_backend_python_suite() {
     let Some(python) = python() else {
@@ -77,7 +40,8 @@ fn torch_backend_python_suite() {
         return;
     };
     let dir = std::env::temp_dir().join(format!("chorus-torch-test-{}", std::process::id()));
-    let tests = build_package(&dir);
+    chorus_tests::torch_package(&dir);
+    let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/tests");
     let mut child = Command::new(&python)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
         .arg(&tests)

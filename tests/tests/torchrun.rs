@@ -1,7 +1,8 @@
 //! Chorus against torch itself: `TorchStore` and a Python `torch.distributed.TCPStore` reading
 //! each other's keys (libuv and classic servers), the perf tool under `torchrun --standalone`,
 //! and a `torchrun --max-restarts 1` job whose rank fails in the first attempt (the restart
-//! must not read the failed attempt's keys; torchrun's summary must show the error file).
+//! must not read the failed attempt's keys; torchrun's summary must show the error file), and
+//! the DDP tutorial's ToyModel on the torch backend `chorus` under `torchrun --standalone`.
 //!
 //! Needs a Python with torch 2.x: `CHORUS_TORCH_PYTHON` names it, else `python3` is tried.
 //! Without one each test prints "skipping: needs torch >= 2 ..." and passes. Every process is
@@ -203,4 +204,68 @@ fn a_restarted_torchrun_attempt_starts_afresh_and_failures_are_summarised() {
     let run = job("0");
     assert_ne!(run.status.code(), Some(0), "{run:?}");
     run.assert_stderr_has("traceback : env_probe: rank 1 fails on purpose in attempt 0");
+}
+
+/// The parameter norm each rank of `python/examples/ddp_toy.py` reports, by rank (read from
+/// anywhere in the output: the two ranks' lines may interleave).
+fn ddp_norms(run: &Finished) -> Vec<(usize, f64)> {
+    let mut norms: Vec<(usize, f64)> = run
+        .stdout
+        .split("rank = ")
+        .filter_map(|part| {
+            let (rank, rest) = part.split_once(": trained")?;
+            let norm = rest.split("parameter norm ").nth(1)?;
+            let norm: String = norm
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.')
+                .collect();
+            Some((rank.trim().parse().ok()?, norm.parse().ok()?))
+        })
+        .collect();
+    norms.sort_by_key(|&(rank, _)| rank);
+    norms
+}
+
+#[test]
+fn ddp_trains_on_the_chorus_backend_under_torchrun_as_on_gloo() {
+    let Some(python) = torch_python() else {
+        return;
+    };
+    let scratch = Scratch::new("torchrun-ddp");
+    chorus_tests::torch_package(scratch.path());
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../python/examples/ddp_toy.py");
+    let train = |backend: &str| {
+        let mut cmd = Command::new(&python);
+        clean_env(&mut cmd);
+        cmd.args([
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+        ])
+        .args([example, "--backend", backend, "--steps", "20"])
+        .env("PYTHONPATH", scratch.path())
+        .env("CHORUS_TIMEOUT", STORE_TIMEOUT.as_secs().to_string())
+        .env("PYTHONUNBUFFERED", "1");
+        let run = start(cmd).wait(LIMIT);
+        run.assert_code(0);
+        let norms = ddp_norms(&run);
+        assert_eq!(
+            norms.iter().map(|&(rank, _)| rank).collect::<Vec<_>>(),
+            [0, 1],
+            "{backend}: {run:?}"
+        );
+        norms
+    };
+    let chorus = train("chorus");
+    let gloo = train("gloo");
+    for ((rank, ours), (_, theirs)) in chorus.iter().zip(&gloo) {
+        assert!(
+            (ours - theirs).abs() <= 1e-4 * theirs.abs().max(1.0),
+            "rank {rank}: chorus ends at norm {ours}, gloo at {theirs}"
+        );
+    }
+    // DDP keeps the replicas equal.
+    assert_eq!(chorus[0].1, chorus[1].1, "{chorus:?}");
 }
