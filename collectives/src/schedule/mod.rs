@@ -19,7 +19,7 @@ pub mod scatter;
 pub mod tree;
 
 #[cfg(test)]
-mod sim;
+mod verify;
 
 use std::ops::Range;
 
