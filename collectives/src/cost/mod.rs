@@ -9,14 +9,13 @@
 //!
 //! - [`closed`]: closed forms per collective and algorithm (what the
 //!   [`crate::tuner`] uses at run time; no schedule is built).
-//! - [`eval`]: a discrete-event evaluator that runs the real schedules of
-//!   every rank through the model, with the executor's semantics.
+//! - [`simulate`]: the evaluator, which runs the real schedules of every
+//!   rank on the executor's own state machine, in simulated time.
 
 pub mod closed;
-pub mod eval;
-mod regions;
+pub mod simulate;
 
-pub use eval::{evaluate, EvalConfig, EvalError, Evaluation};
+pub use simulate::{evaluate, EvalConfig, EvalError, Evaluation, DEFAULT_DEPTH};
 
 use crate::schedule::{
     all_gather, all_to_all, broadcast, gather, recursive, reduce, reduce_scatter, ring, scatter,

@@ -4,7 +4,7 @@
 use chorus_kernels::{reduce, reduce_into, ReduceOp};
 use chorus_transport::{Request, Transport, TransportError};
 
-use super::machine::{Action, Dest, Layout, Machine, Reduce, Region};
+use super::machine::{Action, Dest, Layout, Machine, Needs, Reduce, Region};
 use super::{Buffers, Job, Watch, Workspace};
 use crate::schedule::{Buf, Step};
 use crate::Error;
@@ -19,15 +19,18 @@ pub(crate) fn execute(
     steps: &[Step],
     work: &mut Workspace,
 ) -> Result<(), Error> {
+    let elem = job.dtype.size();
+    let needs = Needs::of(steps, elem);
     let layout = Layout {
-        elem: job.dtype.size(),
+        elem,
         input_len: bufs.input_len,
         input_at: bufs.input_at,
         output_len: bufs.output_len,
         depth: job.depth,
+        scratch_len: needs.scratch_bytes,
         finish: job.op == ReduceOp::Avg && job.world_size > 1,
     };
-    let needs = work.machine.start(steps, &layout);
+    work.machine.start(&layout);
     work.reserve(job.depth, needs.slot_bytes, needs.scratch_bytes);
     let mut run = Run {
         job,

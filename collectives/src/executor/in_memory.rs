@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 
 use chorus_kernels::{finish_avg, reduce, reduce_into, DType, ReduceOp};
 
-use super::machine::{Action, Dest, Layout, Machine, Reduce, Region};
+use super::machine::{Action, Dest, Layout, Machine, Needs, Reduce, Region};
 use crate::schedule::{Buf, Schedule};
 use crate::Error;
 
@@ -153,15 +153,17 @@ impl World<'_> {
     fn rank(call: &Call, r: usize) -> Rank {
         let mut machine = Machine::default();
         let input = call.inputs[r].clone();
-        let layout = Layout {
-            elem: call.dtype.size(),
+        let elem = call.dtype.size();
+        let needs = Needs::of(&call.steps[r], elem);
+        machine.start(&Layout {
+            elem,
             input_len: input.len(),
             input_at: call.in_place.then_some(0),
             output_len: call.output_len,
             depth: call.depth,
+            scratch_len: needs.scratch_bytes,
             finish: call.op == ReduceOp::Avg && call.steps.len() > 1,
-        };
-        let needs = machine.start(&call.steps[r], &layout);
+        });
         let output = if call.in_place {
             input.clone()
         } else {
@@ -268,7 +270,7 @@ impl World<'_> {
         let completed = &rank.completed;
         let action = rank
             .machine
-            .next(&call.steps[r], |&id| completed[id as usize])?;
+            .next(call.steps[r].as_slice(), |&id| completed[id as usize])?;
         rank.actions += 1;
         if self.fail_at == Some((r, rank.actions - 1)) {
             return Err(Error::Broken(format!("failure injected into {action:?}")));
@@ -543,6 +545,7 @@ mod tests {
             input_at: None,
             output_len: 16,
             depth,
+            scratch_len: 0,
             finish: false,
         }
     }
@@ -550,7 +553,7 @@ mod tests {
     /// The machine's actions for `steps`, waits completing at once.
     fn trace(steps: &[Step], depth: usize) -> Vec<Action> {
         let mut m = Machine::default();
-        m.start(steps, &layout(depth));
+        m.start(&layout(depth));
         let mut trace = Vec::new();
         loop {
             let action = m.next(steps, |_| false).unwrap();
@@ -635,11 +638,11 @@ mod tests {
             })
             .collect();
         let mut m = Machine::default();
-        m.start(&steps, &layout(2));
+        m.start(&layout(2));
         let mut slots = Vec::new();
         let mut reduced = Vec::new();
         loop {
-            match m.next(&steps, |_| false).unwrap() {
+            match m.next(&steps[..], |_| false).unwrap() {
                 Action::Recv {
                     id,
                     into: Dest::Slot { slot, len: 4 },
@@ -672,13 +675,13 @@ mod tests {
             Step::Fence,
         ];
         let mut m = Machine::default();
-        m.start(&steps, &layout(1));
-        let Action::Send { id, .. } = m.next(&steps, |_| true).unwrap() else {
+        m.start(&layout(1));
+        let Action::Send { id, .. } = m.next(&steps[..], |_| true).unwrap() else {
             panic!("a send first");
         };
         m.posted(id);
         // Looking at the fence, the machine learns the send is done: nothing to wait for.
-        assert_eq!(m.next(&steps, |_| true).unwrap(), Action::Done);
+        assert_eq!(m.next(&steps[..], |_| true).unwrap(), Action::Done);
     }
 
     #[test]
@@ -706,12 +709,16 @@ mod tests {
                 from: Loc::output(0..4),
                 into: Loc::input(0..4),
             },
+            Step::Copy {
+                from: Loc::input(0..4),
+                into: Loc::output(0..3),
+            },
         ];
         for step in bad {
             let steps = [step];
             let mut m: Machine<u64> = Machine::default();
-            m.start(&steps, &layout(1));
-            let got = m.next(&steps, |_| false);
+            m.start(&layout(1));
+            let got = m.next(&steps[..], |_| false);
             assert!(
                 matches!(got, Err(Error::InvalidArgument(_))),
                 "{steps:?}: {got:?}"

@@ -1,7 +1,8 @@
 //! The executor as a state machine: it turns one rank's steps into actions
 //! (post a send or a receive, wait, reduce, copy, finish) as their data
 //! dependencies allow, and takes completions back. It does no I/O and reads
-//! no clock; a driver performs its actions (over a transport, or in memory).
+//! no clock; a driver performs its actions (over a transport, in memory, or
+//! in simulated time).
 //!
 //! Steps are posted in program order, but nothing waits unless a data
 //! dependency demands it: a send waits only for earlier steps that write the
@@ -74,6 +75,8 @@ pub(crate) struct Layout {
     pub output_len: usize,
     /// Staging slots (receive-and-reduce chunks in flight at once; at least one).
     pub depth: usize,
+    /// Bytes of scratch (see [`Needs::of`]).
+    pub scratch_len: usize,
     /// Whether `Finish` steps do anything (`Avg` over more than one rank).
     pub finish: bool,
 }
@@ -85,6 +88,38 @@ pub(crate) struct Needs {
     pub slot_bytes: usize,
     /// Bytes of scratch.
     pub scratch_bytes: usize,
+}
+
+impl Needs {
+    /// What `steps` need, in elements of `elem` bytes.
+    pub fn of(steps: &[Step], elem: usize) -> Needs {
+        let max_chunk = steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::RecvReduce { into, .. } => Some(into.len()),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        Needs {
+            slot_bytes: max_chunk * elem,
+            scratch_bytes: scratch_len(steps) * elem,
+        }
+    }
+}
+
+/// A rank's steps as the machine reads them: the whole program, or a window of it
+/// that the driver loads as the machine moves on.
+pub(crate) trait Program {
+    /// Step `pc`, or `None` past the last.
+    fn step(&mut self, pc: usize) -> Option<&Step>;
+}
+
+impl Program for &[Step] {
+    #[inline]
+    fn step(&mut self, pc: usize) -> Option<&Step> {
+        self.get(pc)
+    }
 }
 
 /// A posted request and what it touches (addresses in one space for all buffers).
@@ -181,30 +216,21 @@ fn index(buf: Buf) -> usize {
 }
 
 impl<R> Machine<R> {
-    /// Starts a call of `steps` on `layout`; returns what it needs besides the caller's buffers.
-    pub fn start(&mut self, steps: &[Step], layout: &Layout) -> Needs {
+    /// Starts a call on `layout`.
+    pub fn start(&mut self, layout: &Layout) {
         self.reset();
-        let elem = layout.elem;
-        let max_chunk = steps
-            .iter()
-            .filter_map(|s| match s {
-                Step::RecvReduce { into, .. } => Some(into.len()),
-                _ => None,
-            })
-            .max()
-            .unwrap_or(0);
-        let needs = Needs {
-            slot_bytes: max_chunk * elem,
-            scratch_bytes: scratch_len(steps) * elem,
-        };
         let out = layout.output_len;
         let input = layout.input_at.unwrap_or(out);
         self.base = [input, 0, out + layout.input_len];
-        self.len = [layout.input_len, out, needs.scratch_bytes];
-        self.elem = elem;
+        self.len = [layout.input_len, out, layout.scratch_len];
+        self.elem = layout.elem;
         self.finish = layout.finish;
         self.free.extend(0..layout.depth.max(1));
-        needs
+    }
+
+    /// The step the machine is at (the one after the last posted, or the one it waits to run).
+    pub fn pc(&self) -> usize {
+        self.pc
     }
 
     /// Forgets the call in progress (dropping its requests' handles).
@@ -260,11 +286,11 @@ impl<R> Machine<R> {
     #[inline]
     pub fn next(
         &mut self,
-        steps: &[Step],
+        mut steps: impl Program,
         mut finished: impl FnMut(&R) -> bool,
     ) -> Result<Action, Error> {
         loop {
-            let Some(step) = steps.get(self.pc) else {
+            let Some(step) = steps.step(self.pc) else {
                 return Ok(if self.pending.is_empty() {
                     Action::Done
                 } else {
@@ -332,6 +358,11 @@ impl<R> Machine<R> {
                 Step::Copy { from, into } => {
                     let (from, from_mem) = self.resolve(from)?;
                     let (into, mem) = self.resolve_target(into)?;
+                    if from.len != into.len {
+                        return Err(Error::InvalidArgument(format!(
+                            "schedule copies {from:?} into {into:?} of another length"
+                        )));
+                    }
                     if from_mem != mem {
                         let conflict =
                             |p: &Pending<R>| p.writes(&from_mem) || p.writes(&mem) || p.reads(&mem);
@@ -339,11 +370,7 @@ impl<R> Machine<R> {
                             return Ok(self.settle(i));
                         }
                         self.advance();
-                        let len = from.len.min(into.len);
-                        return Ok(Action::Copy {
-                            from: Region { len, ..from },
-                            into: Region { len, ..into },
-                        });
+                        return Ok(Action::Copy { from, into });
                     }
                 }
                 Step::Finish { at } => {

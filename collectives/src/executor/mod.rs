@@ -3,7 +3,8 @@
 //! [`machine`] decides what to do (post, wait, reduce, copy) from the steps'
 //! data dependencies; [`drive`] does it over a transport, with the caller's
 //! buffers, the deadline and the watchdog; the tests' `in_memory` driver runs
-//! every rank's machine in one process.
+//! every rank's machine in one process; the cost evaluator
+//! ([`crate::cost::simulate`]) runs every rank's machine in simulated time.
 
 mod buffers;
 mod drive;
@@ -20,7 +21,7 @@ use crate::Error;
 
 pub use buffers::Buffers;
 pub(crate) use drive::{execute, failed};
-use machine::Machine;
+pub(crate) use machine::{Action, Dest, Layout, Machine, Program};
 
 /// Staging slots a call uses (receive-and-reduce chunks in flight at once): the pipeline
 /// depth of the communicator, and the cost evaluator's default.

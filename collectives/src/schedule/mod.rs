@@ -19,7 +19,7 @@ pub mod scatter;
 pub mod tree;
 
 #[cfg(test)]
-mod sim;
+mod verify;
 
 use std::ops::Range;
 
@@ -124,23 +124,35 @@ pub enum Step {
 /// A rank's whole program for one collective.
 pub type Schedule = Vec<Step>;
 
-/// Elements of scratch space `steps` use.
-pub fn scratch_len(steps: &[Step]) -> usize {
+impl Step {
+    /// The locations this step names (none, one or two).
+    pub fn locs(&self) -> impl Iterator<Item = &Loc> {
+        let (a, b) = match self {
+            Step::Send { from: a, .. } | Step::Recv { into: a, .. } | Step::Finish { at: a } => {
+                (Some(a), None)
+            }
+            Step::RecvReduce { with, into, .. } => (Some(with), Some(into)),
+            Step::Copy { from, into } => (Some(from), Some(into)),
+            Step::Fence => (None, None),
+        };
+        a.into_iter().chain(b)
+    }
+}
+
+/// Elements of `buf` that `steps` reach (the end of the furthest range in it).
+pub fn extent(steps: &[Step], buf: Buf) -> usize {
     steps
         .iter()
-        .flat_map(|s| match s {
-            Step::Send { from: a, .. } | Step::Recv { into: a, .. } | Step::Finish { at: a } => {
-                [Some(a), None]
-            }
-            Step::RecvReduce { with, into, .. } => [Some(with), Some(into)],
-            Step::Copy { from, into } => [Some(from), Some(into)],
-            Step::Fence => [None, None],
-        })
-        .flatten()
-        .filter(|l| l.buf == Buf::Scratch)
+        .flat_map(Step::locs)
+        .filter(|l| l.buf == buf)
         .map(|l| l.range.end)
         .max()
         .unwrap_or(0)
+}
+
+/// Elements of scratch space `steps` use.
+pub fn scratch_len(steps: &[Step]) -> usize {
+    extent(steps, Buf::Scratch)
 }
 
 /// Splits `0..count` into `parts` near-equal consecutive ranges.

@@ -9,8 +9,8 @@
 //! The root finishes each chunk once, as its last contribution arrives.
 //! Non-root ranks use their output as the partial-sum buffer.
 
-use super::tree::{rooted, Node};
-use super::{chunks, Loc, Schedule, Step};
+use super::tree::{reduce_up, rooted, Node};
+use super::{chunks, Schedule};
 
 /// The tree reduce program of `rank`: `count` elements reduced into `root`'s output.
 pub fn tree(rank: usize, world_size: usize, root: usize, count: usize, chunk: usize) -> Schedule {
@@ -40,40 +40,4 @@ pub fn chain(rank: usize, world_size: usize, root: usize, count: usize, chunk: u
         reduce_up(&mut steps, &node, r);
     }
     steps
-}
-
-/// Reduces elements `r` from the children into the output and passes the
-/// result to the parent; the root (no parent) finishes it in its output.
-pub(super) fn reduce_up(steps: &mut Schedule, node: &Node, r: std::ops::Range<usize>) {
-    // The first child's data is combined with the input, later ones with the partial result.
-    for (i, &child) in node.children.iter().enumerate() {
-        let with = if i == 0 {
-            Loc::input(r.clone())
-        } else {
-            Loc::output(r.clone())
-        };
-        steps.push(Step::RecvReduce {
-            peer: child,
-            with,
-            into: Loc::output(r.clone()),
-        });
-    }
-    let result = if node.children.is_empty() {
-        Loc::input(r.clone())
-    } else {
-        Loc::output(r.clone())
-    };
-    match node.parent {
-        Some(parent) => steps.push(Step::Send {
-            peer: parent,
-            from: result,
-        }),
-        None => {
-            steps.push(Step::Copy {
-                from: result,
-                into: Loc::output(r.clone()),
-            });
-            steps.push(Step::Finish { at: Loc::output(r) });
-        }
-    }
 }

@@ -1,4 +1,5 @@
-//! Binary trees and the double-binary-tree all-reduce.
+//! Binary trees, passing chunks up (reducing) and down them, and the
+//! double-binary-tree all-reduce.
 //!
 //! The tree is the in-order binary tree on rank numbers: a rank's level is
 //! its lowest set bit, so odd ranks are leaves and rank 0 is a root with a
@@ -94,7 +95,7 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
     for c in 0..rounds {
         for (node, part) in trees.iter().zip(&parts) {
             let Some(r) = part.get(c) else { continue };
-            super::reduce::reduce_up(&mut steps, node, r.clone());
+            reduce_up(&mut steps, node, r.clone());
         }
     }
     // Broadcast the finished halves down the same trees.
@@ -105,6 +106,42 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
         }
     }
     steps
+}
+
+/// Reduces elements `r` from the children into the output and passes the
+/// result to the parent; the root (no parent) finishes it in its output.
+pub(super) fn reduce_up(steps: &mut Schedule, node: &Node, r: std::ops::Range<usize>) {
+    // The first child's data is combined with the input, later ones with the partial result.
+    for (i, &child) in node.children.iter().enumerate() {
+        let with = if i == 0 {
+            Loc::input(r.clone())
+        } else {
+            Loc::output(r.clone())
+        };
+        steps.push(Step::RecvReduce {
+            peer: child,
+            with,
+            into: Loc::output(r.clone()),
+        });
+    }
+    let result = if node.children.is_empty() {
+        Loc::input(r.clone())
+    } else {
+        Loc::output(r.clone())
+    };
+    match node.parent {
+        Some(parent) => steps.push(Step::Send {
+            peer: parent,
+            from: result,
+        }),
+        None => {
+            steps.push(Step::Copy {
+                from: result,
+                into: Loc::output(r.clone()),
+            });
+            steps.push(Step::Finish { at: Loc::output(r) });
+        }
+    }
 }
 
 /// Receive `at` from the parent (if any), then pass it to the children.

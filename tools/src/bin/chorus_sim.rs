@@ -58,7 +58,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     root: usize,
     /// Staging slots per rank for receive-and-reduce (0: unlimited).
-    #[arg(long, default_value_t = chorus::cost::eval::DEFAULT_DEPTH)]
+    #[arg(long, default_value_t = chorus::cost::DEFAULT_DEPTH)]
     depth: usize,
     /// Evaluate a schedule only if all ranks together have at most this many steps; else use the closed form.
     #[arg(long = "max-steps", default_value = "16M", value_parser = parse_size)]

@@ -1,4 +1,4 @@
-//! An in-memory simulator that runs every rank's schedule against the others
+//! A schedule verifier: runs every rank's schedule against the others
 //! with symbolic data, proving a schedule correct for many world sizes
 //! without a socket: messages match in order and in length, nothing
 //! deadlocks, every contribution is reduced exactly once, and `Finish` is
