@@ -29,6 +29,7 @@ pub mod env;
 mod error;
 mod executor;
 pub mod pattern;
+pub mod pipeline;
 mod rendezvous;
 pub mod schedule;
 pub mod torchrun;
