@@ -34,6 +34,7 @@ mod rendezvous;
 pub mod schedule;
 pub mod torchrun;
 pub mod tuner;
+pub mod zero;
 
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
 pub use chorus_transport::auth::Auth;

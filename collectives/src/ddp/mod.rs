@@ -11,7 +11,9 @@ mod hook;
 mod reducer;
 mod sampler;
 
+pub(crate) use bucket::assign as assign_buckets;
 pub use bucket::ParamSpec;
+pub(crate) use fingerprint::check as check_same_params;
 pub use hook::Compression;
 pub use reducer::{Ddp, DdpOptions};
 pub use sampler::DistributedSampler;
