@@ -33,9 +33,6 @@ use std::ops::Range;
 use crate::ddp::{DdpOptions, ParamSpec};
 use crate::{Communicator, DType, Error, ReduceOp, Result};
 
-/// Bytes in a MiB.
-const MIB: f64 = (1 << 20) as f64;
-
 /// Which ZeRO stage: what is sharded across the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ZeroStage {
@@ -132,22 +129,10 @@ impl<'c> Zero<'c> {
                 "parameter {p}: ZeRO updates f32 parameters only"
             )));
         }
-        for (what, mb) in [
-            ("bucket_cap_mb", options.bucket_cap_mb),
-            ("first_bucket_cap_mb", options.first_bucket_cap_mb),
-        ] {
-            if !(mb > 0.0 && mb.is_finite()) {
-                return Err(Error::InvalidArgument(format!(
-                    "{what} must be a positive number of MiB, not {mb}"
-                )));
-            }
-        }
+        let (first_cap, cap) =
+            crate::ddp::caps_in_bytes(options.first_bucket_cap_mb, options.bucket_cap_mb)?;
         crate::ddp::check_same_params(comm, &params)?;
-        let groups = crate::ddp::assign_buckets(
-            &params,
-            (options.first_bucket_cap_mb * MIB) as usize,
-            (options.bucket_cap_mb * MIB) as usize,
-        );
+        let groups = crate::ddp::assign_buckets(&params, first_cap, cap);
         let world = comm.world_size();
         let mut slots = vec![(0, 0..0); params.len()];
         let buckets = groups

@@ -11,12 +11,14 @@ use chorus_tests::{assert_success, run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-parallel-worker");
 
-/// Runs `world` workers with `args` and checks every rank printed `ok`.
+/// Runs `world` workers with `args`, checks every rank printed `ok`, and
+/// shows what they printed (measured bubbles, bytes held) under `--nocapture`.
 fn all_ok(world: usize, args: &[&str], ok: &str) {
     let report = run(world, Path::new(WORKER), args, &[]);
     assert_success(&report);
     for r in &report.ranks {
         assert!(r.stdout.contains(ok), "rank {}: {}", r.rank, r.stdout);
+        println!("W={world} {args:?} rank {}: {}", r.rank, r.stdout.trim());
     }
 }
 

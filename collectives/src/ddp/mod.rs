@@ -11,8 +11,8 @@ mod hook;
 mod reducer;
 mod sampler;
 
-pub(crate) use bucket::assign as assign_buckets;
 pub use bucket::ParamSpec;
+pub(crate) use bucket::{assign as assign_buckets, caps_in_bytes};
 pub(crate) use fingerprint::check as check_same_params;
 pub use hook::Compression;
 pub use reducer::{Ddp, DdpOptions};
