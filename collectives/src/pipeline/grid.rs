@@ -7,7 +7,8 @@ use crate::{Communicator, Error, Result};
 /// Rank `r` of the world is stage `r % P` of replica `r / P`: a replica's
 /// stages are consecutive ranks (so on hosts of `P` or a multiple of `P`
 /// ranks, activations never leave the host), and data parallelism runs across
-/// replicas between the ranks that hold the same stage.
+/// replicas between the ranks that hold the same stage. Errors on `data` and
+/// `pipeline` name ranks within them; [`rank_of`](Self::rank_of) maps back.
 #[derive(Debug)]
 pub struct Grid {
     /// This rank's replica, in `0..dp`.

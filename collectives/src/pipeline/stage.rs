@@ -81,8 +81,9 @@ impl<'c> Stage<'c> {
     /// The transfers between two computations are posted together, so a
     /// neighbour's send and this stage's receive proceed at once.
     ///
-    /// Fails if the schedule is not for this pipeline's size, or as the
-    /// point-to-point calls do: a dead or failed neighbour is named in the error.
+    /// Fails if the schedule is not for this pipeline's size or names a
+    /// micro-batch past its count, or as the point-to-point calls do: a dead or
+    /// failed neighbour is named in the error (by its rank in `comm`).
     pub fn run(
         &self,
         schedule: &PipelineSchedule,
@@ -94,6 +95,16 @@ impl<'c> Stage<'c> {
             return Err(Error::InvalidArgument(format!(
                 "a schedule for {} stages cannot run on a pipeline of {stages}",
                 schedule.stages
+            )));
+        }
+        let micro = schedule.micro_batches;
+        let past = |m: usize| m >= micro;
+        if let Some(step) = schedule.steps[s].iter().find(|step| match step {
+            Step::Forward(m) | Step::Backward(m) => past(*m),
+            Step::Exchange(ts) => ts.iter().any(|t| past(t.micro_batch())),
+        }) {
+            return Err(Error::InvalidArgument(format!(
+                "stage {s}: step {step:?} names a micro-batch past the schedule's {micro}"
             )));
         }
         let mut held: Vec<Held> = (0..schedule.micro_batches)
