@@ -5,7 +5,8 @@
 //! (the last padded); rank `r` owns shard `r` of every bucket: it keeps the
 //! momentum for it alone, updates those parameters, and an all-gather gives
 //! every rank the whole updated bucket. Stage 1 all-reduces each gradient
-//! bucket; stage 2 reduce-scatters it, so a rank keeps only its shard of the
+//! bucket asynchronously as soon as it is ready (overlapping the rest of
+//! backward, as DDP does); stage 2 reduce-scatters it, so a rank keeps only its shard of the
 //! averaged gradients and frees the bucket once it is reduced. The update is
 //! element for element the one [`Ddp`](crate::ddp::Ddp) plus SGD makes:
 //! `v = momentum * v + g; p -= lr * v`.
@@ -31,7 +32,7 @@
 use std::ops::Range;
 
 use crate::ddp::{DdpOptions, ParamSpec};
-use crate::{Communicator, DType, Error, ReduceOp, Result};
+use crate::{Communicator, DType, Error, ReduceOp, Result, Work};
 
 /// Which ZeRO stage: what is sharded across the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,10 +89,13 @@ struct Bucket {
     members: Vec<usize>,
     /// Elements in each rank's shard: the bucket's length over the world size, rounded up.
     shard: usize,
-    /// The whole gradient bucket, padded to `shard * world`: kept in stage 1,
-    /// held in stage 2 only from the first `grad_mut` to the reduction.
+    /// The whole gradient bucket, padded to `shard * world`: kept in stage 1
+    /// (away during its all-reduce), held in stage 2 only from the first
+    /// `grad_mut` to the reduction.
     grads: Vec<f32>,
-    /// This rank's shard of the averaged gradient, once reduced.
+    /// Stage 1: the bucket's all-reduce, in flight until [`Zero::step`].
+    away: Option<Work<Vec<f32>>>,
+    /// Stage 2: this rank's shard of the averaged gradient, once reduced.
     reduced: Vec<f32>,
     /// This rank's shard of the momentum.
     momentum: Vec<f32>,
@@ -153,6 +157,7 @@ impl<'c> Zero<'c> {
                         ZeroStage::One => vec![0.0; shard * world],
                         ZeroStage::Two => Vec::new(),
                     },
+                    away: None,
                     reduced: Vec::new(),
                     momentum: vec![0.0; shard],
                 }
@@ -190,7 +195,8 @@ impl<'c> Zero<'c> {
     }
 
     /// Says that backward has finished `param`'s gradient; a bucket whose
-    /// gradients are all ready is reduced now (in bucket order).
+    /// gradients are all ready is reduced now, in bucket order (stage 1
+    /// starts an asynchronous all-reduce; stage 2 reduce-scatters at once).
     ///
     /// Fails if there is no such parameter, it was already marked ready in
     /// this step, or as the collective does.
@@ -207,7 +213,10 @@ impl<'c> Zero<'c> {
                 bucket.grads = vec![0.0; bucket.shard * world];
             }
             match self.options.stage {
-                ZeroStage::One => self.comm.all_reduce(&mut bucket.grads, ReduceOp::Avg)?,
+                ZeroStage::One => {
+                    let grads = std::mem::take(&mut bucket.grads);
+                    bucket.away = Some(self.comm.all_reduce_async(grads, ReduceOp::Avg));
+                }
                 ZeroStage::Two => {
                     bucket.reduced = vec![0.0; bucket.shard];
                     let grads = std::mem::take(&mut bucket.grads);
@@ -248,6 +257,9 @@ impl<'c> Zero<'c> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let ZeroOptions { lr, momentum, .. } = self.options;
         for bucket in &mut self.buckets {
+            if let Some(work) = bucket.away.take() {
+                bucket.grads = work.wait()?;
+            }
             let mut flat = vec![0.0f32; bucket.shard * world];
             for &i in &bucket.members {
                 let range = &self.slots[i].1;
