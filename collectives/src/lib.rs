@@ -29,10 +29,12 @@ pub mod env;
 mod error;
 mod executor;
 pub mod pattern;
+pub mod pipeline;
 mod rendezvous;
 pub mod schedule;
 pub mod torchrun;
 pub mod tuner;
+pub mod zero;
 
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
 pub use chorus_transport::auth::Auth;

@@ -1,6 +1,23 @@
 //! Buckets: which parameters share one all-reduce, and the flat buffer that holds their gradients.
 
-use crate::{Communicator, DType, Element, Result, SharedBuffer};
+use crate::{Communicator, DType, Element, Error, Result, SharedBuffer};
+
+/// Bytes in a MiB.
+const MIB: f64 = (1 << 20) as f64;
+
+/// The first bucket's cap and the later buckets' cap, given in MiB, in bytes.
+///
+/// Fails unless both are positive, finite numbers.
+pub(crate) fn caps_in_bytes(first_mb: f64, cap_mb: f64) -> Result<(usize, usize)> {
+    for (what, mb) in [("bucket_cap_mb", cap_mb), ("first_bucket_cap_mb", first_mb)] {
+        if !(mb > 0.0 && mb.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "{what} must be a positive number of MiB, not {mb}"
+            )));
+        }
+    }
+    Ok(((first_mb * MIB) as usize, (cap_mb * MIB) as usize))
+}
 
 /// One registered parameter: its name, element count and gradient type.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,6 +12,8 @@ mod reducer;
 mod sampler;
 
 pub use bucket::ParamSpec;
+pub(crate) use bucket::{assign as assign_buckets, caps_in_bytes};
+pub(crate) use fingerprint::check as check_same_params;
 pub use hook::Compression;
 pub use reducer::{Ddp, DdpOptions};
 pub use sampler::DistributedSampler;

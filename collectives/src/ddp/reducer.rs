@@ -2,13 +2,10 @@
 
 use std::ops::Range;
 
-use super::bucket::{assign, Flat, ParamSpec};
+use super::bucket::{assign, caps_in_bytes, Flat, ParamSpec};
 use super::fingerprint;
 use super::hook::Compression;
 use crate::{env, Communicator, DType, Element, Error, ReduceOp, Result, Work};
-
-/// Bytes in a MiB.
-const MIB: f64 = (1 << 20) as f64;
 
 /// How [`Ddp`] buckets and reduces gradients.
 #[derive(Debug, Clone, PartialEq)]
@@ -153,22 +150,9 @@ impl<'c> Ddp<'c> {
                 "parameter {p}: gradients must be of a float type"
             )));
         }
-        for (what, mb) in [
-            ("bucket_cap_mb", options.bucket_cap_mb),
-            ("first_bucket_cap_mb", options.first_bucket_cap_mb),
-        ] {
-            if !(mb > 0.0 && mb.is_finite()) {
-                return Err(Error::InvalidArgument(format!(
-                    "{what} must be a positive number of MiB, not {mb}"
-                )));
-            }
-        }
+        let (first_cap, cap) = caps_in_bytes(options.first_bucket_cap_mb, options.bucket_cap_mb)?;
         fingerprint::check(comm, &params)?;
-        let groups = assign(
-            &params,
-            (options.first_bucket_cap_mb * MIB) as usize,
-            (options.bucket_cap_mb * MIB) as usize,
-        );
+        let groups = assign(&params, first_cap, cap);
         let mut slots = Vec::with_capacity(params.len());
         let mut buckets = Vec::with_capacity(groups.len());
         let mut place = vec![(0, 0..0); params.len()];
