@@ -35,6 +35,15 @@ impl PortReservation {
     ///
     /// Fails if `host` does not resolve or no socket can be bound.
     pub fn new(host: &str) -> io::Result<PortReservation> {
+        PortReservation::at(host, 0)
+    }
+
+    /// Reserves `port` (0: any free one) for a store that will listen at `host`, as
+    /// [`PortReservation::new`] does; for jobs whose port is fixed in advance (SLURM's comes
+    /// from the job id).
+    ///
+    /// Fails if `host` does not resolve or the port cannot be bound.
+    pub fn at(host: &str, port: u16) -> io::Result<PortReservation> {
         let host = match host {
             "" | "localhost" => chorus::DEFAULT_MASTER_ADDR,
             other => other,
@@ -46,7 +55,7 @@ impl PortReservation {
             SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
             SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
         };
-        let addr = SocketAddr::new(any, 0);
+        let addr = SocketAddr::new(any, port);
         let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
         socket.set_reuse_address(true)?;
         socket.bind(&addr.into())?;

@@ -374,13 +374,17 @@ fn rendezvous_through_a_shared_file() {
     );
 }
 
-/// A port in `lo..hi` that was free a moment ago.
-fn free_port_between(lo: u16, hi: u16) -> u16 {
+/// A port in `lo..hi` that nothing held a moment ago, reserved for the job's store.
+fn reserve_port_between(lo: u16, hi: u16) -> PortReservation {
     let span = u32::from(hi - lo);
     let start = std::process::id() % span;
     (0..span)
         .map(|i| lo + ((start + i) % span) as u16)
-        .find(|&p| TcpListener::bind(("127.0.0.1", p)).is_ok())
+        .find_map(|port| {
+            // Fails while anything listens on the port or holds it without SO_REUSEADDR.
+            drop(TcpListener::bind(("0.0.0.0", port)).ok()?);
+            PortReservation::at("127.0.0.1", port).ok()
+        })
         .expect("a free port")
 }
 
@@ -406,8 +410,8 @@ fn run_group(world: usize, env_of: impl Fn(usize) -> Vec<(&'static str, String)>
 #[test]
 fn rendezvous_from_slurm_variables() {
     // As `srun -N1 -n3` sets them; the port comes from the job id.
-    let port = free_port_between(10_000, 30_000);
-    let job_id = (u32::from(port) - 10_000 + 20_000 * 7).to_string();
+    let reserved = reserve_port_between(10_000, 30_000);
+    let job_id = (u32::from(reserved.port()) - 10_000 + 20_000 * 7).to_string();
     run_group(3, |rank| {
         vec![
             ("SLURM_PROCID", rank.to_string()),
