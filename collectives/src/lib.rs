@@ -21,6 +21,7 @@
 //! [`broadcast`]: Communicator::broadcast
 //! [`barrier`]: Communicator::barrier
 
+pub mod check;
 mod communicator;
 mod config;
 pub mod cost;
@@ -28,8 +29,7 @@ pub mod ddp;
 pub mod env;
 mod error;
 mod executor;
-pub mod pattern;
-mod rendezvous;
+mod launcher;
 pub mod schedule;
 pub mod torchrun;
 pub mod tuner;
