@@ -14,13 +14,15 @@
 //! # Ok::<(), chorus::Error>(())
 //! ```
 //!
-//! Algorithms are [`schedule`]s (pure data), run by one executor;
-//! [`tuner`] picks one per call, `CHORUS_ALGO` forces it.
+//! Algorithms are [`schedule`]s (pure data), run by one executor; every call
+//! is built the same way, and [`tuner`]'s one table picks its route (messages,
+//! a shared-memory meeting, shared buffers) and algorithm; `CHORUS_ALGO` forces it.
 //!
 //! [`all_reduce`]: Communicator::all_reduce
 //! [`broadcast`]: Communicator::broadcast
 //! [`barrier`]: Communicator::barrier
 
+mod algorithm;
 pub mod check;
 mod communicator;
 mod config;

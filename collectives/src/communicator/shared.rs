@@ -9,21 +9,22 @@
 //! reduced, each rank copies the other blocks from their owners' outputs;
 //! the last meeting keeps every buffer untouched until all ranks are done
 //! reading it. A broadcast meets twice, the ranks splitting the root's
-//! bytes among them and writing them into every output.
+//! bytes among them and writing them into every output. `prepare.rs` picks
+//! this route from the tuner's table when a call's buffers lie here
+//! (`Inner::window_call`); `meeting.rs` runs it.
 
-use std::cell::Cell;
 use std::ops::{Deref, DerefMut, Range};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use chorus_kernels::{finish_avg, reduce, reduce_into, DType, Element, ReduceOp};
-use chorus_transport::shm::{CallPlace, ShmTransport, Stall, Window, MAILBOX_BYTES};
+use chorus_transport::shm::{CallPlace, ShmTransport, Stall, Window};
 use chorus_transport::store::PrefixStore;
 use chorus_transport::TransportError;
 
-use super::{lock, mailbox, CallInfo, Communicator, Inner, Kind};
-use crate::executor::{Buffers, Watch};
-use crate::tuner::Collective;
+use super::{lock, CallInfo, Communicator, Inner, Kind};
+use crate::executor::Buffers;
 use crate::{Error, Result};
 
 /// Elements reduced at a time, so the output block being summed stays in cache.
@@ -170,6 +171,7 @@ impl Communicator {
             windows.made += 1;
             let store = PrefixStore::new(prefix.clone(), client.clone());
             made = Some(shm.allocate_window(id, bytes, &store).map(|window| {
+                inner.has_windows.store(true, Ordering::Relaxed);
                 let window = Arc::new(window);
                 windows.live.retain(|w| w.strong_count() > 0);
                 windows.live.push(Arc::downgrade(&window));
@@ -188,49 +190,33 @@ impl Communicator {
     }
 }
 
-/// A collective that meets its peers through shared memory instead of sending messages.
-pub(crate) enum SharedCall {
-    /// Small: each rank posts its bytes in its mailbox with one meeting.
-    Mailbox,
-    /// On shared buffers: peers read and write them directly.
-    Windows(WindowCall),
-}
-
-/// A collective on shared buffers.
+/// A collective on shared buffers: where its input and output lie.
 pub(crate) struct WindowCall {
     input: (Arc<Window>, usize),
     output: (Arc<Window>, usize),
 }
 
-impl Inner {
-    /// The shared-memory transport, when every rank is on this host.
-    fn all_shm(&self) -> Option<&ShmTransport> {
-        self.transport
-            .as_ref()
-            .filter(|t| t.all_shm())
-            .and_then(|t| t.shm())
-    }
-
-    /// How to run `call` on `bufs` through shared memory: by mailbox when
-    /// small, directly when they lie in this communicator's shared buffers;
-    /// `None` runs it as messages.
-    pub(super) fn shared_call(&self, call: &CallInfo, bufs: &Buffers<'_>) -> Option<SharedCall> {
-        self.all_shm()?;
-        let len = bufs.addresses().1.len();
-        let forced = match call.kind {
-            Kind::AllReduce => self.config.algo.get(Collective::AllReduce).is_some(),
-            Kind::Broadcast => self.config.algo.get(Collective::Broadcast).is_some(),
-            _ => false,
-        };
-        if len <= MAILBOX_BYTES && !forced {
-            return Some(SharedCall::Mailbox);
+impl WindowCall {
+    /// `place` naming this call's buffers, as the peers read it.
+    pub(super) fn place(&self, place: CallPlace) -> CallPlace {
+        CallPlace {
+            input: Some((self.input.0.id(), self.input.1)),
+            output: Some((self.output.0.id(), self.output.1)),
+            ..place
         }
-        self.window_call(call, bufs).map(SharedCall::Windows)
     }
+}
 
-    /// How to run `call` on `bufs` directly, if they lie in this
-    /// communicator's shared buffers.
-    fn window_call(&self, call: &CallInfo, bufs: &Buffers<'_>) -> Option<WindowCall> {
+impl Inner {
+    /// How to run `call` on `bufs` directly, if it is an all-reduce or broadcast, every
+    /// rank shares memory, and they lie in this communicator's shared buffers.
+    pub(super) fn window_call(&self, call: &CallInfo, bufs: &Buffers<'_>) -> Option<WindowCall> {
+        if !matches!(call.kind, Kind::AllReduce | Kind::Broadcast)
+            || !self.has_windows.load(Ordering::Relaxed)
+        {
+            return None;
+        }
+        self.all_shm()?;
         let windows = lock(&self.windows);
         if windows.live.is_empty() {
             return None;
@@ -252,63 +238,8 @@ impl Inner {
         Some(WindowCall { input, output })
     }
 
-    /// Tells the other ranks that call `tag` (`len` bytes, `root`) runs on
-    /// messages (a rank that meets in it then fails at once instead of waiting).
-    pub(super) fn announce_messages(&self, tag: u64, len: usize, root: usize) {
-        if let Some(shm) = self.all_shm() {
-            shm.announce(&CallPlace {
-                tag,
-                len,
-                root,
-                ..CallPlace::default()
-            });
-        }
-    }
-
-    /// Runs `how` on `bufs` through shared memory: call `info`, tagged `tag`; a
-    /// meeting that outlasts `watch`'s warning time is reported to it, once.
-    pub(super) fn run_shared(
-        &self,
-        how: &SharedCall,
-        bufs: &Buffers<'_>,
-        tag: u64,
-        info: &CallInfo,
-        watch: Option<&dyn Watch>,
-    ) -> Result<()> {
-        let shm = self.all_shm().expect("shared calls need shared memory");
-        let deadline = Instant::now() + self.config.timeout;
-        let warned = Cell::new(false);
-        let tell = || {
-            if !warned.replace(true) {
-                watch.inspect(|w| w.stalled());
-            }
-        };
-        let stall = watch
-            .and_then(|w| w.warn_at())
-            .filter(|&at| at < deadline)
-            .map(|at| Stall { at, tell: &tell });
-        let place = CallPlace {
-            tag,
-            meets: true,
-            len: info.count * info.dtype.size(),
-            root: info.root,
-            ..CallPlace::default()
-        };
-        match how {
-            SharedCall::Mailbox => mailbox::run(shm, &place, (deadline, stall), info, bufs),
-            SharedCall::Windows(on) => {
-                let place = CallPlace {
-                    input: Some((on.input.0.id(), on.input.1)),
-                    output: Some((on.output.0.id(), on.output.1)),
-                    ..place
-                };
-                self.run_windows(shm, &place, (deadline, stall), info)
-            }
-        }
-    }
-
     /// Runs call `info` on the shared buffers `place` names.
-    fn run_windows(
+    pub(super) fn run_windows(
         &self,
         shm: &ShmTransport,
         place: &CallPlace,
