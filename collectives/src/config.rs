@@ -8,12 +8,11 @@ use chorus_transport::auth::Auth;
 use chorus_transport::store::StoreServer;
 use chorus_transport::TransportKind;
 
-use crate::rendezvous::{self, Ranks};
+use crate::env::{bad, optional, Lookup};
+use crate::launcher::{self, Ranks};
+pub use crate::launcher::{StoreKind, DEFAULT_MASTER_ADDR};
 use crate::tuner::Forced;
 use crate::{env, Error};
-
-/// How configuration reads a variable: its value, or `None` when unset.
-pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// Everything a communicator needs to know before it starts.
 #[derive(Debug, Clone)]
@@ -85,24 +84,6 @@ impl BoundStore {
     }
 }
 
-/// The rendezvous store at `MASTER_ADDR:MASTER_PORT`.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum StoreKind {
-    /// Chorus's own store, which rank 0 hosts ([`Communicator::new`](crate::Communicator::new)).
-    #[default]
-    Chorus,
-    /// torch's TCPStore that torchrun's elastic agent already serves there: no rank hosts a
-    /// store, and communicators keep their keys under `torchelastic/{run}/` so that a
-    /// restarted attempt never reads the last one's.
-    TorchAgent {
-        /// The attempt: `TORCHELASTIC_RUN_ID/TORCHELASTIC_RESTART_COUNT`.
-        run: String,
-    },
-}
-
-/// Default of `MASTER_ADDR` where it may be left out (a job of one rank) and the launchers'
-/// default address of rank 0.
-pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 /// Defaults shared by `Config::new` and `Config::from_env`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default TCP sockets per peer (striping gained nothing on loopback; raise it on fast NICs).
@@ -182,7 +163,7 @@ impl Config {
             }
             None => DEFAULT_TIMEOUT,
         };
-        let found = rendezvous::detect(get)?;
+        let found = launcher::detect(get)?;
         let nsocks = optional(get, env::CHORUS_NSOCKS)?.unwrap_or(DEFAULT_NSOCKS);
         if !(1..=64).contains(&nsocks) {
             return Err(bad(
@@ -222,7 +203,7 @@ impl Config {
         // Last, since for file:// rank 0 publishes its address here.
         let (master_addr, master_port, bound) =
             found.master.resolve(&found.ranks, timeout, get, &auth)?;
-        let store = rendezvous::store_kind(get, &master_addr, master_port);
+        let store = launcher::store_kind(get, &master_addr, master_port);
         let Ranks {
             rank,
             world_size,
@@ -290,32 +271,6 @@ fn positive(get: Lookup<'_>, var: &'static str) -> Result<Option<f64>, Error> {
         Some(v) if v > 0.0 && v.is_finite() => Ok(Some(v)),
         Some(v) => Err(bad(var, &v.to_string(), "must be a positive number")),
         None => Ok(None),
-    }
-}
-
-pub(crate) fn bad(var: &'static str, value: &str, reason: &str) -> Error {
-    Error::Config {
-        var,
-        value: value.to_string(),
-        reason: reason.to_string(),
-    }
-}
-
-pub(crate) fn optional<T: std::str::FromStr>(
-    get: Lookup<'_>,
-    var: &'static str,
-) -> Result<Option<T>, Error>
-where
-    T::Err: std::fmt::Display,
-{
-    match get(var) {
-        None => Ok(None),
-        Some(v) if v.trim().is_empty() => Ok(None),
-        Some(v) => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|e: T::Err| bad(var, &v, &e.to_string())),
     }
 }
 

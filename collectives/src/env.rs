@@ -4,7 +4,10 @@
 //! `std::env::var(env::CHORUS_TIMEOUT)` and a search for the name finds every use. The
 //! defaults live beside the code that applies them ([`DEFAULT_TIMEOUT`](crate::DEFAULT_TIMEOUT)
 //! and its siblings); the README's table of environment variables lists every name here,
-//! with its meaning and default.
+//! with its meaning and default. `Lookup`, `optional` and `bad` are how configuration
+//! reads them.
+
+use crate::Error;
 
 pub use chorus_kernels::env::{
     CHORUS_CUDA_CACHE, CHORUS_REQUIRE_CUDA, CUDA_HOME, CUDA_PATH, CUDA_ROOT, HOME, XDG_CACHE_HOME,
@@ -160,6 +163,37 @@ pub const CHORUS_TEST_PYTHON: &str = "CHORUS_TEST_PYTHON";
 /// This host's name, read when `/proc/sys/kernel/hostname` cannot be (rank 0 publishes it
 /// for a `file://` rendezvous across hosts).
 pub const HOSTNAME: &str = "HOSTNAME";
+
+/// How configuration reads a variable: its value, or `None` when unset.
+pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// The error for `var` set to `value`, which is wrong for `reason`.
+pub(crate) fn bad(var: &'static str, value: &str, reason: &str) -> Error {
+    Error::Config {
+        var,
+        value: value.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// `var` parsed as a `T`: `None` when unset or blank; fails naming the variable.
+pub(crate) fn optional<T: std::str::FromStr>(
+    get: Lookup<'_>,
+    var: &'static str,
+) -> Result<Option<T>, Error>
+where
+    T::Err: std::fmt::Display,
+{
+    match get(var) {
+        None => Ok(None),
+        Some(v) if v.trim().is_empty() => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|e: T::Err| bad(var, &v, &e.to_string())),
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -14,13 +14,16 @@
 //! # Ok::<(), chorus::Error>(())
 //! ```
 //!
-//! Algorithms are [`schedule`]s (pure data), run by one executor;
-//! [`tuner`] picks one per call, `CHORUS_ALGO` forces it.
+//! Algorithms are [`schedule`]s (pure data), run by one executor; every call
+//! is built the same way, and [`tuner`]'s one table picks its route (messages,
+//! a shared-memory meeting, shared buffers) and algorithm; `CHORUS_ALGO` forces it.
 //!
 //! [`all_reduce`]: Communicator::all_reduce
 //! [`broadcast`]: Communicator::broadcast
 //! [`barrier`]: Communicator::barrier
 
+mod algorithm;
+pub mod check;
 mod communicator;
 mod config;
 pub mod cost;
@@ -28,9 +31,8 @@ pub mod ddp;
 pub mod env;
 mod error;
 mod executor;
-pub mod pattern;
+mod launcher;
 pub mod pipeline;
-mod rendezvous;
 pub mod schedule;
 pub mod torchrun;
 pub mod tuner;

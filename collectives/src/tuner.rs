@@ -1,178 +1,39 @@
-//! Choosing an algorithm for a collective from its size and the world size.
+//! The one decision point: how each call runs, from one table of estimates.
 //!
 //! A [`Tuner`] holds a link model (per-message latency `alpha`, bandwidth
 //! `beta`, see [`crate::cost`]; a communicator takes them from its transport,
 //! shared memory's 2 us and 2 GB/s on one host, TCP's [`DEFAULT_ALPHA`] = 10 us
-//! and [`DEFAULT_BETA`] = 1.5 GB/s across hosts) and what
-//! `CHORUS_ALGO` forces ([`Forced`]). For each call it estimates every
-//! candidate algorithm ([`Algorithm`]) with the closed forms of
-//! [`crate::cost::closed`] and picks the cheapest. The estimates depend only
-//! on values every rank shares (the model, the size, the world size) and
-//! near-ties go to the earlier candidate, so every rank picks the same
-//! algorithm as long as every rank uses the same `alpha`, `beta` and chunk.
+//! and [`DEFAULT_BETA`] = 1.5 GB/s across hosts), the [`Topology`] the
+//! transport found (how many hosts, whether every rank shares memory) and what
+//! `CHORUS_ALGO` forces ([`Forced`]). For each call, [`Tuner::plan`] estimates
+//! every row of its table ([`Tuner::table`]) and picks the cheapest [`Path`]:
+//!
+//! - [`Path::Window`]: the call's buffers are shared buffers; peers read and
+//!   write them directly (a few meetings, then memory copies and reductions).
+//! - [`Path::Mailbox`]: every rank on one host and at most
+//!   [`MAILBOX_BYTES`] bytes (or a barrier); one meeting in the mailboxes.
+//! - [`Path::Messages`] by each [`Algorithm`] that can run the collective,
+//!   with the closed forms of [`crate::cost::closed`], and the hierarchical
+//!   all-reduce when the ranks span several hosts with several ranks on one.
+//!
+//! A valid forced algorithm leaves only itself and the shared buffers' row in
+//! the table (shared buffers are the caller's choice of memory), so forcing
+//! one turns the mailbox off. The estimates depend only on values every rank
+//! shares (the model, the topology, the size, the world size) and near-ties go
+//! to the earlier row, so every rank picks the same path, as long as every
+//! rank passes shared buffers to the same calls. The communicator asks once
+//! per call shape and keeps the answer (see its schedule cache).
 
 use std::fmt;
 use std::str::FromStr;
 
+pub use crate::algorithm::{Algorithm, Collective};
+use chorus_transport::shm::{ShmTransport, MAILBOX_BYTES};
+
+pub use crate::algorithm::Path;
 use crate::cost::{closed, LinkModel};
 
 pub use crate::cost::{DEFAULT_ALPHA, DEFAULT_BETA};
-
-/// The collectives the tuner knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Collective {
-    /// Every rank ends with the reduction of every rank's buffer.
-    AllReduce,
-    /// The root's buffer is copied to every rank.
-    Broadcast,
-    /// The root ends with the reduction of every rank's buffer.
-    Reduce,
-    /// Every rank ends with every rank's block, in rank order.
-    AllGather,
-    /// Rank r ends with block r of the reduction of every rank's buffer.
-    ReduceScatter,
-    /// Rank r sends its block q to rank q and receives block r from every rank.
-    AllToAll,
-    /// The root ends with every rank's block, in rank order.
-    Gather,
-    /// Rank r receives block r of the root's buffer.
-    Scatter,
-}
-
-impl Collective {
-    /// Every collective, in a fixed order.
-    pub const ALL: [Collective; 8] = [
-        Collective::AllReduce,
-        Collective::Broadcast,
-        Collective::Reduce,
-        Collective::AllGather,
-        Collective::ReduceScatter,
-        Collective::AllToAll,
-        Collective::Gather,
-        Collective::Scatter,
-    ];
-
-    /// The name used by `CHORUS_ALGO` and the tools (`allreduce`, `broadcast`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            Collective::AllReduce => "allreduce",
-            Collective::Broadcast => "broadcast",
-            Collective::Reduce => "reduce",
-            Collective::AllGather => "allgather",
-            Collective::ReduceScatter => "reducescatter",
-            Collective::AllToAll => "alltoall",
-            Collective::Gather => "gather",
-            Collective::Scatter => "scatter",
-        }
-    }
-
-    /// nccl-tests' bus-bandwidth factor: busbw = algbw * factor (all-reduce 2(W-1)/W).
-    pub fn bus_factor(self, world_size: usize) -> f64 {
-        let w = world_size.max(1) as f64;
-        match self {
-            Collective::AllReduce => 2.0 * (w - 1.0) / w,
-            Collective::Broadcast | Collective::Reduce => 1.0,
-            Collective::AllGather
-            | Collective::ReduceScatter
-            | Collective::AllToAll
-            | Collective::Gather
-            | Collective::Scatter => (w - 1.0) / w,
-        }
-    }
-
-    fn index(self) -> usize {
-        Collective::ALL
-            .iter()
-            .position(|&c| c == self)
-            .expect("every collective is in ALL")
-    }
-}
-
-impl fmt::Display for Collective {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.pad(self.name())
-    }
-}
-
-impl FromStr for Collective {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let key: String = s
-            .trim()
-            .chars()
-            .filter(|c| *c != '_' && *c != '-')
-            .collect::<String>()
-            .to_ascii_lowercase();
-        Collective::ALL
-            .into_iter()
-            .find(|c| c.name() == key)
-            .ok_or_else(|| {
-                format!(
-                    "unknown collective '{s}' (expected allreduce, broadcast, reduce, \
-                     allgather, reducescatter, alltoall, gather or scatter)"
-                )
-            })
-    }
-}
-
-/// The algorithm families a collective can run (every one the tuner knows;
-/// [`Algorithm`] is the older pair the communicator still matches on).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Algorithm {
-    /// Ring all-reduce, all-gather and reduce-scatter; chain (pipelined ring)
-    /// broadcast and reduce. Bandwidth-optimal, latency grows with W.
-    Ring,
-    /// Double binary tree all-reduce; binary tree broadcast and reduce.
-    /// Latency grows with log2(W).
-    Tree,
-    /// Recursive doubling: log2(W) rounds exchanging the whole buffer. Fewest steps.
-    RecursiveDoubling,
-    /// Recursive halving then doubling (Rabenseifner): 2 log2(W) steps, ring-like bandwidth.
-    HalvingDoubling,
-    /// Every block goes straight to (or from) the rank it belongs to.
-    Direct,
-}
-
-impl Algorithm {
-    /// Every algorithm, in the fixed tie-breaking order.
-    pub const ALL: [Algorithm; 5] = [
-        Algorithm::Ring,
-        Algorithm::Tree,
-        Algorithm::RecursiveDoubling,
-        Algorithm::HalvingDoubling,
-        Algorithm::Direct,
-    ];
-}
-
-impl fmt::Display for Algorithm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.pad(match self {
-            Algorithm::Ring => "ring",
-            Algorithm::Tree => "tree",
-            Algorithm::RecursiveDoubling => "rd",
-            Algorithm::HalvingDoubling => "rhd",
-            Algorithm::Direct => "direct",
-        })
-    }
-}
-
-impl FromStr for Algorithm {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
-            "ring" | "chain" => Ok(Algorithm::Ring),
-            "tree" => Ok(Algorithm::Tree),
-            "rd" | "recursive_doubling" => Ok(Algorithm::RecursiveDoubling),
-            "rhd" | "halving_doubling" => Ok(Algorithm::HalvingDoubling),
-            "direct" => Ok(Algorithm::Direct),
-            _ => Err(format!(
-                "unknown algorithm '{s}' (expected ring, chain, tree, rd, rhd or direct)"
-            )),
-        }
-    }
-}
 
 /// Parsed `CHORUS_ALGO`: one algorithm for every collective (`tree`), or
 /// per collective (`allreduce:ring,broadcast:tree`), or both (`ring,broadcast:tree`:
@@ -275,16 +136,58 @@ pub struct Choice {
     pub reason: Reason,
 }
 
+/// A decision for one call: the path (and algorithm) and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    /// How the call runs.
+    pub path: Path,
+    /// Why it was picked.
+    pub reason: Reason,
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write_reason(f, self.path, self.reason)
+    }
+}
+
 impl fmt::Display for Choice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.reason {
-            Reason::Forced => write!(f, "{} (forced)", self.algorithm),
-            Reason::Model => write!(f, "{} (model)", self.algorithm),
-            Reason::ForcedInvalid(a) => write!(
-                f,
-                "{} (model; forced {a} is not available for this collective)",
-                self.algorithm
-            ),
+        write_reason(f, Path::Messages(self.algorithm), self.reason)
+    }
+}
+
+/// `path` and why it was picked, as logs show it.
+fn write_reason(f: &mut fmt::Formatter<'_>, path: Path, reason: Reason) -> fmt::Result {
+    match reason {
+        Reason::Forced => write!(f, "{path} (forced)"),
+        Reason::Model => write!(f, "{path} (model)"),
+        Reason::ForcedInvalid(a) => write!(
+            f,
+            "{path} (model; forced {a} is not available for this collective)"
+        ),
+    }
+}
+
+/// Where a communicator's ranks are, as its transport found them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Topology {
+    /// Number of hosts the ranks are on.
+    pub hosts: usize,
+    /// The most ranks on one host.
+    pub most_local: usize,
+    /// Whether every rank maps shared memory with every other (mailboxes and shared
+    /// buffers work).
+    pub shared_memory: bool,
+}
+
+impl Default for Topology {
+    /// Every rank on a host of its own, no shared memory: messages only.
+    fn default() -> Topology {
+        Topology {
+            hosts: usize::MAX,
+            most_local: 1,
+            shared_memory: false,
         }
     }
 }
@@ -292,12 +195,13 @@ impl fmt::Display for Choice {
 /// Estimates closer than this fraction count as a tie, which the earlier candidate wins.
 pub const TIE_MARGIN: f64 = 0.01;
 
-/// Picks an algorithm per call from a link model and what is forced.
+/// Picks a path and algorithm per call from a link model, the topology and what is forced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tuner {
     model: LinkModel,
     chunk_bytes: usize,
     forced: Forced,
+    topology: Topology,
 }
 
 impl Default for Tuner {
@@ -316,7 +220,15 @@ impl Tuner {
             model: LinkModel::new(alpha, beta),
             chunk_bytes: crate::DEFAULT_CHUNK_BYTES,
             forced,
+            topology: Topology::default(),
         }
+    }
+
+    /// This tuner, for ranks placed as `topology` says (by default each on a host of its
+    /// own: messages only).
+    pub fn with_topology(mut self, topology: Topology) -> Tuner {
+        self.topology = topology;
+        self
     }
 
     /// This tuner, estimating schedules cut into chunks of `chunk_bytes` (as `CHORUS_CHUNK_BYTES`).
@@ -367,33 +279,127 @@ impl Tuner {
             .unwrap_or(f64::INFINITY)
     }
 
-    /// The algorithm for `c` on `bytes` over `world_size` ranks, and why.
+    /// The message algorithm for `c` on `bytes` over `world_size` ranks, and why (flat
+    /// algorithms only, whatever the topology: what the tools compare).
     pub fn decide(&self, c: Collective, bytes: usize, world_size: usize) -> Choice {
-        let candidates = Tuner::candidates(c);
-        let forced = self.forced.get(c);
-        if let Some(a) = forced {
-            if candidates.contains(&a) {
-                return Choice {
-                    algorithm: a,
-                    reason: Reason::Forced,
-                };
+        let rows: Vec<(Path, f64)> = Tuner::candidates(c)
+            .iter()
+            .map(|&a| (Path::Messages(a), self.estimate(c, a, bytes, world_size)))
+            .collect();
+        let plan = pick(&rows, self.forced.get(c));
+        match plan.path {
+            Path::Messages(algorithm) => Choice {
+                algorithm,
+                reason: plan.reason,
+            },
+            _ => unreachable!("only message rows were offered"),
+        }
+    }
+
+    /// Every way the communicator can run one call of `c` (`None`: a barrier) on `bytes`
+    /// over `world_size` ranks, with its estimated seconds, in tie-breaking order: shared
+    /// buffers (when `on_windows`), the mailbox, then the message algorithms.
+    pub fn table(
+        &self,
+        c: Option<Collective>,
+        bytes: usize,
+        world_size: usize,
+        on_windows: bool,
+    ) -> Vec<(Path, f64)> {
+        let t = &self.topology;
+        let meeting = ShmTransport::MEETING_COST;
+        let (latency, copied) = (meeting.latency, |b: usize| b as f64 / meeting.bandwidth);
+        let (b, w) = (bytes, world_size);
+        let mut rows = Vec::new();
+        match c {
+            Some(Collective::AllReduce) if on_windows => {
+                rows.push((Path::Window, 3.0 * latency + copied(2 * b)));
+            }
+            Some(Collective::Broadcast) if on_windows => {
+                rows.push((Path::Window, 2.0 * latency + copied(b)));
+            }
+            _ => {}
+        }
+        if t.shared_memory && b <= MAILBOX_BYTES {
+            match c {
+                None => rows.push((Path::Mailbox, latency)),
+                Some(Collective::AllReduce) => rows.push((Path::Mailbox, latency + copied(w * b))),
+                Some(Collective::Broadcast) => rows.push((Path::Mailbox, latency + copied(b))),
+                _ => {}
             }
         }
-        // A later candidate must be cheaper by more than TIE_MARGIN: near
-        // ties (rounding of chunk counts) go to the earlier candidate, so the
-        // pick does not flicker between equivalent algorithms.
-        let mut best = candidates[0];
-        let mut best_time = self.estimate(c, best, bytes, world_size);
-        for &a in &candidates[1..] {
-            let t = self.estimate(c, a, bytes, world_size);
-            if t < best_time * (1.0 - TIE_MARGIN) {
-                (best, best_time) = (a, t);
-            }
+        let Some(c) = c else {
+            // Dissemination: ceil(log2(W)) rounds of empty messages.
+            let rounds = w.max(1).next_power_of_two().trailing_zeros();
+            let messages = Path::Messages(Algorithm::RecursiveDoubling);
+            rows.push((messages, f64::from(rounds) * self.model.message(0.0)));
+            return rows;
+        };
+        for &a in Tuner::candidates(c) {
+            rows.push((Path::Messages(a), self.estimate(c, a, b, w)));
         }
-        Choice {
-            algorithm: best,
-            reason: forced.map_or(Reason::Model, Reason::ForcedInvalid),
+        if c == Collective::AllReduce && t.hosts > 1 && t.hosts < w && t.most_local > 1 {
+            rows.push((
+                Path::Messages(Algorithm::Hierarchical),
+                self.hierarchical(b, t.hosts, t.most_local),
+            ));
         }
+        rows
+    }
+
+    /// Estimated seconds of the hierarchical all-reduce of `bytes` over `hosts` hosts
+    /// of at most `local` ranks: a tree reduce and a tree broadcast over shared memory,
+    /// a ring between hosts over this tuner's links, one after the other.
+    fn hierarchical(&self, bytes: usize, hosts: usize, local: usize) -> f64 {
+        let shm = chorus_transport::shm::LINK_COST;
+        let inside = LinkModel::new(shm.latency, shm.bandwidth).with_gamma(self.model.gamma);
+        let chunk = self.chunk_bytes;
+        let tree = |c| closed::estimate(&inside, c, Algorithm::Tree, bytes, local, chunk);
+        let ring = closed::estimate(
+            &self.model,
+            Collective::AllReduce,
+            Algorithm::Ring,
+            bytes,
+            hosts,
+            chunk,
+        );
+        match (tree(Collective::Reduce), ring, tree(Collective::Broadcast)) {
+            (Some(up), Some(across), Some(down)) => up + across + down,
+            _ => f64::INFINITY,
+        }
+    }
+
+    /// How one call of `c` (`None`: a barrier) on `bytes` over `world_size` ranks runs, and
+    /// why: the forced algorithm if [`Tuner::table`] has it (the shared buffers' row
+    /// stays), else the cheapest row (within [`TIE_MARGIN`], the earliest).
+    pub fn plan(
+        &self,
+        c: Option<Collective>,
+        bytes: usize,
+        world_size: usize,
+        on_windows: bool,
+    ) -> Plan {
+        let rows = self.table(c, bytes, world_size, on_windows);
+        pick(&rows, c.and_then(|c| self.forced.get(c)))
+    }
+
+    /// One line listing every row of the call's table and the pick, for logs.
+    pub fn explain_call(
+        &self,
+        c: Option<Collective>,
+        bytes: usize,
+        world_size: usize,
+        on_windows: bool,
+    ) -> String {
+        let rows = self.table(c, bytes, world_size, on_windows);
+        let name = c.map_or("barrier", Collective::name);
+        describe(
+            name,
+            bytes,
+            world_size,
+            &rows,
+            pick(&rows, c.and_then(|c| self.forced.get(c))),
+        )
     }
 
     /// The algorithm for `c` on `bytes` over `world_size` ranks: the forced one
@@ -405,19 +411,58 @@ impl Tuner {
 
     /// One line listing each candidate's estimate and the pick, for logs and tools.
     pub fn explain(&self, c: Collective, bytes: usize, world_size: usize) -> String {
-        let estimates: Vec<String> = Tuner::candidates(c)
+        let rows: Vec<(Path, f64)> = Tuner::candidates(c)
             .iter()
-            .map(|&a| {
-                let t = self.estimate(c, a, bytes, world_size);
-                format!("{a}={}", format_seconds(t))
-            })
+            .map(|&a| (Path::Messages(a), self.estimate(c, a, bytes, world_size)))
             .collect();
-        format!(
-            "{c} {bytes} B on {world_size} ranks: {} -> {}",
-            estimates.join(" "),
-            self.decide(c, bytes, world_size)
-        )
+        let choice = self.decide(c, bytes, world_size);
+        let plan = Plan {
+            path: Path::Messages(choice.algorithm),
+            reason: choice.reason,
+        };
+        describe(c.name(), bytes, world_size, &rows, plan)
     }
+}
+
+/// The row to run: `forced`'s, if the table has it as a message row (the window's row
+/// stays beside it), else the cheapest; a later row must be cheaper by more than
+/// [`TIE_MARGIN`], so the pick does not flicker between near ties (rounding of chunk counts).
+fn pick(rows: &[(Path, f64)], forced: Option<Algorithm>) -> Plan {
+    let valid = forced.filter(|&a| rows.iter().any(|(p, _)| *p == Path::Messages(a)));
+    let mut best: Option<(Path, f64)> = None;
+    for &(path, t) in rows {
+        if valid.is_some_and(|a| path != Path::Messages(a) && path != Path::Window) {
+            continue;
+        }
+        if best.is_none_or(|(_, best_time)| t < best_time * (1.0 - TIE_MARGIN)) {
+            best = Some((path, t));
+        }
+    }
+    let (path, _) = best.expect("every table has a message row");
+    let reason = match (forced, valid) {
+        (_, Some(a)) if path == Path::Messages(a) => Reason::Forced,
+        (Some(a), None) => Reason::ForcedInvalid(a),
+        _ => Reason::Model,
+    };
+    Plan { path, reason }
+}
+
+/// `name bytes B on W ranks: row=estimate ... -> plan`.
+fn describe(
+    name: &str,
+    bytes: usize,
+    world_size: usize,
+    rows: &[(Path, f64)],
+    plan: Plan,
+) -> String {
+    let estimates: Vec<String> = rows
+        .iter()
+        .map(|(path, t)| format!("{path}={}", format_seconds(*t)))
+        .collect();
+    format!(
+        "{name} {bytes} B on {world_size} ranks: {} -> {plan}",
+        estimates.join(" ")
+    )
 }
 
 /// `t` seconds as a short human string (`12.3us`, `4.56ms`, `1.23s`).
@@ -436,31 +481,6 @@ pub fn format_seconds(t: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names_round_trip() {
-        for a in Algorithm::ALL {
-            assert_eq!(a.to_string().parse::<Algorithm>(), Ok(a));
-        }
-        for c in Collective::ALL {
-            assert_eq!(c.to_string().parse::<Collective>(), Ok(c));
-        }
-        assert_eq!("chain".parse::<Algorithm>(), Ok(Algorithm::Ring));
-        assert_eq!(
-            "Recursive_Doubling".parse::<Algorithm>(),
-            Ok(Algorithm::RecursiveDoubling)
-        );
-        assert_eq!(
-            "halving-doubling".parse::<Algorithm>(),
-            Ok(Algorithm::HalvingDoubling)
-        );
-        assert_eq!(
-            "all_reduce".parse::<Collective>(),
-            Ok(Collective::AllReduce)
-        );
-        assert!("spiral".parse::<Algorithm>().is_err());
-        assert!("allsum".parse::<Collective>().is_err());
-    }
 
     #[test]
     fn forced_parses_one_or_per_collective() {
@@ -603,5 +623,126 @@ mod tests {
         assert!(t
             .estimate(Collective::AllGather, Algorithm::Tree, 4096, 16)
             .is_infinite());
+    }
+
+    fn one_host() -> Tuner {
+        let shm = chorus_transport::shm::LINK_COST;
+        Tuner::new(shm.latency, shm.bandwidth, Forced::none()).with_topology(Topology {
+            hosts: 1,
+            most_local: 4,
+            shared_memory: true,
+        })
+    }
+
+    #[test]
+    fn one_host_meets_for_small_calls_and_on_shared_buffers() {
+        let t = one_host();
+        let all_reduce = Some(Collective::AllReduce);
+        assert_eq!(t.plan(all_reduce, 8, 4, false).path, Path::Mailbox);
+        assert_eq!(t.plan(None, 0, 4, false).path, Path::Mailbox);
+        assert_eq!(
+            t.plan(Some(Collective::Broadcast), MAILBOX_BYTES, 4, false)
+                .path,
+            Path::Mailbox
+        );
+        // Too big for a mailbox: messages, unless the buffers are shared.
+        let big = t.plan(all_reduce, MAILBOX_BYTES + 1, 4, false).path;
+        assert!(matches!(big, Path::Messages(_)), "{big}");
+        for bytes in [MAILBOX_BYTES + 1, 1 << 20, 1 << 28] {
+            assert_eq!(t.plan(all_reduce, bytes, 4, true).path, Path::Window);
+        }
+        // One meeting beats the shared buffers' three.
+        assert_eq!(t.plan(all_reduce, 8, 4, true).path, Path::Mailbox);
+        // Reduce has no meeting route.
+        let reduce = t.plan(Some(Collective::Reduce), 8, 4, true).path;
+        assert!(matches!(reduce, Path::Messages(_)), "{reduce}");
+        // Without shared memory, messages only; a barrier's are dissemination rounds.
+        let apart = Tuner::default();
+        assert_eq!(
+            apart.plan(None, 0, 4, false).path,
+            Path::Messages(Algorithm::RecursiveDoubling)
+        );
+        assert!(apart
+            .table(all_reduce, 8, 4, false)
+            .iter()
+            .all(|(p, _)| matches!(p, Path::Messages(_))));
+    }
+
+    #[test]
+    fn forcing_an_algorithm_turns_the_mailbox_off_but_not_shared_buffers() {
+        let t = one_host();
+        let forced = Tuner {
+            forced: "allreduce:ring".parse().unwrap(),
+            ..t.clone()
+        };
+        let all_reduce = Some(Collective::AllReduce);
+        let plan = forced.plan(all_reduce, 8, 4, false);
+        assert_eq!(
+            plan,
+            Plan {
+                path: Path::Messages(Algorithm::Ring),
+                reason: Reason::Forced
+            }
+        );
+        assert_eq!(forced.plan(all_reduce, 8, 4, true).path, Path::Window);
+        // Broadcast is not forced: its mailbox stays.
+        assert_eq!(
+            forced.plan(Some(Collective::Broadcast), 8, 4, false).path,
+            Path::Mailbox
+        );
+        // A hierarchical all-reduce needs several hosts: forced, the model decides.
+        let hier = Tuner {
+            forced: "hier".parse().unwrap(),
+            ..t
+        };
+        let plan = hier.plan(all_reduce, 1 << 20, 4, false);
+        assert_eq!(plan.reason, Reason::ForcedInvalid(Algorithm::Hierarchical));
+        assert!(hier
+            .explain_call(all_reduce, 1 << 20, 4, false)
+            .contains("forced hier is not available"));
+    }
+
+    #[test]
+    fn the_hierarchical_row_needs_several_hosts_with_several_ranks_on_one() {
+        let row = |hosts, most_local| {
+            Tuner::default()
+                .with_topology(Topology {
+                    hosts,
+                    most_local,
+                    shared_memory: false,
+                })
+                .table(Some(Collective::AllReduce), 1 << 20, 8, false)
+                .into_iter()
+                .find(|(p, _)| *p == Path::Messages(Algorithm::Hierarchical))
+        };
+        assert!(row(1, 8).is_none());
+        assert!(row(8, 1).is_none());
+        let (_, t) = row(2, 4).expect("two hosts of four ranks");
+        assert!(t.is_finite() && t > 0.0);
+        // Forced, it runs wherever it is in the table.
+        let forced = Tuner::new(DEFAULT_ALPHA, DEFAULT_BETA, "hier".parse().unwrap())
+            .with_topology(Topology {
+                hosts: 2,
+                most_local: 4,
+                shared_memory: false,
+            });
+        assert_eq!(
+            forced.plan(Some(Collective::AllReduce), 8, 8, false).path,
+            Path::Messages(Algorithm::Hierarchical)
+        );
+    }
+
+    #[test]
+    fn decide_agrees_with_the_table_without_topology() {
+        let t = Tuner::default();
+        for c in Collective::ALL {
+            for bytes in [8, 1 << 16, 1 << 26] {
+                assert_eq!(
+                    t.plan(Some(c), bytes, 16, false).path,
+                    Path::Messages(t.choose(c, bytes, 16)),
+                    "{c} {bytes} B"
+                );
+            }
+        }
     }
 }

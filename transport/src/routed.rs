@@ -101,6 +101,8 @@ pub struct RoutedTransport {
     rank: usize,
     world_size: usize,
     routes: Vec<Route>,
+    /// Each rank's host, numbered in the order of each host's lowest rank.
+    hosts: Vec<usize>,
     shm: Option<ShmTransport>,
     tcp: Option<TcpTransport>,
 }
@@ -149,12 +151,18 @@ impl RoutedTransport {
         };
         store.set(&format!("host/{rank}"), host.as_bytes())?;
         wait_for_ranks(store, world_size, config.tcp.timeout)?;
-        let mut local = Vec::new();
+        let mut ids: Vec<Vec<u8>> = Vec::with_capacity(world_size);
+        let mut hosts = Vec::with_capacity(world_size);
         for r in 0..world_size {
-            if store.get(&format!("host/{r}"))? == host.as_bytes() {
-                local.push(r);
+            let id = store.get(&format!("host/{r}"))?;
+            hosts.push(ids.iter().position(|i| *i == id).unwrap_or(ids.len()));
+            if !ids.contains(&id) {
+                ids.push(id);
             }
         }
+        let local: Vec<usize> = (0..world_size)
+            .filter(|&r| hosts[r] == hosts[rank])
+            .collect();
         if config.kind == TransportKind::Shm && local.len() < world_size {
             let others: Vec<usize> = (0..world_size).filter(|r| !local.contains(r)).collect();
             return Err(TransportError::Setup(format!(
@@ -198,6 +206,7 @@ impl RoutedTransport {
             rank,
             world_size,
             routes,
+            hosts,
             shm,
             tcp,
         })
@@ -228,6 +237,13 @@ impl RoutedTransport {
         } else {
             crate::shm::LINK_COST
         }
+    }
+
+    /// Each rank's host, numbered in the order of each host's lowest rank (ranks on one
+    /// host share memory; under `CHORUS_TRANSPORT=tcp` each rank counts as a host of its own).
+    /// Every rank gets the same list.
+    pub fn hosts(&self) -> &[usize] {
+        &self.hosts
     }
 
     /// The shared-memory transport to this host's ranks, if there are others.

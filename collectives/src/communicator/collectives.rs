@@ -1,13 +1,12 @@
-//! The collective operations: typed entry points over one byte-level form each.
+//! The collectives' entry points: each checks its arguments, describes its call
+//! ([`CallInfo`] and the buffers) and hands it to `prepare`, the one way every
+//! collective is built and routed.
 
 use chorus_kernels::{DType, Element, ReduceOp};
 
-use super::recent::Key;
 use super::{elements, Call, CallInfo, Communicator, Inner, Kind};
 use crate::executor::Buffers;
-use crate::schedule::{barrier, broadcast, ring, tree};
-use crate::schedule::{hierarchical, recursive};
-use crate::tuner::{Algorithm, Collective};
+use crate::schedule::all_to_all;
 use crate::{Error, Result};
 
 impl Communicator {
@@ -104,16 +103,180 @@ impl Communicator {
     /// Fails on a transport error or timeout.
     pub fn barrier(&self) -> Result<()> {
         let info = CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0)?;
-        let steps = self.inner.recent.get_or_build(Key::of(&info), || {
-            barrier::dissemination(self.rank(), self.world_size())
-        });
-        let bufs = Buffers::new(None, &mut []);
-        self.run_now(Call {
-            info,
-            shared: self.inner.shared_call(&info, &bufs),
+        self.run_now(self.inner.prepare(info, Buffers::new(None, &mut [])))
+    }
+    /// Reduces every rank's `buf` into `root`'s `buf`.
+    ///
+    /// Other ranks' buffers serve as scratch: their contents afterwards are
+    /// unspecified. Fails as [`all_reduce`](Self::all_reduce) does, or if `root` is not a rank.
+    pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        let output = bytemuck::cast_slice_mut(buf);
+        let count = output.len() / T::DTYPE.size();
+        let info = CallInfo::new(Kind::Reduce, T::DTYPE, op, root, count)?;
+        self.inner.check_root(root)?;
+        self.run_typed(info, Buffers::new(None, output))
+    }
+
+    /// Reduces every rank's `input` into `root`'s `output` (same length as `input`).
+    ///
+    /// Non-root outputs serve as scratch. Fails as [`reduce`](Self::reduce) does, or if the lengths differ.
+    pub fn reduce_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let (input, output) = (
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+        );
+        let count = input.len() / T::DTYPE.size();
+        let info = CallInfo::new(Kind::Reduce, T::DTYPE, op, root, count)?;
+        self.inner.check_root(root)?;
+        self.run_typed(info, Buffers::same_len(Some(input), output)?)
+    }
+
+    /// Gathers every rank's `input` into every rank's `output`, block `q` from rank `q`.
+    ///
+    /// Fails unless `output.len() == world_size * input.len()`, or as other collectives do.
+    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let n = self.blocks("all_gather", "output", output.len(), input.len())?;
+        self.run_apart(
+            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n)?,
+            input,
+            output,
+        )
+    }
+
+    /// All-gather in place: this rank's block already sits at `buf[rank * n..(rank + 1) * n]`.
+    ///
+    /// Fails unless `buf.len()` is a multiple of the world size, or as other collectives do.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let w = self.world_size();
+        let n = self.blocks("all_gather_in_place", "buffer", buf.len(), buf.len() / w)?;
+        let size = std::mem::size_of::<T>();
+        let bufs = Buffers::inside(
+            bytemuck::cast_slice_mut(buf),
+            self.rank() * n * size,
+            n * size,
+        );
+        self.run_typed(
+            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n)?,
             bufs,
-            steps,
-        })
+        )
+    }
+
+    /// Reduces `input` (world_size blocks) across ranks; `output` receives block `rank` of the result.
+    ///
+    /// Fails unless `input.len() == world_size * output.len()`, or as other collectives do.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = self.blocks("reduce_scatter", "input", input.len(), output.len())?;
+        let info = CallInfo::new(Kind::ReduceScatter, T::DTYPE, op, 0, n)?;
+        self.run_apart(info, input, output)
+    }
+
+    /// Sends block `q` of `input` to rank `q` and receives rank `q`'s block into block `q` of `output`.
+    ///
+    /// Both buffers hold world_size equal blocks; fails otherwise, or as other collectives do.
+    pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let w = self.world_size();
+        if input.len() != output.len() || input.len() % w != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "all_to_all needs input and output of equal length divisible by the world size {w}; got {} and {}",
+                input.len(),
+                output.len()
+            )));
+        }
+        let counts = vec![input.len() / w; w];
+        self.all_to_all_v(input, &counts, output, &counts)
+    }
+
+    /// All-to-all with per-rank counts: `input` holds blocks of `send_counts[q]` elements for
+    /// rank `q`, `output` receives blocks of `recv_counts[q]` elements from rank `q`.
+    ///
+    /// Fails if the counts do not match the buffers or the world size; a count that
+    /// disagrees with the peer's is reported by the receiver as a length mismatch.
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (rank, w) = (self.rank(), self.world_size());
+        all_to_all::validate(rank, w, send_counts, recv_counts).map_err(Error::InvalidArgument)?;
+        let (sent, received): (usize, usize) = (send_counts.iter().sum(), recv_counts.iter().sum());
+        if sent != input.len() || received != output.len() {
+            return Err(Error::InvalidArgument(format!(
+                "all_to_all_v counts add up to {sent} to send and {received} to receive, but the buffers hold {} and {}",
+                input.len(),
+                output.len()
+            )));
+        }
+        // Counts may differ between ranks; each message's length is checked instead.
+        let info = CallInfo::new(Kind::AllToAll, T::DTYPE, ReduceOp::Sum, 0, 0)?;
+        let bufs = Buffers::new(
+            Some(bytemuck::cast_slice(input)),
+            bytemuck::cast_slice_mut(output),
+        );
+        let counts = Some((send_counts, recv_counts));
+        self.run_now(self.inner.prepare_with(info, bufs, counts))
+    }
+
+    /// Gathers every rank's `input` into `root`'s `output` (world_size blocks); other outputs are untouched.
+    ///
+    /// Fails unless the root's `output.len() == world_size * input.len()`, or as other collectives do.
+    pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+        self.inner.check_root(root)?;
+        if self.rank() == root {
+            self.blocks("gather", "output", output.len(), input.len())?;
+        }
+        let info = CallInfo::new(Kind::Gather, T::DTYPE, ReduceOp::Sum, root, input.len())?;
+        self.run_apart(info, input, output)
+    }
+
+    /// Sends block `q` of `root`'s `input` (world_size blocks) to rank `q`'s `output`.
+    ///
+    /// Fails unless the root's `input.len() == world_size * output.len()`, or as other collectives do.
+    pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+        self.inner.check_root(root)?;
+        if self.rank() == root {
+            self.blocks("scatter", "input", input.len(), output.len())?;
+        }
+        let info = CallInfo::new(Kind::Scatter, T::DTYPE, ReduceOp::Sum, root, output.len())?;
+        self.run_apart(info, input, output)
+    }
+
+    /// Checks that `whole` holds world_size blocks of `block` elements; returns `block`.
+    fn blocks(&self, call: &str, name: &str, whole: usize, block: usize) -> Result<usize> {
+        let w = self.world_size();
+        if whole != w * block {
+            return Err(Error::InvalidArgument(format!(
+                "{call}: the {name} has {whole} elements, expected world size {w} x {block} = {}",
+                w * block
+            )));
+        }
+        Ok(block)
+    }
+
+    /// Runs call `info` from `input` into a separate `output`.
+    fn run_apart<T: Element>(&self, info: CallInfo, input: &[T], output: &mut [T]) -> Result<()> {
+        let bufs = Buffers::new(
+            Some(bytemuck::cast_slice(input)),
+            bytemuck::cast_slice_mut(output),
+        );
+        self.run_typed(info, bufs)
+    }
+
+    /// Prepares call `info` on `bufs` and runs it now.
+    fn run_typed(&self, info: CallInfo, bufs: Buffers<'_>) -> Result<()> {
+        self.run_now(self.inner.prepare(info, bufs))
     }
 }
 
@@ -127,36 +290,7 @@ impl Inner {
     ) -> Result<Call<'a>> {
         let count = elements(output.len(), dtype)?;
         let info = CallInfo::new(Kind::AllReduce, dtype, op, 0, count)?;
-        let (w, rank, chunk) = (
-            self.config.world_size,
-            self.config.rank,
-            self.chunk_elems(dtype),
-        );
-        let local = self.config.local_world_size;
-        let hosts_with_peers = local > 1 && local < w && w % local == 0;
-        let steps = self.recent.get_or_build(Key::of(&info), || {
-            if hosts_with_peers && self.config.algo.get(Collective::AllReduce).is_none() {
-                // Several hosts with several ranks each: keep most traffic inside hosts.
-                tracing::debug!(count, %dtype, %op, local, "all_reduce: hierarchical");
-                hierarchical::all_reduce(rank, w, local, count, chunk)
-            } else {
-                match self.pick(Collective::AllReduce, output.len()) {
-                    Algorithm::Tree => tree::all_reduce(rank, w, count, chunk),
-                    Algorithm::RecursiveDoubling => recursive::doubling(rank, w, count, chunk),
-                    Algorithm::HalvingDoubling => {
-                        recursive::halving_doubling(rank, w, count, chunk)
-                    }
-                    Algorithm::Ring | Algorithm::Direct => ring::all_reduce(rank, w, count, chunk),
-                }
-            }
-        });
-        let bufs = Buffers::same_len(input, output)?;
-        Ok(Call {
-            info,
-            shared: self.shared_call(&info, &bufs),
-            bufs,
-            steps,
-        })
+        Ok(self.prepare(info, Buffers::same_len(input, output)?))
     }
 
     pub(super) fn broadcast_call<'a>(
@@ -167,26 +301,9 @@ impl Inner {
         root: usize,
     ) -> Result<Call<'a>> {
         let count = elements(output.len(), dtype)?;
-        let (w, rank, chunk) = (
-            self.config.world_size,
-            self.config.rank,
-            self.chunk_elems(dtype),
-        );
         self.check_root(root)?;
         let info = CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count)?;
-        let steps = self.recent.get_or_build(Key::of(&info), || {
-            match self.pick(Collective::Broadcast, output.len()) {
-                Algorithm::Tree => broadcast::tree(rank, w, root, count, chunk),
-                _ => broadcast::chain(rank, w, root, count, chunk),
-            }
-        });
-        let bufs = Buffers::same_len(input, output)?;
-        Ok(Call {
-            info,
-            shared: self.shared_call(&info, &bufs),
-            bufs,
-            steps,
-        })
+        Ok(self.prepare(info, Buffers::same_len(input, output)?))
     }
 
     pub(super) fn check_root(&self, root: usize) -> Result<()> {
@@ -197,18 +314,5 @@ impl Inner {
             )));
         }
         Ok(())
-    }
-
-    /// The tuner's algorithm for `c` on `bytes`; logs the reasoning when the pick changes.
-    pub(super) fn pick(&self, c: Collective, bytes: usize) -> Algorithm {
-        let w = self.config.world_size;
-        let choice = self.tuner.decide(c, bytes, w);
-        let mut last = super::lock(&self.picks);
-        if last.insert(c, choice.algorithm) != Some(choice.algorithm) {
-            tracing::info!("{}", self.tuner.explain(c, bytes, w));
-        } else {
-            tracing::debug!(%c, bytes, algorithm = %choice.algorithm, "tuner");
-        }
-        choice.algorithm
     }
 }

@@ -2,7 +2,8 @@
 //! shared region and meets its peers once (see [`ShmTransport::meet_posting`]);
 //! then every rank reduces, in rank order, or copies the root's bytes. One
 //! meeting replaces the rounds of messages a barrier, an all-reduce or a
-//! broadcast of up to `MAILBOX_BYTES` would take.
+//! broadcast of up to `MAILBOX_BYTES` would take. `prepare.rs` picks this
+//! route from the tuner's table; `meeting.rs` runs it.
 
 use std::time::Instant;
 

@@ -6,37 +6,38 @@
 
 mod collectives;
 mod mailbox;
+mod meeting;
 mod monitor;
-mod more;
 mod p2p;
-mod recent;
+mod prepare;
 mod shared;
 mod split;
 mod work;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use chorus_kernels::{DType, ReduceOp};
-use chorus_transport::shm::ShmConfig;
+use chorus_transport::shm::{ShmConfig, ShmTransport};
 use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore, TorchStore};
 use chorus_transport::tcp::TcpConfig;
 use chorus_transport::Transport;
 use chorus_transport::{RouteConfig, RoutedTransport};
 
-use crate::executor::{self, Buffers, Job, Watch, Workspace, PIPELINE_DEPTH};
-use crate::schedule::Schedule;
-use crate::tuner::{Algorithm, Collective, Tuner};
+use crate::algorithm::Path;
+use crate::executor::{self, Job, Watch, Workspace, PIPELINE_DEPTH};
+use crate::tuner::{Topology, Tuner};
 use crate::{Config, Error, Result, StoreKind};
 
 pub(crate) use monitor::CallInfo;
 use monitor::{Monitor, Watcher};
 pub use p2p::Group;
+use prepare::{Call, Route};
 pub use shared::SharedBuffer;
-use shared::{SharedCall, Windows};
+use shared::Windows;
 pub use work::Work;
 use work::Worker;
 
@@ -49,7 +50,7 @@ const DROP_GRACE: Duration = Duration::from_secs(2);
 static CREATED: AtomicU64 = AtomicU64::new(0);
 
 /// The kinds of operation, as carried in message tags.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Kind {
     AllReduce = 1,
     Broadcast = 2,
@@ -108,18 +109,23 @@ pub(crate) struct Inner {
     store: Option<(Arc<dyn Store>, String)>,
     /// The store server, when this process hosts it; shared with sub-communicators.
     server: Option<Arc<StoreServer>>,
-    /// Picks algorithms from the cost model and `CHORUS_ALGO`.
+    /// Picks each call's route and algorithm from the cost model, the topology and
+    /// `CHORUS_ALGO`.
     tuner: Tuner,
-    /// The last pick per collective, to log changes.
-    picks: Mutex<HashMap<Collective, Algorithm>>,
-    /// Schedules of recent calls, reused by calls like them.
-    recent: recent::Recent,
+    /// Each host's ranks, as the transport found them (one host without a transport).
+    hosts: Vec<Vec<usize>>,
+    /// The last pick per kind of call, to log changes.
+    picks: Mutex<HashMap<Kind, Path>>,
+    /// Decisions and schedules of recent calls, reused by calls like them.
+    decisions: prepare::Decisions,
     /// Why the communicator can no longer be used, once it cannot.
     fault: Mutex<Option<Fault>>,
     /// The watchdog and fault reports (absent for one rank).
     monitor: Option<Arc<Monitor>>,
     /// Shared buffers allocated on this communicator.
     windows: Mutex<Windows>,
+    /// Whether any shared buffer was allocated (calls skip looking for theirs until then).
+    has_windows: AtomicBool,
 }
 
 /// Why a communicator can no longer be used.
@@ -150,15 +156,6 @@ pub(crate) struct State {
 struct Issue {
     next: u64,
     worker: Option<Worker>,
-}
-
-/// One operation, ready to run: its schedule and the memory it works on, borrowed for `'a`.
-pub(crate) struct Call<'a> {
-    pub info: CallInfo,
-    pub bufs: Buffers<'a>,
-    pub steps: Arc<Schedule>,
-    /// How to run it through shared buffers instead, when it works on them.
-    pub shared: Option<SharedCall>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -316,7 +313,27 @@ impl Communicator {
                 round(beta / 1e9)
             );
         }
-        let tuner = Tuner::new(alpha, beta, config.algo).with_chunk_bytes(config.chunk_bytes);
+        let hosts = match &transport {
+            Some(t) => {
+                let mut hosts: Vec<Vec<usize>> = Vec::new();
+                for (rank, &host) in t.hosts().iter().enumerate() {
+                    match hosts.get_mut(host) {
+                        Some(ranks) => ranks.push(rank),
+                        None => hosts.push(vec![rank]),
+                    }
+                }
+                hosts
+            }
+            None => vec![(0..config.world_size).collect()],
+        };
+        let topology = Topology {
+            hosts: hosts.len(),
+            most_local: hosts.iter().map(Vec::len).max().unwrap_or(1),
+            shared_memory: transport.as_ref().is_some_and(RoutedTransport::all_shm),
+        };
+        let tuner = Tuner::new(alpha, beta, config.algo)
+            .with_chunk_bytes(config.chunk_bytes)
+            .with_topology(topology);
         let inner = Arc::new_cyclic(|weak| {
             let monitor = store.as_ref().and_then(|(_, prefix)| {
                 Monitor::start(&config, prefix, weak.clone())
@@ -327,8 +344,9 @@ impl Communicator {
             });
             Inner {
                 tuner,
+                hosts,
                 picks: Mutex::new(HashMap::new()),
-                recent: recent::Recent::default(),
+                decisions: prepare::Decisions::default(),
                 config,
                 transport,
                 state: Mutex::new(state),
@@ -342,6 +360,7 @@ impl Communicator {
                 fault: Mutex::new(None),
                 monitor,
                 windows: Mutex::new(Windows::default()),
+                has_windows: AtomicBool::new(false),
             }
         });
         Communicator { inner }
@@ -426,6 +445,14 @@ impl Drop for Communicator {
 }
 
 impl Inner {
+    /// The shared-memory transport, when every rank is on this host.
+    fn all_shm(&self) -> Option<&ShmTransport> {
+        self.transport
+            .as_ref()
+            .filter(|t| t.all_shm())
+            .and_then(|t| t.shm())
+    }
+
     /// Pipeline chunk in elements of `dtype`.
     fn chunk_elems(&self, dtype: DType) -> usize {
         (self.config.chunk_bytes / dtype.size()).max(1)
@@ -516,37 +543,30 @@ impl Inner {
             }
         });
         let tag = tag(state.seq, &info);
-        let result = match &call.shared {
-            Some(shared) => self
-                .run_shared(
-                    shared,
-                    &call.bufs,
-                    tag,
-                    &info,
-                    watcher.as_ref().map(|w| w as &dyn Watch),
-                )
-                .map_err(|e| {
-                    executor::failed(
-                        e.on_rank(self.config.rank),
-                        watcher.as_ref().map(|w| w as &dyn Watch),
-                        self.transport.as_ref().map(|t| t as &dyn Transport),
-                    )
-                }),
-            None => {
+        let watch = watcher.as_ref().map(|w| w as &dyn Watch);
+        let transport = self.transport.as_ref().map(|t| t as &dyn Transport);
+        let meet = |window| {
+            self.run_meeting(window, &call.bufs, tag, &info, watch)
+                .map_err(|e| executor::failed(e.on_rank(self.config.rank), watch, transport))
+        };
+        let result = match &call.route {
+            Route::Messages(steps) => {
                 self.announce_messages(tag, call.bufs.addresses().1.len(), info.root);
                 let job = Job {
-                    transport: self.transport.as_ref().map(|t| t as &dyn Transport),
+                    transport,
                     tag,
                     dtype: info.dtype,
                     op: info.op,
                     world_size: self.config.world_size,
                     deadline: now + self.config.timeout,
                     depth: PIPELINE_DEPTH,
-                    watch: watcher.as_ref().map(|w| w as &dyn Watch),
+                    watch,
                 };
-                executor::execute(&job, &call.bufs, &call.steps, &mut state.work)
+                executor::execute(&job, &call.bufs, steps, &mut state.work)
                     .map_err(|e| e.on_rank(self.config.rank))
             }
+            Route::Mailbox => meet(None),
+            Route::Window(window) => meet(Some(window)),
         };
         if let Some(monitor) = &self.monitor {
             monitor.activity.end();

@@ -9,21 +9,22 @@
 //! reduced, each rank copies the other blocks from their owners' outputs;
 //! the last meeting keeps every buffer untouched until all ranks are done
 //! reading it. A broadcast meets twice, the ranks splitting the root's
-//! bytes among them and writing them into every output.
+//! bytes among them and writing them into every output. `prepare.rs` picks
+//! this route from the tuner's table when a call's buffers lie here
+//! (`Inner::window_call`); `meeting.rs` runs it.
 
-use std::cell::Cell;
 use std::ops::{Deref, DerefMut, Range};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use chorus_kernels::{finish_avg, reduce, reduce_into, DType, Element, ReduceOp};
-use chorus_transport::shm::{CallPlace, ShmTransport, Stall, Window, MAILBOX_BYTES};
+use chorus_transport::shm::{CallPlace, ShmTransport, Stall, Window};
 use chorus_transport::store::PrefixStore;
 use chorus_transport::TransportError;
 
-use super::{lock, mailbox, CallInfo, Communicator, Inner, Kind};
-use crate::executor::{Buffers, Watch};
-use crate::tuner::Collective;
+use super::{lock, CallInfo, Communicator, Inner, Kind};
+use crate::executor::Buffers;
 use crate::{Error, Result};
 
 /// Elements reduced at a time, so the output block being summed stays in cache.
@@ -170,6 +171,7 @@ impl Communicator {
             windows.made += 1;
             let store = PrefixStore::new(prefix.clone(), client.clone());
             made = Some(shm.allocate_window(id, bytes, &store).map(|window| {
+                inner.has_windows.store(true, Ordering::Relaxed);
                 let window = Arc::new(window);
                 windows.live.retain(|w| w.strong_count() > 0);
                 windows.live.push(Arc::downgrade(&window));
@@ -188,49 +190,33 @@ impl Communicator {
     }
 }
 
-/// A collective that meets its peers through shared memory instead of sending messages.
-pub(crate) enum SharedCall {
-    /// Small: each rank posts its bytes in its mailbox with one meeting.
-    Mailbox,
-    /// On shared buffers: peers read and write them directly.
-    Windows(WindowCall),
-}
-
-/// A collective on shared buffers.
+/// A collective on shared buffers: where its input and output lie.
 pub(crate) struct WindowCall {
     input: (Arc<Window>, usize),
     output: (Arc<Window>, usize),
 }
 
-impl Inner {
-    /// The shared-memory transport, when every rank is on this host.
-    fn all_shm(&self) -> Option<&ShmTransport> {
-        self.transport
-            .as_ref()
-            .filter(|t| t.all_shm())
-            .and_then(|t| t.shm())
-    }
-
-    /// How to run `call` on `bufs` through shared memory: by mailbox when
-    /// small, directly when they lie in this communicator's shared buffers;
-    /// `None` runs it as messages.
-    pub(super) fn shared_call(&self, call: &CallInfo, bufs: &Buffers<'_>) -> Option<SharedCall> {
-        self.all_shm()?;
-        let len = bufs.addresses().1.len();
-        let forced = match call.kind {
-            Kind::AllReduce => self.config.algo.get(Collective::AllReduce).is_some(),
-            Kind::Broadcast => self.config.algo.get(Collective::Broadcast).is_some(),
-            _ => false,
-        };
-        if len <= MAILBOX_BYTES && !forced {
-            return Some(SharedCall::Mailbox);
+impl WindowCall {
+    /// `place` naming this call's buffers, as the peers read it.
+    pub(super) fn place(&self, place: CallPlace) -> CallPlace {
+        CallPlace {
+            input: Some((self.input.0.id(), self.input.1)),
+            output: Some((self.output.0.id(), self.output.1)),
+            ..place
         }
-        self.window_call(call, bufs).map(SharedCall::Windows)
     }
+}
 
-    /// How to run `call` on `bufs` directly, if they lie in this
-    /// communicator's shared buffers.
-    fn window_call(&self, call: &CallInfo, bufs: &Buffers<'_>) -> Option<WindowCall> {
+impl Inner {
+    /// How to run `call` on `bufs` directly, if it is an all-reduce or broadcast, every
+    /// rank shares memory, and they lie in this communicator's shared buffers.
+    pub(super) fn window_call(&self, call: &CallInfo, bufs: &Buffers<'_>) -> Option<WindowCall> {
+        if !matches!(call.kind, Kind::AllReduce | Kind::Broadcast)
+            || !self.has_windows.load(Ordering::Relaxed)
+        {
+            return None;
+        }
+        self.all_shm()?;
         let windows = lock(&self.windows);
         if windows.live.is_empty() {
             return None;
@@ -252,63 +238,8 @@ impl Inner {
         Some(WindowCall { input, output })
     }
 
-    /// Tells the other ranks that call `tag` (`len` bytes, `root`) runs on
-    /// messages (a rank that meets in it then fails at once instead of waiting).
-    pub(super) fn announce_messages(&self, tag: u64, len: usize, root: usize) {
-        if let Some(shm) = self.all_shm() {
-            shm.announce(&CallPlace {
-                tag,
-                len,
-                root,
-                ..CallPlace::default()
-            });
-        }
-    }
-
-    /// Runs `how` on `bufs` through shared memory: call `info`, tagged `tag`; a
-    /// meeting that outlasts `watch`'s warning time is reported to it, once.
-    pub(super) fn run_shared(
-        &self,
-        how: &SharedCall,
-        bufs: &Buffers<'_>,
-        tag: u64,
-        info: &CallInfo,
-        watch: Option<&dyn Watch>,
-    ) -> Result<()> {
-        let shm = self.all_shm().expect("shared calls need shared memory");
-        let deadline = Instant::now() + self.config.timeout;
-        let warned = Cell::new(false);
-        let tell = || {
-            if !warned.replace(true) {
-                watch.inspect(|w| w.stalled());
-            }
-        };
-        let stall = watch
-            .and_then(|w| w.warn_at())
-            .filter(|&at| at < deadline)
-            .map(|at| Stall { at, tell: &tell });
-        let place = CallPlace {
-            tag,
-            meets: true,
-            len: info.count * info.dtype.size(),
-            root: info.root,
-            ..CallPlace::default()
-        };
-        match how {
-            SharedCall::Mailbox => mailbox::run(shm, &place, (deadline, stall), info, bufs),
-            SharedCall::Windows(on) => {
-                let place = CallPlace {
-                    input: Some((on.input.0.id(), on.input.1)),
-                    output: Some((on.output.0.id(), on.output.1)),
-                    ..place
-                };
-                self.run_windows(shm, &place, (deadline, stall), info)
-            }
-        }
-    }
-
     /// Runs call `info` on the shared buffers `place` names.
-    fn run_windows(
+    pub(super) fn run_windows(
         &self,
         shm: &ShmTransport,
         place: &CallPlace,
@@ -324,20 +255,17 @@ impl Inner {
                 shm.meet(place, deadline, stall)?;
             }
             _ if len <= WHOLE_BYTES => {
+                let me = self.config.rank;
                 let mut sum = vec![0u8; len];
-                // SAFETY: every rank's input holds `len` bytes (checked in `resolve`);
-                // between the first and second meetings nobody writes an input.
+                // SAFETY: between the first and second meetings nobody writes an input.
                 let inputs: Vec<&[u8]> = peers
                     .iter()
-                    .map(|p| unsafe { std::slice::from_raw_parts(p.input.cast_const(), len) })
+                    .map(|p| unsafe { p.input.bytes(0..len) })
                     .collect();
                 reduce_all(&inputs, &mut sum, dtype, op)?;
                 shm.meet(place, deadline, stall)?;
-                // SAFETY: this rank's output holds `len` bytes (checked in `resolve`); after
-                // the second meeting no peer reads it.
-                let out =
-                    unsafe { std::slice::from_raw_parts_mut(peers[self.config.rank].output, len) };
-                out.copy_from_slice(&sum);
+                // SAFETY: after the second meeting no peer reads this rank's output.
+                unsafe { peers[me].output.bytes_mut(0..len) }.copy_from_slice(&sum);
             }
             _ => {
                 let me = self.config.rank;
@@ -362,7 +290,7 @@ impl Inner {
             let bad = |detail: String| {
                 Error::from(TransportError::Protocol { peer, detail }).on_rank(rank)
             };
-            let end = |at: Option<(u64, usize)>| -> Result<(*mut u8, Arc<Window>)> {
+            let end = |at: Option<(u64, usize)>| -> Result<End> {
                 let (id, offset) =
                     at.ok_or_else(|| bad(format!("rank {peer} met without a buffer")))?;
                 let window = windows.by_id(id).ok_or_else(|| {
@@ -376,28 +304,66 @@ impl Inner {
                         window.len()
                     )));
                 }
-                // SAFETY: `offset + len <= window.len()`, checked above.
-                let at = unsafe { window.segment(local).add(offset) };
-                Ok((at, window))
+                Ok(End {
+                    window,
+                    local,
+                    offset,
+                })
             };
-            let (input, input_window) = end(place.input)?;
-            let (output, output_window) = end(place.output)?;
             peers.push(Ends {
-                input,
-                output,
-                _mapped: [input_window, output_window],
+                input: end(place.input)?,
+                output: end(place.output)?,
             });
         }
         Ok(peers)
     }
 }
 
-/// Where one rank's input and output start, in this process's mapping.
+/// One rank's buffer in a call: from `offset` in local rank `local`'s segment of `window`
+/// (held, so it stays mapped while the call runs, even if this rank drops it meanwhile).
+struct End {
+    window: Arc<Window>,
+    local: usize,
+    offset: usize,
+}
+
+impl End {
+    /// Whether `other` is the same memory.
+    fn same(&self, other: &End) -> bool {
+        Arc::ptr_eq(&self.window, &other.window)
+            && (self.local, self.offset) == (other.local, other.offset)
+    }
+
+    /// Bytes `range` of this buffer, to read.
+    ///
+    /// # Safety
+    /// As [`Window::bytes`]: nobody writes them while the slice lives.
+    unsafe fn bytes(&self, range: Range<usize>) -> &[u8] {
+        // SAFETY: passed on to the caller.
+        unsafe {
+            (self.window).bytes(
+                self.local,
+                self.offset + range.start..self.offset + range.end,
+            )
+        }
+    }
+
+    /// Bytes `range` of this buffer, to write.
+    ///
+    /// # Safety
+    /// As [`Window::bytes_mut`]: nobody else touches them while the slice lives.
+    #[allow(clippy::mut_from_ref)] // shared memory: exclusivity is the caller's contract
+    unsafe fn bytes_mut(&self, range: Range<usize>) -> &mut [u8] {
+        let at = self.offset + range.start..self.offset + range.end;
+        // SAFETY: passed on to the caller.
+        unsafe { self.window.bytes_mut(self.local, at) }
+    }
+}
+
+/// One rank's input and output.
 struct Ends {
-    input: *mut u8,
-    output: *mut u8,
-    /// Keeps both mapped while the call runs, even if this rank drops them meanwhile.
-    _mapped: [Arc<Window>; 2],
+    input: End,
+    output: End,
 }
 
 /// Rank `r`'s block of `count` elements split among `n` ranks.
@@ -417,24 +383,24 @@ fn reduce_block(
     let size = dtype.size();
     let piece = (REDUCE_PIECE_BYTES / size).max(1);
     let others: Vec<usize> = (0..peers.len()).filter(|&r| r != me).collect();
+    let in_place = peers[me].input.same(&peers[me].output);
     let mut at = elems.start;
     while at < elems.end {
         let n = piece.min(elems.end - at);
-        let (offset, bytes) = (at * size, n * size);
-        // SAFETY: every rank's buffers hold `count` elements (checked in `resolve`); between
-        // the first and second meetings only this rank writes its output's block, and
-        // nobody writes inputs; input and output are the same memory or disjoint windows.
+        let bytes = at * size..(at + n) * size;
+        // SAFETY: between the first and second meetings only this rank writes its output's
+        // block, and nobody writes inputs; input and output are the same memory (then this
+        // rank's input is not read here) or disjoint.
         unsafe {
-            let slice = |p: *mut u8| std::slice::from_raw_parts(p.add(offset), bytes);
-            let out = std::slice::from_raw_parts_mut(peers[me].output.add(offset), bytes);
-            let first = slice(peers[others[0]].input);
-            if peers[me].input == peers[me].output {
+            let out = peers[me].output.bytes_mut(bytes.clone());
+            let first = peers[others[0]].input.bytes(bytes.clone());
+            if in_place {
                 reduce(op, dtype, out, first)?;
             } else {
-                reduce_into(op, dtype, out, slice(peers[me].input), first)?;
+                reduce_into(op, dtype, out, peers[me].input.bytes(bytes.clone()), first)?;
             }
             for &r in &others[1..] {
-                reduce(op, dtype, out, slice(peers[r].input))?;
+                reduce(op, dtype, out, peers[r].input.bytes(bytes.clone()))?;
             }
             if op == ReduceOp::Avg {
                 finish_avg(dtype, out, peers.len())?;
@@ -464,22 +430,17 @@ pub(super) fn reduce_all(
 }
 
 /// Copies every other rank's reduced block from its output into rank `me`'s output.
-fn gather_blocks(
-    peers: &[Ends],
-    me: usize,
-    blocks: impl Fn(usize) -> std::ops::Range<usize>,
-    size: usize,
-) {
+fn gather_blocks(peers: &[Ends], me: usize, blocks: impl Fn(usize) -> Range<usize>, size: usize) {
     for r in (0..peers.len()).filter(|&r| r != me) {
         let b = blocks(r);
-        // SAFETY: in bounds (checked in `resolve`); after the second meeting nobody writes
-        // rank `r`'s block of its output, and only this rank writes its own output.
+        let bytes = b.start * size..b.end * size;
+        // SAFETY: after the second meeting nobody writes rank `r`'s block of its output,
+        // and only this rank writes its own output.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                peers[r].output.add(b.start * size),
-                peers[me].output.add(b.start * size),
-                b.len() * size,
-            );
+            peers[me]
+                .output
+                .bytes_mut(bytes.clone())
+                .copy_from_slice(peers[r].output.bytes(bytes));
         }
     }
 }
@@ -487,19 +448,18 @@ fn gather_blocks(
 /// Copies rank `me`'s share of `root`'s `len` bytes into every output.
 fn broadcast(peers: &[Ends], me: usize, root: usize, len: usize) {
     let share = block(len, peers.len(), me);
-    let src = peers[root].input;
+    let src = &peers[root].input;
     for (r, ends) in peers.iter().enumerate() {
-        if r == root && ends.output == src {
+        if r == root && ends.output.same(src) {
             continue;
         }
-        // SAFETY: in bounds (checked in `resolve`); between the two meetings the root's
-        // input is only read and each output's share is written by this rank alone.
+        // SAFETY: between the two meetings the root's input is only read and each
+        // output's share is written by this rank alone; the root's input is an output
+        // only for the root in place, skipped above.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.add(share.start),
-                ends.output.add(share.start),
-                share.len(),
-            );
+            ends.output
+                .bytes_mut(share.clone())
+                .copy_from_slice(src.bytes(share.clone()));
         }
     }
 }

@@ -11,7 +11,7 @@
 //! few percent (the evaluator's tests state the tolerances).
 
 use super::LinkModel;
-use crate::tuner::{Algorithm, Collective};
+use crate::algorithm::{Algorithm, Collective};
 
 /// Estimated seconds for `c` by `a`, or `None` if `a` does not implement `c`.
 pub fn estimate(

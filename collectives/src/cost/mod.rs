@@ -17,11 +17,11 @@ pub mod simulate;
 
 pub use simulate::{evaluate, EvalConfig, EvalError, Evaluation, DEFAULT_DEPTH};
 
+use crate::algorithm::{Algorithm, Collective};
 use crate::schedule::{
     all_gather, all_to_all, broadcast, gather, recursive, reduce, reduce_scatter, ring, scatter,
     tree, Schedule,
 };
-use crate::tuner::{Algorithm, Collective};
 
 /// Per-message latency assumed when nothing is measured: 10 us (TCP over loopback or a LAN).
 pub const DEFAULT_ALPHA: f64 = chorus_transport::tcp::LINK_COST.latency;

@@ -1,5 +1,6 @@
 //! Hierarchical all-reduce for ranks spread over several hosts with several
-//! ranks each (ranks of one host numbered consecutively, as launchers do).
+//! ranks on some: [`all_reduce_on`] takes each host's ranks (the communicator
+//! passes what its transport found), [`all_reduce`] consecutive ranks per host.
 //!
 //! Each host reduces to its first rank (the leader) over a binary tree, the
 //! leaders run a ring all-reduce across hosts, and each leader broadcasts
@@ -24,11 +25,27 @@ pub fn all_reduce(
         local > 0 && world_size % local == 0,
         "{local} ranks per host do not divide {world_size}"
     );
-    let (host, local_rank, hosts) = (rank / local, rank % local, world_size / local);
-    let on_host = |v: usize| host * local + v;
+    let hosts: Vec<Vec<usize>> = (0..world_size / local)
+        .map(|h| (h * local..(h + 1) * local).collect())
+        .collect();
+    all_reduce_on(rank, &hosts, count, chunk)
+}
+
+/// The hierarchical all-reduce program of `rank`, `hosts` listing each host's ranks (the
+/// first of each is its leader); hosts may differ in size.
+///
+/// Panics unless `rank` is on exactly one of `hosts` (callers build them from the transport).
+pub fn all_reduce_on(rank: usize, hosts: &[Vec<usize>], count: usize, chunk: usize) -> Schedule {
+    let (host, local_rank) = hosts
+        .iter()
+        .enumerate()
+        .find_map(|(h, ranks)| ranks.iter().position(|&r| r == rank).map(|l| (h, l)))
+        .unwrap_or_else(|| panic!("rank {rank} is on none of the hosts {hosts:?}"));
+    let mine = &hosts[host];
+    let on_host = |v: usize| mine[v];
     // 1. Reduce onto the host's leader (its output holds the host's partial result).
     let mut steps = relocate(
-        reduce::tree(local_rank, local, 0, count, chunk),
+        reduce::tree(local_rank, mine.len(), 0, count, chunk),
         on_host,
         false,
     );
@@ -36,14 +53,14 @@ pub fn all_reduce(
     // 2. Leaders all-reduce their partial results across hosts, in their outputs.
     if local_rank == 0 {
         steps.extend(relocate(
-            ring::all_reduce(host, hosts, count, chunk),
-            |h| h * local,
+            ring::all_reduce(host, hosts.len(), count, chunk),
+            |h| hosts[h][0],
             true,
         ));
     }
     // 3. Each leader broadcasts the result over its host.
     steps.extend(relocate(
-        broadcast::tree(local_rank, local, 0, count, chunk),
+        broadcast::tree(local_rank, mine.len(), 0, count, chunk),
         on_host,
         true,
     ));
@@ -84,4 +101,49 @@ fn relocate(steps: Schedule, peer: impl Fn(usize) -> usize, from_output: bool) -
             Step::Fence => Step::Fence,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `steps` with every peer renamed by `rename`.
+    fn renamed(steps: Schedule, rename: impl Fn(usize) -> usize) -> Schedule {
+        relocate(steps, rename, false)
+    }
+
+    #[test]
+    fn hosts_in_any_order_run_the_consecutive_schedule_renamed() {
+        // Hosts {0, 2} and {1, 3}: consecutive ranks 0,1 | 2,3 renamed 0->0, 1->2, 2->1, 3->3.
+        let hosts = [vec![0, 2], vec![1, 3]];
+        let real = [0, 2, 1, 3];
+        for (consecutive, &rank) in real.iter().enumerate() {
+            for (count, chunk) in [(1, 1), (7, 2), (100, 16)] {
+                assert_eq!(
+                    all_reduce_on(rank, &hosts, count, chunk),
+                    renamed(all_reduce(consecutive, 4, 2, count, chunk), |p| real[p]),
+                    "rank {rank}, {count} elements"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_host_of_one_rank_only_rings_and_others_reduce_first() {
+        let hosts = [vec![0, 1, 2], vec![3]];
+        let alone = all_reduce_on(3, &hosts, 8, 8);
+        // Rank 3 leads its host: it talks to rank 0 only, the other leader.
+        assert!(!alone.is_empty());
+        assert!(alone.iter().all(|s| match s {
+            Step::Send { peer, .. } | Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } =>
+                *peer == 0,
+            _ => true,
+        }));
+        // Rank 2 only talks to ranks on its own host.
+        assert!(all_reduce_on(2, &hosts, 8, 8).iter().all(|s| match s {
+            Step::Send { peer, .. } | Step::Recv { peer, .. } | Step::RecvReduce { peer, .. } =>
+                *peer < 3,
+            _ => true,
+        }));
+    }
 }

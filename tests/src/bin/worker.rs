@@ -6,7 +6,7 @@
 
 use std::process::ExitCode;
 
-use chorus::pattern::{digest, Value};
+use chorus::check::{digest, Value};
 use chorus::{env, Communicator, DType, Element, Error, ReduceOp, SharedBuffer};
 use chorus_tests::{reduction_pairs, Case};
 

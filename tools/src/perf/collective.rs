@@ -2,7 +2,7 @@
 //! factors, how one operation runs (out of place and in place), and what a
 //! correct result holds.
 
-use chorus::{pattern, Communicator, DType, Element, ReduceOp};
+use chorus::{check, Communicator, DType, Element, ReduceOp};
 
 use super::buffer::Buffer;
 
@@ -171,7 +171,7 @@ impl Collective {
             match self.data {
                 // Every block restarts the pattern's index, so a reduce-scatter block
                 // checks like an all-reduce result.
-                Data::Reduced { .. } => pattern::fill(p.dtype, rank, p.op, block),
+                Data::Reduced { .. } => check::fill(p.dtype, rank, p.op, block),
                 Data::Moved(_) => fill_moved(rank, b, block),
                 Data::Nothing => {}
             }
@@ -189,7 +189,7 @@ impl Collective {
     ) -> usize {
         match self.data {
             Data::Reduced { root_only } if !root_only || rank == p.root => {
-                pattern::count_wrong(p.dtype, world, p.op, output)
+                check::count_wrong(p.dtype, world, p.op, output)
             }
             Data::Moved(source) => {
                 let block_bytes = layout.block * p.dtype.size();

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::region::{Meeting, MAILBOX_BYTES};
 use super::wake;
 use super::ShmTransport;
-use crate::TransportError;
+use crate::{LinkCost, TransportError};
 
 /// Polls of a missing peer before a waiter starts to sleep.
 const SPINS: u32 = 2000;
@@ -109,6 +109,14 @@ impl CallPlace {
 }
 
 impl ShmTransport {
+    /// What a call through meetings costs, for the tuner: `latency` per meeting of every
+    /// local rank (no message: words in the mapping), `bandwidth` of the copies and
+    /// reductions each rank then runs through the mapping.
+    pub const MEETING_COST: LinkCost = LinkCost {
+        latency: 0.5e-6,
+        bandwidth: 5e9,
+    };
+
     /// Global ranks of this host, by local rank.
     pub fn local_ranks(&self) -> &[usize] {
         &self.local

@@ -5,7 +5,12 @@
 //! The lowest local rank creates one file holding every segment and
 //! publishes its name; the others map it and say so, and the creator
 //! unlinks it once all have, as for the transport's own region.
+//!
+//! [`Window::bytes`] and [`Window::bytes_mut`] are how a collective touches a
+//! peer's segment: bounds are checked here, and the caller promises, with
+//! meetings, that nobody writes what it reads or touches what it writes.
 
+use std::ops::Range;
 use std::path::PathBuf;
 
 use memmap2::MmapRaw;
@@ -64,6 +69,46 @@ impl Window {
     /// The start of this rank's own segment.
     pub fn own(&self) -> *mut u8 {
         self.segment(self.own_local)
+    }
+
+    /// Bytes `range` of local rank `local`'s segment, to read.
+    ///
+    /// Panics if `local` is not a local rank or `range` leaves the segment.
+    ///
+    /// # Safety
+    /// While the slice lives, no rank (in this process or another) writes those bytes:
+    /// callers order their reads and writes with meetings.
+    pub unsafe fn bytes(&self, local: usize, range: Range<usize>) -> &[u8] {
+        let at = self.start_of(local, &range);
+        // SAFETY: `range` lies in the segment (checked), which the mapping holds while
+        // `self` lives; the caller rules out writers.
+        unsafe { std::slice::from_raw_parts(at, range.len()) }
+    }
+
+    /// Bytes `range` of local rank `local`'s segment, to write.
+    ///
+    /// Panics if `local` is not a local rank or `range` leaves the segment.
+    ///
+    /// # Safety
+    /// While the slice lives, no rank (in this process or another) reads or writes those
+    /// bytes through anything else: callers order their reads and writes with meetings.
+    #[allow(clippy::mut_from_ref)] // shared memory: exclusivity is the caller's contract
+    pub unsafe fn bytes_mut(&self, local: usize, range: Range<usize>) -> &mut [u8] {
+        let at = self.start_of(local, &range);
+        // SAFETY: `range` lies in the segment (checked), which the mapping holds while
+        // `self` lives; the caller rules out every other access.
+        unsafe { std::slice::from_raw_parts_mut(at, range.len()) }
+    }
+
+    /// Where `range` of local rank `local`'s segment starts; panics unless it lies inside.
+    fn start_of(&self, local: usize, range: &Range<usize>) -> *mut u8 {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "bytes {range:?} outside a segment of {}",
+            self.len
+        );
+        // SAFETY: `range.start <= len`, within the segment.
+        unsafe { self.segment(local).add(range.start) }
     }
 }
 

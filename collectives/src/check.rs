@@ -1,4 +1,4 @@
-//! Deterministic test patterns: inputs whose all-reduce results can be
+//! Data to check collectives with: deterministic inputs whose all-reduce results can be
 //! computed exactly, their expected values, and a digest of whole buffers.
 //!
 //! Used by the perf tools' `-c` check and by the multi-process test harness.

@@ -1,5 +1,5 @@
-//! Rendezvous detection: which launcher started this process, and what it says about the job
-//! (rank, world size, local rank and size, and where rank 0's store is).
+//! Which launcher started this process, and what it says about the job: rank, world size,
+//! local rank and size, and where rank 0's rendezvous store is.
 //!
 //! [`detect`] looks, in this order, at:
 //!
@@ -31,9 +31,27 @@ use std::time::{Duration, Instant};
 use chorus_transport::auth::Auth;
 use chorus_transport::store::StoreServer;
 
-use crate::config::{bad, optional, Lookup, StoreKind, DEFAULT_MASTER_ADDR};
-use crate::{env, Error};
+use crate::env::{self, bad, optional, Lookup};
+use crate::Error;
 
+/// The rendezvous store at `MASTER_ADDR:MASTER_PORT`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum StoreKind {
+    /// Chorus's own store, which rank 0 hosts ([`Communicator::new`](crate::Communicator::new)).
+    #[default]
+    Chorus,
+    /// torch's TCPStore that torchrun's elastic agent already serves there: no rank hosts a
+    /// store, and communicators keep their keys under `torchelastic/{run}/` so that a
+    /// restarted attempt never reads the last one's.
+    TorchAgent {
+        /// The attempt: `TORCHELASTIC_RUN_ID/TORCHELASTIC_RESTART_COUNT`.
+        run: String,
+    },
+}
+
+/// Default of `MASTER_ADDR` where it may be left out (a job of one rank) and the launchers'
+/// default address of rank 0.
+pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 /// Offset of the store port derived from `SLURM_JOB_ID`.
 const SLURM_PORT_BASE: u16 = 10_000;
 /// Number of distinct ports derived from `SLURM_JOB_ID`.

@@ -1,0 +1,271 @@
+//! The one way every collective is built: each entry point describes its call
+//! (a [`CallInfo`] and its buffers) and [`Inner::prepare`] makes the one
+//! decision, the [`Route`] and its algorithm, from the tuner's table
+//! ([`crate::tuner`], which holds the topology the transport found), then the
+//! call runs in issue order (`Inner::execute`).
+//!
+//! The routes:
+//! - [`Route::Messages`]: the schedule of the picked algorithm (ring, tree,
+//!   recursive doubling or halving, direct, hierarchical across hosts, or a
+//!   barrier's dissemination), run by the executor over the transport.
+//! - [`Route::Mailbox`]: every rank on one host and a small call (or a
+//!   barrier): one meeting in the shared-memory mailboxes (`mailbox.rs`).
+//! - [`Route::Window`]: the buffers are this communicator's shared buffers;
+//!   peers read and write them directly between meetings (`shared.rs`).
+//!
+//! A training loop repeats the same few calls (same collective, type, size,
+//! root and kind of buffer), so the decision and the schedule of recent call
+//! shapes are kept: a repeated call costs one lookup. Each decision is logged
+//! when it is made: the tuner's table at `info` when the pick for that kind of
+//! call changes, one line at `debug` otherwise.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use chorus_kernels::DType;
+
+use super::monitor::CallInfo;
+use super::shared::WindowCall;
+use super::{lock, Inner, Kind};
+use crate::algorithm::{Algorithm, Collective, Path};
+use crate::executor::Buffers;
+use crate::schedule::{all_to_all, barrier, hierarchical, Schedule};
+use crate::tuner::Plan;
+
+/// Decisions kept at most (a handful of gradient buckets and sync calls).
+const KEEP: usize = 16;
+
+/// One call, ready to run: what it is, the memory it works on (borrowed for `'a`) and how.
+pub(crate) struct Call<'a> {
+    pub info: CallInfo,
+    pub bufs: Buffers<'a>,
+    pub route: Route,
+}
+
+/// How a call runs.
+pub(crate) enum Route {
+    /// This schedule, as messages through the transport.
+    Messages(Arc<Schedule>),
+    /// One meeting in the shared-memory mailboxes.
+    Mailbox,
+    /// Directly on these shared buffers.
+    Window(WindowCall),
+}
+
+/// What a kept decision depends on, besides the communicator itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Key {
+    kind: Kind,
+    dtype: DType,
+    count: usize,
+    root: usize,
+    on_windows: bool,
+}
+
+/// A decision as kept: the route without this call's buffers.
+#[derive(Debug, Clone)]
+enum Decided {
+    Messages(Arc<Schedule>),
+    Mailbox,
+    Window,
+}
+
+/// The most recent decisions, newest first.
+#[derive(Debug, Default)]
+pub(crate) struct Decisions {
+    recent: Mutex<VecDeque<(Key, Decided)>>,
+}
+
+impl Decisions {
+    /// The decision for `key`: the one made before, or `decide`'s, kept for next time.
+    fn get_or_decide(&self, key: Key, decide: impl FnOnce() -> Decided) -> Decided {
+        if let Some((_, hit)) = lock(&self.recent).iter().find(|(k, _)| *k == key) {
+            return hit.clone();
+        }
+        let decided = decide();
+        let mut recent = lock(&self.recent);
+        recent.push_front((key, decided.clone()));
+        recent.truncate(KEEP);
+        decided
+    }
+}
+
+/// The tuner's name for the collective `kind` is (`None`: a barrier).
+fn collective(kind: Kind) -> Option<Collective> {
+    match kind {
+        Kind::AllReduce => Some(Collective::AllReduce),
+        Kind::Broadcast => Some(Collective::Broadcast),
+        Kind::Reduce => Some(Collective::Reduce),
+        Kind::AllGather => Some(Collective::AllGather),
+        Kind::ReduceScatter => Some(Collective::ReduceScatter),
+        Kind::AllToAll => Some(Collective::AllToAll),
+        Kind::Gather => Some(Collective::Gather),
+        Kind::Scatter => Some(Collective::Scatter),
+        Kind::Barrier | Kind::PointToPoint => None,
+    }
+}
+
+impl Inner {
+    /// Call `info` on `bufs`, ready to run: the route and algorithm the tuner picks.
+    pub(super) fn prepare<'a>(&self, info: CallInfo, bufs: Buffers<'a>) -> Call<'a> {
+        self.prepare_with(info, bufs, None)
+    }
+
+    /// As [`prepare`](Self::prepare), for an all-to-all with per-rank `counts` (to send,
+    /// to receive): its schedule is built for each call, since counts may change.
+    pub(super) fn prepare_with<'a>(
+        &self,
+        info: CallInfo,
+        bufs: Buffers<'a>,
+        counts: Option<(&[usize], &[usize])>,
+    ) -> Call<'a> {
+        let window = self.window_call(&info, &bufs);
+        let key = Key {
+            kind: info.kind,
+            dtype: info.dtype,
+            count: info.count,
+            root: info.root,
+            on_windows: window.is_some(),
+        };
+        let decide = || self.decide(&info, key.on_windows, counts);
+        let decided = match counts {
+            Some(_) => decide(),
+            None => self.decisions.get_or_decide(key, decide),
+        };
+        let route = match (decided, window) {
+            (Decided::Messages(steps), _) => Route::Messages(steps),
+            (Decided::Mailbox, _) => Route::Mailbox,
+            (Decided::Window, Some(window)) => Route::Window(window),
+            (Decided::Window, None) => unreachable!("kept only for calls on shared buffers"),
+        };
+        Call { info, bufs, route }
+    }
+
+    /// The tuner's pick for call `info` (on shared buffers when `on_windows`), logged,
+    /// with the schedule it runs when it runs as messages.
+    fn decide(
+        &self,
+        info: &CallInfo,
+        on_windows: bool,
+        counts: Option<(&[usize], &[usize])>,
+    ) -> Decided {
+        let (rank, w) = (self.config.rank, self.config.world_size);
+        let c = collective(info.kind);
+        // nccl-tests' size: the buffer of all-reduce, broadcast and reduce, the whole
+        // of the other collectives' blocks.
+        let elems = match (info.kind, counts) {
+            (_, Some((send, _))) => send.iter().sum(),
+            (Kind::AllReduce | Kind::Broadcast | Kind::Reduce | Kind::Barrier, _) => info.count,
+            _ => info.count * w,
+        };
+        let bytes = elems * info.dtype.size();
+        let plan = self.tuner.plan(c, bytes, w, on_windows);
+        self.log_pick(info.kind, &plan, || {
+            self.tuner.explain_call(c, bytes, w, on_windows)
+        });
+        let algorithm = match plan.path {
+            Path::Mailbox => return Decided::Mailbox,
+            Path::Window => return Decided::Window,
+            Path::Messages(a) => a,
+        };
+        let chunk = self.chunk_elems(info.dtype);
+        let steps = match (c, algorithm, counts) {
+            (None, _, _) => barrier::dissemination(rank, w),
+            (_, _, Some((send, recv))) => all_to_all::pairwise(rank, w, send, recv),
+            (_, Algorithm::Hierarchical, _) => {
+                hierarchical::all_reduce_on(rank, &self.hosts, info.count, chunk)
+            }
+            (Some(c), a, None) => crate::cost::schedule_for(c, a, rank, w, elems, chunk, info.root)
+                .expect("the tuner offers only algorithms that implement the collective"),
+        };
+        Decided::Messages(Arc::new(steps))
+    }
+
+    /// Logs `plan` for a call of `kind`: `table` at `info` when the pick for `kind` changed.
+    fn log_pick(&self, kind: Kind, plan: &Plan, table: impl FnOnce() -> String) {
+        let rank = self.config.rank;
+        if lock(&self.picks).insert(kind, plan.path) != Some(plan.path) {
+            tracing::info!(rank, "{}", table());
+        } else {
+            tracing::debug!(rank, call = kind.name(), path = %plan, "tuner");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::Step;
+
+    fn key(count: usize) -> Key {
+        Key {
+            kind: Kind::AllReduce,
+            dtype: DType::F32,
+            count,
+            root: 0,
+            on_windows: false,
+        }
+    }
+
+    fn one_step(count: usize) -> Decided {
+        Decided::Messages(Arc::new(vec![Step::Recv {
+            peer: 1,
+            into: crate::schedule::Loc::output(0..count),
+        }]))
+    }
+
+    fn steps(d: Decided) -> Arc<Schedule> {
+        match d {
+            Decided::Messages(steps) => steps,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn decides_once_per_key_and_forgets_the_oldest() {
+        let kept = Decisions::default();
+        let first = steps(kept.get_or_decide(key(3), || one_step(3)));
+        let again = steps(kept.get_or_decide(key(3), || panic!("decided twice")));
+        assert!(Arc::ptr_eq(&first, &again));
+        for count in 100..100 + KEEP {
+            kept.get_or_decide(key(count), || one_step(count));
+        }
+        let mut again = false;
+        kept.get_or_decide(key(3), || {
+            again = true;
+            one_step(3)
+        });
+        assert!(again, "the oldest decision should have been dropped");
+    }
+
+    #[test]
+    fn calls_on_shared_buffers_are_kept_apart() {
+        let kept = Decisions::default();
+        kept.get_or_decide(key(3), || one_step(3));
+        let on_windows = Key {
+            on_windows: true,
+            ..key(3)
+        };
+        let d = kept.get_or_decide(on_windows, || Decided::Window);
+        assert!(matches!(d, Decided::Window), "{d:?}");
+    }
+
+    #[test]
+    fn every_collective_has_the_tuners_name_but_barriers_and_send_recv() {
+        for kind in [
+            Kind::AllReduce,
+            Kind::Broadcast,
+            Kind::Reduce,
+            Kind::AllGather,
+            Kind::ReduceScatter,
+            Kind::AllToAll,
+            Kind::Gather,
+            Kind::Scatter,
+        ] {
+            let c = collective(kind).expect("a collective");
+            assert_eq!(c.name(), kind.name().replace('_', ""));
+        }
+        assert_eq!(collective(Kind::Barrier), None);
+        assert_eq!(collective(Kind::PointToPoint), None);
+    }
+}
