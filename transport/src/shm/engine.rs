@@ -20,7 +20,7 @@
 //! waiting, and watches peers' liveness.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -72,14 +72,9 @@ struct Inflight {
 struct Link {
     peer: usize,
     peer_local: usize,
-    tx: Ring,
-    rx: Ring,
-    /// Chunks this rank published to the peer, and the peer's head as last seen.
-    tx_tail: u64,
-    tx_head: u64,
-    /// Chunks this rank consumed from the peer, and the peer's tail as last seen.
-    rx_head: u64,
-    rx_tail: u64,
+    /// This rank's ends of the ring to the peer (it writes) and from it (it reads).
+    tx: End,
+    rx: End,
     sends: VecDeque<Op>,
     recvs: VecDeque<Op>,
     inflight: VecDeque<Inflight>,
@@ -206,12 +201,8 @@ impl Shared {
             links[p.rank] = Some(Link {
                 peer: p.rank,
                 peer_local: p.local,
-                tx: region.ring(own_local, p.local),
-                rx: region.ring(p.local, own_local),
-                tx_tail: 0,
-                tx_head: 0,
-                rx_head: 0,
-                rx_tail: 0,
+                tx: End::new(region.ring(own_local, p.local), Side::Writer),
+                rx: End::new(region.ring(p.local, own_local), Side::Reader),
                 sends: VecDeque::new(),
                 recvs: VecDeque::new(),
                 inflight: VecDeque::new(),
@@ -455,7 +446,7 @@ impl Engine {
             tag,
             seq,
             done: 0,
-            chunks_left: chunks(len, link.tx.slot_bytes()),
+            chunks_left: chunks(len, link.tx.ring.slot_bytes()),
             completion,
         });
         self.serve(peer);
@@ -604,8 +595,8 @@ impl Link {
                 peer: self.peer,
                 region: region.clone(),
                 peer_local: self.peer_local,
-                rx: self.rx,
-                index: self.rx_head,
+                rx: self.rx.ring,
+                index: self.rx.next,
                 pieces,
                 pid: self.pid,
                 completion: op.completion,
@@ -641,20 +632,16 @@ impl Link {
         if !self.recvs.is_empty() {
             return Ok(None);
         }
-        if self.rx_head == self.rx_tail {
-            self.rx_tail = self.rx.tail().load(Ordering::Acquire);
-        }
-        if self.rx_head == self.rx_tail {
+        if !self.rx.ready() {
             if !(leaving || closed.load(Ordering::Acquire) != 0 || self.live.dead()) {
                 return Ok(None);
             }
             // Everything the peer published before it left is visible now.
-            self.rx_tail = self.rx.tail().load(Ordering::Acquire);
-            if self.rx_head == self.rx_tail {
+            if !self.rx.ready() {
                 return Err(TransportError::PeerClosed { peer: self.peer });
             }
         }
-        let header = self.rx.read_header(self.rx_head);
+        let header = self.rx.ring.read_header(self.rx.next);
         matching::check_seq(self.peer, header.seq, recv_seq)?;
         Ok(Some(header))
     }
@@ -664,10 +651,10 @@ impl Link {
         if self.inflight.is_empty() {
             return false;
         }
-        self.tx_head = self.tx.head().load(Ordering::Acquire);
+        let head = self.tx.look();
         let mut moved = false;
         while let Some(sent) = self.inflight.front() {
-            if sent.index >= self.tx_head {
+            if sent.index >= head {
                 break;
             }
             let sent = self.inflight.pop_front().expect("front exists");
@@ -685,7 +672,7 @@ impl Link {
         }
         let mut moved = false;
         for sent in &self.inflight {
-            let split = self.tx.split(sent.index);
+            let split = self.tx.ring.split(sent.index);
             let dst = split.dst.load(Ordering::Acquire);
             if dst == 0 {
                 // The peer reads in order: it has not reached this one.
@@ -728,14 +715,10 @@ impl Link {
             return Ok(moved);
         }
         moved |= self.help(&notify)?;
-        let slots = self.tx.slots() as u64;
-        let slot_bytes = self.tx.slot_bytes();
+        let slot_bytes = self.tx.ring.slot_bytes();
         while let Some(op) = self.sends.front_mut() {
-            if self.tx_tail - self.tx_head >= slots {
-                self.tx_head = self.tx.head().load(Ordering::Acquire);
-                if self.tx_tail - self.tx_head >= slots {
-                    break;
-                }
+            if !self.tx.ready() {
+                break;
             }
             if op.len >= self.single_copy_min {
                 let header = SlotHeader {
@@ -747,12 +730,13 @@ impl Link {
                 };
                 let op = self.sends.pop_front().expect("front exists");
                 self.inflight.push_back(Inflight {
-                    index: self.tx_tail,
+                    index: self.tx.next,
                     buf: op.buf,
                     len: op.len,
                     completion: op.completion,
                 });
-                publish(&self.tx, &mut self.tx_tail, header, &notify);
+                self.tx.ring.write_header(self.tx.next, header);
+                self.tx.pass(&notify);
                 moved = true;
                 continue;
             }
@@ -763,7 +747,7 @@ impl Link {
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     op.buf.add(op.done),
-                    self.tx.payload(self.tx_tail),
+                    self.tx.ring.payload(self.tx.next),
                     chunk,
                 );
             }
@@ -774,11 +758,10 @@ impl Link {
                 chunk_len: chunk as u64,
                 addr: 0,
             };
-            publish(&self.tx, &mut self.tx_tail, header, &notify);
+            self.tx.ring.write_header(self.tx.next, header);
+            self.tx.pass(&notify);
             moved = true;
-            op.done += chunk;
-            op.chunks_left -= 1;
-            if op.chunks_left == 0 {
+            if op.moved(chunk) {
                 let op = self.sends.pop_front().expect("front exists");
                 op.completion.complete(Ok(()));
             }
@@ -796,16 +779,13 @@ impl Link {
         notify: impl Fn(),
         closed: impl Fn() -> bool,
     ) -> Result<bool, TransportError> {
-        let slot_bytes = self.rx.slot_bytes();
+        let slot_bytes = self.rx.ring.slot_bytes();
         let mut moved = false;
         while let Some(op) = self.recvs.front_mut() {
-            if self.rx_head == self.rx_tail {
-                self.rx_tail = self.rx.tail().load(Ordering::Acquire);
-                if self.rx_head == self.rx_tail {
-                    break;
-                }
+            if !self.rx.ready() {
+                break;
             }
-            let got = self.rx.read_header(self.rx_head);
+            let got = self.rx.ring.read_header(self.rx.next);
             let chunk = match got.addr {
                 0 => (op.len - op.done).min(slot_bytes),
                 _ => op.len - op.done,
@@ -814,7 +794,7 @@ impl Link {
             if got.addr != 0 {
                 // SAFETY: `done + chunk <= len` fits the caller's buffer.
                 let dst = unsafe { op.buf.add(op.done) };
-                let split = self.rx.split(self.rx_head);
+                let split = self.rx.ring.split(self.rx.next);
                 let pieces = cma::pieces(chunk);
                 if self.reading.is_none() {
                     // Invite the sender to write pieces from the other end.
@@ -860,19 +840,15 @@ impl Link {
                 // chunk <= len` fits the caller's buffer (post_recv's contract).
                 unsafe {
                     std::ptr::copy_nonoverlapping(
-                        self.rx.payload(self.rx_head),
+                        self.rx.ring.payload(self.rx.next),
                         op.buf.add(op.done),
                         chunk,
                     );
                 }
             }
-            self.rx_head += 1;
-            self.rx.head().store(self.rx_head, Ordering::Release);
-            notify();
+            self.rx.pass(&notify);
             moved = true;
-            op.done += chunk;
-            op.chunks_left -= 1;
-            if op.chunks_left == 0 {
+            if op.moved(chunk) {
                 let op = self.recvs.pop_front().expect("front exists");
                 op.completion.complete(Ok(()));
             }
@@ -881,13 +857,81 @@ impl Link {
     }
 }
 
-/// Writes `header` into the slot at `tail` (its payload already in place), then
-/// hands the slot to the reader by advancing the tail and wakes it if it sleeps.
-fn publish(tx: &Ring, tail: &mut u64, header: SlotHeader, notify: &impl Fn()) {
-    tx.write_header(*tail, header);
-    *tail += 1;
-    tx.tail().store(*tail, Ordering::Release);
-    notify();
+/// Which end of a ring this rank holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// Fills slots and advances the tail.
+    Writer,
+    /// Empties slots and advances the head.
+    Reader,
+}
+
+/// This rank's end of one ring: the slot it moves next, and the other end's counter as last
+/// seen. Sends and receives go through the same steps: wait for a slot ([`ready`](End::ready)),
+/// copy, hand the slot over ([`pass`](End::pass)).
+#[derive(Debug)]
+struct End {
+    ring: Ring,
+    side: Side,
+    next: u64,
+    seen: u64,
+}
+
+impl End {
+    fn new(ring: Ring, side: Side) -> End {
+        End {
+            ring,
+            side,
+            next: 0,
+            seen: 0,
+        }
+    }
+
+    /// The counter this end advances, and the other end's.
+    fn counters(&self) -> (&AtomicU64, &AtomicU64) {
+        match self.side {
+            Side::Writer => (self.ring.tail(), self.ring.head()),
+            Side::Reader => (self.ring.head(), self.ring.tail()),
+        }
+    }
+
+    /// Whether the slot at `next` is this end's to move (free to fill, or published to
+    /// empty); reloads the other end's counter only when the one last seen says no.
+    fn ready(&mut self) -> bool {
+        if !self.has_slot() {
+            self.look();
+        }
+        self.has_slot()
+    }
+
+    fn has_slot(&self) -> bool {
+        match self.side {
+            Side::Writer => self.next - self.seen < self.ring.slots() as u64,
+            Side::Reader => self.next != self.seen,
+        }
+    }
+
+    /// Reloads the other end's counter (acquiring what it published), and returns it.
+    fn look(&mut self) -> u64 {
+        self.seen = self.counters().1.load(Ordering::Acquire);
+        self.seen
+    }
+
+    /// Hands the slot at `next` to the other end and wakes it if it sleeps.
+    fn pass(&mut self, notify: &impl Fn()) {
+        self.next += 1;
+        self.counters().0.store(self.next, Ordering::Release);
+        notify();
+    }
+}
+
+impl Op {
+    /// Counts one more chunk of `chunk` bytes moved; true once the whole message has.
+    fn moved(&mut self, chunk: usize) -> bool {
+        self.done += chunk;
+        self.chunks_left -= 1;
+        self.chunks_left == 0
+    }
 }
 
 /// The error for a failed cross-memory copy with `peer`.
