@@ -119,20 +119,19 @@ impl<L> Peers<L> {
     ///
     /// Fails with `Aborted` once the engine is, `InvalidPeer` for a rank it does not reach,
     /// and the link's error once the link has failed.
+    #[inline]
     pub fn usable(&mut self, peer: usize) -> Result<&mut Peer<L>, TransportError> {
         if let Some(reason) = &self.aborted {
             return Err(TransportError::Aborted(reason.clone()));
         }
-        let invalid = TransportError::InvalidPeer {
-            peer,
-            rank: self.rank,
-            world_size: self.peers.len(),
-        };
-        let p = self
-            .peers
-            .get_mut(peer)
-            .and_then(Option::as_mut)
-            .ok_or(invalid)?;
+        let (rank, world_size) = (self.rank, self.peers.len());
+        let p = self.peers.get_mut(peer).and_then(Option::as_mut).ok_or(
+            TransportError::InvalidPeer {
+                peer,
+                rank,
+                world_size,
+            },
+        )?;
         match &p.state {
             LinkState::Failed(e) => Err(e.clone()),
             _ => Ok(p),

@@ -193,6 +193,7 @@ impl Request {
     }
 
     /// Like [`in_parts`](Self::in_parts), with a completion from `pool`.
+    #[inline]
     pub fn pooled(
         pool: &mut CompletionPool,
         peer: usize,
