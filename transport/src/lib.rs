@@ -12,8 +12,10 @@
 //! * [`auth`]: the handshake that keeps other jobs and strangers out.
 
 pub mod auth;
+mod endpoint;
 mod error;
 mod matching;
+mod peers;
 mod request;
 mod routed;
 pub mod shm;
@@ -22,6 +24,6 @@ pub mod tcp;
 mod transport;
 
 pub use error::TransportError;
-pub use request::{Completion, CompletionPool, Direction, Progress, Request};
+pub use request::{Completion, CompletionPool, Direction, Idle, Progress, Request};
 pub use routed::{host_identity, RouteConfig, RoutedTransport, TransportKind};
 pub use transport::{wait_all, LinkCost, Transport};

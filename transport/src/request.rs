@@ -88,23 +88,27 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// What a waiter that stopped spinning does next (see [`Progress::idle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Idle {
+    /// The transport slept the waiter until bytes could move and moved them: look again.
+    Again,
+    /// The transport has handed the work to its background thread: park until completion.
+    Park,
+}
+
 /// Lets a waiting thread move bytes itself, while it spins and while it sleeps,
 /// instead of waiting for a progress thread to be scheduled.
 pub trait Progress: Send + Sync + std::fmt::Debug {
     /// Serves the connections to `peer` once, without blocking.
     fn poll(&self, peer: usize);
 
-    /// Unless `done()` already holds, sleeps until this transport's connections can move bytes
-    /// or some request settles (or `until`, or a few milliseconds, pass), then moves them.
-    /// `false` if the transport cannot put a waiter to sleep this way, or has nothing queued
-    /// to wait for: the waiter then parks its thread until the request completes.
-    fn block(&self, _until: Instant, _done: &dyn Fn() -> bool) -> bool {
-        false
-    }
-
-    /// Called when a waiter on `peer` stops spinning and parks its thread:
-    /// whatever moves bytes in the background must take over now.
-    fn parking(&self, _peer: usize) {}
+    /// Called when a waiter on `peer` stops spinning; `done()` tells whether its request has
+    /// settled. Either sleeps the waiter until this transport's connections can move bytes or
+    /// some request settles (or `until`, or a few milliseconds, pass) and moves them
+    /// ([`Idle::Again`]), or makes whatever moves bytes in the background take over now
+    /// ([`Idle::Park`]: the waiter parks its thread until the request completes).
+    fn idle(&self, peer: usize, until: Instant, done: &dyn Fn() -> bool) -> Idle;
 }
 
 /// Completions kept for reuse, so that a small message costs no allocation: the oldest kept
@@ -189,6 +193,7 @@ impl Request {
     }
 
     /// Like [`in_parts`](Self::in_parts), with a completion from `pool`.
+    #[inline]
     pub fn pooled(
         pool: &mut CompletionPool,
         peer: usize,
@@ -288,15 +293,13 @@ impl Request {
                 continue;
             }
             if let Some(progress) = &self.progress {
-                if progress.block(deadline, &|| self.completion.poll().is_some()) {
+                let done = || self.completion.poll().is_some();
+                if progress.idle(self.peer, deadline, &done) == Idle::Again {
                     continue;
                 }
             }
             *lock(&self.completion.waiter) = Some(std::thread::current());
             self.completion.parked.store(true, Ordering::SeqCst);
-            if let Some(progress) = &self.progress {
-                progress.parking(self.peer);
-            }
             if self.completion.state.load(Ordering::SeqCst) == PENDING {
                 std::thread::park_timeout(deadline - now);
             }

@@ -20,7 +20,7 @@
 //! waiting, and watches peers' liveness.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -28,7 +28,8 @@ use super::cma::{self, Way};
 use super::region::{Region, Ring, SlotHeader};
 use super::wake::{self, Liveness};
 use crate::matching::{self, MessageId};
-use crate::request::{Completion, Direction, Progress, Request};
+use crate::peers::Peers;
+use crate::request::{Completion, Direction, Idle, Progress, Request};
 use crate::TransportError;
 
 /// How long a failing receive waits for pieces the sender is still writing
@@ -71,14 +72,9 @@ struct Inflight {
 struct Link {
     peer: usize,
     peer_local: usize,
-    tx: Ring,
-    rx: Ring,
-    /// Chunks this rank published to the peer, and the peer's head as last seen.
-    tx_tail: u64,
-    tx_head: u64,
-    /// Chunks this rank consumed from the peer, and the peer's tail as last seen.
-    rx_head: u64,
-    rx_tail: u64,
+    /// This rank's ends of the ring to the peer (it writes) and from it (it reads).
+    tx: End,
+    rx: End,
     sends: VecDeque<Op>,
     recvs: VecDeque<Op>,
     inflight: VecDeque<Inflight>,
@@ -92,11 +88,6 @@ struct Link {
     /// process's memory (`usize::MAX`: never).
     single_copy_min: usize,
     pid: u32,
-    send_seq: u64,
-    recv_seq: u64,
-    failed: Option<TransportError>,
-    /// The peer process exited or closed its transport.
-    gone: bool,
     live: Liveness,
 }
 
@@ -104,12 +95,61 @@ struct Link {
 #[derive(Debug)]
 pub(crate) struct Engine {
     rank: usize,
-    world_size: usize,
     region: Arc<Region>,
     own_local: usize,
     /// Links by global peer rank; `None` for ranks on other hosts and self.
-    links: Vec<Option<Link>>,
-    aborted: Option<String>,
+    peers: Peers<Link>,
+    /// Failed receives to settle once the lock is released (see [`Locked`]).
+    unsettled: Vec<Unsettled>,
+}
+
+/// A receive that was being copied by a single copy when its link failed: the sender may
+/// still be writing pieces into its buffer, so it fails only once they have landed.
+#[derive(Debug)]
+pub(crate) struct Unsettled {
+    peer: usize,
+    region: Arc<Region>,
+    peer_local: usize,
+    rx: Ring,
+    /// The message's slot in `rx`, and its number of pieces.
+    index: u64,
+    pieces: u64,
+    pid: u32,
+    completion: Arc<Completion>,
+    err: TransportError,
+}
+
+// SAFETY: `rx` points into the mapping that `region` keeps alive; it is only used to reach
+// the slot's atomics.
+unsafe impl Send for Unsettled {}
+
+impl Unsettled {
+    /// Stops the sender from taking more pieces and waits for those it is writing into the
+    /// receive's buffer, until it finishes them, closes or dies; then fails the receive. The
+    /// buffer goes back to the caller after that, so there is no time limit; a warning names
+    /// the peer if the wait grows long (a stopped process).
+    fn settle(self) {
+        let split = self.rx.split(self.index);
+        let taken = split.close(self.pieces);
+        let closed = self.region.control(self.peer_local).closed;
+        let live = Liveness::watch(self.pid);
+        let mut warn_at = Some(Instant::now() + SETTLE);
+        while split.progress().0 < taken {
+            if closed.load(Ordering::Acquire) != 0 || live.dead() {
+                break;
+            }
+            if warn_at.is_some_and(|at| Instant::now() >= at) {
+                warn_at = None;
+                tracing::warn!(
+                    peer = self.peer,
+                    "waiting for rank {} to finish writing into this rank's memory",
+                    self.peer
+                );
+            }
+            std::thread::yield_now();
+        }
+        self.completion.complete(Err(self.err));
+    }
 }
 
 // SAFETY: the raw pointers (caller buffers, ring slots) are only dereferenced
@@ -137,6 +177,8 @@ pub(crate) struct Shared {
     region: Arc<Region>,
     own_local: usize,
     stop: AtomicBool,
+    /// Held while failed receives settle (see [`Locked`]).
+    settling: Mutex<()>,
     /// Set by a waiter that parks: the progress thread must move bytes until
     /// nothing is pending.
     handoff: AtomicBool,
@@ -159,12 +201,8 @@ impl Shared {
             links[p.rank] = Some(Link {
                 peer: p.rank,
                 peer_local: p.local,
-                tx: region.ring(own_local, p.local),
-                rx: region.ring(p.local, own_local),
-                tx_tail: 0,
-                tx_head: 0,
-                rx_head: 0,
-                rx_tail: 0,
+                tx: End::new(region.ring(own_local, p.local), Side::Writer),
+                rx: End::new(region.ring(p.local, own_local), Side::Reader),
                 sends: VecDeque::new(),
                 recvs: VecDeque::new(),
                 inflight: VecDeque::new(),
@@ -176,26 +214,22 @@ impl Shared {
                     usize::MAX
                 },
                 pid: p.pid,
-                send_seq: 0,
-                recv_seq: 0,
-                failed: None,
-                gone: false,
                 live: Liveness::watch(p.pid),
             });
         }
         let engine = Engine {
             rank,
-            world_size,
             region: region.clone(),
             own_local,
-            links,
-            aborted: None,
+            peers: Peers::new(rank, links),
+            unsettled: Vec::new(),
         };
         Shared {
             engine: Mutex::new(engine),
             region,
             own_local,
             stop: AtomicBool::new(false),
+            settling: Mutex::new(()),
             handoff: AtomicBool::new(false),
             crowded: peers.len() + 1 > std::thread::available_parallelism().map_or(1, |n| n.get()),
         }
@@ -212,12 +246,100 @@ impl Shared {
     }
 
     /// Locks the engine (a panic elsewhere does not poison progress).
-    pub fn lock(&self) -> MutexGuard<'_, Engine> {
-        self.engine.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn lock(&self) -> Locked<'_> {
+        let engine = self.engine.lock().unwrap_or_else(|p| p.into_inner());
+        Locked {
+            shared: self,
+            engine: Some(engine),
+        }
+    }
+
+    /// Locks the engine unless another thread holds it.
+    fn try_lock(&self) -> Option<Locked<'_>> {
+        let engine = self.engine.try_lock().ok()?;
+        Some(Locked {
+            shared: self,
+            engine: Some(engine),
+        })
+    }
+
+    /// Waits until receives failed by other threads have settled.
+    fn settled(&self) {
+        drop(self.settling.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+}
+
+/// The locked engine. Receives it failed while copying are settled once the lock is
+/// released (a stopped sender could make that wait long, and every other peer's traffic
+/// would wait with it); [`Shared::settled`] waits for them.
+pub(crate) struct Locked<'a> {
+    shared: &'a Shared,
+    engine: Option<MutexGuard<'a, Engine>>,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Engine;
+
+    fn deref(&self) -> &Engine {
+        self.engine.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Engine {
+        self.engine.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Some(mut engine) = self.engine.take() else {
+            return;
+        };
+        if engine.unsettled.is_empty() {
+            return;
+        }
+        let unsettled = std::mem::take(&mut engine.unsettled);
+        // Taken before the engine is released, so that an abort waiting for it cannot return
+        // in between.
+        let _settling = self
+            .shared
+            .settling
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        drop(engine);
+        for receive in unsettled {
+            receive.settle();
+        }
+    }
+}
+
+impl crate::endpoint::Engine for Shared {
+    unsafe fn post(
+        &self,
+        peer: usize,
+        direction: Direction,
+        tag: u64,
+        buf: *mut u8,
+        len: usize,
+    ) -> Result<Request, TransportError> {
+        // SAFETY: the caller keeps `buf` valid (and unaliased for a receive) until completion or
+        // abort (this trait's contract).
+        unsafe { self.lock().post(peer, direction, tag, buf, len) }
+    }
+
+    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
+        self.lock().probe(peer)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.lock().abort(reason);
+        // Until every receive it failed has settled, a buffer may still be written.
+        self.settled();
     }
 
     /// Asks the progress thread to exit and wakes it.
-    pub fn stop(&self) {
+    fn stop(&self) {
         self.stop.store(true, Ordering::Release);
         wake::ring(self.region.control(self.own_local));
     }
@@ -226,7 +348,7 @@ impl Shared {
     /// once one parks, moves bytes until nothing is pending, sleeping on its
     /// doorbell (rung by peers) whenever nothing can move. Checks peers'
     /// liveness while anything is pending.
-    pub fn run(&self) {
+    fn run(&self) {
         let own = self.region.control(self.own_local);
         let mut last_check = Instant::now();
         let mut last_move = Instant::now();
@@ -267,50 +389,34 @@ impl Shared {
             }
         }
     }
+
+    fn close(&self) {
+        self.lock().abort("transport dropped");
+        self.settled();
+    }
 }
 
 impl Progress for Shared {
     fn poll(&self, _peer: usize) {
         // Never wait for the lock: whoever holds it is moving bytes anyway.
         // Every peer is served, since a receive may wait on a send to another.
-        let moved = match self.engine.try_lock() {
-            Ok(mut engine) => engine.progress(),
-            Err(_) => false,
-        };
+        let moved = self.try_lock().is_some_and(|mut engine| engine.progress());
         if !moved && self.crowded {
             // Let the peer this waiter waits for run: it may share the core.
             std::thread::yield_now();
         }
     }
 
-    fn parking(&self, _peer: usize) {
+    /// Wakes the progress thread, which moves bytes until nothing is pending: shared memory
+    /// has nothing a waiter could sleep on until bytes can move.
+    fn idle(&self, _peer: usize, _until: Instant, _done: &dyn Fn() -> bool) -> Idle {
         self.handoff.store(true, Ordering::Release);
         wake::ring(self.region.control(self.own_local));
+        Idle::Park
     }
 }
 
 impl Engine {
-    fn link(&mut self, peer: usize) -> Result<&mut Link, TransportError> {
-        if let Some(reason) = &self.aborted {
-            return Err(TransportError::Aborted(reason.clone()));
-        }
-        let (rank, world_size) = (self.rank, self.world_size);
-        let invalid = TransportError::InvalidPeer {
-            peer,
-            rank,
-            world_size,
-        };
-        let link = self
-            .links
-            .get_mut(peer)
-            .and_then(Option::as_mut)
-            .ok_or(invalid)?;
-        match &link.failed {
-            Some(e) => Err(e.clone()),
-            None => Ok(link),
-        }
-    }
-
     /// Queues a send (reading `buf`) or a receive (writing it) with `peer`,
     /// and moves what can move now.
     ///
@@ -326,22 +432,23 @@ impl Engine {
         buf: *mut u8,
         len: usize,
     ) -> Result<Request, TransportError> {
-        let link = self.link(peer)?;
+        let p = self.peers.usable(peer)?;
+        let seq = p.next_seq(direction);
+        let link = &mut p.link;
         let (req, completion) = Request::new(peer, direction, len);
-        let (counter, queue) = match direction {
-            Direction::Send => (&mut link.send_seq, &mut link.sends),
-            Direction::Recv => (&mut link.recv_seq, &mut link.recvs),
+        let queue = match direction {
+            Direction::Send => &mut link.sends,
+            Direction::Recv => &mut link.recvs,
         };
         queue.push_back(Op {
             buf,
             len,
             tag,
-            seq: *counter,
+            seq,
             done: 0,
-            chunks_left: chunks(len, link.tx.slot_bytes()),
+            chunks_left: chunks(len, link.tx.ring.slot_bytes()),
             completion,
         });
-        *counter += 1;
         self.serve(peer);
         Ok(req)
     }
@@ -350,8 +457,9 @@ impl Engine {
     /// its first chunk is published; fails the peer if it has left with nothing more published.
     pub fn probe(&mut self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
         let region = self.region.clone();
-        let link = self.link(peer)?;
-        let next = link.peek(region.control(link.peer_local).closed);
+        let p = self.peers.usable(peer)?;
+        let closed = region.control(p.link.peer_local).closed;
+        let next = p.link.peek(p.leaving(), p.recv_seq(), closed);
         if let Err(e) = &next {
             self.fail_peer(peer, e.clone());
         }
@@ -361,7 +469,7 @@ impl Engine {
     /// Moves whatever can move on every link; true if anything moved.
     pub fn progress(&mut self) -> bool {
         let mut moved = false;
-        for peer in 0..self.links.len() {
+        for peer in 0..self.peers.len() {
             moved |= self.serve(peer);
         }
         moved
@@ -369,39 +477,37 @@ impl Engine {
 
     /// Whether any request is still queued.
     pub fn pending(&self) -> bool {
-        self.links.iter().flatten().any(Link::busy)
+        self.peers.iter().any(|(_, p)| p.link.busy())
     }
 
     /// Whether a peer may soon start reading a single-copy send this rank can help with.
     fn may_help(&self) -> bool {
-        self.links
+        self.peers
             .iter()
-            .flatten()
-            .any(|link| link.helps && !link.inflight.is_empty())
+            .any(|(_, p)| p.link.helps && !p.link.inflight.is_empty())
     }
 
     /// Why this engine was aborted, if it was.
     pub fn aborted(&self) -> Option<&str> {
-        self.aborted.as_deref()
+        self.peers.aborted()
     }
 
     /// Whether the process of local peer `peer` (a global rank) has exited.
     pub fn peer_exited(&self, peer: usize) -> bool {
-        self.links
+        self.peers
             .get(peer)
-            .and_then(Option::as_ref)
-            .is_some_and(|link| link.gone || link.live.dead())
+            .is_some_and(|p| p.leaving() || p.link.live.dead())
     }
 
     /// Marks peers with pending work whose process has exited, and fails their requests.
     pub fn check_liveness(&mut self) {
-        for peer in 0..self.links.len() {
-            let Some(link) = self.links[peer].as_mut() else {
+        for peer in 0..self.peers.len() {
+            let Some(p) = self.peers.get_mut(peer) else {
                 continue;
             };
-            if link.busy() && !link.gone && link.live.dead() {
+            if p.link.busy() && !p.leaving() && !p.failed() && p.link.live.dead() {
                 tracing::debug!(rank = self.rank, peer, "peer process exited");
-                link.gone = true;
+                p.leave();
                 self.serve(peer);
             }
         }
@@ -409,18 +515,20 @@ impl Engine {
 
     /// Moves bytes to and from `peer`; true if anything moved.
     fn serve(&mut self, peer: usize) -> bool {
-        let Some(link) = self.links[peer].as_mut() else {
+        let Some(p) = self.peers.get_mut(peer) else {
             return false;
         };
-        if link.failed.is_some() {
+        if p.failed() {
             return false;
         }
         let region = &self.region;
-        let peer_control = region.control(link.peer_local);
-        if !link.gone && peer_control.closed.load(Ordering::Acquire) != 0 {
-            link.gone = true;
+        let peer_control = region.control(p.link.peer_local);
+        if peer_control.closed.load(Ordering::Acquire) != 0 {
+            p.leave();
         }
-        let result = link.push(|| wake::ring_if_sleeping(peer_control));
+        let leaving = p.leaving();
+        let link = &mut p.link;
+        let result = link.push(leaving, || wake::ring_if_sleeping(peer_control));
         let result = result.and_then(|sent| {
             let closed = || peer_control.closed.load(Ordering::Acquire) != 0;
             link.pull(|| wake::ring_if_sleeping(peer_control), closed)
@@ -428,7 +536,7 @@ impl Engine {
         });
         match result {
             Ok(moved) => {
-                if link.gone && link.busy() {
+                if leaving && link.busy() {
                     // Whatever the peer published before leaving has been taken.
                     self.fail_peer(peer, TransportError::PeerClosed { peer });
                 }
@@ -443,30 +551,16 @@ impl Engine {
 
     /// Fails every request to `peer`, now and later.
     fn fail_peer(&mut self, peer: usize, err: TransportError) {
-        let Some(link) = self.links[peer].as_mut() else {
-            return;
-        };
-        if link.failed.is_some() {
-            return;
-        }
-        tracing::debug!(rank = self.rank, peer, error = %err, "peer failed");
-        link.settle(self.region.control(link.peer_local).closed);
-        for op in link.sends.drain(..) {
-            op.completion.complete(Err(err.clone()));
-        }
-        for op in link.recvs.drain(..) {
-            op.completion.complete(Err(err.clone()));
-        }
-        for sent in link.inflight.drain(..) {
-            sent.completion.complete(Err(err.clone()));
-        }
-        link.failed = Some(err);
+        let (region, unsettled) = (&self.region, &mut self.unsettled);
+        self.peers.fail(peer, err, |link, err| {
+            link.fail_requests(region, err, unsettled)
+        });
     }
 
     /// Fails everything with `Aborted(reason)`, marks this rank closed in the
     /// region, and wakes every local peer so they notice at once.
     pub fn abort(&mut self, reason: &str) {
-        if self.aborted.is_some() {
+        if self.peers.aborted().is_some() {
             return;
         }
         // Closed first: a peer reading a single-copy send checks this flag
@@ -475,45 +569,80 @@ impl Engine {
             .control(self.own_local)
             .closed
             .store(1, Ordering::SeqCst);
-        for peer in 0..self.links.len() {
-            self.fail_peer(peer, TransportError::Aborted(reason.to_string()));
-        }
-        self.aborted = Some(reason.to_string());
-        for link in self.links.iter().flatten() {
-            wake::ring(self.region.control(link.peer_local));
+        let (region, unsettled) = (&self.region, &mut self.unsettled);
+        self.peers.abort(reason, |link, err| {
+            link.fail_requests(region, err, unsettled)
+        });
+        for (_, p) in self.peers.iter() {
+            wake::ring(self.region.control(p.link.peer_local));
         }
     }
 }
 
 impl Link {
+    /// Fails every request queued on the link with `err`, except a receive being copied by a
+    /// single copy: that one is left in `unsettled`, to fail once the sender has stopped
+    /// writing into it.
+    fn fail_requests(
+        &mut self,
+        region: &Arc<Region>,
+        err: &TransportError,
+        unsettled: &mut Vec<Unsettled>,
+    ) {
+        if let Some(pieces) = self.reading.take() {
+            let op = self.recvs.pop_front().expect("a receive is being copied");
+            unsettled.push(Unsettled {
+                peer: self.peer,
+                region: region.clone(),
+                peer_local: self.peer_local,
+                rx: self.rx.ring,
+                index: self.rx.next,
+                pieces,
+                pid: self.pid,
+                completion: op.completion,
+                err: err.clone(),
+            });
+        }
+        for op in self.sends.drain(..) {
+            op.completion.complete(Err(err.clone()));
+        }
+        for op in self.recvs.drain(..) {
+            op.completion.complete(Err(err.clone()));
+        }
+        for sent in self.inflight.drain(..) {
+            sent.completion.complete(Err(err.clone()));
+        }
+    }
+
     /// Whether any request to or from the peer is unfinished.
     fn busy(&self) -> bool {
         !self.sends.is_empty() || !self.recvs.is_empty() || !self.inflight.is_empty()
     }
 
-    /// The header of the first chunk of the next message no posted receive claims, if it is
-    /// published (`None` while receives are queued); fails once the peer has left (`closed`:
-    /// its flag, set when it aborts or drops its transport) with nothing more published.
-    fn peek(&mut self, closed: &AtomicU32) -> Result<Option<SlotHeader>, TransportError> {
+    /// The header of the first chunk of the next message no posted receive claims (message
+    /// `recv_seq`), if it is published (`None` while receives are queued); fails once the peer
+    /// has left (`leaving`, or `closed`: its flag, set when it aborts or drops its transport)
+    /// with nothing more published.
+    fn peek(
+        &mut self,
+        leaving: bool,
+        recv_seq: u64,
+        closed: &AtomicU32,
+    ) -> Result<Option<SlotHeader>, TransportError> {
         if !self.recvs.is_empty() {
             return Ok(None);
         }
-        if self.rx_head == self.rx_tail {
-            self.rx_tail = self.rx.tail().load(Ordering::Acquire);
-        }
-        if self.rx_head == self.rx_tail {
-            if !(self.gone || closed.load(Ordering::Acquire) != 0 || self.live.dead()) {
+        if !self.rx.ready() {
+            if !(leaving || closed.load(Ordering::Acquire) != 0 || self.live.dead()) {
                 return Ok(None);
             }
             // Everything the peer published before it left is visible now.
-            self.rx_tail = self.rx.tail().load(Ordering::Acquire);
-            if self.rx_head == self.rx_tail {
-                self.gone = true;
+            if !self.rx.ready() {
                 return Err(TransportError::PeerClosed { peer: self.peer });
             }
         }
-        let header = self.rx.read_header(self.rx_head);
-        matching::check_seq(self.peer, header.seq, self.recv_seq)?;
+        let header = self.rx.ring.read_header(self.rx.next);
+        matching::check_seq(self.peer, header.seq, recv_seq)?;
         Ok(Some(header))
     }
 
@@ -522,10 +651,10 @@ impl Link {
         if self.inflight.is_empty() {
             return false;
         }
-        self.tx_head = self.tx.head().load(Ordering::Acquire);
+        let head = self.tx.look();
         let mut moved = false;
         while let Some(sent) = self.inflight.front() {
-            if sent.index >= self.tx_head {
+            if sent.index >= head {
                 break;
             }
             let sent = self.inflight.pop_front().expect("front exists");
@@ -543,7 +672,7 @@ impl Link {
         }
         let mut moved = false;
         for sent in &self.inflight {
-            let split = self.tx.split(sent.index);
+            let split = self.tx.ring.split(sent.index);
             let dst = split.dst.load(Ordering::Acquire);
             if dst == 0 {
                 // The peer reads in order: it has not reached this one.
@@ -576,51 +705,20 @@ impl Link {
         Ok(moved)
     }
 
-    /// Before a receive being copied is failed: stops the sender from
-    /// taking more pieces and waits for those it is writing into the
-    /// receive's buffer, until it finishes them, closes or dies. The buffer
-    /// goes back to the caller after that, so there is no time limit; a
-    /// warning names the peer if the wait grows long (a stopped process).
-    fn settle(&mut self, closed: &AtomicU32) {
-        let Some(pieces) = self.reading.take() else {
-            return;
-        };
-        let split = self.rx.split(self.rx_head);
-        let taken = split.close(pieces);
-        let mut warn_at = Some(Instant::now() + SETTLE);
-        while split.progress().0 < taken {
-            if closed.load(Ordering::Acquire) != 0 || self.live.dead() {
-                return;
-            }
-            if warn_at.is_some_and(|at| Instant::now() >= at) {
-                warn_at = None;
-                tracing::warn!(
-                    peer = self.peer,
-                    "waiting for rank {} to finish writing into this rank's memory",
-                    self.peer
-                );
-            }
-            std::thread::yield_now();
-        }
-    }
-
     /// Copies queued sends into free slots (or, for a single copy, their
     /// address); true if any slot was published.
-    fn push(&mut self, notify: impl Fn()) -> Result<bool, TransportError> {
+    /// Once the peer is `leaving`, only reaps what it finished reading.
+    fn push(&mut self, leaving: bool, notify: impl Fn()) -> Result<bool, TransportError> {
         // Reaped first: a peer that read a single copy and then left did finish it.
         let mut moved = self.reap();
-        if self.gone {
+        if leaving {
             return Ok(moved);
         }
         moved |= self.help(&notify)?;
-        let slots = self.tx.slots() as u64;
-        let slot_bytes = self.tx.slot_bytes();
+        let slot_bytes = self.tx.ring.slot_bytes();
         while let Some(op) = self.sends.front_mut() {
-            if self.tx_tail - self.tx_head >= slots {
-                self.tx_head = self.tx.head().load(Ordering::Acquire);
-                if self.tx_tail - self.tx_head >= slots {
-                    break;
-                }
+            if !self.tx.ready() {
+                break;
             }
             if op.len >= self.single_copy_min {
                 let header = SlotHeader {
@@ -632,12 +730,13 @@ impl Link {
                 };
                 let op = self.sends.pop_front().expect("front exists");
                 self.inflight.push_back(Inflight {
-                    index: self.tx_tail,
+                    index: self.tx.next,
                     buf: op.buf,
                     len: op.len,
                     completion: op.completion,
                 });
-                publish(&self.tx, &mut self.tx_tail, header, &notify);
+                self.tx.ring.write_header(self.tx.next, header);
+                self.tx.pass(&notify);
                 moved = true;
                 continue;
             }
@@ -648,7 +747,7 @@ impl Link {
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     op.buf.add(op.done),
-                    self.tx.payload(self.tx_tail),
+                    self.tx.ring.payload(self.tx.next),
                     chunk,
                 );
             }
@@ -659,11 +758,10 @@ impl Link {
                 chunk_len: chunk as u64,
                 addr: 0,
             };
-            publish(&self.tx, &mut self.tx_tail, header, &notify);
+            self.tx.ring.write_header(self.tx.next, header);
+            self.tx.pass(&notify);
             moved = true;
-            op.done += chunk;
-            op.chunks_left -= 1;
-            if op.chunks_left == 0 {
+            if op.moved(chunk) {
                 let op = self.sends.pop_front().expect("front exists");
                 op.completion.complete(Ok(()));
             }
@@ -681,16 +779,13 @@ impl Link {
         notify: impl Fn(),
         closed: impl Fn() -> bool,
     ) -> Result<bool, TransportError> {
-        let slot_bytes = self.rx.slot_bytes();
+        let slot_bytes = self.rx.ring.slot_bytes();
         let mut moved = false;
         while let Some(op) = self.recvs.front_mut() {
-            if self.rx_head == self.rx_tail {
-                self.rx_tail = self.rx.tail().load(Ordering::Acquire);
-                if self.rx_head == self.rx_tail {
-                    break;
-                }
+            if !self.rx.ready() {
+                break;
             }
-            let got = self.rx.read_header(self.rx_head);
+            let got = self.rx.ring.read_header(self.rx.next);
             let chunk = match got.addr {
                 0 => (op.len - op.done).min(slot_bytes),
                 _ => op.len - op.done,
@@ -699,7 +794,7 @@ impl Link {
             if got.addr != 0 {
                 // SAFETY: `done + chunk <= len` fits the caller's buffer.
                 let dst = unsafe { op.buf.add(op.done) };
-                let split = self.rx.split(self.rx_head);
+                let split = self.rx.ring.split(self.rx.next);
                 let pieces = cma::pieces(chunk);
                 if self.reading.is_none() {
                     // Invite the sender to write pieces from the other end.
@@ -745,19 +840,15 @@ impl Link {
                 // chunk <= len` fits the caller's buffer (post_recv's contract).
                 unsafe {
                     std::ptr::copy_nonoverlapping(
-                        self.rx.payload(self.rx_head),
+                        self.rx.ring.payload(self.rx.next),
                         op.buf.add(op.done),
                         chunk,
                     );
                 }
             }
-            self.rx_head += 1;
-            self.rx.head().store(self.rx_head, Ordering::Release);
-            notify();
+            self.rx.pass(&notify);
             moved = true;
-            op.done += chunk;
-            op.chunks_left -= 1;
-            if op.chunks_left == 0 {
+            if op.moved(chunk) {
                 let op = self.recvs.pop_front().expect("front exists");
                 op.completion.complete(Ok(()));
             }
@@ -766,13 +857,81 @@ impl Link {
     }
 }
 
-/// Writes `header` into the slot at `tail` (its payload already in place), then
-/// hands the slot to the reader by advancing the tail and wakes it if it sleeps.
-fn publish(tx: &Ring, tail: &mut u64, header: SlotHeader, notify: &impl Fn()) {
-    tx.write_header(*tail, header);
-    *tail += 1;
-    tx.tail().store(*tail, Ordering::Release);
-    notify();
+/// Which end of a ring this rank holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// Fills slots and advances the tail.
+    Writer,
+    /// Empties slots and advances the head.
+    Reader,
+}
+
+/// This rank's end of one ring: the slot it moves next, and the other end's counter as last
+/// seen. Sends and receives go through the same steps: wait for a slot ([`ready`](End::ready)),
+/// copy, hand the slot over ([`pass`](End::pass)).
+#[derive(Debug)]
+struct End {
+    ring: Ring,
+    side: Side,
+    next: u64,
+    seen: u64,
+}
+
+impl End {
+    fn new(ring: Ring, side: Side) -> End {
+        End {
+            ring,
+            side,
+            next: 0,
+            seen: 0,
+        }
+    }
+
+    /// The counter this end advances, and the other end's.
+    fn counters(&self) -> (&AtomicU64, &AtomicU64) {
+        match self.side {
+            Side::Writer => (self.ring.tail(), self.ring.head()),
+            Side::Reader => (self.ring.head(), self.ring.tail()),
+        }
+    }
+
+    /// Whether the slot at `next` is this end's to move (free to fill, or published to
+    /// empty); reloads the other end's counter only when the one last seen says no.
+    fn ready(&mut self) -> bool {
+        if !self.has_slot() {
+            self.look();
+        }
+        self.has_slot()
+    }
+
+    fn has_slot(&self) -> bool {
+        match self.side {
+            Side::Writer => self.next - self.seen < self.ring.slots() as u64,
+            Side::Reader => self.next != self.seen,
+        }
+    }
+
+    /// Reloads the other end's counter (acquiring what it published), and returns it.
+    fn look(&mut self) -> u64 {
+        self.seen = self.counters().1.load(Ordering::Acquire);
+        self.seen
+    }
+
+    /// Hands the slot at `next` to the other end and wakes it if it sleeps.
+    fn pass(&mut self, notify: &impl Fn()) {
+        self.next += 1;
+        self.counters().0.store(self.next, Ordering::Release);
+        notify();
+    }
+}
+
+impl Op {
+    /// Counts one more chunk of `chunk` bytes moved; true once the whole message has.
+    fn moved(&mut self, chunk: usize) -> bool {
+        self.done += chunk;
+        self.chunks_left -= 1;
+        self.chunks_left == 0
+    }
 }
 
 /// The error for a failed cross-memory copy with `peer`.

@@ -13,11 +13,11 @@ mod window;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::endpoint::{through_endpoint, Endpoint};
 use crate::store::Store;
-use crate::{Direction, LinkCost, Request, Transport, TransportError};
+use crate::{LinkCost, TransportError};
 use engine::{PeerInfo, Shared};
 pub use meet::{CallPlace, Stall};
 pub use region::MAILBOX_BYTES;
@@ -62,7 +62,7 @@ impl Default for ShmConfig {
     }
 }
 
-/// A [`Transport`] through shared memory between the ranks of one host.
+/// A [`Transport`](crate::Transport) through shared memory between the ranks of one host.
 ///
 /// Connects `rank` to the other ranks of its host only; posting to a rank
 /// elsewhere fails with `InvalidPeer` (see [`RoutedTransport`](crate::RoutedTransport)
@@ -70,13 +70,13 @@ impl Default for ShmConfig {
 #[derive(Debug)]
 pub struct ShmTransport {
     rank: usize,
-    world_size: usize,
     /// Global ranks of this host, by local rank.
     local: Vec<usize>,
     own_local: usize,
     config: ShmConfig,
+    /// The engine, for windows and meetings.
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    endpoint: Endpoint<Shared>,
 }
 
 impl ShmTransport {
@@ -127,78 +127,20 @@ impl ShmTransport {
             &peers,
             config.single_copy_min,
         ));
-        let runner = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("chorus-shm-{rank}"))
-            .spawn(move || runner.run())
-            .map_err(|e| TransportError::Setup(format!("cannot start the progress thread: {e}")))?;
+        let endpoint = Endpoint::start(rank, world_size, "shm", shared.clone())?;
         tracing::debug!(rank, ?local, "shm transport connected");
         Ok(ShmTransport {
             rank,
-            world_size,
             local,
             own_local,
             config: config.clone(),
             shared,
-            thread: Some(thread),
+            endpoint,
         })
     }
 }
 
-impl Transport for ShmTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
-        let mut engine = self.shared.lock();
-        // SAFETY: the caller keeps `data` valid until completion or abort (trait contract).
-        let req = unsafe {
-            engine.post(
-                peer,
-                Direction::Send,
-                tag,
-                data.as_ptr().cast_mut(),
-                data.len(),
-            )
-        };
-        req.map(|r| r.with_progress(self.shared.clone()))
-    }
-
-    unsafe fn irecv(
-        &self,
-        peer: usize,
-        tag: u64,
-        buf: &mut [u8],
-    ) -> Result<Request, TransportError> {
-        let mut engine = self.shared.lock();
-        // SAFETY: the caller keeps `buf` valid and unaliased until completion or abort.
-        let req = unsafe { engine.post(peer, Direction::Recv, tag, buf.as_mut_ptr(), buf.len()) };
-        req.map(|r| r.with_progress(self.shared.clone()))
-    }
-
-    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
-        self.shared.lock().probe(peer)
-    }
-
-    fn abort(&self, reason: &str) {
-        self.shared.lock().abort(reason);
-    }
-}
-
-impl Drop for ShmTransport {
-    fn drop(&mut self) {
-        self.shared.stop();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-        self.shared.lock().abort("transport dropped");
-    }
-}
+through_endpoint!(ShmTransport, endpoint);
 
 #[cfg(test)]
 mod tests {
@@ -206,6 +148,7 @@ mod tests {
 
     use super::*;
     use crate::store::{StoreServer, TcpStore};
+    use crate::Transport;
 
     /// `n` transports on one host, one per thread's rank, small slots so messages span several.
     fn pair(n: usize) -> Vec<ShmTransport> {

@@ -1,32 +1,27 @@
-//! The TCP progress engine: per-socket send and receive queues, driven by the
-//! threads that post and wait, and by a background progress thread.
+//! The TCP progress engine: per-socket send and receive queues, served by the threads that
+//! post and wait, and by a background thread.
 //!
-//! All state sits behind one mutex. A posting thread enqueues its stripes and
-//! immediately tries the socket (so small messages leave without a thread
-//! hop); what does not fit is written by the progress thread on the socket's
-//! next edge-triggered writable event, and by waiters. Incoming bytes are read
-//! by the threads waiting on this transport: a waiter spins briefly, then
-//! sleeps in `poll(2)` on every socket with work queued (and on a doorbell
-//! rung when a request settles) and serves them itself when it wakes, so a
-//! message costs no hop through another thread. The progress thread reads only
-//! to finish what a waiter left at its per-socket budget. A socket is only read
-//! while a receive is posted on it: unexpected data stays in the kernel, so
-//! there is no unbounded buffering and every payload lands straight in the
-//! caller's buffer.
+//! All state sits behind one mutex. A posting thread enqueues its stripes and immediately
+//! tries the socket (so small messages leave without a thread hop). Everything else moves
+//! when [`Poller`] finds a socket ready: it owns readiness, and says which sockets the
+//! waiters watch (and read and write themselves) and which the background thread watches
+//! (sends that did not fit). A socket is only read while a receive is posted on it:
+//! unexpected data stays in the kernel, so there is no unbounded buffering and every payload
+//! lands straight in the caller's buffer.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use mio::net::TcpStream;
-use mio::{Events, Interest, Poll, Token, Waker};
-
 use super::frame::{self, FrameHeader, HEADER_LEN};
+use super::poller::{Poller, Sleeper};
 use crate::matching::{self, MessageId};
-use crate::request::{Completion, CompletionPool, Direction, Progress, Request};
+use crate::peers::Peers;
+use crate::request::{Completion, CompletionPool, Direction, Idle, Progress, Request};
 use crate::TransportError;
 
 /// Most bytes moved on one socket before the engine turns to the next one.
@@ -39,9 +34,6 @@ const SMALL: usize = 216;
 /// Longest a blocked waiter sleeps before it looks at its request again (a request can also be
 /// completed by another thread, or failed by an abort that does not shut the sockets).
 const NAP: Duration = Duration::from_millis(2);
-
-/// Token of the waker that stops the progress thread.
-const WAKER: Token = Token(usize::MAX);
 
 /// A stripe waiting to be written: header first, then payload.
 #[derive(Debug)]
@@ -63,6 +55,15 @@ struct RecvPiece {
     done: Arc<Completion>,
 }
 
+/// Where the incoming side of one socket stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Inbound {
+    /// The peer may still send on it.
+    Open,
+    /// The peer closed it after everything it sent was read.
+    Ended,
+}
+
 /// One socket to a peer.
 #[derive(Debug)]
 struct Conn {
@@ -72,37 +73,28 @@ struct Conn {
     recvs: VecDeque<RecvPiece>,
     header: [u8; HEADER_LEN],
     header_got: usize,
-    /// The peer closed this socket after everything it sent was read.
-    eof: bool,
+    inbound: Inbound,
     /// Stripes finished on this socket, both ways.
     finished: u64,
-}
-
-/// Per-peer state: its sockets and message counters.
-#[derive(Debug, Default)]
-struct Peer {
-    conns: Vec<usize>,
-    send_seq: u64,
-    recv_seq: u64,
-    failed: Option<TransportError>,
 }
 
 /// Everything the engine knows; guarded by the mutex in [`Shared`].
 #[derive(Debug)]
 pub(crate) struct Engine {
-    rank: usize,
-    peers: Vec<Peer>,
+    /// Each peer's sockets (indices into `conns`).
+    peers: Peers<Vec<usize>>,
     conns: Vec<Conn>,
     min_stripe: usize,
-    aborted: Option<String>,
     /// Sockets that stopped on their budget and must be served again.
     again: Vec<usize>,
     /// Stripes finished or failed so far, and that count when sleepers were last told.
     settled: u64,
     told: u64,
-    /// Waiters asleep in [`Progress::block`], and whether the doorbell is rung.
+    /// Waiters asleep in the poller, and whether their doorbell is rung.
     sleepers: usize,
     rung: bool,
+    /// A post left bytes queued on a socket the background thread does not watch yet.
+    kick: bool,
     completions: CompletionPool,
 }
 
@@ -112,67 +104,49 @@ pub(crate) struct Engine {
 // both completion and abort happen under that same mutex.
 unsafe impl Send for Engine {}
 
-/// The engine and what the progress thread needs beside it.
+/// The engine and its poller, shared by the posting, waiting and background threads.
 #[derive(Debug)]
 pub(crate) struct Shared {
     engine: Mutex<Engine>,
-    waker: Waker,
-    /// An eventfd that wakes waiters asleep in `poll(2)` when some request settles: one that
-    /// another thread finished (the progress thread, or a waiter serving every socket) would
-    /// otherwise leave its waiter asleep until the next nap ends.
-    doorbell: OwnedFd,
+    poller: Poller,
     stop: AtomicBool,
 }
 
 impl Shared {
-    /// Registers `sockets[p]` (the sockets to peer `p`) and builds the engine.
+    /// Builds the engine over `sockets[p]` (the sockets to peer `p`) for `rank`.
     pub(crate) fn new(
         rank: usize,
-        sockets: Vec<Vec<std::net::TcpStream>>,
+        sockets: Vec<Vec<TcpStream>>,
         min_stripe: usize,
-    ) -> io::Result<(Arc<Shared>, Poll)> {
-        let poll = Poll::new()?;
-        let waker = Waker::new(poll.registry(), WAKER)?;
-        let mut peers: Vec<Peer> = (0..sockets.len()).map(|_| Peer::default()).collect();
+    ) -> io::Result<Arc<Shared>> {
+        let mut links = Vec::with_capacity(sockets.len());
         let mut conns = Vec::new();
         for (peer, streams) in sockets.into_iter().enumerate() {
+            let mut link = Vec::new();
             for stream in streams {
                 stream.set_nonblocking(true)?;
-                let mut stream = TcpStream::from_std(stream);
-                let token = Token(conns.len());
-                poll.registry()
-                    .register(&mut stream, token, Interest::WRITABLE)?;
-                peers[peer].conns.push(token.0);
+                link.push(conns.len());
                 conns.push(Conn::new(peer, stream));
             }
+            links.push((peer != rank).then_some(link));
         }
         let engine = Engine {
-            rank,
-            peers,
+            peers: Peers::new(rank, links),
             conns,
             min_stripe,
-            aborted: None,
             again: Vec::new(),
             settled: 0,
             told: 0,
             sleepers: 0,
             rung: false,
+            kick: false,
             completions: CompletionPool::default(),
         };
-        // SAFETY: eventfd takes no pointers.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a non-negative result is a new descriptor that nothing else owns.
-        let doorbell = unsafe { OwnedFd::from_raw_fd(fd) };
-        let shared = Shared {
+        Ok(Arc::new(Shared {
             engine: Mutex::new(engine),
-            waker,
-            doorbell,
+            poller: Poller::new()?,
             stop: AtomicBool::new(false),
-        };
-        Ok((Arc::new(shared), poll))
+        }))
     }
 
     /// Locks the engine (a panic elsewhere does not poison progress).
@@ -180,79 +154,90 @@ impl Shared {
         self.engine.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Wakes the progress thread if inline work stopped on its budget, and sleeping waiters if
-    /// some request settled.
+    /// Kicks the background thread if there is work it does not watch yet, and rings the
+    /// waiters' doorbell if some request settled while waiters sleep.
     pub(crate) fn hand_over(&self, engine: &mut Engine) {
-        if !engine.again.is_empty() {
-            // A failed wake means the thread is gone; the transport is being dropped.
-            let _ = self.waker.wake();
+        if std::mem::take(&mut engine.kick) || !engine.again.is_empty() {
+            self.poller.kick();
         }
-        self.tell_sleepers(engine);
-    }
-
-    /// Rings the doorbell if requests settled since sleepers were last told and some sleep.
-    pub(crate) fn tell_sleepers(&self, engine: &mut Engine) {
         if engine.settled != engine.told && engine.sleepers > 0 {
-            let one = 1u64;
-            // SAFETY: writes 8 bytes from a live u64 to our eventfd. It can only fail with the
-            // counter full, and then it is readable anyway.
-            unsafe { libc::write(self.doorbell.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            self.poller.ring();
             engine.rung = true;
         }
         engine.told = engine.settled;
     }
+}
 
-    /// Asks the progress thread to exit.
-    pub(crate) fn stop(&self) {
-        self.stop.store(true, Ordering::Release);
-        // A failed wake only matters if the thread is already gone.
-        let _ = self.waker.wake();
+impl crate::endpoint::Engine for Shared {
+    unsafe fn post(
+        &self,
+        peer: usize,
+        direction: Direction,
+        tag: u64,
+        buf: *mut u8,
+        len: usize,
+    ) -> Result<Request, TransportError> {
+        let mut engine = self.lock();
+        // SAFETY: the caller keeps `buf` valid (and unaliased for a receive) until completion or
+        // abort (this trait's contract).
+        let req = unsafe {
+            match direction {
+                Direction::Send => engine.post_send(peer, tag, buf, len),
+                Direction::Recv => engine.post_recv(peer, tag, buf, len),
+            }
+        };
+        self.hand_over(&mut engine);
+        req
     }
 
-    /// The progress thread's loop: waits for readiness and serves sockets.
-    pub(crate) fn run(&self, mut poll: Poll) {
-        let mut events = Events::with_capacity(256);
-        loop {
-            let busy = !self.lock().again.is_empty();
-            let timeout = busy.then_some(std::time::Duration::ZERO);
-            if let Err(e) = poll.poll(&mut events, timeout) {
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                let mut engine = self.lock();
-                engine.abort(&format!("progress thread cannot poll: {e}"), true);
-                self.tell_sleepers(&mut engine);
-                return;
-            }
-            if self.stop.load(Ordering::Acquire) {
-                return;
-            }
+    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
+        let mut engine = self.lock();
+        let next = engine.probe(peer);
+        // A peer found failed has had its requests failed: their waiters are told.
+        self.hand_over(&mut engine);
+        next
+    }
+
+    fn abort(&self, reason: &str) {
+        let mut engine = self.lock();
+        engine.abort(reason, true);
+        self.hand_over(&mut engine);
+    }
+
+    /// Asks the background thread to exit.
+    fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.poller.kick();
+    }
+
+    /// The background thread's loop: sleeps in the poller on sockets with sends queued, and
+    /// serves them and those that stopped on their budget.
+    fn run(&self) {
+        // Looked at before each sleep: `stop` is set before its kick, which a serve below may
+        // clear.
+        while !self.stop.load(Ordering::Acquire) {
             let mut engine = self.lock();
             for idx in std::mem::take(&mut engine.again) {
                 engine.serve(idx, true, true);
             }
-            for event in events.iter() {
-                if event.token() == WAKER {
-                    continue;
-                }
-                let idx = event.token().0;
-                if event.is_error() {
-                    engine.serve(idx, true, true);
-                    let peer = engine.conns[idx].peer;
-                    if let Ok(Some(e)) = engine.conns[idx].stream.take_error() {
-                        engine.fail_peer(peer, io_error(peer, "poll", e));
-                    }
-                    continue;
-                }
-                let readable = event.is_readable() || event.is_read_closed();
-                engine.serve(
-                    idx,
-                    readable,
-                    event.is_writable() || event.is_write_closed(),
-                );
+            self.hand_over(&mut engine);
+            let busy = !engine.again.is_empty();
+            let watch = self.poller.watch(&engine, Sleeper::Background);
+            drop(engine);
+            let mut watch = watch.expect("the background thread always watches its kick");
+            self.poller.sleep(&mut watch, busy.then(Instant::now));
+            let mut engine = self.lock();
+            if self.poller.serve(&mut engine, &watch) {
+                self.poller.clear_kick();
             }
-            self.tell_sleepers(&mut engine);
+            self.hand_over(&mut engine);
         }
+    }
+
+    fn close(&self) {
+        let mut engine = self.lock();
+        engine.abort("transport dropped", false);
+        self.hand_over(&mut engine);
     }
 }
 
@@ -263,118 +248,61 @@ impl Progress for Shared {
     /// an 8-byte all-reduce; with a core to spare it costs nothing. A waiter whose message just
     /// arrived goes on at once: yielding then handed the core to a spinning rank for nothing.
     fn poll(&self, peer: usize) {
-        // Never wait for the lock: the progress thread holding it is making progress anyway.
+        // Never wait for the lock: the thread holding it is making progress anyway.
         if let Ok(mut engine) = self.engine.try_lock() {
-            if peer < engine.peers.len() {
-                let before = engine.settled;
-                for k in 0..engine.peers[peer].conns.len() {
-                    let idx = engine.peers[peer].conns[k];
-                    engine.serve(idx, true, true);
-                }
-                let settled = engine.settled != before;
-                self.hand_over(&mut engine);
-                if settled {
-                    return;
-                }
+            let before = engine.settled;
+            let socks = engine.peers.get(peer).map_or(0, |p| p.link.len());
+            for k in 0..socks {
+                let idx = engine.peers.get(peer).expect("reached").link[k];
+                engine.serve(idx, true, true);
+            }
+            let settled = engine.settled != before;
+            self.hand_over(&mut engine);
+            if settled {
+                return;
             }
         }
         std::thread::yield_now();
     }
 
-    /// Sleeps in `poll(2)` on every socket with a receive posted or a send queued, and on the
+    /// Sleeps in the poller on every socket with a receive posted or a send queued, and on the
     /// doorbell, then serves the sockets that are ready: every socket, not only the awaited
     /// peer's, so bytes that some other rank needs first keep moving while this thread waits.
-    fn block(&self, until: Instant, done: &dyn Fn() -> bool) -> bool {
-        let doorbell = libc::pollfd {
-            fd: self.doorbell.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let (mut fds, mut conns) = (vec![doorbell], Vec::new());
-        {
+    fn idle(&self, _peer: usize, until: Instant, done: &dyn Fn() -> bool) -> Idle {
+        let mut watch = {
             let mut engine = self.lock();
             // Requests settle under this lock: one that settles after this check rings.
             if done() {
-                return true;
+                return Idle::Again;
             }
-            for (idx, conn) in engine.conns.iter().enumerate() {
-                let mut events = 0;
-                if !conn.recvs.is_empty() {
-                    events |= libc::POLLIN;
-                }
-                if !conn.sends.is_empty() {
-                    events |= libc::POLLOUT;
-                }
-                if events != 0 {
-                    let fd = conn.stream.as_raw_fd();
-                    fds.push(libc::pollfd {
-                        fd,
-                        events,
-                        revents: 0,
-                    });
-                    conns.push(idx);
-                }
-            }
-            if conns.is_empty() {
-                // Nothing queued, so nothing pending: the waiter need not sleep.
-                return false;
-            }
+            let Some(watch) = self.poller.watch(&engine, Sleeper::Waiter) else {
+                return Idle::Park;
+            };
             engine.sleepers += 1;
-        }
-        let left = until.saturating_duration_since(Instant::now()).min(NAP);
-        // Whole milliseconds, rounded up so that a wait does not spin through its last one.
-        let timeout = left.as_micros().div_ceil(1000) as libc::c_int;
-        // SAFETY: `fds` is an array of `fds.len()` initialised pollfd records. The sockets stay
-        // open while `self` lives (they are only shut down, never closed, before the drop).
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-        let failed = (ready < 0).then(io::Error::last_os_error);
+            watch
+        };
+        self.poller
+            .sleep(&mut watch, Some(until.min(Instant::now() + NAP)));
         let mut engine = self.lock();
         engine.sleepers -= 1;
         if engine.sleepers == 0 && engine.rung {
-            // The last sleeper up clears the doorbell, so none misses a ring.
-            let mut count = 0u64;
-            // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd.
-            unsafe { libc::read(fds[0].fd, (&mut count as *mut u64).cast(), 8) };
+            self.poller.clear_doorbell();
             engine.rung = false;
         }
-        if failed.is_some_and(|e| e.kind() != io::ErrorKind::Interrupted) {
-            // Cannot watch the sockets (out of memory): serve them all after a nap instead.
-            drop(engine);
-            std::thread::sleep(NAP);
-            engine = self.lock();
-            for p in &mut fds[1..] {
-                p.revents = p.events;
-            }
-        }
-        for (p, &idx) in fds[1..].iter().zip(&conns) {
-            let hangup = p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0;
-            let read = hangup || p.revents & libc::POLLIN != 0;
-            let write = hangup || p.revents & libc::POLLOUT != 0;
-            if read || write {
-                engine.serve(idx, read, write);
-            }
-        }
+        self.poller.serve(&mut engine, &watch);
         self.hand_over(&mut engine);
-        true
+        Idle::Again
     }
 }
 
 impl Engine {
-    fn check_peer(&self, peer: usize) -> Result<(), TransportError> {
-        if let Some(reason) = &self.aborted {
-            return Err(TransportError::Aborted(reason.clone()));
-        }
-        if peer >= self.peers.len() || peer == self.rank {
-            return Err(TransportError::InvalidPeer {
-                peer,
-                rank: self.rank,
-                world_size: self.peers.len(),
-            });
-        }
-        match &self.peers[peer].failed {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
+    /// Every socket with a receive posted or a send queued: its index and descriptor, and
+    /// whether it has receives and sends.
+    pub(crate) fn queued(&self) -> impl Iterator<Item = (usize, libc::c_int, bool, bool)> + '_ {
+        self.conns.iter().enumerate().filter_map(|(idx, conn)| {
+            let (reads, writes) = (!conn.recvs.is_empty(), !conn.sends.is_empty());
+            (reads || writes).then(|| (idx, conn.stream.as_raw_fd(), reads, writes))
+        })
     }
 
     /// Numbers a new message to or from `peer`, lays out its stripes and
@@ -393,15 +321,9 @@ impl Engine {
         ),
         TransportError,
     > {
-        self.check_peer(peer)?;
-        let p = &mut self.peers[peer];
-        let counter = match direction {
-            Direction::Send => &mut p.send_seq,
-            Direction::Recv => &mut p.recv_seq,
-        };
-        let seq = *counter;
-        *counter += 1;
-        let stripes = frame::stripes(seq, len, p.conns.len(), self.min_stripe);
+        let p = self.peers.usable(peer)?;
+        let seq = p.next_seq(direction);
+        let stripes = frame::stripes(seq, len, p.link.len(), self.min_stripe);
         let (req, done) =
             Request::pooled(&mut self.completions, peer, direction, len, stripes.len());
         Ok((seq, stripes, req, done))
@@ -422,7 +344,8 @@ impl Engine {
     ) -> Result<Request, TransportError> {
         let (seq, stripes, req, done) = self.start(peer, Direction::Send, len)?;
         for stripe in stripes {
-            let idx = self.peers[peer].conns[stripe.socket];
+            let idx = self.socket(peer, stripe.socket);
+            let watched = !self.conns[idx].sends.is_empty();
             let header = FrameHeader {
                 tag,
                 seq,
@@ -438,6 +361,8 @@ impl Engine {
                 done: done.clone(),
             });
             self.serve(idx, false, true);
+            // What did not fit is the background thread's, which must look at this socket.
+            self.kick |= !watched && !self.conns[idx].sends.is_empty();
         }
         Ok(req)
     }
@@ -458,7 +383,7 @@ impl Engine {
     ) -> Result<Request, TransportError> {
         let (seq, stripes, req, done) = self.start(peer, Direction::Recv, len)?;
         for stripe in stripes {
-            let idx = self.peers[peer].conns[stripe.socket];
+            let idx = self.socket(peer, stripe.socket);
             self.conns[idx].recvs.push_back(RecvPiece {
                 expect: FrameHeader {
                     tag,
@@ -484,10 +409,9 @@ impl Engine {
     /// no receive queued on that socket, every earlier frame on it has been read, so the bytes
     /// at its front are that stripe's header: peeked (`MSG_PEEK`), never read.
     pub(crate) fn probe(&mut self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
-        self.check_peer(peer)?;
-        let p = &self.peers[peer];
-        let seq = p.recv_seq;
-        let idx = p.conns[frame::first_socket(seq, p.conns.len())];
+        let p = self.peers.usable(peer)?;
+        let seq = p.recv_seq();
+        let idx = p.link[frame::first_socket(seq, p.link.len())];
         let conn = &mut self.conns[idx];
         if !conn.recvs.is_empty() {
             return Ok(None);
@@ -506,7 +430,7 @@ impl Engine {
     }
 
     /// Moves bytes on socket `idx`; a failure fails the whole peer.
-    fn serve(&mut self, idx: usize, read: bool, write: bool) {
+    pub(crate) fn serve(&mut self, idx: usize, read: bool, write: bool) {
         let conn = &mut self.conns[idx];
         let (peer, before) = (conn.peer, conn.finished);
         let mut result = Ok(true);
@@ -535,24 +459,10 @@ impl Engine {
     /// Fails every request to `peer`, now and later; with `close`, also shuts
     /// its sockets down so the peer notices at once.
     fn fail_requests(&mut self, peer: usize, err: TransportError, close: bool) {
-        if self.peers[peer].failed.is_some() {
-            return;
-        }
-        tracing::debug!(rank = self.rank, peer, error = %err, "peer failed");
-        for &idx in &self.peers[peer].conns {
-            let conn = &mut self.conns[idx];
-            self.settled += (conn.sends.len() + conn.recvs.len()) as u64;
-            for piece in conn.sends.drain(..) {
-                piece.done.complete(Err(err.clone()));
-            }
-            for piece in conn.recvs.drain(..) {
-                piece.done.complete(Err(err.clone()));
-            }
-            if close {
-                let _ = conn.stream.shutdown(std::net::Shutdown::Both);
-            }
-        }
-        self.peers[peer].failed = Some(err);
+        let (conns, settled) = (&mut self.conns, &mut self.settled);
+        self.peers.fail(peer, err, |socks, err| {
+            *settled += fail_sockets(conns, socks, err, close);
+        });
     }
 
     /// Fails everything with `Aborted(reason)`; later posts fail the same way.
@@ -561,14 +471,36 @@ impl Engine {
     /// without, the sockets close gracefully when dropped, and bytes already
     /// handed to the kernel still reach their peers.
     pub(crate) fn abort(&mut self, reason: &str, close: bool) {
-        if self.aborted.is_some() {
-            return;
-        }
-        for peer in 0..self.peers.len() {
-            self.fail_requests(peer, TransportError::Aborted(reason.to_string()), close);
-        }
-        self.aborted = Some(reason.to_string());
+        let (conns, settled) = (&mut self.conns, &mut self.settled);
+        self.peers.abort(reason, |socks, err| {
+            *settled += fail_sockets(conns, socks, err, close);
+        });
     }
+
+    /// Socket `k` of `peer` (a reached peer: its link was checked).
+    fn socket(&self, peer: usize, k: usize) -> usize {
+        self.peers.get(peer).expect("a reached peer").link[k]
+    }
+}
+
+/// Fails every stripe queued on sockets `socks` with `err` (and with `close` shuts them down);
+/// returns how many there were.
+fn fail_sockets(conns: &mut [Conn], socks: &[usize], err: &TransportError, close: bool) -> u64 {
+    let mut failed = 0;
+    for &idx in socks {
+        let conn = &mut conns[idx];
+        failed += (conn.sends.len() + conn.recvs.len()) as u64;
+        for piece in conn.sends.drain(..) {
+            piece.done.complete(Err(err.clone()));
+        }
+        for piece in conn.recvs.drain(..) {
+            piece.done.complete(Err(err.clone()));
+        }
+        if close {
+            let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+    failed
 }
 
 impl Conn {
@@ -580,7 +512,7 @@ impl Conn {
             recvs: VecDeque::new(),
             header: [0; HEADER_LEN],
             header_got: 0,
-            eof: false,
+            inbound: Inbound::Open,
             finished: 0,
         }
     }
@@ -633,7 +565,7 @@ impl Conn {
     ///
     /// With nothing posted, only checks whether the peer has closed the socket.
     fn pump(&mut self) -> Result<bool, TransportError> {
-        if self.eof && !self.recvs.is_empty() {
+        if self.inbound == Inbound::Ended && !self.recvs.is_empty() {
             return Err(TransportError::PeerClosed { peer: self.peer });
         }
         if self.recvs.is_empty() {
@@ -695,7 +627,7 @@ impl Conn {
         let mut bytes = [0u8; HEADER_LEN];
         match self.stream.peek(&mut bytes) {
             Ok(0) => {
-                self.eof = true;
+                self.inbound = Inbound::Ended;
                 Err(TransportError::PeerClosed { peer: self.peer })
             }
             Ok(n) if n < HEADER_LEN => Ok(None),
@@ -726,7 +658,7 @@ impl Conn {
         let mut probe = [0u8; 1];
         match self.stream.peek(&mut probe) {
             Ok(0) => {
-                self.eof = true;
+                self.inbound = Inbound::Ended;
                 Ok(true)
             }
             Ok(_) => Ok(true),
@@ -780,7 +712,7 @@ mod tests {
         let (mine, _) = listener.accept().expect("accept");
         mine.set_nonblocking(true).expect("non-blocking");
         mine.set_nodelay(true).expect("nodelay");
-        (Conn::new(1, TcpStream::from_std(mine)), other)
+        (Conn::new(1, mine), other)
     }
 
     /// Bytes of the frame in flight that `conn` has taken in so far.

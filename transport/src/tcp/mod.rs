@@ -3,16 +3,15 @@
 mod engine;
 pub mod frame;
 mod mesh;
+mod poller;
 
 use std::net::IpAddr;
-use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::auth::Auth;
-
+use crate::endpoint::{through_endpoint, Endpoint};
 use crate::store::Store;
-use crate::{LinkCost, Request, Transport, TransportError};
+use crate::{LinkCost, TransportError};
 use engine::Shared;
 
 /// What a TCP message costs over loopback or a LAN, as measured with the perf
@@ -49,13 +48,10 @@ impl Default for TcpConfig {
     }
 }
 
-/// A [`Transport`] over TCP sockets, fully connected between all ranks.
+/// A [`Transport`](crate::Transport) over TCP sockets, fully connected between all ranks.
 #[derive(Debug)]
 pub struct TcpTransport {
-    rank: usize,
-    world_size: usize,
-    shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    endpoint: Endpoint<Shared>,
 }
 
 impl TcpTransport {
@@ -77,81 +73,17 @@ impl TcpTransport {
             )));
         }
         let sockets = mesh::connect_all(rank, world_size, store, config)?;
-        let (shared, poll) = Shared::new(rank, sockets, config.min_stripe)
-            .map_err(|e| TransportError::Setup(format!("cannot register sockets: {e}")))?;
-        let runner = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("chorus-tcp-{rank}"))
-            .spawn(move || runner.run(poll))
-            .map_err(|e| TransportError::Setup(format!("cannot start the progress thread: {e}")))?;
+        let engine = Shared::new(rank, sockets, config.min_stripe)
+            .map_err(|e| TransportError::Setup(format!("cannot set up the sockets: {e}")))?;
+        let endpoint = Endpoint::start(rank, world_size, "tcp", engine)?;
         tracing::debug!(
             rank,
             world_size,
             nsocks = config.nsocks,
             "tcp transport connected"
         );
-        Ok(TcpTransport {
-            rank,
-            world_size,
-            shared,
-            thread: Some(thread),
-        })
+        Ok(TcpTransport { endpoint })
     }
 }
 
-impl Transport for TcpTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
-        let mut engine = self.shared.lock();
-        // SAFETY: the caller keeps `data` valid until completion or abort (trait contract).
-        let req = unsafe { engine.post_send(peer, tag, data.as_ptr(), data.len()) };
-        self.shared.hand_over(&mut engine);
-        req.map(|r| r.with_progress(self.shared.clone()))
-    }
-
-    unsafe fn irecv(
-        &self,
-        peer: usize,
-        tag: u64,
-        buf: &mut [u8],
-    ) -> Result<Request, TransportError> {
-        let mut engine = self.shared.lock();
-        // SAFETY: the caller keeps `buf` valid and unaliased until completion or abort.
-        let req = unsafe { engine.post_recv(peer, tag, buf.as_mut_ptr(), buf.len()) };
-        self.shared.hand_over(&mut engine);
-        req.map(|r| r.with_progress(self.shared.clone()))
-    }
-
-    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
-        let mut engine = self.shared.lock();
-        let next = engine.probe(peer);
-        // A peer found failed has had its requests failed: their waiters are told.
-        self.shared.tell_sleepers(&mut engine);
-        next
-    }
-
-    fn abort(&self, reason: &str) {
-        let mut engine = self.shared.lock();
-        engine.abort(reason, true);
-        self.shared.hand_over(&mut engine);
-    }
-}
-
-impl Drop for TcpTransport {
-    fn drop(&mut self) {
-        self.shared.stop();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-        let mut engine = self.shared.lock();
-        engine.abort("transport dropped", false);
-        self.shared.tell_sleepers(&mut engine);
-    }
-}
+through_endpoint!(TcpTransport, endpoint);

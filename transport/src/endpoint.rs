@@ -1,0 +1,176 @@
+//! What the TCP and shared-memory transports share around their engines: the background
+//! thread beside the engine, posting through the engine, and closing it on drop.
+//!
+//! An engine is a [`Progress`] (waiters drive it) that also posts, probes and aborts; an
+//! [`Endpoint`] turns one into a [`Transport`]. A future engine (RDMA verbs, say) plugs in
+//! the same way: its `post` registers the buffer or takes it from a registered region and
+//! queues a work request, its background thread polls the completion queue.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crate::request::Progress;
+use crate::{Direction, Request, Transport, TransportError};
+
+/// A progress engine behind an [`Endpoint`].
+pub(crate) trait Engine: Progress + 'static {
+    /// Queues a send (reading `buf`) or a receive (writing it) of `len` bytes with `peer`,
+    /// and moves what can move now.
+    ///
+    /// # Safety
+    ///
+    /// `buf..buf+len` must stay valid (and, for a receive, unaliased) until the request
+    /// completes or the engine is aborted.
+    unsafe fn post(
+        &self,
+        peer: usize,
+        direction: Direction,
+        tag: u64,
+        buf: *mut u8,
+        len: usize,
+    ) -> Result<Request, TransportError>;
+
+    /// As [`Transport::probe`].
+    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError>;
+
+    /// As [`Transport::abort`].
+    fn abort(&self, reason: &str);
+
+    /// The background thread's loop; returns soon after [`stop`](Engine::stop).
+    fn run(&self);
+
+    /// Asks the background thread to return.
+    fn stop(&self);
+
+    /// Once the background thread has returned: fails whatever is still pending.
+    fn close(&self);
+}
+
+/// A [`Transport`] made of an engine and its background thread.
+#[derive(Debug)]
+pub(crate) struct Endpoint<E: Engine> {
+    rank: usize,
+    world_size: usize,
+    engine: Arc<E>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<E: Engine> Endpoint<E> {
+    /// Starts `engine`'s background thread, named for `kind` and `rank`.
+    pub fn start(
+        rank: usize,
+        world_size: usize,
+        kind: &str,
+        engine: Arc<E>,
+    ) -> Result<Endpoint<E>, TransportError> {
+        let runner = engine.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("chorus-{kind}-{rank}"))
+            .spawn(move || runner.run())
+            .map_err(|e| TransportError::Setup(format!("cannot start the progress thread: {e}")))?;
+        Ok(Endpoint {
+            rank,
+            world_size,
+            engine,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl<E: Engine> Transport for Endpoint<E> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
+        let buf = data.as_ptr().cast_mut();
+        // SAFETY: the caller keeps `data` valid until completion or abort (trait contract), and
+        // a send only reads it.
+        let req = unsafe {
+            self.engine
+                .post(peer, Direction::Send, tag, buf, data.len())
+        };
+        req.map(|r| r.with_progress(self.engine.clone()))
+    }
+
+    unsafe fn irecv(
+        &self,
+        peer: usize,
+        tag: u64,
+        buf: &mut [u8],
+    ) -> Result<Request, TransportError> {
+        let len = buf.len();
+        // SAFETY: the caller keeps `buf` valid and unaliased until completion or abort.
+        let req = unsafe {
+            self.engine
+                .post(peer, Direction::Recv, tag, buf.as_mut_ptr(), len)
+        };
+        req.map(|r| r.with_progress(self.engine.clone()))
+    }
+
+    fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
+        self.engine.probe(peer)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.engine.abort(reason);
+    }
+}
+
+impl<E: Engine> Drop for Endpoint<E> {
+    fn drop(&mut self) {
+        self.engine.stop();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        self.engine.close();
+    }
+}
+
+/// Implements [`Transport`] for a type by handing every call to its [`Endpoint`] field.
+macro_rules! through_endpoint {
+    ($ty:ty, $field:ident) => {
+        impl $crate::Transport for $ty {
+            fn rank(&self) -> usize {
+                self.$field.rank()
+            }
+
+            fn world_size(&self) -> usize {
+                self.$field.world_size()
+            }
+
+            unsafe fn isend(
+                &self,
+                peer: usize,
+                tag: u64,
+                data: &[u8],
+            ) -> Result<$crate::Request, $crate::TransportError> {
+                // SAFETY: the caller's guarantee is passed on unchanged.
+                unsafe { self.$field.isend(peer, tag, data) }
+            }
+
+            unsafe fn irecv(
+                &self,
+                peer: usize,
+                tag: u64,
+                buf: &mut [u8],
+            ) -> Result<$crate::Request, $crate::TransportError> {
+                // SAFETY: the caller's guarantee is passed on unchanged.
+                unsafe { self.$field.irecv(peer, tag, buf) }
+            }
+
+            fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, $crate::TransportError> {
+                self.$field.probe(peer)
+            }
+
+            fn abort(&self, reason: &str) {
+                self.$field.abort(reason)
+            }
+        }
+    };
+}
+pub(crate) use through_endpoint;
