@@ -9,7 +9,7 @@ use chorus_transport::store::StoreServer;
 use chorus_transport::TransportKind;
 
 use crate::env::{bad, optional, Lookup};
-use crate::launcher::{self, Ranks};
+use crate::launcher::{self, Method, Ranks};
 pub use crate::launcher::{StoreKind, DEFAULT_MASTER_ADDR};
 use crate::tuner::Forced;
 use crate::{env, Error};
@@ -94,6 +94,13 @@ pub const DEFAULT_CHUNK_BYTES: usize = 512 << 10;
 pub const DEFAULT_SHM_SINGLE_COPY: usize = 64 << 10;
 /// Default fraction of the timeout after which the watchdog reports a stalled collective.
 pub const DEFAULT_WATCHDOG: f64 = 0.5;
+/// Largest world size read from the environment: rendezvous and transports keep state per
+/// rank, so a typo such as `WORLD_SIZE=1000000000` must fail before anything is allocated.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+/// Longest `CHORUS_TIMEOUT` (a year): longer ones cannot be added to the clock.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+/// Largest `CHORUS_CHUNK_BYTES` (1 GiB).
+pub const MAX_CHUNK_BYTES: usize = 1 << 30;
 
 impl Config {
     /// A configuration for `rank` of `world_size` on one host, with defaults.
@@ -153,17 +160,30 @@ impl Config {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
         let get: Lookup<'_> = &get;
         let timeout = match optional::<f64>(get, env::CHORUS_TIMEOUT)? {
-            Some(s) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s),
+            Some(s) if s > 0.0 && s <= MAX_TIMEOUT.as_secs_f64() => Duration::from_secs_f64(s),
             Some(s) => {
                 return Err(bad(
                     env::CHORUS_TIMEOUT,
                     &s.to_string(),
-                    "must be a positive number of seconds",
+                    &format!(
+                        "must be a positive number of seconds, at most {} (a year)",
+                        MAX_TIMEOUT.as_secs()
+                    ),
                 ))
             }
             None => DEFAULT_TIMEOUT,
         };
         let found = launcher::detect(get)?;
+        if found.ranks.world_size > MAX_WORLD_SIZE {
+            return Err(bad(
+                size_var(found.method),
+                &found.ranks.world_size.to_string(),
+                &format!(
+                    "must be at most {MAX_WORLD_SIZE} (read through {})",
+                    found.method
+                ),
+            ));
+        }
         let nsocks = optional(get, env::CHORUS_NSOCKS)?.unwrap_or(DEFAULT_NSOCKS);
         if !(1..=64).contains(&nsocks) {
             return Err(bad(
@@ -173,11 +193,11 @@ impl Config {
             ));
         }
         let chunk_bytes = optional(get, env::CHORUS_CHUNK_BYTES)?.unwrap_or(DEFAULT_CHUNK_BYTES);
-        if chunk_bytes < 64 {
+        if !(64..=MAX_CHUNK_BYTES).contains(&chunk_bytes) {
             return Err(bad(
                 env::CHORUS_CHUNK_BYTES,
                 &chunk_bytes.to_string(),
-                "must be at least 64",
+                &format!("must be between 64 and {MAX_CHUNK_BYTES}"),
             ));
         }
         let algo = optional(get, env::CHORUS_ALGO)?.unwrap_or_default();
@@ -242,6 +262,17 @@ impl Config {
             store,
             bound_store: BoundStore::new(bound),
         })
+    }
+}
+
+/// The variable that gives the world size under `method`, for messages.
+fn size_var(method: Method) -> &'static str {
+    match method {
+        Method::Slurm => env::SLURM_NTASKS,
+        Method::OpenMpi => env::OMPI_COMM_WORLD_SIZE,
+        Method::Pmi => env::PMI_SIZE,
+        Method::Mvapich2 => env::MV2_COMM_WORLD_SIZE,
+        Method::InitEnv | Method::InitTcp | Method::InitFile | Method::Torchrun => env::WORLD_SIZE,
     }
 }
 
@@ -357,6 +388,58 @@ mod tests {
         let err = from(&vars).unwrap_err().to_string();
         assert!(
             err.contains("CHORUS_TRANSPORT") && err.contains("auto, tcp or shm"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn values_at_the_edges_are_refused_naming_the_limit() {
+        let cases = [
+            ("CHORUS_TIMEOUT", "1e300", "at most 31536000"),
+            ("CHORUS_TIMEOUT", "1.8e19", "at most 31536000"),
+            ("CHORUS_TIMEOUT", "inf", "at most 31536000"),
+            (
+                "CHORUS_CHUNK_BYTES",
+                "18446744073709551615",
+                "between 64 and 1073741824",
+            ),
+            (
+                "CHORUS_CHUNK_BYTES",
+                "1073741825",
+                "between 64 and 1073741824",
+            ),
+            ("WORLD_SIZE", "1000000000", "at most 1048576"),
+            ("WORLD_SIZE", "4294967296", "at most 1048576"),
+        ];
+        for (var, value, needle) in cases {
+            let mut vars = BASE.to_vec();
+            vars.retain(|(k, _)| *k != var);
+            vars.push((var, value));
+            let err = from(&vars).unwrap_err().to_string();
+            assert!(
+                err.contains(var) && err.contains(needle),
+                "{var}={value}: {err}"
+            );
+        }
+        let mut vars = BASE.to_vec();
+        vars.extend([
+            ("CHORUS_TIMEOUT", "31536000"),
+            ("CHORUS_CHUNK_BYTES", "1073741824"),
+        ]);
+        let c = from(&vars).unwrap();
+        assert_eq!((c.timeout, c.chunk_bytes), (MAX_TIMEOUT, MAX_CHUNK_BYTES));
+        let slurm = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2000000"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_TASKS_PER_NODE", "1"),
+            ("SLURM_JOB_NODELIST", "n1"),
+            ("SLURM_JOB_ID", "7"),
+        ];
+        let err = from(&slurm).unwrap_err().to_string();
+        assert!(
+            err.contains("SLURM_NTASKS") && err.contains("1048576"),
             "{err}"
         );
     }

@@ -311,6 +311,16 @@ fn worker_command(spec: &LaunchSpec, local: usize, port: u16, restart: u32) -> C
         use std::os::unix::process::CommandExt;
         cmd.process_group(0);
     }
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let launcher = nix::unistd::getpid();
+        // SAFETY: the hook runs in the forked child before exec and makes only
+        // async-signal-safe system calls (prctl, getppid); it neither allocates nor locks.
+        unsafe {
+            cmd.pre_exec(move || die_with_launcher(launcher));
+        }
+    }
     for (key, value) in &spec.env {
         cmd.env(key, value);
     }
@@ -335,6 +345,22 @@ fn worker_command(spec: &LaunchSpec, local: usize, port: u16, restart: u32) -> C
         )
         .env(env::TORCHELASTIC_RUN_ID, &spec.run_id);
     cmd
+}
+
+/// In a forked worker before exec: asks the kernel for SIGKILL when the launcher dies, so that
+/// `kill -9` of the launcher leaves no worker behind.
+///
+/// The kernel sends it when the *thread* that forked exits; that thread is the one in
+/// `run_attempt`, which reaps every worker it starts before it returns, so it outlives them
+/// unless the launcher dies. Fails (and the worker is not started) if the launcher died before
+/// the request was in place, when the worker's parent is no longer `launcher`.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(launcher: nix::unistd::Pid) -> io::Result<()> {
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+    if nix::unistd::getppid() != launcher {
+        return Err(nix::errno::Errno::ESRCH.into());
+    }
+    Ok(())
 }
 
 /// Sends `sig` to process `pid`, or to its whole process group.

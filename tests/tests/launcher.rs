@@ -162,9 +162,15 @@ fn bad_flags_are_clear_errors() {
     chorusrun(&["--nnodes", "1:2", PROBE]).assert_code(2);
 }
 
-/// Whether process `pid` still exists (Linux; elsewhere assumes it is gone).
+/// Whether process `pid` still runs: it exists and is not a zombie (Linux; elsewhere assumes
+/// it is gone).
 fn exists(pid: &str) -> bool {
-    cfg!(target_os = "linux") && Path::new("/proc").join(pid.trim()).exists()
+    let stat = std::fs::read_to_string(Path::new("/proc").join(pid.trim()).join("stat"));
+    // The state follows the command's closing parenthesis.
+    stat.is_ok_and(|s| {
+        s.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+    })
 }
 
 #[test]
@@ -188,6 +194,40 @@ fn a_failing_worker_stops_the_others() {
     for rank in [0, 2] {
         let pid = std::fs::read_to_string(dir.path().join(format!("pid{rank}"))).unwrap();
         assert!(!exists(&pid), "rank {rank} (pid {pid}) still runs");
+    }
+}
+
+#[test]
+fn workers_die_with_a_killed_launcher() {
+    let dir = Scratch::new("launcher-killed");
+    let d = dir.path().to_str().unwrap();
+    // There is no rank 9: both workers write their pid and wait (60 s) to be stopped.
+    let running = start(chorusrun_cmd([
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        PROBE,
+        "fail",
+        "9",
+        "5",
+        d,
+    ]));
+    let files: Vec<_> = (0..2).map(|r| dir.path().join(format!("pid{r}"))).collect();
+    wait_for_files(&files);
+    let pid = nix::unistd::Pid::from_raw(running.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+    running.wait(LIMIT);
+    for (rank, file) in files.iter().enumerate() {
+        let pid = std::fs::read_to_string(file).unwrap();
+        // The kernel kills them as the launcher dies; the bound only keeps a failure finite.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while exists(&pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            !exists(&pid),
+            "rank {rank} (pid {pid}) outlived its killed launcher"
+        );
     }
 }
 
@@ -347,6 +387,23 @@ fn all_reduce_across_two_chorusrun_nodes_on_loopback() {
         run1.stdout.contains("[rank3]: allreduce ok rank=3"),
         "{}",
         run1.stdout
+    );
+}
+
+#[test]
+fn a_world_size_typo_fails_at_once_naming_the_limit() {
+    // Address space capped at 4 GiB: before WORLD_SIZE was bounded this grew past 11 GB.
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let mut cmd = Command::new("sh");
+    clean_env(&mut cmd);
+    cmd.args(["-c", "ulimit -v 4194304 && exec \"$0\" allreduce 8", PROBE])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "1000000000")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", reserved.port().to_string())
+        .env("CHORUS_TIMEOUT", "5");
+    start(cmd).wait(LIMIT).assert_code(1).assert_stderr_has(
+        "invalid configuration: WORLD_SIZE=\"1000000000\": must be at most 1048576",
     );
 }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use chorus_transport::auth::Auth;
 use chorus_transport::store::{
-    handshake, PrefixStore, Store, StoreError, StoreServer, TcpStore, MAX_VALUE_LEN,
+    handshake, PrefixStore, Store, StoreError, StoreLimits, StoreServer, TcpStore, MAX_VALUE_LEN,
 };
 use socket2::{Domain, Socket, Type};
 
@@ -466,4 +466,77 @@ fn only_clients_of_the_same_job_with_the_secret_are_admitted() {
         assert!(start.elapsed() < BOUND / 2, "a refusal is not retried");
     }
     assert_eq!(member.get("k").unwrap(), b"v");
+}
+
+fn start_limited(limits: StoreLimits) -> StoreServer {
+    StoreServer::bind_with_limits("127.0.0.1:0".parse().unwrap(), Auth::default(), limits)
+        .expect("bind on port 0")
+}
+
+/// A raw connection that has read the challenge (so the server has accepted it) and sends
+/// one byte of its answer, and no more.
+fn stranger(addr: SocketAddr) -> TcpStream {
+    let mut raw = TcpStream::connect(addr).unwrap();
+    raw.set_read_timeout(Some(BOUND)).unwrap();
+    let mut challenge = [0u8; handshake::CHALLENGE_LEN];
+    raw.read_exact(&mut challenge).unwrap();
+    raw.write_all(&handshake::MAGIC[..1]).unwrap();
+    raw
+}
+
+#[test]
+fn a_set_past_the_stores_limit_is_refused_saying_so() {
+    let server = start_limited(StoreLimits {
+        max_bytes: 1 << 20,
+        ..StoreLimits::default()
+    });
+    let store = client(&server, BOUND);
+    store.set("a", &vec![1u8; 600 << 10]).unwrap();
+    let err = store.set("b", &vec![2u8; 600 << 10]).unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Protocol(m) if m.contains("store is full") && m.contains("limit of 1048576")),
+        "{err}"
+    );
+    // The client keeps working, and a replaced value counts once.
+    assert_eq!(store.get("a").unwrap().len(), 600 << 10);
+    store.set("a", &vec![3u8; 900 << 10]).unwrap();
+    assert_eq!(store.get("a").unwrap(), vec![3u8; 900 << 10]);
+}
+
+#[test]
+fn clients_past_the_connection_limit_are_refused_saying_so() {
+    let server = start_limited(StoreLimits {
+        max_connections: 1,
+        ..StoreLimits::default()
+    });
+    let _held = stranger(server.local_addr());
+    let port = server.local_addr().port();
+    let err = TcpStore::connect("127.0.0.1", port, BOUND).unwrap_err();
+    assert!(matches!(err, StoreError::Refused(_)), "{err}");
+    assert!(
+        err.to_string()
+            .contains("already serves 1 connections, its limit"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_connection_that_never_answers_the_challenge_is_dropped_at_its_deadline() {
+    let server = start_limited(StoreLimits {
+        handshake_deadline: SHORT,
+        ..StoreLimits::default()
+    });
+    let mut raw = stranger(server.local_addr());
+    // Meanwhile a good client is served: the stranger is never waited on.
+    let store = client(&server, BOUND);
+    finish_within(move || {
+        store.set("k", b"v").unwrap();
+        assert_eq!(store.get("k").unwrap(), b"v");
+    });
+    let mut rest = Vec::new();
+    match raw.read_to_end(&mut rest) {
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("the silent connection was not dropped: {e}"),
+    }
 }

@@ -1,7 +1,9 @@
 //! Setting up the shared region: the lowest local rank creates a file in the
 //! shared-memory directory and publishes its name; every local rank maps it,
 //! publishes its process id, and says so; the creator unlinks the file as
-//! soon as all have mapped it, so a crash later leaves nothing behind.
+//! soon as all have mapped it, so a crash later leaves nothing behind. A
+//! creator killed before that leaves its file; the next creator on the host
+//! removes it.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -100,13 +102,19 @@ impl Drop for Unlink {
     }
 }
 
-/// Creates a fresh file of `size` bytes named for this process in `dir`.
+/// Creates a fresh file of `size` bytes named for this process in `dir`, first removing
+/// the files there whose creators died before unlinking them.
 pub(crate) fn create(dir: &Path, size: usize) -> Result<(PathBuf, File), TransportError> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or(Duration::ZERO)
         .as_nanos();
-    let path = dir.join(format!("chorus-{}-{:x}", std::process::id(), nanos));
+    let ns = pid_namespace();
+    if let Some(ns) = &ns {
+        remove_stale(dir, ns);
+    }
+    let ns = ns.as_deref().unwrap_or("unknown");
+    let path = dir.join(format!("chorus-{}-{nanos:x}-{ns}", std::process::id()));
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -134,6 +142,57 @@ pub(crate) fn create(dir: &Path, size: usize) -> Result<(PathBuf, File), Transpo
         )));
     }
     Ok((path, file))
+}
+
+/// This process's pid namespace (the inode number of `/proc/self/ns/pid`): a file's
+/// creator is looked up by pid only where the file was made in this namespace.
+fn pid_namespace() -> Option<String> {
+    let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    let link = link.to_str()?;
+    let inode = link.strip_prefix("pid:[")?.strip_suffix(']')?;
+    Some(inode.to_string())
+}
+
+/// The creator's pid of a file named `chorus-PID-HEX-NS` made in pid namespace `ns`.
+fn creator(name: &str, ns: &str) -> Option<libc::pid_t> {
+    let mut parts = name.strip_prefix("chorus-")?.split('-');
+    let pid = parts
+        .next()?
+        .parse()
+        .ok()
+        .filter(|&pid: &libc::pid_t| pid > 0)?;
+    let _nanos = parts.next()?;
+    (parts.next()? == ns && parts.next().is_none()).then_some(pid)
+}
+
+/// Removes the files in `dir` whose creators, in pid namespace `ns`, no longer run (killed
+/// during set-up, before they unlinked them). Files of live creators, of other namespaces
+/// and of other users stay.
+fn remove_stale(dir: &Path, ns: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| creator(n, ns)) else {
+            continue;
+        };
+        // SAFETY: signal 0 sends nothing; it only asks whether `pid` exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!(
+                    path = %entry.path().display(),
+                    "removed the shared-memory file of a process that died during set-up"
+                ),
+                Err(e) => tracing::debug!(
+                    path = %entry.path().display(),
+                    "cannot remove a dead process's shared-memory file: {e}"
+                ),
+            }
+        }
+    }
 }
 
 /// Opens the file `leader` created, for `rank`.
@@ -181,6 +240,40 @@ mod tests {
             })
             .collect();
         ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn files_of_dead_creators_are_removed_by_the_next() {
+        let dir = std::env::temp_dir().join(format!("chorus-stale-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let ns = pid_namespace().expect("a pid namespace");
+        let mut ended = std::process::Command::new("true").spawn().unwrap();
+        let dead = ended.id();
+        ended.wait().unwrap();
+        let me = std::process::id();
+        let stale = format!("chorus-{dead}-1-{ns}");
+        let kept = [
+            format!("chorus-{me}-2-{ns}"),
+            format!("chorus-{dead}-3-1{ns}"),
+            format!("chorus-{dead}-4"),
+            "other-file".to_string(),
+        ];
+        for name in kept.iter().chain([&stale]) {
+            std::fs::write(dir.join(name), b"").unwrap();
+        }
+        let (path, _file) = create(&dir, 4096).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want: Vec<String> = kept.to_vec();
+        want.push(path.file_name().unwrap().to_str().unwrap().to_string());
+        want.sort();
+        assert_eq!(left, want);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

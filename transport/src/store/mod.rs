@@ -33,7 +33,7 @@ use std::time::Duration;
 
 pub use client::TcpStore;
 pub use protocol::{MAX_KEY_LEN, MAX_VALUE_LEN};
-pub use server::StoreServer;
+pub use server::{StoreLimits, StoreServer};
 pub use torch::TorchStore;
 
 /// A rendezvous key-value store (set/get/wait/add), as in c10d and Gloo.

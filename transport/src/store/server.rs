@@ -6,11 +6,17 @@
 //! way) and responses in order. A GET or WAIT that cannot be answered yet is parked, watching
 //! one missing key; setting that key wakes it. A connection that breaks the protocol is logged
 //! and dropped; nobody else notices.
+//!
+//! What a stranger can make it hold is bounded ([`StoreLimits`]): a connection that has not
+//! answered the handshake's challenge within its deadline is dropped (it is never waited on:
+//! every connection is served as its bytes arrive), connections past the limit are refused at
+//! the handshake, and a SET that would make the data pass its limit is refused.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -30,6 +36,33 @@ const READ_CHUNK: usize = 64 * 1024;
 /// A connection may buffer one maximal request plus one read chunk while it waits for its
 /// turn; more than that is a client flooding requests without reading responses.
 const MAX_BUFFERED: usize = MAX_REQUEST_LEN + READ_CHUNK;
+/// Connections past [`StoreLimits::max_connections`] that are still told why they are refused;
+/// past these, new ones are closed at once.
+const REFUSING: usize = 64;
+
+/// What one store server holds at most; past a limit it refuses, telling the client why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreLimits {
+    /// Bytes of keys and values held, all together: a SET past it fails with
+    /// [`StoreError::Protocol`] saying the store is full.
+    pub max_bytes: usize,
+    /// Client connections open at once: a client past it is refused
+    /// ([`StoreError::Refused`]).
+    pub max_connections: usize,
+    /// Time a new connection has to answer the handshake's challenge before it is dropped.
+    pub handshake_deadline: Duration,
+}
+
+impl Default for StoreLimits {
+    /// 256 MiB of data, 65,536 connections, 30 s to answer the challenge.
+    fn default() -> Self {
+        StoreLimits {
+            max_bytes: 256 << 20,
+            max_connections: 65_536,
+            handshake_deadline: Duration::from_secs(30),
+        }
+    }
+}
 
 /// The store server: hosted by one process (rank 0 or the launcher), serving any number of
 /// clients.
@@ -54,6 +87,15 @@ impl StoreServer {
 
     /// Like [`bind`](Self::bind), admitting only clients of `auth`'s job that know its secret.
     pub fn bind_with_auth(addr: SocketAddr, auth: Auth) -> Result<StoreServer, StoreError> {
+        StoreServer::bind_with_limits(addr, auth, StoreLimits::default())
+    }
+
+    /// Like [`bind_with_auth`](Self::bind_with_auth), holding at most what `limits` allow.
+    pub fn bind_with_limits(
+        addr: SocketAddr,
+        auth: Auth,
+        limits: StoreLimits,
+    ) -> Result<StoreServer, StoreError> {
         let listener = listen(addr).map_err(|source| StoreError::Bind { addr, source })?;
         let local_addr = listener
             .local_addr()
@@ -61,7 +103,7 @@ impl StoreServer {
         let poll = Poll::new().map_err(|e| StoreError::io("creating the store poller", e))?;
         let waker = Waker::new(poll.registry(), WAKER)
             .map_err(|e| StoreError::io("creating the store waker", e))?;
-        let mut server = Server::new(poll, listener, auth);
+        let mut server = Server::new(poll, listener, auth, limits);
         server
             .poll
             .registry()
@@ -132,6 +174,8 @@ struct Conn {
     eof: bool,
     /// The challenge sent, until the client has answered it.
     challenge: Option<[u8; NONCE_LEN]>,
+    /// Why the handshake will be refused whatever the answer (the store is full).
+    refusal: Option<String>,
 }
 
 impl Conn {
@@ -146,6 +190,7 @@ impl Conn {
             watching: None,
             eof: false,
             challenge: None,
+            refusal: None,
         }
     }
 
@@ -213,20 +258,52 @@ enum Disconnect {
     Refused(String),
 }
 
-/// The key-value data and the parked connections waiting on keys.
-#[derive(Debug, Default)]
+/// The key-value data, its size, and the parked connections waiting on keys.
+#[derive(Debug)]
 struct State {
     data: HashMap<String, Vec<u8>>,
     waiters: HashMap<String, Vec<Token>>,
+    /// Bytes of keys and values in `data`.
+    held: usize,
+    /// Most bytes `data` may hold.
+    max_bytes: usize,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State::new(StoreLimits::default().max_bytes)
+    }
 }
 
 impl State {
-    /// Stores `value` and moves the connections watching `key` onto `woken`.
-    fn set(&mut self, key: String, value: Vec<u8>, woken: &mut Vec<Token>) {
+    fn new(max_bytes: usize) -> Self {
+        State {
+            data: HashMap::new(),
+            waiters: HashMap::new(),
+            held: 0,
+            max_bytes,
+        }
+    }
+
+    /// Stores `value` and moves the connections watching `key` onto `woken`; fails, storing
+    /// nothing, if the data would pass its limit.
+    fn set(&mut self, key: String, value: Vec<u8>, woken: &mut Vec<Token>) -> Result<(), String> {
+        let old = self.data.get(&key).map_or(0, |v| key.len() + v.len());
+        let held = self.held - old + key.len() + value.len();
+        if held > self.max_bytes {
+            return Err(format!(
+                "the store is full: setting {} bytes at key {key:?} would make it hold {held} \
+                 bytes, over its limit of {}",
+                value.len(),
+                self.max_bytes
+            ));
+        }
         if let Some(tokens) = self.waiters.remove(&key) {
             woken.extend(tokens);
         }
+        self.held = held;
         self.data.insert(key, value);
+        Ok(())
     }
 
     /// Adds `delta` to the decimal integer at `key` (0 if unset); returns the new value.
@@ -241,7 +318,7 @@ impl State {
         let new = current
             .checked_add(delta)
             .ok_or_else(|| format!("add of {delta} to {current} at key {key:?} overflows"))?;
-        self.set(key, new.to_string().into_bytes(), woken);
+        self.set(key, new.to_string().into_bytes(), woken)?;
         Ok(new)
     }
 
@@ -267,6 +344,9 @@ impl State {
 /// The serving thread's world.
 struct Server {
     auth: Auth,
+    limits: StoreLimits,
+    /// Connections yet to answer the challenge, by deadline (the earliest first).
+    handshakes: VecDeque<(Instant, Token)>,
     poll: Poll,
     listener: TcpListener,
     conns: HashMap<Token, Conn>,
@@ -276,14 +356,16 @@ struct Server {
 }
 
 impl Server {
-    fn new(poll: Poll, listener: TcpListener, auth: Auth) -> Self {
+    fn new(poll: Poll, listener: TcpListener, auth: Auth, limits: StoreLimits) -> Self {
         Server {
             auth,
+            limits,
+            handshakes: VecDeque::new(),
             poll,
             listener,
             conns: HashMap::new(),
             next_token: FIRST_CONNECTION,
-            state: State::default(),
+            state: State::new(limits.max_bytes),
             scratch: vec![0; READ_CHUNK],
         }
     }
@@ -292,7 +374,10 @@ impl Server {
     fn run(mut self) {
         let mut events = Events::with_capacity(1024);
         loop {
-            if let Err(e) = self.poll.poll(&mut events, None) {
+            let next = self.handshakes.front();
+            let timeout =
+                next.map(|(deadline, _)| deadline.saturating_duration_since(Instant::now()));
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
@@ -305,6 +390,31 @@ impl Server {
                     LISTENER => self.accept_all(),
                     token => self.drive_from(token),
                 }
+            }
+            self.expire_handshakes();
+        }
+    }
+
+    /// Drops the connections whose handshake deadline has passed without an answer.
+    fn expire_handshakes(&mut self) {
+        let now = Instant::now();
+        while let Some(&(deadline, token)) = self.handshakes.front() {
+            if deadline > now {
+                return;
+            }
+            self.handshakes.pop_front();
+            match self.conns.remove(&token) {
+                Some(conn) if conn.challenge.is_some() => {
+                    let reason = format!(
+                        "no answer to the challenge within {:?}",
+                        self.limits.handshake_deadline
+                    );
+                    self.drop_conn(token, conn, Disconnect::Refused(reason));
+                }
+                Some(conn) => {
+                    self.conns.insert(token, conn);
+                }
+                None => {}
             }
         }
     }
@@ -328,6 +438,10 @@ impl Server {
     }
 
     fn add_conn(&mut self, mut stream: TcpStream, peer: SocketAddr) {
+        let max = self.limits.max_connections;
+        if self.conns.len() >= max + REFUSING {
+            return warn!(%peer, "store server closes a connection: {max} are open, its limit");
+        }
         if let Err(e) = stream.set_nodelay(true) {
             debug!(%peer, error = %e, "store server cannot set TCP_NODELAY");
         }
@@ -347,7 +461,14 @@ impl Server {
         conn.write_buf
             .extend_from_slice(&handshake::challenge(&nonce));
         conn.challenge = Some(nonce);
+        if self.conns.len() >= max {
+            conn.refusal = Some(format!(
+                "the store already serves {max} connections, its limit"
+            ));
+        }
         self.conns.insert(token, conn);
+        let deadline = Instant::now() + self.limits.handshake_deadline;
+        self.handshakes.push_back((deadline, token));
     }
 
     /// Drives `first`, then every connection its requests woke, and so on.
@@ -406,7 +527,10 @@ impl Server {
                 return Ok(());
             };
             conn.read_buf.drain(..used);
-            let outcome = handshake::check(&self.auth, &nonce, &answer);
+            let outcome = match conn.refusal.take() {
+                Some(reason) => Err(reason),
+                None => handshake::check(&self.auth, &nonce, &answer),
+            };
             conn.write_buf
                 .extend_from_slice(&handshake::verdict(&outcome));
             conn.flush().map_err(Disconnect::Io)?;
@@ -429,10 +553,10 @@ impl Server {
 
     fn handle(&mut self, token: Token, conn: &mut Conn, request: Request, woken: &mut Vec<Token>) {
         match request {
-            Request::Set { key, value } => {
-                self.state.set(key, value, woken);
-                conn.respond(STATUS_OK, &[]);
-            }
+            Request::Set { key, value } => match self.state.set(key, value, woken) {
+                Ok(()) => conn.respond(STATUS_OK, &[]),
+                Err(message) => conn.respond(STATUS_ERROR, message.as_bytes()),
+            },
             Request::Add { key, delta } => match self.state.add(key, delta, woken) {
                 Ok(new) => conn.respond(STATUS_OK, &new.to_le_bytes()),
                 Err(message) => conn.respond(STATUS_ERROR, message.as_bytes()),
@@ -545,9 +669,13 @@ mod tests {
     fn add_refuses_text_and_overflow() {
         let mut state = State::default();
         let mut woken = Vec::new();
-        state.set("text".into(), b"abc".to_vec(), &mut woken);
+        state
+            .set("text".into(), b"abc".to_vec(), &mut woken)
+            .unwrap();
         assert!(state.add("text".into(), 1, &mut woken).is_err());
-        state.set("max".into(), i64::MAX.to_string().into_bytes(), &mut woken);
+        state
+            .set("max".into(), i64::MAX.to_string().into_bytes(), &mut woken)
+            .unwrap();
         assert!(state.add("max".into(), 1, &mut woken).is_err());
         assert_eq!(state.data["max"], i64::MAX.to_string().as_bytes());
     }
@@ -560,7 +688,7 @@ mod tests {
         state.watch("b", Token(12));
         state.unwatch("a", Token(11));
         let mut woken = Vec::new();
-        state.set("a".into(), b"1".to_vec(), &mut woken);
+        state.set("a".into(), b"1".to_vec(), &mut woken).unwrap();
         assert_eq!(woken, [Token(10)]);
         assert!(!state.waiters.contains_key("a"));
         state.unwatch("b", Token(12));
@@ -568,9 +696,24 @@ mod tests {
     }
 
     #[test]
+    fn the_data_held_is_bounded_counting_keys_and_replaced_values() {
+        let mut state = State::new(10);
+        let mut woken = Vec::new();
+        state.set("ab".into(), vec![0; 8], &mut woken).unwrap();
+        let err = state.set("c".into(), vec![], &mut woken).unwrap_err();
+        assert!(err.contains("over its limit of 10"), "{err}");
+        // Replacing a value counts only the difference.
+        state.set("ab".into(), vec![0; 3], &mut woken).unwrap();
+        assert_eq!(state.held, 5);
+        state.set("c".into(), vec![0; 4], &mut woken).unwrap();
+        assert!(state.add("d".into(), 1, &mut woken).is_err());
+        assert_eq!((state.held, state.data.len()), (10, 2));
+    }
+
+    #[test]
     fn first_missing_skips_set_keys() {
         let mut state = State::default();
-        state.set("a".into(), vec![], &mut Vec::new());
+        state.set("a".into(), vec![], &mut Vec::new()).unwrap();
         let keys = ["a".to_string(), "b".to_string(), "c".to_string()];
         assert_eq!(state.first_missing(&keys), Some(&keys[1]));
         assert_eq!(state.first_missing(&keys[..1]), None);
