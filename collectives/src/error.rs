@@ -1,5 +1,7 @@
 //! The library's error type.
 
+use std::io;
+
 use chorus_kernels::KernelError;
 use chorus_transport::store::StoreError;
 use chorus_transport::TransportError;
@@ -19,6 +21,8 @@ pub enum Error {
         reason: String,
     },
     /// Moving bytes between ranks failed; names the peer rank where known.
+    ///
+    /// Made by [`Error::transport`], which takes this process's rank.
     #[error("rank {rank}: {source}")]
     Transport {
         /// This process's rank.
@@ -35,6 +39,18 @@ pub enum Error {
     /// A call's arguments are invalid (lengths, root rank).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The operating system refused a resource Chorus needs (a thread).
+    #[error("{what}: {source}")]
+    Resource {
+        /// What was being done (`cannot start the worker thread`).
+        what: &'static str,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// A broken invariant inside Chorus (a malformed schedule, an executor bug): a bug
+    /// to report, not a misuse.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// An earlier operation failed; the communicator cannot be used.
     #[error("communicator unusable after an earlier failure: {0}")]
     Broken(String),
@@ -60,25 +76,56 @@ pub enum Error {
     },
 }
 
-impl From<TransportError> for Error {
-    fn from(source: TransportError) -> Self {
-        // The rank is filled in by the communicator; see `Error::on_rank`.
-        Error::Transport {
-            rank: usize::MAX,
-            source,
-        }
-    }
-}
-
 impl Error {
-    /// Stamps this rank onto a transport error.
-    pub(crate) fn on_rank(self, rank: usize) -> Error {
-        match self {
-            Error::Transport { source, .. } => Error::Transport { rank, source },
-            other => other,
-        }
+    /// The transport's error `source`, seen by `rank` (this process's rank).
+    pub fn transport(rank: usize, source: TransportError) -> Error {
+        Error::Transport { rank, source }
     }
 }
 
 /// Short for `Result<T, chorus::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[test]
+    fn a_transport_error_names_the_rank_it_was_made_with() {
+        let err = Error::transport(3, TransportError::PeerClosed { peer: 1 });
+        assert!(matches!(err, Error::Transport { rank: 3, .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            "rank 3: rank 1 closed its connection (did the process exit or crash?)"
+        );
+        let source = err.source().expect("the transport's error");
+        assert!(matches!(
+            source.downcast_ref::<TransportError>(),
+            Some(TransportError::PeerClosed { peer: 1 })
+        ));
+    }
+
+    #[test]
+    fn the_source_chain_reaches_the_os_error() {
+        let refused = || io::Error::from(io::ErrorKind::ConnectionRefused);
+        let err = Error::transport(0, TransportError::io(2, "connect", None, refused()));
+        let transport = err.source().expect("the transport's error");
+        let os = transport.source().expect("the OS error");
+        let os = os.downcast_ref::<Arc<io::Error>>().expect("an io::Error");
+        assert_eq!(os.kind(), io::ErrorKind::ConnectionRefused);
+
+        let err = Error::Resource {
+            what: "cannot start the worker thread",
+            source: io::Error::from(io::ErrorKind::OutOfMemory),
+        };
+        assert!(err
+            .to_string()
+            .starts_with("cannot start the worker thread: "));
+        let os = err.source().expect("the OS error");
+        let os = os.downcast_ref::<io::Error>().expect("an io::Error");
+        assert_eq!(os.kind(), io::ErrorKind::OutOfMemory);
+    }
+}

@@ -67,7 +67,7 @@ impl<E: Engine> Endpoint<E> {
         let thread = std::thread::Builder::new()
             .name(format!("chorus-{kind}-{rank}"))
             .spawn(move || runner.run())
-            .map_err(|e| TransportError::Setup(format!("cannot start the progress thread: {e}")))?;
+            .map_err(|e| TransportError::resource("cannot start the progress thread", e))?;
         Ok(Endpoint {
             rank,
             world_size,

@@ -1,5 +1,7 @@
 //! The transport's error type.
 
+use std::io;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::store::StoreError;
@@ -12,14 +14,16 @@ use crate::store::StoreError;
 #[non_exhaustive]
 pub enum TransportError {
     /// An operating-system error on the connection to `peer`.
-    #[error("I/O error with rank {peer} during {op}: {message}")]
+    #[error("I/O error with rank {peer} during {op}: {}{source}", cannot(.step))]
     Io {
         /// The peer's rank.
         peer: usize,
-        /// What was being done.
+        /// What was being done: `send`, `recv` or `connect`.
         op: &'static str,
-        /// The OS error, as text.
-        message: String,
+        /// The step of `op` that failed, where narrower (`send the hello`).
+        step: Option<String>,
+        /// The OS error (shared: the error is `Clone`).
+        source: Arc<io::Error>,
     },
     /// The peer closed its connection (its process exited or crashed).
     #[error("rank {peer} closed its connection (did the process exit or crash?)")]
@@ -50,6 +54,15 @@ pub enum TransportError {
     /// Connection set-up failed.
     #[error("connection set-up failed: {0}")]
     Setup(String),
+    /// Connection set-up could not have an operating-system resource: a socket, a
+    /// listener, a thread.
+    #[error("connection set-up failed: {what}: {source}")]
+    Resource {
+        /// What was being done (`cannot listen on 10.0.0.1:29500`).
+        what: String,
+        /// The OS error (shared: the error is `Clone`).
+        source: Arc<io::Error>,
+    },
     /// The rendezvous store failed while exchanging addresses.
     #[error(transparent)]
     Store(#[from] std::sync::Arc<StoreError>),
@@ -74,7 +87,33 @@ impl From<StoreError> for TransportError {
     }
 }
 
+/// `"cannot {step}: "` for an I/O error's narrower step, else nothing.
+fn cannot(step: &Option<String>) -> String {
+    step.as_ref()
+        .map(|step| format!("cannot {step}: "))
+        .unwrap_or_default()
+}
+
 impl TransportError {
+    /// An I/O error with `peer` during `op` (`send`, `recv`, `connect`), in `step` of it
+    /// where narrower.
+    pub fn io(peer: usize, op: &'static str, step: Option<String>, e: io::Error) -> Self {
+        TransportError::Io {
+            peer,
+            op,
+            step,
+            source: Arc::new(e),
+        }
+    }
+
+    /// A set-up failure to have an operating-system resource, saying `what` was being done.
+    pub fn resource(what: impl Into<String>, e: io::Error) -> Self {
+        TransportError::Resource {
+            what: what.into(),
+            source: Arc::new(e),
+        }
+    }
+
     /// The peer rank this error concerns, if any.
     pub fn peer(&self) -> Option<usize> {
         match self {
@@ -85,5 +124,51 @@ impl TransportError {
             | TransportError::InvalidPeer { peer, .. } => Some(*peer),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    /// The OS error at the end of `e`'s source chain, if any.
+    fn os_error(e: &TransportError) -> Option<io::ErrorKind> {
+        let source = e.source()?;
+        Some(source.downcast_ref::<Arc<io::Error>>()?.kind())
+    }
+
+    #[test]
+    fn an_io_error_keeps_the_os_error_and_says_which_step() {
+        let timed_out = || io::Error::new(io::ErrorKind::TimedOut, "it took too long");
+        let e = TransportError::io(4, "recv", None, timed_out());
+        assert_eq!(e.peer(), Some(4));
+        assert_eq!(
+            e.to_string(),
+            "I/O error with rank 4 during recv: it took too long"
+        );
+        assert_eq!(os_error(&e), Some(io::ErrorKind::TimedOut));
+
+        let e = TransportError::io(4, "connect", Some("send the hello".into()), timed_out());
+        assert_eq!(
+            e.to_string(),
+            "I/O error with rank 4 during connect: cannot send the hello: it took too long"
+        );
+        assert_eq!(os_error(&e.clone()), Some(io::ErrorKind::TimedOut));
+    }
+
+    #[test]
+    fn a_resource_error_keeps_the_os_error() {
+        let e = TransportError::resource(
+            "cannot listen on 127.0.0.1:1",
+            io::Error::new(io::ErrorKind::AddrInUse, "address in use"),
+        );
+        assert_eq!(e.peer(), None);
+        assert_eq!(
+            e.to_string(),
+            "connection set-up failed: cannot listen on 127.0.0.1:1: address in use"
+        );
+        assert_eq!(os_error(&e), Some(io::ErrorKind::AddrInUse));
     }
 }

@@ -8,11 +8,12 @@
 use std::time::Instant;
 
 use chorus_transport::shm::{CallPlace, ShmTransport, Stall};
+use chorus_transport::{Transport, TransportError};
 
 use super::shared::reduce_all;
 use super::{CallInfo, Kind};
 use crate::executor::Buffers;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Runs call `info` on `bufs` (at most `MAILBOX_BYTES`) with one meeting.
 pub(super) fn run(
@@ -23,9 +24,10 @@ pub(super) fn run(
     bufs: &Buffers<'_>,
 ) -> Result<()> {
     let (kind, root, dtype, op) = (info.kind, info.root, info.dtype, info.op);
+    let failed = |e: TransportError| Error::transport(shm.rank(), e);
     if kind == Kind::Barrier {
-        shm.meet(place, deadline, stall)?;
-        shm.places(place)?;
+        shm.meet(place, deadline, stall).map_err(failed)?;
+        shm.places(place).map_err(failed)?;
         return Ok(());
     }
     // Copied out before the output is written: in place, they are the same memory.
@@ -48,5 +50,6 @@ pub(super) fn run(
             _ => reduce_all(posted, output, dtype, op)?,
         }
         Ok(())
-    })?
+    })
+    .map_err(failed)?
 }

@@ -264,7 +264,7 @@ impl Communicator {
             },
         };
         let transport = RoutedTransport::connect(rank, config.world_size, &store, &routes)
-            .map_err(|e| Error::from(e).on_rank(rank))?;
+            .map_err(|e| Error::transport(rank, e))?;
         // The store's host keeps it up until every rank is done with it.
         store.set(&format!("ready/{rank}"), b"1")?;
         if rank == 0 {
@@ -547,13 +547,14 @@ impl Inner {
         let transport = self.transport.as_ref().map(|t| t as &dyn Transport);
         let meet = |window| {
             self.run_meeting(window, &call.bufs, tag, &info, watch)
-                .map_err(|e| executor::failed(e.on_rank(self.config.rank), watch, transport))
+                .map_err(|e| executor::failed(e, watch, transport))
         };
         let result = match &call.route {
             Route::Messages(steps) => {
                 self.announce_messages(tag, call.bufs.addresses().1.len(), info.root);
                 let job = Job {
                     transport,
+                    rank: self.config.rank,
                     tag,
                     dtype: info.dtype,
                     op: info.op,
@@ -563,7 +564,6 @@ impl Inner {
                     watch,
                 };
                 executor::execute(&job, &call.bufs, steps, &mut state.work)
-                    .map_err(|e| e.on_rank(self.config.rank))
             }
             Route::Mailbox => meet(None),
             Route::Window(window) => meet(Some(window)),

@@ -189,7 +189,10 @@ impl Monitor {
         std::thread::Builder::new()
             .name(format!("chorus-monitor-{}", config.rank))
             .spawn(move || listener.listen(&inner))
-            .map_err(|e| Error::InvalidArgument(format!("cannot start the monitor thread: {e}")))?;
+            .map_err(|source| Error::Resource {
+                what: "cannot start the monitor thread",
+                source,
+            })?;
         Ok(monitor)
     }
 
@@ -406,7 +409,6 @@ impl Watch for Watcher<'_> {
 
     fn failed(&self, error: Error) -> Error {
         let (rank, seq, call) = (self.monitor.rank, self.seq, self.call);
-        let error = error.on_rank(rank);
         let Error::Transport { source, .. } = &error else {
             return error;
         };

@@ -139,7 +139,7 @@ impl Inner {
         })?;
         let deadline = Instant::now() + self.config.timeout;
         let mut reqs: Vec<Request> = Vec::with_capacity(sends.len() + others.len());
-        let posted = (|| -> Result<()> {
+        let posted = (|| -> Result<(), TransportError> {
             for (peer, t, buf) in others {
                 // SAFETY: `buf` is borrowed for the whole call; every request completes,
                 // or the transport is aborted, before this function returns.
@@ -149,12 +149,12 @@ impl Inner {
                 // SAFETY: as above, for the borrowed send buffer.
                 reqs.push(unsafe { transport.isend(*peer, p2p_tag(*t), data)? });
             }
-            chorus_transport::wait_all(&reqs, deadline).map_err(Error::from)
+            chorus_transport::wait_all(&reqs, deadline)
         })();
         if posted.is_err() {
             transport.abort("a point-to-point exchange failed on this rank");
         }
-        posted.map_err(|e| e.on_rank(rank))
+        posted.map_err(|e| Error::transport(rank, e))
     }
 }
 
@@ -174,9 +174,9 @@ impl Inner {
         // Ranks that closed their connections, and the other messages found at the front.
         let mut left: Vec<usize> = Vec::new();
         let mut instead: Vec<(usize, u64)> = Vec::new();
-        let fail = |e: Error, why: &str| {
+        let fail = |e: TransportError, why: &str| {
             transport.abort(why);
-            e.on_rank(rank)
+            Error::transport(rank, e)
         };
         let mut round = 0u32;
         loop {
@@ -198,7 +198,7 @@ impl Inner {
                             );
                             let e = TransportError::Protocol { peer, detail };
                             let why = "recv_any found a message of another length";
-                            return Err(fail(e.into(), why));
+                            return Err(fail(e, why));
                         }
                         let recv = Group {
                             sends: Vec::new(),
@@ -210,7 +210,7 @@ impl Inner {
                     Ok(Some((t, _))) => instead.push((peer, t)),
                     Ok(None) => {}
                     Err(TransportError::PeerClosed { .. }) => left.push(peer),
-                    Err(e) => return Err(fail(e.into(), "recv_any failed on this rank")),
+                    Err(e) => return Err(fail(e, "recv_any failed on this rank")),
                 }
             }
             if left.len() == others {
@@ -218,12 +218,13 @@ impl Inner {
                 let e = TransportError::PeerClosed {
                     peer: left[left.len() - 1],
                 };
-                return Err(fail(e.into(), "recv_any found every other rank gone"));
+                return Err(fail(e, "recv_any found every other rank gone"));
             }
             let now = Instant::now();
             if now >= deadline {
                 let detail = no_sender(rank, tag, self.config.timeout, &left, &instead);
-                return Err(fail(Error::Timeout { rank, detail }, "recv_any timed out"));
+                transport.abort("recv_any timed out");
+                return Err(Error::Timeout { rank, detail });
             }
             if round < ANY_SPINS {
                 std::thread::yield_now();

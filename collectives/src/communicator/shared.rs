@@ -181,7 +181,7 @@ impl Communicator {
         })?;
         let window = made
             .expect("run when the communicator is usable")
-            .map_err(|e| Error::from(e).on_rank(self.rank()))?;
+            .map_err(|e| Error::transport(self.rank(), e))?;
         tracing::debug!(rank = self.rank(), id = window.id(), bytes, "shared buffer");
         Ok(SharedBuffer {
             memory: Memory::Window(window),
@@ -247,12 +247,14 @@ impl Inner {
         info: &CallInfo,
     ) -> Result<()> {
         let (count, dtype, op, len) = (info.count, info.dtype, info.op, place.len);
-        shm.meet(place, deadline, stall)?;
-        let peers = self.resolve(shm, &shm.places(place)?, len)?;
+        let failed = |e: TransportError| Error::transport(self.config.rank, e);
+        shm.meet(place, deadline, stall).map_err(failed)?;
+        let places = shm.places(place).map_err(failed)?;
+        let peers = self.resolve(shm, &places, len)?;
         match info.kind {
             Kind::Broadcast => {
                 broadcast(&peers, self.config.rank, info.root, len);
-                shm.meet(place, deadline, stall)?;
+                shm.meet(place, deadline, stall).map_err(failed)?;
             }
             _ if len <= WHOLE_BYTES => {
                 let me = self.config.rank;
@@ -263,7 +265,7 @@ impl Inner {
                     .map(|p| unsafe { p.input.bytes(0..len) })
                     .collect();
                 reduce_all(&inputs, &mut sum, dtype, op)?;
-                shm.meet(place, deadline, stall)?;
+                shm.meet(place, deadline, stall).map_err(failed)?;
                 // SAFETY: after the second meeting no peer reads this rank's output.
                 unsafe { peers[me].output.bytes_mut(0..len) }.copy_from_slice(&sum);
             }
@@ -271,9 +273,9 @@ impl Inner {
                 let me = self.config.rank;
                 let blocks = |r: usize| block(count, peers.len(), r);
                 reduce_block(&peers, me, blocks(me), dtype, op)?;
-                shm.meet(place, deadline, stall)?;
+                shm.meet(place, deadline, stall).map_err(failed)?;
                 gather_blocks(&peers, me, blocks, dtype.size());
-                shm.meet(place, deadline, stall)?;
+                shm.meet(place, deadline, stall).map_err(failed)?;
             }
         }
         Ok(())
@@ -287,9 +289,8 @@ impl Inner {
         let mut peers = Vec::with_capacity(places.len());
         for (local, place) in places.iter().enumerate() {
             let peer = shm.local_ranks()[local];
-            let bad = |detail: String| {
-                Error::from(TransportError::Protocol { peer, detail }).on_rank(rank)
-            };
+            let bad =
+                |detail: String| Error::transport(rank, TransportError::Protocol { peer, detail });
             let end = |at: Option<(u64, usize)>| -> Result<End> {
                 let (id, offset) =
                     at.ok_or_else(|| bad(format!("rank {peer} met without a buffer")))?;

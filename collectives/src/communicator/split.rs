@@ -20,17 +20,14 @@ impl Communicator {
     /// other collectives. Fails if the exchange or the new connections fail.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         let ticket = self.inner.ticket();
-        let mut result = Ok(None);
+        let mut split = None;
         self.inner.run_with(ticket, |inner, state| {
             let n = state.splits;
             state.splits += 1;
-            result = inner.split(n, color, key);
-            result
-                .as_ref()
-                .map(|_| ())
-                .map_err(|e| Error::Broken(e.to_string()))
+            split = inner.split(n, color, key)?;
+            Ok(())
         })?;
-        result
+        Ok(split)
     }
 
     /// A new communicator over the same ranks, with its own connections.
@@ -39,7 +36,7 @@ impl Communicator {
     pub fn dup(&self) -> Result<Communicator> {
         let me = self.rank() as i64;
         self.split(Some(0), me)?
-            .ok_or_else(|| Error::Broken("dup produced no communicator".into()))
+            .ok_or_else(|| Error::Internal("dup produced no communicator".into()))
     }
 }
 

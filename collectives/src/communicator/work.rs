@@ -35,7 +35,10 @@ impl Worker {
                 let _alive = alive;
                 queue.into_iter().for_each(|task| task());
             })
-            .map_err(|e| Error::InvalidArgument(format!("cannot start the worker thread: {e}")))?;
+            .map_err(|source| Error::Resource {
+                what: "cannot start the worker thread",
+                source,
+            })?;
         Ok(Worker {
             tasks: Some(tasks),
             thread: Some(thread),

@@ -777,7 +777,7 @@ fn check_peer(peer: usize, rank: usize, world: usize, step: usize) -> Result<(),
 /// The machine's refusal of rank `rank`'s step `step`.
 fn invalid(rank: usize, step: usize, error: Error) -> EvalError {
     let what = match error {
-        Error::InvalidArgument(what) => what,
+        Error::Internal(what) => what,
         other => other.to_string(),
     };
     EvalError::Invalid { rank, step, what }

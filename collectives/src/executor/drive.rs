@@ -87,9 +87,9 @@ impl Drop for Run<'_, '_> {
 
 impl Run<'_, '_> {
     fn transport(&self) -> Result<&dyn Transport, Error> {
-        self.job.transport.ok_or_else(|| {
-            Error::InvalidArgument("a schedule for one rank tried to communicate".into())
-        })
+        self.job
+            .transport
+            .ok_or_else(|| Error::Internal("a schedule for one rank tried to communicate".into()))
     }
 
     /// The address of `region`'s first byte.
@@ -117,7 +117,9 @@ impl Run<'_, '_> {
                     // happens (or the transport is aborted) before `execute` returns.
                     let req = unsafe {
                         let data = std::slice::from_raw_parts(ptr.cast_const(), from.len);
-                        self.transport()?.isend(peer, self.job.tag, data)?
+                        self.transport()?
+                            .isend(peer, self.job.tag, data)
+                            .map_err(|e| Error::transport(self.job.rank, e))?
                     };
                     self.machine.posted(req);
                 }
@@ -133,7 +135,9 @@ impl Run<'_, '_> {
                     // to this request until its reduction.
                     let req = unsafe {
                         let buf = std::slice::from_raw_parts_mut(ptr, len);
-                        self.transport()?.irecv(peer, self.job.tag, buf)?
+                        self.transport()?
+                            .irecv(peer, self.job.tag, buf)
+                            .map_err(|e| Error::transport(self.job.rank, e))?
                     };
                     self.machine.posted(req);
                 }
@@ -193,9 +197,10 @@ fn wait(job: &Job<'_>, warned: &mut bool, req: &Request) -> Result<(), Error> {
                     *warned = true;
                     watch.stalled();
                 }
-                done => return Ok(done?),
+                done => return done.map_err(|e| Error::transport(job.rank, e)),
             }
         }
     }
-    Ok(req.wait(deadline)?)
+    req.wait(deadline)
+        .map_err(|e| Error::transport(job.rank, e))
 }

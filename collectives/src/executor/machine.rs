@@ -330,7 +330,7 @@ impl<R> Machine<R> {
                     let (with, with_mem) = self.resolve(with)?;
                     let (into, mem) = self.resolve_target(into)?;
                     if with.len != into.len || (with_mem != mem && overlaps(&with_mem, &mem)) {
-                        return Err(Error::InvalidArgument(format!(
+                        return Err(Error::Internal(format!(
                             "schedule reduces {into:?} from a mismatched operand {with:?}"
                         )));
                     }
@@ -359,7 +359,7 @@ impl<R> Machine<R> {
                     let (from, from_mem) = self.resolve(from)?;
                     let (into, mem) = self.resolve_target(into)?;
                     if from.len != into.len {
-                        return Err(Error::InvalidArgument(format!(
+                        return Err(Error::Internal(format!(
                             "schedule copies {from:?} into {into:?} of another length"
                         )));
                     }
@@ -471,7 +471,7 @@ impl<R> Machine<R> {
         let b = index(loc.buf);
         let (start, end) = (loc.range.start * self.elem, loc.range.end * self.elem);
         if end > self.len[b] || start > end {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::Internal(format!(
                 "schedule step {loc:?} reaches past its buffer of {} bytes",
                 self.len[b]
             )));
@@ -487,7 +487,7 @@ impl<R> Machine<R> {
     /// Resolves a location a step writes; the input is never written.
     fn resolve_target(&self, loc: &Loc) -> Result<(Region, Range<usize>), Error> {
         if loc.buf == Buf::Input {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::Internal(format!(
                 "schedule writes its input at {loc:?}"
             )));
         }

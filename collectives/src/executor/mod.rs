@@ -56,6 +56,8 @@ impl Workspace {
 pub struct Job<'a> {
     /// The transport to the other ranks (`None` for a world of one).
     pub transport: Option<&'a dyn Transport>,
+    /// This process's rank (named by the call's errors).
+    pub rank: usize,
     /// The tag on every message of this call.
     pub tag: u64,
     /// Element type.
@@ -152,15 +154,15 @@ mod tests {
         }
     }
 
-    /// Runs a receive into the whole of `out` on `transport`, then waits for it.
-    fn receive(
-        transport: &Stuck,
+    /// A call of rank 0 in a world of two on `transport`, of bytes summed.
+    fn job<'a>(
+        transport: Option<&'a dyn Transport>,
         deadline: Instant,
-        watch: Option<&dyn Watch>,
-        out: &mut [u8],
-    ) -> Result<(), Error> {
-        let job = Job {
-            transport: Some(transport),
+        watch: Option<&'a dyn Watch>,
+    ) -> Job<'a> {
+        Job {
+            transport,
+            rank: 0,
             tag: 1,
             dtype: DType::U8,
             op: ReduceOp::Sum,
@@ -168,18 +170,48 @@ mod tests {
             deadline,
             depth: 1,
             watch,
-        };
+        }
+    }
+
+    /// Runs a receive into the whole of `out` on `transport`, then waits for it.
+    fn receive(
+        transport: &Stuck,
+        deadline: Instant,
+        watch: Option<&dyn Watch>,
+        out: &mut [u8],
+    ) -> Result<(), Error> {
         let into = Loc {
             buf: Buf::Output,
             range: 0..out.len(),
         };
         let steps = [Step::Recv { peer: 1, into }, Step::Fence];
         execute(
-            &job,
+            &job(Some(transport), deadline, watch),
             &Buffers::new(None, out),
             &steps,
             &mut Workspace::default(),
         )
+    }
+
+    #[test]
+    fn a_schedule_that_communicates_without_a_transport_is_an_internal_error() {
+        let mut out = [0u8; 4];
+        let from = Loc {
+            buf: Buf::Input,
+            range: 0..4,
+        };
+        let steps = [Step::Send { peer: 1, from }, Step::Fence];
+        let err = execute(
+            &job(None, Instant::now(), None),
+            &Buffers::new(None, &mut out),
+            &steps,
+            &mut Workspace::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&err, Error::Internal(why) if why.contains("tried to communicate")),
+            "{err}"
+        );
     }
 
     #[test]
@@ -190,8 +222,8 @@ mod tests {
             matches!(
                 err,
                 Error::Transport {
+                    rank: 0,
                     source: TransportError::Timeout { .. },
-                    ..
                 }
             ),
             "{err}"

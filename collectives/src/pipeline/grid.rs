@@ -39,9 +39,9 @@ impl Grid {
         }
         let (replica, stage) = (world.rank() / pp, world.rank() % pp);
         let split = |color: usize, key: usize| -> Result<Communicator> {
-            world
-                .split(Some(color as u32), key as i64)?
-                .ok_or_else(|| Error::Broken("split with a color returned no communicator".into()))
+            world.split(Some(color as u32), key as i64)?.ok_or_else(|| {
+                Error::Internal("split with a color returned no communicator".into())
+            })
         };
         let data = split(stage, replica)?;
         let pipeline = split(replica, stage)?;

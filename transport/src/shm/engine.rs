@@ -938,11 +938,7 @@ impl Op {
 fn cma_error(peer: usize, op: &'static str, what: &str, e: std::io::Error) -> TransportError {
     match e.raw_os_error() {
         Some(libc::ESRCH) => TransportError::PeerClosed { peer },
-        _ => TransportError::Io {
-            peer,
-            op,
-            message: format!("cannot {what}: {e}"),
-        },
+        _ => TransportError::io(peer, op, Some(what.to_string()), e),
     }
 }
 

@@ -691,11 +691,7 @@ fn io_error(peer: usize, op: &'static str, e: io::Error) -> TransportError {
         | io::ErrorKind::BrokenPipe
         | io::ErrorKind::ConnectionAborted
         | io::ErrorKind::UnexpectedEof => TransportError::PeerClosed { peer },
-        _ => TransportError::Io {
-            peer,
-            op,
-            message: e.to_string(),
-        },
+        _ => TransportError::io(peer, op, None, e),
     }
 }
 

@@ -91,15 +91,11 @@ pub(super) fn connect_all(
 }
 
 fn setup(what: &'static str) -> impl Fn(io::Error) -> TransportError {
-    move |e| TransportError::Setup(format!("cannot {what}: {e}"))
+    move |e| TransportError::resource(format!("cannot {what}"), e)
 }
 
 fn io_setup(peer: usize, what: &str, e: io::Error) -> TransportError {
-    TransportError::Io {
-        peer,
-        op: "connect",
-        message: format!("cannot {what}: {e}"),
-    }
+    TransportError::io(peer, "connect", Some(what.to_string()), e)
 }
 
 fn listen(addr: SocketAddr) -> Result<TcpListener, TransportError> {
@@ -107,7 +103,7 @@ fn listen(addr: SocketAddr) -> Result<TcpListener, TransportError> {
         .map_err(setup("create a listening socket"))?;
     socket
         .bind(&addr.into())
-        .map_err(|e| TransportError::Setup(format!("cannot listen on {addr}: {e}")))?;
+        .map_err(|e| TransportError::resource(format!("cannot listen on {addr}"), e))?;
     socket.listen(1024).map_err(setup("listen"))?;
     let listener: TcpListener = socket.into();
     listener
@@ -195,7 +191,7 @@ fn accept_higher(
                 pause = (pause * 2).min(Duration::from_millis(10));
                 continue;
             }
-            Err(e) => return Err(TransportError::Setup(format!("accept failed: {e}"))),
+            Err(e) => return Err(TransportError::resource("accept failed", e)),
         };
         pause = Duration::from_micros(100);
         match read_hello(&mut stream, auth, deadline).and_then(|h| own.admit(&h, sockets)) {

@@ -74,7 +74,7 @@ impl TcpTransport {
         }
         let sockets = mesh::connect_all(rank, world_size, store, config)?;
         let engine = Shared::new(rank, sockets, config.min_stripe)
-            .map_err(|e| TransportError::Setup(format!("cannot set up the sockets: {e}")))?;
+            .map_err(|e| TransportError::resource("cannot set up the sockets", e))?;
         let endpoint = Endpoint::start(rank, world_size, "tcp", engine)?;
         tracing::debug!(
             rank,
