@@ -122,24 +122,30 @@ pub(crate) fn create(dir: &Path, size: usize) -> Result<(PathBuf, File), Transpo
         .mode(0o600)
         .open(&path)
         .map_err(|e| {
-            TransportError::Setup(format!(
-                "cannot create the shared-memory file {}: {e} (set CHORUS_TRANSPORT=tcp where there is no {})",
-                path.display(),
-                dir.display()
-            ))
+            TransportError::resource(
+                format!(
+                    "cannot create the shared-memory file {} (set CHORUS_TRANSPORT=tcp where \
+                     there is no {})",
+                    path.display(),
+                    dir.display()
+                ),
+                e,
+            )
         })?;
     // Allocate every page now: a full tmpfs then fails here, not with SIGBUS later.
     // SAFETY: a valid open fd; offset and length are plain integers.
     let err = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
     if err != 0 {
         let _ = std::fs::remove_file(&path);
-        return Err(TransportError::Setup(format!(
-            "cannot allocate {size} bytes for the shared-memory file {}: {} \
-             (is {} full? set CHORUS_TRANSPORT=tcp to avoid it)",
-            path.display(),
+        return Err(TransportError::resource(
+            format!(
+                "cannot allocate {size} bytes for the shared-memory file {} (is {} full? set \
+                 CHORUS_TRANSPORT=tcp to avoid it)",
+                path.display(),
+                dir.display()
+            ),
             std::io::Error::from_raw_os_error(err),
-            dir.display()
-        )));
+        ));
     }
     Ok((path, file))
 }
@@ -202,17 +208,20 @@ pub(crate) fn open(path: &Path, rank: usize, leader: usize) -> Result<File, Tran
         .write(true)
         .open(path)
         .map_err(|e| {
-            TransportError::Setup(format!(
-                "rank {rank} cannot open the shared-memory file {} of rank {leader}: {e} \
-                 (do the ranks share /dev/shm? set CHORUS_HOST_ID per host, or CHORUS_TRANSPORT=tcp)",
-                path.display()
-            ))
+            TransportError::resource(
+                format!(
+                    "rank {rank} cannot open the shared-memory file {} of rank {leader} (do the \
+                     ranks share /dev/shm? set CHORUS_HOST_ID per host, or CHORUS_TRANSPORT=tcp)",
+                    path.display()
+                ),
+                e,
+            )
         })
 }
 
 pub(crate) fn map(file: &File, path: &Path) -> Result<MmapRaw, TransportError> {
     MmapRaw::map_raw(file)
-        .map_err(|e| TransportError::Setup(format!("cannot map {}: {e}", path.display())))
+        .map_err(|e| TransportError::resource(format!("cannot map {}", path.display()), e))
 }
 
 #[cfg(test)]
