@@ -214,16 +214,11 @@ impl Device {
         self.check_stream(stream)?;
         self.check_buffer("destination buffer", dst)?;
         self.check_buffer("source buffer", src)?;
-        if dst.len() == 0 {
-            return Ok(());
-        }
-        let kernels = self.kernels()?;
-        let func = kernels.reduce_fn(op, dtype)?;
-        let len = dst.len() / dtype.size();
+        let bytes = dst.len();
         {
             let (out, _write) = dst.device_ptr_mut(stream);
             let (b, _read) = src.device_ptr(stream);
-            self.launch(stream, func, dtype, len, [out, out, b], None)?;
+            self.enqueue_reduce(op, dtype, [out, out, b], bytes, stream)?;
         }
         self.check_async()
     }
@@ -250,19 +245,94 @@ impl Device {
         self.check_buffer("output buffer", out)?;
         self.check_buffer("first source buffer", a)?;
         self.check_buffer("second source buffer", b)?;
-        if out.len() == 0 {
-            return Ok(());
-        }
-        let kernels = self.kernels()?;
-        let func = kernels.reduce_fn(op, dtype)?;
-        let len = out.len() / dtype.size();
+        let bytes = out.len();
         {
             let (po, _write) = out.device_ptr_mut(stream);
             let (pa, _read_a) = a.device_ptr(stream);
             let (pb, _read_b) = b.device_ptr(stream);
-            self.launch(stream, func, dtype, len, [po, pa, pb], None)?;
+            self.enqueue_reduce(op, dtype, [po, pa, pb], bytes, stream)?;
         }
         self.check_async()
+    }
+
+    /// [`Device::reduce_into`] on raw device pointers `[out, a, b]`: `out = a op b` over
+    /// `bytes` bytes, enqueued on `stream`. `out` may equal `a` (in place).
+    ///
+    /// Fails as [`Device::reduce_into`] does on the operator, the length or the stream.
+    ///
+    /// # Safety
+    /// Each pointer must address `bytes` bytes of device memory usable in this device's
+    /// context (its own allocations, or peers' memory mapped into it) that stay allocated
+    /// until the kernel has run; nothing else may write them meanwhile, and `out` may
+    /// overlap `a` or `b` only by being equal to it.
+    pub unsafe fn reduce_into_raw(
+        &self,
+        op: ReduceOp,
+        dtype: DType,
+        ptrs: [u64; 3],
+        bytes: usize,
+        stream: &CudaStream,
+    ) -> Result<(), CudaError> {
+        op.check(dtype)?;
+        check_lengths(dtype, bytes, &[])?;
+        self.check_stream(stream)?;
+        self.enqueue_reduce(op, dtype, ptrs, bytes, stream)
+    }
+
+    /// [`Device::finish_avg`] on a raw device pointer to `bytes` bytes.
+    ///
+    /// # Safety
+    /// `buf` must address `bytes` bytes of device memory usable in this device's context
+    /// that stay allocated until the kernel has run, and nothing else may touch them meanwhile.
+    pub unsafe fn finish_avg_raw(
+        &self,
+        dtype: DType,
+        buf: u64,
+        bytes: usize,
+        n: usize,
+        stream: &CudaStream,
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Err(KernelError::ZeroCount.into());
+        }
+        check_lengths(dtype, bytes, &[])?;
+        self.check_stream(stream)?;
+        self.enqueue_avg(dtype, buf, bytes, n, stream)
+    }
+
+    /// Enqueues the `op` kernel on `ptrs` (`out, a, b`) over `bytes` bytes (checked by the caller).
+    fn enqueue_reduce(
+        &self,
+        op: ReduceOp,
+        dtype: DType,
+        ptrs: [u64; 3],
+        bytes: usize,
+        stream: &CudaStream,
+    ) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let kernels = self.kernels()?;
+        let func = kernels.reduce_fn(op, dtype)?;
+        self.launch(stream, func, dtype, bytes / dtype.size(), ptrs, None)
+    }
+
+    /// Enqueues the average kernel on `buf` (`bytes` bytes, checked by the caller).
+    fn enqueue_avg(
+        &self,
+        dtype: DType,
+        buf: u64,
+        bytes: usize,
+        n: usize,
+        stream: &CudaStream,
+    ) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let kernels = self.kernels()?;
+        let func = &kernels.avg[dtype_index(dtype)];
+        let len = bytes / dtype.size();
+        self.launch(stream, func, dtype, len, [buf, buf, buf], Some(n as u64))
     }
 
     /// Divides every element by `n`, the finishing step of [`ReduceOp::Avg`] (the GPU form
@@ -281,15 +351,10 @@ impl Device {
         check_lengths(dtype, buf.len(), &[])?;
         self.check_stream(stream)?;
         self.check_buffer("buffer", buf)?;
-        if buf.len() == 0 {
-            return Ok(());
-        }
-        let kernels = self.kernels()?;
-        let func = &kernels.avg[dtype_index(dtype)];
-        let len = buf.len() / dtype.size();
+        let bytes = buf.len();
         {
             let (p, _write) = buf.device_ptr_mut(stream);
-            self.launch(stream, func, dtype, len, [p, p, p], Some(n as u64))?;
+            self.enqueue_avg(dtype, p, bytes, n, stream)?;
         }
         self.check_async()
     }
@@ -321,8 +386,9 @@ impl Device {
         // and `source::avg_kernel`): device pointers and 64-bit counts. Each pointer is the
         // start of a buffer of at least `len * dtype.size()` bytes (checked by the caller)
         // in this device's context, as is the stream; the kernel touches only those bytes.
-        // The caller holds the buffers' borrows and sync guards until after this returns, so
-        // the buffers outlive the enqueued work (cudarc's event tracking orders the frees).
+        // The safe callers hold the buffers' borrows and sync guards until after this returns,
+        // so the buffers outlive the enqueued work (cudarc's event tracking orders the frees);
+        // the raw callers' contracts demand the same.
         unsafe { args.launch(cfg) }.map_err(CudaError::driver("launching a kernel"))?;
         Ok(())
     }

@@ -144,18 +144,21 @@ template <class T> struct Plain {
 };
 
 // IEEE half: exact widening and round-to-nearest-even narrowing by the PTX cvt instructions.
+// The half travels in the low 16 bits of a 32-bit register: NVRTC miscompiled 16-bit ("h")
+// asm operands that were later taken apart byte by byte.
 struct Half {
     typedef unsigned short S;
     typedef float C;
     static __device__ __forceinline__ float widen(unsigned short h) {
         float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }"
+            : "=f"(f) : "r"((unsigned int)h));
         return f;
     }
     static __device__ __forceinline__ unsigned short narrow(float f) {
-        unsigned short h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-        return h;
+        unsigned int h;
+        asm("{ .reg .b16 lo; cvt.rn.f16.f32 lo, %1; mov.b32 %0, {lo, lo}; }" : "=r"(h) : "f"(f));
+        return (unsigned short)(h & 0xffffu);
     }
 };
 
@@ -253,17 +256,28 @@ struct DivBy {
 };
 
 // ---- memory access ----
+// Unaligned elements are assembled from bytes with shifts in the unsigned integer of their
+// width, then reinterpreted whole.
+template <int N> struct Bits;
+template <> struct Bits<1> { typedef unsigned char U; };
+template <> struct Bits<2> { typedef unsigned short U; };
+template <> struct Bits<4> { typedef unsigned int U; };
+template <> struct Bits<8> { typedef unsigned long long U; };
 template <class S> __device__ __forceinline__ S load_bytes(const unsigned char* p) {
-    union { S s; unsigned char b[sizeof(S)]; } u;
+    typedef typename Bits<sizeof(S)>::U U;
+    U bits = 0;
 #pragma unroll
-    for (int i = 0; i < (int)sizeof(S); ++i) u.b[i] = p[i];
-    return u.s;
+    for (int i = 0; i < (int)sizeof(S); ++i) bits |= (U)((U)p[i] << (8 * i));
+    union { U u; S s; } v;
+    v.u = bits;
+    return v.s;
 }
 template <class S> __device__ __forceinline__ void store_bytes(unsigned char* p, S s) {
-    union { S s; unsigned char b[sizeof(S)]; } u;
-    u.s = s;
+    typedef typename Bits<sizeof(S)>::U U;
+    union { U u; S s; } v;
+    v.s = s;
 #pragma unroll
-    for (int i = 0; i < (int)sizeof(S); ++i) p[i] = u.b[i];
+    for (int i = 0; i < (int)sizeof(S); ++i) p[i] = (unsigned char)(v.u >> (8 * i));
 }
 
 template <class E, class Op>
