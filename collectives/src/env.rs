@@ -17,6 +17,10 @@ pub use chorus_kernels::env::{
 /// take every variable that starts with it).
 pub const CHORUS_PREFIX: &str = "CHORUS_";
 
+/// Which path the device collectives take: `auto` (default), `ipc` or `staged` (feature
+/// `cuda`; module `chorus::cuda`).
+pub const CHORUS_CUDA_PATH: &str = "CHORUS_CUDA_PATH";
+
 // torchrun's contract (set by chorusrun, torchrun, or by hand).
 
 /// Global rank of the process, `0..WORLD_SIZE`.

@@ -36,6 +36,10 @@ pub enum Error {
     /// A reduction kernel rejected its input.
     #[error(transparent)]
     Kernel(#[from] KernelError),
+    /// A CUDA call failed, or the device path could not be set up (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] chorus_kernels::cuda::CudaError),
     /// A call's arguments are invalid (lengths, root rank).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

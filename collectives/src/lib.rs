@@ -27,6 +27,8 @@ pub mod check;
 mod communicator;
 mod config;
 pub mod cost;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod ddp;
 pub mod env;
 mod error;

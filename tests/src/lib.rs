@@ -27,6 +27,10 @@ pub const CHORUS_TEST_SHARED: &str = "CHORUS_TEST_SHARED";
 /// ranks gets a host id of its own).
 pub const CHORUS_TEST_RANKS_PER_HOST: &str = "CHORUS_TEST_RANKS_PER_HOST";
 
+/// Where tests look for their worker binaries instead of cargo's build folder (set by
+/// `tools/gpu-check.sh`, which carries prebuilt binaries to a GPU machine).
+pub const CHORUS_TEST_BIN_DIR: &str = "CHORUS_TEST_BIN_DIR";
+
 /// Bound on one whole multi-process test.
 pub const JOB_TIMEOUT: Duration = Duration::from_secs(240);
 

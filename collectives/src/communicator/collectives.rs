@@ -274,6 +274,21 @@ impl Communicator {
         self.run_typed(info, bufs)
     }
 
+    /// Runs a collective of `kind` on raw bytes of `dtype` now (the device paths' host
+    /// step). `count` is the call's element count as [`CallInfo`] takes it.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn run_bytes(
+        &self,
+        info: (Kind, DType, ReduceOp, usize, usize),
+        input: Option<&[u8]>,
+        output: &mut [u8],
+    ) -> Result<()> {
+        let (kind, dtype, op, root, count) = info;
+        self.inner.check_root(root)?;
+        let info = CallInfo::new(kind, dtype, op, root, count)?;
+        self.run_typed(info, Buffers::new(input, output))
+    }
+
     /// Prepares call `info` on `bufs` and runs it now.
     fn run_typed(&self, info: CallInfo, bufs: Buffers<'_>) -> Result<()> {
         self.run_now(self.inner.prepare(info, bufs))

@@ -79,7 +79,7 @@ pub enum CudaError {
 
 impl CudaError {
     /// Wraps a driver error with what was being done.
-    pub(crate) fn driver(during: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+    pub fn driver(during: &'static str) -> impl FnOnce(DriverError) -> CudaError {
         move |source| CudaError::Driver { during, source }
     }
 }

@@ -1,0 +1,372 @@
+//! The IPC path: ranks of one host read and reduce each other's device memory directly.
+//!
+//! Every rank allocates a scratch buffer with `cuMemAlloc`, exports it with
+//! `cuIpcGetMemHandle`, and maps every peer's with `cuIpcOpenMemHandle`. A call then runs
+//! in rounds of at most a scratch buffer: each rank copies its input into its scratch,
+//! and after a barrier reduces its own slice of the result from every scratch buffer (a
+//! two-shot all-reduce: each rank reduces `1/W` of the data, then copies the others'
+//! reduced slices). Every barrier follows a synchronization of the caller's stream, so a
+//! rank reads a peer's scratch only once the peer's writes to it are complete.
+
+use std::sync::Arc;
+
+use chorus_kernels::cuda::cudarc::driver::sys::{self, CUipcMemHandle, CUipcMem_flags};
+use chorus_kernels::cuda::{CudaError, CudaStream, Device};
+use chorus_kernels::{DType, ReduceOp};
+
+use super::memory::{copy_on_device, DeviceAlloc};
+use super::{DeviceCall, Job};
+use crate::env::CHORUS_CUDA_PATH;
+use crate::{Communicator, Error, Result};
+
+/// Bytes of each rank's scratch buffer: the most one round moves per rank.
+const SCRATCH_BYTES: usize = 64 << 20;
+/// Bytes of the record each rank publishes: a flag, the IPC handle, the host's identity.
+const RECORD: usize = 128;
+const HANDLE: usize = 64;
+const HOST_ID: usize = RECORD - 1 - HANDLE;
+
+/// This rank's scratch buffer and every rank's, mapped into this process.
+pub(super) struct Peers {
+    scratch: DeviceAlloc,
+    /// Every rank's scratch buffer in this process's address space (this rank's own too).
+    ptrs: Vec<u64>,
+}
+
+impl Peers {
+    /// Sets up the IPC path on `comm`, or returns `None` where it cannot be used (then
+    /// every rank returns `None`). With `forced`, fails instead, naming the rank and why.
+    /// The device's context must be current.
+    pub fn connect(comm: &Communicator, forced: bool) -> Result<Option<Peers>> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let exported = DeviceAlloc::new(SCRATCH_BYTES).and_then(|scratch| {
+            let handle = export(scratch.ptr)?;
+            Ok((scratch, handle))
+        });
+        let mut record = [0u8; RECORD];
+        if let Ok((_, handle)) = &exported {
+            record[0] = 1;
+            record[1..=HANDLE].copy_from_slice(handle);
+        }
+        record[1 + HANDLE..].copy_from_slice(&host_id());
+        let mut records = vec![0u8; RECORD * world];
+        comm.all_gather(&record, &mut records)?;
+        let refuse = |reason: String| -> Result<Option<Peers>> {
+            if forced {
+                Err(Error::Config {
+                    var: CHORUS_CUDA_PATH,
+                    value: "ipc".into(),
+                    reason,
+                })
+            } else {
+                tracing::info!("device collectives take the staged path: {reason}");
+                Ok(None)
+            }
+        };
+        for (q, theirs) in records.chunks(RECORD).enumerate() {
+            if theirs[0] != 1 {
+                return refuse(format!(
+                    "rank {q} cannot export device memory through CUDA IPC"
+                ));
+            }
+            if theirs[1 + HANDLE..] != record[1 + HANDLE..] {
+                return refuse(format!("rank {q} runs on another host than rank {rank}"));
+            }
+        }
+        // This rank's own record passed the check above, so the export succeeded.
+        let (scratch, _) = exported?;
+        let mut ptrs = Vec::with_capacity(world);
+        let mut failure = None;
+        for (q, theirs) in records.chunks(RECORD).enumerate() {
+            if q == rank {
+                ptrs.push(scratch.ptr);
+                continue;
+            }
+            match open(&theirs[1..=HANDLE]) {
+                Ok(ptr) => ptrs.push(ptr),
+                Err(err) => {
+                    failure.get_or_insert(format!(
+                        "rank {rank} cannot map rank {q}'s device memory: {err}"
+                    ));
+                    ptrs.push(0);
+                }
+            }
+        }
+        let mut mapped = [u8::from(failure.is_none())];
+        comm.all_reduce(&mut mapped, ReduceOp::Min)?;
+        let peers = Peers { scratch, ptrs };
+        if mapped[0] == 0 {
+            peers.unmap(rank);
+            return refuse(
+                failure
+                    .unwrap_or_else(|| "another rank cannot map its peers' device memory".into()),
+            );
+        }
+        Ok(Some(peers))
+    }
+
+    /// Unmaps the peers' buffers and waits until every rank has (so the scratch buffer
+    /// freed next is no longer mapped anywhere).
+    pub fn close(&mut self, comm: &Communicator) {
+        self.unmap(comm.rank());
+        self.ptrs.clear();
+        if let Err(err) = comm.barrier() {
+            tracing::warn!(%err, "closing the device communicator: barrier failed");
+        }
+    }
+
+    fn unmap(&self, rank: usize) {
+        for (q, &ptr) in self.ptrs.iter().enumerate() {
+            if q != rank && ptr != 0 {
+                // SAFETY: `ptr` was returned by `cuIpcOpenMemHandle` and is closed once.
+                if let Err(err) = unsafe { sys::cuIpcCloseMemHandle(ptr) }.result() {
+                    tracing::warn!(%err, "unmapping rank {q}'s device memory failed");
+                }
+            }
+        }
+    }
+
+    pub fn run(
+        &mut self,
+        comm: &Communicator,
+        device: &Device,
+        job: Job,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let round = Round {
+            comm,
+            device,
+            stream,
+            ptrs: &self.ptrs,
+            scratch: self.scratch.ptr,
+            job,
+        };
+        let size = job.dtype.size();
+        let room = match job.call {
+            DeviceCall::ReduceScatter(_) => SCRATCH_BYTES / comm.world_size(),
+            _ => SCRATCH_BYTES,
+        };
+        let step = (room / size).max(1) * size;
+        for offset in (0..job.block).step_by(step) {
+            let len = step.min(job.block - offset);
+            match job.call {
+                DeviceCall::AllReduce(op) => round.all_reduce(op, offset, len)?,
+                DeviceCall::Broadcast { root } => round.broadcast(root, offset, len)?,
+                DeviceCall::Reduce { op, root } => round.reduce(op, root, offset, len)?,
+                DeviceCall::AllGather => round.all_gather(offset, len)?,
+                DeviceCall::ReduceScatter(op) => round.reduce_scatter(op, offset, len)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One round of a call: bytes `offset..offset + len` of each rank block.
+struct Round<'a> {
+    comm: &'a Communicator,
+    device: &'a Device,
+    stream: &'a Arc<CudaStream>,
+    ptrs: &'a [u64],
+    scratch: u64,
+    job: Job,
+}
+
+impl Round<'_> {
+    fn all_reduce(&self, op: ReduceOp, offset: usize, len: usize) -> Result<()> {
+        let (input, output) = self.at(offset);
+        self.copy(self.scratch, input, len)?;
+        self.fence()?;
+        let me = self.comm.rank();
+        let (start, end) = slice(len, self.job.dtype, self.comm.world_size(), me);
+        let mine = output + start as u64;
+        self.reduce_from(op, mine, start as u64, end - start)?;
+        self.copy(self.scratch + start as u64, mine, end - start)?;
+        self.fence()?;
+        for (q, &theirs) in self.ptrs.iter().enumerate().filter(|(q, _)| *q != me) {
+            let (start, end) = slice(len, self.job.dtype, self.comm.world_size(), q);
+            self.copy(output + start as u64, theirs + start as u64, end - start)?;
+        }
+        self.fence()
+    }
+
+    fn broadcast(&self, root: usize, offset: usize, len: usize) -> Result<()> {
+        let (input, output) = self.at(offset);
+        if self.comm.rank() == root {
+            self.copy(self.scratch, input, len)?;
+            self.copy(output, input, len)?;
+        }
+        self.fence()?;
+        if self.comm.rank() != root {
+            self.copy(output, self.ptrs[root], len)?;
+        }
+        self.fence()
+    }
+
+    fn reduce(&self, op: ReduceOp, root: usize, offset: usize, len: usize) -> Result<()> {
+        let (input, output) = self.at(offset);
+        self.copy(self.scratch, input, len)?;
+        self.fence()?;
+        if self.comm.rank() == root {
+            self.reduce_from(op, output, 0, len)?;
+        }
+        self.fence()
+    }
+
+    fn all_gather(&self, offset: usize, len: usize) -> Result<()> {
+        let (input, _) = self.at(offset);
+        self.copy(self.scratch, input, len)?;
+        self.fence()?;
+        for (q, &theirs) in self.ptrs.iter().enumerate() {
+            let dst = self.job.output + (q * self.job.block + offset) as u64;
+            let src = if q == self.comm.rank() { input } else { theirs };
+            self.copy(dst, src, len)?;
+        }
+        self.fence()
+    }
+
+    fn reduce_scatter(&self, op: ReduceOp, offset: usize, len: usize) -> Result<()> {
+        let world = self.comm.world_size();
+        for q in 0..world {
+            let src = self.job.input + (q * self.job.block + offset) as u64;
+            self.copy(self.scratch + (q * len) as u64, src, len)?;
+        }
+        self.fence()?;
+        let output = self.job.output + offset as u64;
+        self.reduce_from(op, output, (self.comm.rank() * len) as u64, len)?;
+        self.fence()
+    }
+
+    /// The input and output addresses at byte `offset` of this rank's block.
+    fn at(&self, offset: usize) -> (u64, u64) {
+        (
+            self.job.input + offset as u64,
+            self.job.output + offset as u64,
+        )
+    }
+
+    /// `out = op` over every rank's scratch bytes `at..at + len`, in rank order (so every
+    /// rank that computes a slice computes it alike); `Avg` divides at the end.
+    fn reduce_from(&self, op: ReduceOp, out: u64, at: u64, len: usize) -> Result<()> {
+        let dtype = self.job.dtype;
+        let sources: Vec<u64> = self.ptrs.iter().map(|p| p + at).collect();
+        match sources[..] {
+            [only] => self.copy(out, only, len)?,
+            [a, b, ref rest @ ..] => {
+                // SAFETY: every scratch buffer holds `at + len` bytes and is mapped here;
+                // `out` lies in the caller's output; no peer writes its scratch before the
+                // next barrier, and the stream is synchronized before that barrier.
+                unsafe {
+                    self.device
+                        .reduce_into_raw(op, dtype, [out, a, b], len, self.stream)?;
+                    for &src in rest {
+                        self.device.reduce_into_raw(
+                            op,
+                            dtype,
+                            [out, out, src],
+                            len,
+                            self.stream,
+                        )?;
+                    }
+                }
+            }
+            [] => {}
+        }
+        if op == ReduceOp::Avg {
+            // SAFETY: as above, `out` holds `len` bytes of the caller's output.
+            unsafe {
+                self.device
+                    .finish_avg_raw(dtype, out, len, sources.len(), self.stream)?
+            };
+        }
+        Ok(())
+    }
+
+    fn copy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: the callers pass ranges inside the caller's buffers (lengths checked by
+        // the communicator) or inside scratch buffers of `SCRATCH_BYTES`; the barriers
+        // keep peers from writing what is being read.
+        unsafe { copy_on_device(dst, src, len, self.stream)? };
+        Ok(())
+    }
+
+    /// Waits for this rank's queued work, then for every rank to get there.
+    fn fence(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(CudaError::driver("waiting for the stream"))?;
+        self.comm.barrier()
+    }
+}
+
+/// Rank `q`'s slice (byte range) of a round of `len` bytes: `world` slices of whole
+/// elements, each a multiple of 16 bytes where the round allows, the last one shorter.
+fn slice(len: usize, dtype: DType, world: usize, q: usize) -> (usize, usize) {
+    let unit = 16.max(dtype.size());
+    let per = len.div_ceil(world).div_ceil(unit) * unit;
+    let start = (q * per).min(len);
+    (start, ((q + 1) * per).min(len))
+}
+
+fn export(ptr: u64) -> Result<[u8; HANDLE], CudaError> {
+    let mut handle = CUipcMemHandle {
+        reserved: [0; HANDLE],
+    };
+    // SAFETY: `ptr` is the start of a live `cuMemAlloc` allocation of the current context.
+    unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) }
+        .result()
+        .map_err(CudaError::driver(
+            "exporting device memory (cuIpcGetMemHandle)",
+        ))?;
+    Ok(handle.reserved.map(|b| b as u8))
+}
+
+fn open(bytes: &[u8]) -> Result<u64, CudaError> {
+    let mut handle = CUipcMemHandle {
+        reserved: [0; HANDLE],
+    };
+    for (dst, src) in handle.reserved.iter_mut().zip(bytes) {
+        *dst = *src as _;
+    }
+    let mut ptr = 0;
+    // SAFETY: the handle is a peer's export of a live allocation (it frees it only after
+    // the closing barrier); the mapping is closed once, in `Peers::unmap`.
+    unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            &mut ptr,
+            handle,
+            CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+        )
+    }
+    .result()
+    .map_err(CudaError::driver(
+        "mapping a peer's device memory (cuIpcOpenMemHandle)",
+    ))?;
+    Ok(ptr)
+}
+
+/// What identifies this host to its peers: the kernel's boot id (one per machine and
+/// boot), else the host name, padded with zeros.
+fn host_id() -> [u8; HOST_ID] {
+    let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| crate::hostname());
+    let mut out = [0u8; HOST_ID];
+    for (dst, src) in out.iter_mut().zip(id.bytes()) {
+        *dst = src;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_split_a_round_in_whole_aligned_pieces() {
+        let pieces: Vec<_> = (0..4).map(|q| slice(100, DType::F32, 4, q)).collect();
+        assert_eq!(pieces, [(0, 32), (32, 64), (64, 96), (96, 100)]);
+        // More ranks than 16-byte units: the last ranks get nothing.
+        assert_eq!(slice(16, DType::F64, 3, 1), (16, 16));
+        assert_eq!(slice(0, DType::U8, 2, 0), (0, 0));
+    }
+}

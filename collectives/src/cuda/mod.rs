@@ -1,0 +1,480 @@
+//! Collectives on CUDA device buffers (cargo feature `cuda`).
+//!
+//! A [`CudaCommunicator`] runs all-reduce, broadcast, reduce, all-gather and
+//! reduce-scatter on device memory: cudarc's [`CudaSlice`](chorus_kernels::cuda::CudaSlice)
+//! and views (what candle's CUDA tensors hold), or raw device pointers through
+//! [`CudaCommunicator::call_raw`] for bindings. Reductions run on the GPU with the NVRTC
+//! kernels of [`chorus_kernels::cuda`] or on the host with Chorus's host kernels, as the
+//! path requires. Two paths, chosen once, by [`CudaCommunicator::new`]:
+//!
+//! * [`DevicePath::Ipc`], when every rank runs on one host: each rank exports a device
+//!   scratch buffer allocated with `cuMemAlloc` through CUDA IPC and maps every peer's. A
+//!   call copies its input into the scratch buffer, and each rank then reduces its slice
+//!   of the result straight from the peers' scratch buffers (GPU kernels) and copies the
+//!   other slices from theirs: nothing passes through host memory. Several ranks may share
+//!   one GPU. Host barriers order the steps.
+//! * [`DevicePath::Staged`], across hosts (or when IPC is unavailable): the data is cut
+//!   into chunks that are copied into pinned host buffers, run through the host
+//!   collective, and copied back, two chunks in flight so that the copies overlap the
+//!   host collective.
+//!
+//! `CHORUS_CUDA_PATH` (`auto`, `ipc`, `staged`) forces a path; `auto`, the default,
+//! takes IPC where every rank shares the host and can map its peers' memory.
+//!
+//! # Ordering and completion
+//!
+//! Calls are blocking, on a CUDA stream the caller gives (on the buffers' device). A call
+//! first waits for the work queued on that stream before it (and, through cudarc's event
+//! tracking, for pending writes to the buffers), enqueues its copies and kernels on the
+//! stream, and returns only when they are complete: when it returns `Ok`, the result is in
+//! the output buffer and visible to every stream; work queued on the stream afterwards runs
+//! after it. Every rank must make the same calls in the same order, as with the host
+//! collectives.
+
+mod ipc;
+mod memory;
+mod staged;
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+pub use chorus_kernels::cuda::{
+    cudarc, CudaError, CudaSlice, CudaStream, CudaView, CudaViewMut, Device,
+};
+use chorus_kernels::cuda::{DevicePtr, DevicePtrMut};
+use chorus_kernels::{DType, Element, ReduceOp};
+
+use crate::communicator::Kind;
+use crate::env::CHORUS_CUDA_PATH;
+use crate::{Communicator, Error, Result};
+
+/// How a [`CudaCommunicator`] moves device data between ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DevicePath {
+    /// CUDA IPC: ranks read each other's device memory directly (one host).
+    Ipc,
+    /// Pinned host buffers and the host collectives (any transport).
+    Staged,
+}
+
+/// One collective on device memory, for [`CudaCommunicator::call_raw`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceCall {
+    /// Every rank gets the reduction of every rank's `count` elements.
+    AllReduce(ReduceOp),
+    /// Every rank gets `root`'s `count` elements.
+    Broadcast {
+        /// The rank whose input is sent.
+        root: usize,
+    },
+    /// `root` gets the reduction of every rank's `count` elements; other outputs are untouched.
+    Reduce {
+        /// The operator.
+        op: ReduceOp,
+        /// The rank that receives the result.
+        root: usize,
+    },
+    /// Every rank gets every rank's `count` elements, block `q` from rank `q` (output
+    /// `world_size * count` elements).
+    AllGather,
+    /// Every rank's input holds `world_size` blocks of `count` elements; rank `q` gets the
+    /// reduction of block `q` (output `count` elements).
+    ReduceScatter(ReduceOp),
+}
+
+impl DeviceCall {
+    /// `(input, output)` elements per rank for a call of `count` on `world` ranks.
+    fn lengths(self, count: usize, world: usize) -> Option<(usize, usize)> {
+        match self {
+            DeviceCall::AllGather => Some((count, count.checked_mul(world)?)),
+            DeviceCall::ReduceScatter(_) => Some((count.checked_mul(world)?, count)),
+            _ => Some((count, count)),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            DeviceCall::AllReduce(_) => "all_reduce",
+            DeviceCall::Broadcast { .. } => "broadcast",
+            DeviceCall::Reduce { .. } => "reduce",
+            DeviceCall::AllGather => "all_gather",
+            DeviceCall::ReduceScatter(_) => "reduce_scatter",
+        }
+    }
+
+    /// The host collective's description: kind, operator and root.
+    fn host(self) -> (Kind, ReduceOp, usize) {
+        match self {
+            DeviceCall::AllReduce(op) => (Kind::AllReduce, op, 0),
+            DeviceCall::Broadcast { root } => (Kind::Broadcast, ReduceOp::Sum, root),
+            DeviceCall::Reduce { op, root } => (Kind::Reduce, op, root),
+            DeviceCall::AllGather => (Kind::AllGather, ReduceOp::Sum, 0),
+            DeviceCall::ReduceScatter(op) => (Kind::ReduceScatter, op, 0),
+        }
+    }
+}
+
+/// One call in flight: what, on which bytes.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    call: DeviceCall,
+    dtype: DType,
+    /// Bytes of one rank's block (`count * dtype.size()`).
+    block: usize,
+    input: u64,
+    output: u64,
+}
+
+/// A communicator for device buffers: a duplicate of a host [`Communicator`], a
+/// [`Device`], and the path's buffers. See the [module documentation](self).
+pub struct CudaCommunicator {
+    comm: Communicator,
+    device: Device,
+    path: Mutex<Path>,
+}
+
+enum Path {
+    Ipc(ipc::Peers),
+    Staged(staged::Staging),
+}
+
+impl std::fmt::Debug for CudaCommunicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaCommunicator")
+            .field("rank", &self.comm.rank())
+            .field("world_size", &self.comm.world_size())
+            .field("device", &self.device)
+            .field("path", &self.path())
+            .finish()
+    }
+}
+
+impl CudaCommunicator {
+    /// Makes a device communicator over a duplicate of `comm` for buffers on `device`.
+    ///
+    /// Collective: every rank of `comm` calls it. Chooses the path (see
+    /// `CHORUS_CUDA_PATH`); with `ipc` forced, fails naming the rank that cannot take
+    /// part. Fails with [`Error::Cuda`] when the device cannot be used.
+    pub fn new(comm: &Communicator, device: Device) -> Result<CudaCommunicator> {
+        let forced = forced_path()?;
+        let comm = comm.dup()?;
+        device
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("binding the device's context"))?;
+        let path = match forced {
+            Some(DevicePath::Staged) => None,
+            _ => ipc::Peers::connect(&comm, forced == Some(DevicePath::Ipc))?,
+        };
+        let path = match path {
+            Some(peers) => Path::Ipc(peers),
+            None => Path::Staged(staged::Staging::new(&device, comm.world_size())?),
+        };
+        Ok(CudaCommunicator {
+            comm,
+            device,
+            path: Mutex::new(path),
+        })
+    }
+
+    /// The path this communicator's calls take.
+    pub fn path(&self) -> DevicePath {
+        match &*self.lock() {
+            Path::Ipc(_) => DevicePath::Ipc,
+            Path::Staged(_) => DevicePath::Staged,
+        }
+    }
+
+    /// The device the buffers must be on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// Reduces `buf` across all ranks in place; every rank ends with the result.
+    pub fn all_reduce<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        buf: &mut B,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.in_place::<T, B>(DeviceCall::AllReduce(op), buf, stream)
+    }
+
+    /// Reduces every rank's `input` into every rank's `output` (same length).
+    pub fn all_reduce_into<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        input: &I,
+        output: &mut O,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.apart::<T, I, O>(DeviceCall::AllReduce(op), input, output, stream)
+    }
+
+    /// Copies `root`'s `buf` into every other rank's `buf`.
+    pub fn broadcast<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        buf: &mut B,
+        root: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.in_place::<T, B>(DeviceCall::Broadcast { root }, buf, stream)
+    }
+
+    /// Copies `root`'s `input` into every rank's `output` (`input` is read on the root only).
+    pub fn broadcast_into<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        input: &I,
+        output: &mut O,
+        root: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.apart::<T, I, O>(DeviceCall::Broadcast { root }, input, output, stream)
+    }
+
+    /// Reduces every rank's `buf` into `root`'s `buf`; other ranks' buffers are left as they were.
+    pub fn reduce<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        buf: &mut B,
+        op: ReduceOp,
+        root: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.in_place::<T, B>(DeviceCall::Reduce { op, root }, buf, stream)
+    }
+
+    /// Reduces every rank's `input` into `root`'s `output` (same length); other outputs are untouched.
+    pub fn reduce_into<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        input: &I,
+        output: &mut O,
+        op: ReduceOp,
+        root: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.apart::<T, I, O>(DeviceCall::Reduce { op, root }, input, output, stream)
+    }
+
+    /// Gathers every rank's `input` into every rank's `output` (`world_size` blocks, block
+    /// `q` from rank `q`).
+    pub fn all_gather<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        input: &I,
+        output: &mut O,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.apart::<T, I, O>(DeviceCall::AllGather, input, output, stream)
+    }
+
+    /// Reduces `input` (`world_size` blocks) across ranks; `output` gets block `rank` of
+    /// the result.
+    pub fn reduce_scatter<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        input: &I,
+        output: &mut O,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.apart::<T, I, O>(DeviceCall::ReduceScatter(op), input, output, stream)
+    }
+
+    /// Runs `call` on raw device pointers: `count` elements of `dtype` per rank block (see
+    /// [`DeviceCall`] for the input and output lengths), ordered on `stream` as the
+    /// [module documentation](self) says. In place when `input == output` (all-reduce,
+    /// broadcast, reduce), or with NCCL's in-place layouts (all-gather: `input` is block
+    /// `rank` of `output`; reduce-scatter: `output` is block `rank` of `input`).
+    ///
+    /// # Safety
+    /// `input` and `output` must address device memory of this communicator's device (or
+    /// memory mapped into its context) of at least the call's input and output lengths,
+    /// allocated until the call returns, and not otherwise overlapping; nothing else may
+    /// write them during the call.
+    pub unsafe fn call_raw(
+        &self,
+        call: DeviceCall,
+        dtype: DType,
+        (input, output): (u64, u64),
+        count: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let job = self.job(call, dtype, count, (input, output))?;
+        self.check_stream(stream)?;
+        self.run(job, stream)
+    }
+
+    fn in_place<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        call: DeviceCall,
+        buf: &mut B,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        self.check_buffer("buffer", buf.stream())?;
+        let count = buf.len();
+        let (ptr, _write) = buf.device_ptr_mut(stream);
+        let job = self.job(call, T::DTYPE, count, (ptr, ptr))?;
+        self.run(job, stream)
+    }
+
+    fn apart<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        call: DeviceCall,
+        input: &I,
+        output: &mut O,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        self.check_buffer("input buffer", input.stream())?;
+        self.check_buffer("output buffer", output.stream())?;
+        let world = self.world_size();
+        let count = match call {
+            DeviceCall::ReduceScatter(_) => output.len(),
+            _ => input.len(),
+        };
+        let (inputs, outputs) = call
+            .lengths(count, world)
+            .ok_or_else(|| Error::InvalidArgument(format!("{}: too long", call.name())))?;
+        if input.len() != inputs || output.len() != outputs {
+            return Err(Error::InvalidArgument(format!(
+                "{} on {world} ranks: the input has {} elements and the output {}; expected {inputs} and {outputs}",
+                call.name(),
+                input.len(),
+                output.len()
+            )));
+        }
+        let (pi, _read) = input.device_ptr(stream);
+        let (po, _write) = output.device_ptr_mut(stream);
+        let job = self.job(call, T::DTYPE, count, (pi, po))?;
+        self.run(job, stream)
+    }
+
+    /// Checks a call's arguments and describes it.
+    fn job(
+        &self,
+        call: DeviceCall,
+        dtype: DType,
+        count: usize,
+        (input, output): (u64, u64),
+    ) -> Result<Job> {
+        let world = self.world_size();
+        match call {
+            DeviceCall::AllReduce(op)
+            | DeviceCall::Reduce { op, .. }
+            | DeviceCall::ReduceScatter(op) => op.check(dtype)?,
+            _ => {}
+        }
+        if let DeviceCall::Broadcast { root } | DeviceCall::Reduce { root, .. } = call {
+            if root >= world {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: root {root} is not a rank (world size {world})",
+                    call.name()
+                )));
+            }
+        }
+        let block = count
+            .checked_mul(dtype.size())
+            .filter(|b| call.lengths(*b, world).is_some())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("{}: {count} elements is too many", call.name()))
+            })?;
+        Ok(Job {
+            call,
+            dtype,
+            block,
+            input,
+            output,
+        })
+    }
+
+    fn run(&self, job: Job, stream: &Arc<CudaStream>) -> Result<()> {
+        self.device
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("binding the device's context"))?;
+        let mut path = self.lock();
+        match &mut *path {
+            Path::Ipc(peers) => peers.run(&self.comm, &self.device, job, stream),
+            Path::Staged(staging) => staging.run(&self.comm, job, stream),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Path> {
+        self.path.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn check_stream(&self, stream: &CudaStream) -> Result<()> {
+        if **stream.context() != **self.device.context() {
+            return Err(CudaError::WrongDevice {
+                what: "stream",
+                ordinal: self.device.ordinal(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    fn check_buffer(&self, what: &'static str, owner: &CudaStream) -> Result<()> {
+        if **owner.context() != **self.device.context() {
+            return Err(CudaError::WrongDevice {
+                what,
+                ordinal: self.device.ordinal(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CudaCommunicator {
+    fn drop(&mut self) {
+        let _ = self.device.context().bind_to_thread();
+        if let Path::Ipc(peers) = &mut *self.lock() {
+            peers.close(&self.comm);
+        }
+    }
+}
+
+/// The path `CHORUS_CUDA_PATH` forces, if any.
+fn forced_path() -> Result<Option<DevicePath>> {
+    match std::env::var(CHORUS_CUDA_PATH) {
+        Err(_) => Ok(None),
+        Ok(v) => match v.trim() {
+            "" | "auto" => Ok(None),
+            "ipc" => Ok(Some(DevicePath::Ipc)),
+            "staged" => Ok(Some(DevicePath::Staged)),
+            _ => Err(Error::Config {
+                var: CHORUS_CUDA_PATH,
+                value: v,
+                reason: "expected auto, ipc or staged".into(),
+            }),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lengths_follow_the_collective() {
+        assert_eq!(DeviceCall::AllGather.lengths(3, 4), Some((3, 12)));
+        assert_eq!(
+            DeviceCall::ReduceScatter(ReduceOp::Sum).lengths(3, 4),
+            Some((12, 3))
+        );
+        assert_eq!(
+            DeviceCall::Broadcast { root: 1 }.lengths(3, 4),
+            Some((3, 3))
+        );
+        assert_eq!(DeviceCall::AllGather.lengths(usize::MAX, 2), None);
+    }
+}

@@ -1,0 +1,302 @@
+//! The device-collectives test worker: one rank of `chorus::cuda` checks on a GPU.
+//!
+//! `check PATH` runs every collective on device buffers (several types, operators and
+//! sizes, in and out of place, rounds and chunks included) and compares each rank's output
+//! with the result computed on the host; the communicator must have taken PATH (`ipc` or
+//! `staged`). `bench PATH MIB` times a MIB all-reduce of f32 on device buffers, the same
+//! all-reduce on host buffers, and a device-to-device copy, and prints one `bench` line.
+//! Prints `skipping: ...` and exits 0 where there is no GPU, unless
+//! `CHORUS_REQUIRE_CUDA=1`. Exits 2 with `WRONG: ...` on a wrong result.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use chorus::cuda::cudarc::driver::DeviceRepr;
+use chorus::cuda::{CudaCommunicator, CudaError, CudaSlice, CudaStream, Device, DevicePath};
+use chorus::{bf16, Communicator, Element, ReduceOp};
+
+type Outcome = Result<(), String>;
+
+fn main() -> ExitCode {
+    chorus_tests::init_logging();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or("");
+    let device = match Device::count().and_then(|n| match n {
+        0 => Err(CudaError::NoDevice {
+            ordinal: 0,
+            count: 0,
+        }),
+        n => Device::open(local_rank() % n),
+    }) {
+        Ok(device) => device,
+        Err(e) if std::env::var("CHORUS_REQUIRE_CUDA").as_deref() != Ok("1") => {
+            println!("skipping: no usable GPU ({e})");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("failed: CHORUS_REQUIRE_CUDA=1 but {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = Communicator::from_env()
+        .and_then(|comm| {
+            let dev = CudaCommunicator::new(&comm, device.clone())?;
+            Ok((comm, dev))
+        })
+        .map_err(|e| e.to_string())
+        .and_then(|(comm, dev)| {
+            let want = match arg(1) {
+                "ipc" => DevicePath::Ipc,
+                _ => DevicePath::Staged,
+            };
+            if dev.path() != want {
+                return Err(format!("WRONG: took {:?}, expected {want:?}", dev.path()));
+            }
+            let stream = device.new_stream().map_err(|e| e.to_string())?;
+            match arg(0) {
+                "check" => check(&dev, &stream),
+                "bench" => bench(&comm, &dev, &stream, arg(2).parse().unwrap_or(64)),
+                other => Err(format!("WRONG: unknown scenario {other:?}")),
+            }
+        });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.starts_with("WRONG") => {
+            eprintln!("{e}");
+            ExitCode::from(2)
+        }
+        Err(e) => {
+            eprintln!("failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn local_rank() -> usize {
+    std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Rank `r`'s element `i`: small integers, exact in every type and in any summation order.
+fn value(r: usize, i: usize) -> f64 {
+    ((r + 1) * (i % 7 + 1)) as f64 - 3.0
+}
+
+/// A host element from an exact small integer.
+trait Exact: Element + DeviceRepr + PartialEq + std::fmt::Debug {
+    fn from_f64(x: f64) -> Self;
+}
+impl Exact for f32 {
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+}
+impl Exact for bf16 {
+    fn from_f64(x: f64) -> Self {
+        bf16::from_f64(x)
+    }
+}
+impl Exact for i32 {
+    fn from_f64(x: f64) -> Self {
+        x as i32
+    }
+}
+
+const POISON: f64 = 99.0;
+
+fn check(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
+    // 17 Mi + 3 f32 elements: more than one IPC round (64 MiB) and many staging chunks.
+    for count in [1, 1027, (17 << 20) + 3] {
+        check_type::<f32>(
+            dev,
+            stream,
+            count,
+            &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max],
+        )?;
+    }
+    for count in [5, 100_003] {
+        check_type::<bf16>(dev, stream, count, &[ReduceOp::Sum, ReduceOp::Min])?;
+        check_type::<i32>(dev, stream, count, &[ReduceOp::Sum, ReduceOp::BXor])?;
+    }
+    println!("device collectives ok on {:?}", dev.path());
+    Ok(())
+}
+
+fn check_type<T: Exact>(
+    dev: &CudaCommunicator,
+    stream: &Arc<CudaStream>,
+    count: usize,
+    ops: &[ReduceOp],
+) -> Outcome {
+    let (w, me) = (dev.world_size(), dev.rank());
+    let what = |name: &str| format!("{name} {} x {count}", T::DTYPE);
+    let input =
+        |r: usize, n: usize| -> Vec<T> { (0..n).map(|i| T::from_f64(value(r, i))).collect() };
+    let poison = |n: usize| vec![T::from_f64(POISON); n];
+    let up = |v: &[T]| stream.clone_htod(v).map_err(|e| e.to_string());
+    let down = |s: &CudaSlice<T>| {
+        let v = stream.clone_dtoh(s).map_err(|e| e.to_string())?;
+        stream.synchronize().map_err(|e| e.to_string())?;
+        Ok::<_, String>(v)
+    };
+    let cuda = |e: chorus::Error| e.to_string();
+    for &op in ops {
+        let expect: Vec<T> = (0..count)
+            .map(|i| T::from_f64(reduce(op, w, |r| value(r, i))))
+            .collect();
+        // All-reduce, in place and apart.
+        let mut buf = up(&input(me, count))?;
+        dev.all_reduce(&mut buf, op, stream).map_err(cuda)?;
+        same(&down(&buf)?, &expect, &what(&format!("all_reduce {op}")))?;
+        let src = up(&input(me, count))?;
+        let mut out = up(&poison(count))?;
+        dev.all_reduce_into(&src, &mut out, op, stream)
+            .map_err(cuda)?;
+        same(
+            &down(&out)?,
+            &expect,
+            &what(&format!("all_reduce_into {op}")),
+        )?;
+        // Reduce to the last rank: other outputs untouched.
+        let root = w - 1;
+        let mut out = up(&poison(count))?;
+        dev.reduce_into(&src, &mut out, op, root, stream)
+            .map_err(cuda)?;
+        let want = if me == root {
+            expect.clone()
+        } else {
+            poison(count)
+        };
+        same(&down(&out)?, &want, &what(&format!("reduce_into {op}")))?;
+        // Reduce-scatter: block q of the input is `input(me)` shifted by q.
+        let blocks: Vec<T> = (0..w * count).map(|i| T::from_f64(value(me, i))).collect();
+        let src = up(&blocks)?;
+        let mut out = up(&poison(count))?;
+        dev.reduce_scatter(&src, &mut out, op, stream)
+            .map_err(cuda)?;
+        let want: Vec<T> = (0..count)
+            .map(|i| T::from_f64(reduce(op, w, |r| value(r, me * count + i))))
+            .collect();
+        same(&down(&out)?, &want, &what(&format!("reduce_scatter {op}")))?;
+    }
+    // Broadcast from the last rank, in place and apart.
+    let root = w - 1;
+    let mut buf = up(&input(me, count))?;
+    dev.broadcast(&mut buf, root, stream).map_err(cuda)?;
+    same(&down(&buf)?, &input(root, count), &what("broadcast"))?;
+    let src = up(&input(me, count))?;
+    let mut out = up(&poison(count))?;
+    dev.broadcast_into(&src, &mut out, root, stream)
+        .map_err(cuda)?;
+    same(&down(&out)?, &input(root, count), &what("broadcast_into"))?;
+    // All-gather.
+    let mut out = up(&poison(w * count))?;
+    dev.all_gather(&src, &mut out, stream).map_err(cuda)?;
+    let want: Vec<T> = (0..w).flat_map(|r| input(r, count)).collect();
+    same(&down(&out)?, &want, &what("all_gather"))?;
+    Ok(())
+}
+
+/// `op` over ranks `0..w` of `x(r)`, in f64.
+fn reduce(op: ReduceOp, w: usize, x: impl Fn(usize) -> f64) -> f64 {
+    let all = (0..w).map(&x);
+    match op {
+        ReduceOp::Sum => all.sum(),
+        ReduceOp::Avg => all.sum::<f64>() / w as f64,
+        ReduceOp::Max => all.fold(f64::MIN, f64::max),
+        ReduceOp::Min => all.fold(f64::MAX, f64::min),
+        ReduceOp::BXor => all.fold(0i64, |a, v| a ^ v as i64) as f64,
+        other => panic!("no host form for {other}"),
+    }
+}
+
+fn same<T: Exact>(got: &[T], want: &[T], what: &str) -> Outcome {
+    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+        return Err(format!(
+            "WRONG: {what}: element {i} of {}: got {:?}, want {:?}",
+            want.len(),
+            got[i],
+            want[i]
+        ));
+    }
+    Ok(())
+}
+
+/// Median of `runs` timings of `f`, in seconds.
+fn median(runs: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let start = Instant::now();
+        f()?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[runs / 2])
+}
+
+fn bench(
+    comm: &Communicator,
+    dev: &CudaCommunicator,
+    stream: &Arc<CudaStream>,
+    mib: usize,
+) -> Outcome {
+    let (w, bytes) = (comm.world_size(), mib << 20);
+    let n = bytes / 4;
+    let cuda = |e: chorus::Error| e.to_string();
+    let mut buf = stream
+        .clone_htod(&vec![1.0f32; n])
+        .map_err(|e| e.to_string())?;
+    let mut copy = stream.alloc_zeros::<f32>(n).map_err(|e| e.to_string())?;
+    let warm = 3;
+    let runs = 15;
+    for _ in 0..warm {
+        dev.all_reduce(&mut buf, ReduceOp::Sum, stream)
+            .map_err(cuda)?;
+    }
+    let device = median(runs, || {
+        comm.barrier().map_err(cuda)?;
+        dev.all_reduce(&mut buf, ReduceOp::Sum, stream)
+            .map_err(cuda)
+    })?;
+    let mut host = vec![1.0f32; n];
+    comm.all_reduce(&mut host, ReduceOp::Sum).map_err(cuda)?;
+    let on_host = median(runs, || {
+        comm.barrier().map_err(cuda)?;
+        comm.all_reduce(&mut host, ReduceOp::Sum).map_err(cuda)
+    })?;
+    // Every rank copies at once, as every rank's all-reduce does.
+    let copy_time = median(runs, || {
+        comm.barrier().map_err(cuda)?;
+        stream
+            .memcpy_dtod(&buf, &mut copy)
+            .map_err(|e| e.to_string())?;
+        stream.synchronize().map_err(|e| e.to_string())
+    })?;
+    let bus = |t: f64| 2.0 * (w - 1) as f64 / w as f64 * bytes as f64 / t / 1e9;
+    // Bytes the IPC all-reduce moves through device memory per rank: the input into
+    // scratch (2N), reduce W - 1 times over N/W (3N/W each, or a 2N/W copy at W = 1), the
+    // reduced slice into scratch (2N/W) and the other W - 1 slices out (2N/W each).
+    let nb = bytes as f64;
+    let wf = w as f64;
+    let reduce = if w == 1 { 2.0 } else { 3.0 * (wf - 1.0) };
+    let moved = 2.0 * nb + (reduce + 2.0 + 2.0 * (wf - 1.0)) * nb / wf;
+    // Copy bandwidth with every rank copying at once (bytes read + written per rank).
+    let copy_bw = 2.0 * nb / copy_time;
+    println!(
+        "bench path={:?} W={w} MiB={mib} device_us={:.1} busbw={:.1} host_us={:.1} host_busbw={:.1} \
+         copy_GBps_per_rank={:.1} ipc_floor_us={:.1} ipc_of_floor={:.0}% staged_of_host={:.0}%",
+        dev.path(),
+        device * 1e6,
+        bus(device),
+        on_host * 1e6,
+        bus(on_host),
+        copy_bw / 1e9,
+        moved / copy_bw * 1e6,
+        moved / copy_bw / device * 100.0,
+        on_host / device * 100.0,
+    );
+    Ok(())
+}

@@ -1,0 +1,56 @@
+//! Collectives on CUDA device buffers across real processes, every rank on the machine's
+//! first GPU(s): both paths (CUDA IPC and pinned-host staging) at 1, 2 and 4 ranks. Each
+//! rank checks its outputs against the host's result. Without a GPU the workers print a
+//! skip line, shown here; `CHORUS_REQUIRE_CUDA=1` makes that a failure.
+#![cfg(feature = "cuda")]
+
+use std::path::PathBuf;
+
+use chorus_tests::{assert_success, run, CHORUS_TEST_BIN_DIR};
+
+/// The worker: the one cargo built, or the one in `CHORUS_TEST_BIN_DIR` (binaries carried
+/// to a GPU machine by `tools/gpu-check.sh`).
+fn worker() -> PathBuf {
+    match std::env::var_os(CHORUS_TEST_BIN_DIR) {
+        Some(dir) => PathBuf::from(dir).join("chorus-cuda-worker"),
+        None => PathBuf::from(env!("CARGO_BIN_EXE_chorus-cuda-worker")),
+    }
+}
+
+/// Runs `args` on `world` ranks with the path forced; false when the workers skipped.
+fn on_gpu(world: usize, path: &str, args: &[&str], ok: &str) -> bool {
+    let report = run(world, &worker(), args, &[("CHORUS_CUDA_PATH", path)]);
+    assert_success(&report);
+    if let Some(skip) = report.ranks.iter().find(|r| r.stdout.contains("skipping")) {
+        println!("skipping device collectives: {}", skip.stdout.trim());
+        return false;
+    }
+    for r in &report.ranks {
+        assert!(r.stdout.contains(ok), "rank {}: {}", r.rank, r.stdout);
+        println!("W={world} {path} rank {}: {}", r.rank, r.stdout.trim());
+    }
+    true
+}
+
+#[test]
+fn device_collectives_match_the_host_through_ipc() {
+    for world in [1, 2, 4] {
+        if !on_gpu(world, "ipc", &["check", "ipc"], "device collectives ok") {
+            return;
+        }
+    }
+}
+
+#[test]
+fn device_collectives_match_the_host_through_staging() {
+    for world in [1, 2, 4] {
+        if !on_gpu(
+            world,
+            "staged",
+            &["check", "staged"],
+            "device collectives ok",
+        ) {
+            return;
+        }
+    }
+}

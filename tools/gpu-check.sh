@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Every GPU check of Chorus, in one table.
+#
+#   tools/gpu-check.sh build [DIR]   build the release binaries into DIR (default
+#                                    target/gpu-check), on any x86-64 Linux machine with cargo
+#   tools/gpu-check.sh run [DIR]     on a machine with an NVIDIA GPU (no Rust needed): run the
+#                                    checks from DIR's binaries, print one table
+#
+# The checks, with CHORUS_REQUIRE_CUDA=1 (a missing GPU fails, never skips):
+#   kernels cold / warm   the CUDA kernel tests, on an empty kernel cache, then on the filled one
+#   sum f32 / bf16        the sum kernels' bandwidth as a share of a device-to-device copy, 256 MiB
+#   collectives ...       the device collectives' tests at 1, 2 and 4 ranks on the GPU(s),
+#                         through CUDA IPC and through pinned-host staging
+#   all-reduce 64 MiB     W = 2 and 4 ranks: device all-reduce time, bus bandwidth, the IPC
+#                         path against the floor its bytes allow at the copy bandwidth, the
+#                         staged path against the host-buffer all-reduce
+#   allreduce_perf        allreduce_perf --device cuda, -np 2 and -np 4
+set -uo pipefail
+
+mode=${1:-}
+dir=${2:-target/gpu-check}
+
+build() {
+    set -e
+    mkdir -p "$dir"
+    local json
+    json=$(mktemp)
+    cargo build --release -p chorus-tools --bin chorusrun --bin allreduce_perf
+    cargo build --release -p chorus-kernels --features cuda --example cuda_bench
+    cargo build --release -p chorus-tests --features cuda --bin chorus-cuda-worker
+    cargo test --release -p chorus-kernels --features cuda --no-run --message-format=json >"$json"
+    cargo test --release -p chorus-tests --features cuda --test cuda --no-run --message-format=json >>"$json"
+    local kernels tests
+    kernels=$(grep -o '"executable":"[^"]*chorus_kernels-[^"]*"' "$json" | tail -1 | cut -d'"' -f4)
+    tests=$(grep -o '"executable":"[^"]*/cuda-[^"]*"' "$json" | tail -1 | cut -d'"' -f4)
+    rm -f "$json"
+    cp target/release/chorusrun target/release/allreduce_perf target/release/chorus-cuda-worker \
+        target/release/examples/cuda_bench "$dir"/
+    cp "$kernels" "$dir"/kernel-tests
+    cp "$tests" "$dir"/cuda-tests
+    strip --strip-debug "$dir"/* 2>/dev/null || true
+    du -sh "$dir"
+}
+
+rows=()
+row() { rows+=("$(printf '%-24s %-6s %s' "$1" "$2" "$3")"); }
+
+# check NAME LIMIT_S COMMAND...: runs it, logs it under $log, adds a row with its status.
+check() {
+    local name=$1 limit=$2
+    shift 2
+    local out="$log/${name// /_}.log" start=$SECONDS
+    timeout "$limit" "$@" >"$out" 2>&1
+    local rc=$?
+    local took=$((SECONDS - start))
+    if [ $rc -eq 0 ]; then status=ok; else status="FAIL($rc)"; fi
+    last_out=$out
+    last_detail="${took}s"
+    echo "== $name: $status in ${took}s" >&2
+    [ $rc -eq 0 ] || tail -20 "$out" >&2
+}
+
+run() {
+    export CHORUS_REQUIRE_CUDA=1 CHORUS_TEST_BIN_DIR
+    CHORUS_TEST_BIN_DIR=$(realpath "$dir")
+    log=${OUT:-$(mktemp -d)}
+    local cache
+    cache=$(mktemp -d)
+    nvidia-smi -L >&2 || true
+
+    check "kernels cold" 120 env CHORUS_CUDA_CACHE="$cache" "$dir"/kernel-tests cuda
+    row "kernels cold cache" "$status" "$(grep -o 'test result.*passed;[^;]*failed' "$last_out" | tail -1) ($last_detail)"
+    check "kernels warm" 120 env CHORUS_CUDA_CACHE="$cache" "$dir"/kernel-tests cuda
+    row "kernels warm cache" "$status" "$(grep -o 'test result.*passed;[^;]*failed' "$last_out" | tail -1) ($last_detail)"
+
+    check "cuda_bench" 120 "$dir"/cuda_bench 256
+    for dtype in float bfloat16; do
+        row "sum $dtype 256 MiB" "$status" "$(grep "^$dtype *reduce sum" "$last_out" | awk '{print $(NF-1) " GB/s, " $NF " of copy"}')"
+    done
+
+    check "collectives" 300 "$dir"/cuda-tests --test-threads 1 --nocapture
+    row "collectives W=1,2,4" "$status" "$(grep -c 'device collectives ok' "$last_out") rank runs ok; ipc and staged ($last_detail)"
+
+    for path in ipc staged; do
+        for world in 2 4; do
+            check "bench $path $world" 120 env CHORUS_CUDA_PATH=$path "$dir"/chorusrun --standalone \
+                --nproc-per-node $world "$dir"/chorus-cuda-worker bench $path 64
+            row "all-reduce $path W=$world" "$status" \
+                "$(grep -o 'device_us.*' "$last_out" | head -1)"
+        done
+    done
+
+    for world in 2 4; do
+        check "allreduce_perf $world" 120 "$dir"/allreduce_perf --device cuda -np $world -b 8 -e 64M -f 8
+        row "allreduce_perf -np $world" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
+    done
+
+    echo
+    printf '%-24s %-6s %s\n' check status result
+    printf '%s\n' "${rows[@]}"
+}
+
+case $mode in
+build) build ;;
+run) run ;;
+*)
+    echo "usage: $0 build|run [DIR]" >&2
+    exit 2
+    ;;
+esac
