@@ -1,12 +1,17 @@
 //! The IPC path: ranks of one host read and reduce each other's device memory directly.
 //!
 //! Every rank allocates a scratch buffer with `cuMemAlloc`, exports it with
-//! `cuIpcGetMemHandle`, and maps every peer's with `cuIpcOpenMemHandle`. A call then runs
-//! in rounds of at most a scratch buffer: each rank copies its input into its scratch,
-//! and after a barrier reduces its own slice of the result from every scratch buffer (a
-//! two-shot all-reduce: each rank reduces `1/W` of the data, then copies the others'
-//! reduced slices). Every barrier follows a synchronization of the caller's stream, so a
-//! rank reads a peer's scratch only once the peer's writes to it are complete.
+//! `cuIpcGetMemHandle`, and maps every peer's with `cuIpcOpenMemHandle`. A call runs in
+//! rounds of at most half a scratch buffer, the rounds alternating between the halves.
+//! In a round each rank copies its input into its half, and after a fence the ranks read
+//! each other's halves: an all-reduce on two ranks has each rank reduce the whole round
+//! (one pass over both inputs); on more ranks each reduces its own slice into its half,
+//! and after a second fence copies the others' reduced slices (two-shot).
+//!
+//! A fence is a synchronization of the caller's stream, then an exchange among the ranks,
+//! so a rank reads a peer's half only once the peer's writes to it are complete. A rank
+//! writes a half again only two rounds later, past a fence that every peer reaches only
+//! after its reads of the previous use: no fence is needed at the end of a round.
 
 use std::sync::Arc;
 
@@ -19,8 +24,8 @@ use super::{DeviceCall, Job};
 use crate::env::CHORUS_CUDA_PATH;
 use crate::{Communicator, Error, Result};
 
-/// Bytes of each rank's scratch buffer: the most one round moves per rank.
-const SCRATCH_BYTES: usize = 64 << 20;
+/// Bytes of each half of a rank's scratch buffer: the most one round moves per rank.
+const HALF_BYTES: usize = 64 << 20;
 /// Bytes of the record each rank publishes: a flag, the IPC handle, the host's identity.
 const RECORD: usize = 128;
 const HANDLE: usize = 64;
@@ -31,6 +36,8 @@ pub(super) struct Peers {
     scratch: DeviceAlloc,
     /// Every rank's scratch buffer in this process's address space (this rank's own too).
     ptrs: Vec<u64>,
+    /// The half the next round uses (every rank runs the same rounds, so all agree).
+    half: usize,
 }
 
 impl Peers {
@@ -39,7 +46,7 @@ impl Peers {
     /// The device's context must be current.
     pub fn connect(comm: &Communicator, forced: bool) -> Result<Option<Peers>> {
         let (rank, world) = (comm.rank(), comm.world_size());
-        let exported = DeviceAlloc::new(SCRATCH_BYTES).and_then(|scratch| {
+        let exported = DeviceAlloc::new(2 * HALF_BYTES).and_then(|scratch| {
             let handle = export(scratch.ptr)?;
             Ok((scratch, handle))
         });
@@ -94,7 +101,11 @@ impl Peers {
         }
         let mut mapped = [u8::from(failure.is_none())];
         comm.all_reduce(&mut mapped, ReduceOp::Min)?;
-        let peers = Peers { scratch, ptrs };
+        let peers = Peers {
+            scratch,
+            ptrs,
+            half: 0,
+        };
         if mapped[0] == 0 {
             peers.unmap(rank);
             return refuse(
@@ -133,21 +144,24 @@ impl Peers {
         job: Job,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let round = Round {
-            comm,
-            device,
-            stream,
-            ptrs: &self.ptrs,
-            scratch: self.scratch.ptr,
-            job,
-        };
         let size = job.dtype.size();
         let room = match job.call {
-            DeviceCall::ReduceScatter(_) => SCRATCH_BYTES / comm.world_size(),
-            _ => SCRATCH_BYTES,
+            DeviceCall::ReduceScatter(_) => HALF_BYTES / comm.world_size(),
+            _ => HALF_BYTES,
         };
         let step = (room / size).max(1) * size;
-        for offset in (0..job.block).step_by(step) {
+        for (i, offset) in (0..job.block).step_by(step).enumerate() {
+            let at = (self.half * HALF_BYTES) as u64;
+            self.half ^= 1;
+            let round = Round {
+                comm,
+                device,
+                stream,
+                ptrs: self.ptrs.iter().map(|p| p + at).collect(),
+                scratch: self.scratch.ptr + at,
+                job,
+                first: i == 0,
+            };
             let len = step.min(job.block - offset);
             match job.call {
                 DeviceCall::AllReduce(op) => round.all_reduce(op, offset, len)?,
@@ -157,36 +171,67 @@ impl Peers {
                 DeviceCall::ReduceScatter(op) => round.reduce_scatter(op, offset, len)?,
             }
         }
+        stream
+            .synchronize()
+            .map_err(CudaError::driver("waiting for the stream"))?;
         Ok(())
     }
 }
 
-/// One round of a call: bytes `offset..offset + len` of each rank block.
+/// Meets every rank and checks that all make the same call (the rounds, and so the
+/// halves, must match); fails naming the first rank that differs.
+fn agree(comm: &Communicator, job: Job) -> Result<()> {
+    let (kind, op, root) = job.call.host();
+    let mine = [kind as u64, op as u64, root as u64, job.dtype as u64, job.block as u64];
+    let mut all = vec![0u64; mine.len() * comm.world_size()];
+    comm.all_gather(&mine, &mut all)?;
+    match all.chunks(mine.len()).position(|theirs| theirs != mine) {
+        None => Ok(()),
+        Some(q) => Err(Error::InvalidArgument(format!(
+            "device {}: rank {} called it with {} bytes of {}, rank {q} made another call or \
+             passed another size",
+            job.call.name(),
+            comm.rank(),
+            job.block,
+            job.dtype
+        ))),
+    }
+}
+
+/// One round of a call: bytes `offset..offset + len` of each rank block, through one
+/// half of every scratch buffer.
 struct Round<'a> {
     comm: &'a Communicator,
     device: &'a Device,
     stream: &'a Arc<CudaStream>,
-    ptrs: &'a [u64],
+    /// Every rank's half for this round.
+    ptrs: Vec<u64>,
+    /// This rank's half.
     scratch: u64,
     job: Job,
+    /// The call's first round: its first fence checks that every rank makes this call.
+    first: bool,
 }
 
 impl Round<'_> {
     fn all_reduce(&self, op: ReduceOp, offset: usize, len: usize) -> Result<()> {
         let (input, output) = self.at(offset);
         self.copy(self.scratch, input, len)?;
-        self.fence()?;
-        let me = self.comm.rank();
-        let (start, end) = slice(len, self.job.dtype, self.comm.world_size(), me);
+        self.fence(self.first)?;
+        let (world, me) = (self.comm.world_size(), self.comm.rank());
+        if world <= 2 {
+            return self.reduce_from(op, output, 0, len);
+        }
+        let (start, end) = slice(len, self.job.dtype, world, me);
         let mine = output + start as u64;
         self.reduce_from(op, mine, start as u64, end - start)?;
         self.copy(self.scratch + start as u64, mine, end - start)?;
-        self.fence()?;
+        self.fence(false)?;
         for (q, &theirs) in self.ptrs.iter().enumerate().filter(|(q, _)| *q != me) {
-            let (start, end) = slice(len, self.job.dtype, self.comm.world_size(), q);
+            let (start, end) = slice(len, self.job.dtype, world, q);
             self.copy(output + start as u64, theirs + start as u64, end - start)?;
         }
-        self.fence()
+        Ok(())
     }
 
     fn broadcast(&self, root: usize, offset: usize, len: usize) -> Result<()> {
@@ -195,33 +240,33 @@ impl Round<'_> {
             self.copy(self.scratch, input, len)?;
             self.copy(output, input, len)?;
         }
-        self.fence()?;
+        self.fence(self.first)?;
         if self.comm.rank() != root {
             self.copy(output, self.ptrs[root], len)?;
         }
-        self.fence()
+        Ok(())
     }
 
     fn reduce(&self, op: ReduceOp, root: usize, offset: usize, len: usize) -> Result<()> {
         let (input, output) = self.at(offset);
         self.copy(self.scratch, input, len)?;
-        self.fence()?;
+        self.fence(self.first)?;
         if self.comm.rank() == root {
             self.reduce_from(op, output, 0, len)?;
         }
-        self.fence()
+        Ok(())
     }
 
     fn all_gather(&self, offset: usize, len: usize) -> Result<()> {
         let (input, _) = self.at(offset);
         self.copy(self.scratch, input, len)?;
-        self.fence()?;
+        self.fence(self.first)?;
         for (q, &theirs) in self.ptrs.iter().enumerate() {
             let dst = self.job.output + (q * self.job.block + offset) as u64;
             let src = if q == self.comm.rank() { input } else { theirs };
             self.copy(dst, src, len)?;
         }
-        self.fence()
+        Ok(())
     }
 
     fn reduce_scatter(&self, op: ReduceOp, offset: usize, len: usize) -> Result<()> {
@@ -230,10 +275,9 @@ impl Round<'_> {
             let src = self.job.input + (q * self.job.block + offset) as u64;
             self.copy(self.scratch + (q * len) as u64, src, len)?;
         }
-        self.fence()?;
+        self.fence(self.first)?;
         let output = self.job.output + offset as u64;
-        self.reduce_from(op, output, (self.comm.rank() * len) as u64, len)?;
-        self.fence()
+        self.reduce_from(op, output, (self.comm.rank() * len) as u64, len)
     }
 
     /// The input and output addresses at byte `offset` of this rank's block.
@@ -289,12 +333,17 @@ impl Round<'_> {
         Ok(())
     }
 
-    /// Waits for this rank's queued work, then for every rank to get there.
-    fn fence(&self) -> Result<()> {
+    /// Waits for this rank's queued work, then for every rank to get there; with `check`,
+    /// the meeting is `agree`'s exchange, which also checks the ranks make the same call.
+    fn fence(&self, check: bool) -> Result<()> {
         self.stream
             .synchronize()
             .map_err(CudaError::driver("waiting for the stream"))?;
-        self.comm.barrier()
+        if check {
+            agree(self.comm, self.job)
+        } else {
+            self.comm.barrier()
+        }
     }
 }
 

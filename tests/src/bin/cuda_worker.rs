@@ -3,7 +3,7 @@
 //! `check PATH` runs every collective on device buffers (several types, operators and
 //! sizes, in and out of place, rounds and chunks included) and compares each rank's output
 //! with the result computed on the host; the communicator must have taken PATH (`ipc` or
-//! `staged`). `bench PATH MIB` times a MIB all-reduce of f32 on device buffers, the same
+//! `staged`), and that ranks passing different sizes all fail. `bench PATH MIB` times a MIB all-reduce of f32 on device buffers, the same
 //! all-reduce on host buffers, and a device-to-device copy, and prints one `bench` line.
 //! Prints `skipping: ...` and exits 0 where there is no GPU, unless
 //! `CHORUS_REQUIRE_CUDA=1`. Exits 2 with `WRONG: ...` on a wrong result.
@@ -120,6 +120,16 @@ fn check(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
     for count in [5, 100_003] {
         check_type::<bf16>(dev, stream, count, &[ReduceOp::Sum, ReduceOp::Min])?;
         check_type::<i32>(dev, stream, count, &[ReduceOp::Sum, ReduceOp::BXor])?;
+    }
+    if dev.world_size() > 1 {
+        // Ranks passing different sizes fail, every one of them, rather than hang or corrupt.
+        let mut buf = stream
+            .clone_htod(&vec![1.0f32; 1000 + dev.rank()])
+            .map_err(|e| e.to_string())?;
+        match dev.all_reduce(&mut buf, ReduceOp::Sum, stream) {
+            Ok(()) => return Err("WRONG: an all-reduce of mismatched sizes succeeded".into()),
+            Err(e) => println!("mismatched sizes refused: {e}"),
+        }
     }
     println!("device collectives ok on {:?}", dev.path());
     Ok(())
@@ -267,35 +277,44 @@ fn bench(
         comm.barrier().map_err(cuda)?;
         comm.all_reduce(&mut host, ReduceOp::Sum).map_err(cuda)
     })?;
-    // Every rank copies at once, as every rank's all-reduce does.
-    let copy_time = median(runs, || {
+    // The copy bandwidth of the device, each rank timing its copies alone.
+    let mut copy_time = 0.0;
+    for r in 0..w {
         comm.barrier().map_err(cuda)?;
-        stream
-            .memcpy_dtod(&buf, &mut copy)
-            .map_err(|e| e.to_string())?;
-        stream.synchronize().map_err(|e| e.to_string())
-    })?;
+        if r == comm.rank() {
+            copy_time = median(runs, || {
+                stream.memcpy_dtod(&buf, &mut copy).map_err(|e| e.to_string())?;
+                stream.synchronize().map_err(|e| e.to_string())
+            })?;
+        }
+    }
     let bus = |t: f64| 2.0 * (w - 1) as f64 / w as f64 * bytes as f64 / t / 1e9;
-    // Bytes the IPC all-reduce moves through device memory per rank: the input into
-    // scratch (2N), reduce W - 1 times over N/W (3N/W each, or a 2N/W copy at W = 1), the
-    // reduced slice into scratch (2N/W) and the other W - 1 slices out (2N/W each).
-    let nb = bytes as f64;
+    // Bytes the IPC all-reduce moves through device memory per rank, in units of the
+    // buffer: the input into scratch (2), then on two ranks one pass over both inputs into
+    // the output (3, or a copy of 2 on one rank); on more, reducing its slice (W - 1
+    // passes of 3/W), the slice into scratch (2/W) and the other slices out (2/W each).
     let wf = w as f64;
-    let reduce = if w == 1 { 2.0 } else { 3.0 * (wf - 1.0) };
-    let moved = 2.0 * nb + (reduce + 2.0 + 2.0 * (wf - 1.0)) * nb / wf;
-    // Copy bandwidth with every rank copying at once (bytes read + written per rank).
-    let copy_bw = 2.0 * nb / copy_time;
+    let units = match w {
+        1 => 4.0,
+        2 => 5.0,
+        _ => 2.0 + (3.0 * (wf - 1.0) + 2.0 + 2.0 * (wf - 1.0)) / wf,
+    };
+    // Ranks sharing this rank's GPU (spread evenly over the GPUs) share its bandwidth.
+    let gpus = Device::count().map_err(|e| e.to_string())?.max(1);
+    let sharing = w.div_ceil(gpus) as f64;
+    let copy_bw = 2.0 * bytes as f64 / copy_time;
+    let floor = sharing * units * bytes as f64 / copy_bw;
     println!(
         "bench path={:?} W={w} MiB={mib} device_us={:.1} busbw={:.1} host_us={:.1} host_busbw={:.1} \
-         copy_GBps_per_rank={:.1} ipc_floor_us={:.1} ipc_of_floor={:.0}% staged_of_host={:.0}%",
+         copy_GBps={:.0} ranks_per_gpu={sharing} ipc_floor_us={:.1} ipc_of_floor={:.0}% staged_of_host={:.0}%",
         dev.path(),
         device * 1e6,
         bus(device),
         on_host * 1e6,
         bus(on_host),
         copy_bw / 1e9,
-        moved / copy_bw * 1e6,
-        moved / copy_bw / device * 100.0,
+        floor * 1e6,
+        floor / device * 100.0,
         on_host / device * 100.0,
     );
     Ok(())
