@@ -1,10 +1,23 @@
 //! The Chorus command-line tools; [`perf`] is the measuring harness shared
 //! by `allreduce_perf` and its siblings (`broadcast_perf`, `reduce_perf`,
 //! `all_gather_perf`, `reduce_scatter_perf`, `alltoall_perf`,
-//! `sendrecv_perf`, `barrier_perf`).
+//! `sendrecv_perf`, `barrier_perf`; `all_reduce_perf` is nccl-tests' name for
+//! `allreduce_perf`).
 
 pub mod perf;
 pub mod train;
+
+/// CPU seconds used so far, as `clock` counts them (`libc::CLOCK_PROCESS_CPUTIME_ID`: the
+/// whole process; `libc::CLOCK_THREAD_CPUTIME_ID`: the calling thread).
+pub fn cpu_seconds(clock: libc::clockid_t) -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec into a live local; both clocks exist on every Linux.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
 
 /// How a tool ends on `result`: success, or `program: error` on stderr and exit code 1. Under
 /// torchrun the error also goes to torchrun's error file, so its failure summary names it.

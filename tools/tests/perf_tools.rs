@@ -372,3 +372,92 @@ fn tcp_ceiling_reports_floor_streams_and_bounds() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("power of two"));
 }
+
+#[test]
+fn nccl_tests_recipes_run_as_written_under_both_names() {
+    let recipe = [
+        "-b", "8", "-e", "64K", "-f", "4", "-g", "1", "-n", "2", "-w", "1", "-np", "2",
+    ];
+    for (exe, name) in [
+        (env!("CARGO_BIN_EXE_allreduce_perf"), "allreduce_perf"),
+        (env!("CARGO_BIN_EXE_all_reduce_perf"), "all_reduce_perf"),
+    ] {
+        let text = run_ok(exe, &recipe);
+        assert!(
+            text.contains(&format!("# Collective test starting: {name}\n")),
+            "{text}"
+        );
+        assert!(text.contains("# nThread 1 nGpus 1 minBytes 8 maxBytes 65536"));
+        let parsed = parse(&text);
+        let sizes: Vec<usize> = parsed.rows.iter().map(|r| r.size).collect();
+        assert_eq!(sizes, [8, 32, 128, 512, 2048, 8192, 32768], "{name}");
+        assert_eq!(parsed.wrong_total, 0);
+    }
+}
+
+#[test]
+fn nccl_tests_switches_and_cycles() {
+    let exe = env!("CARGO_BIN_EXE_allreduce_perf");
+    let args = [
+        "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1", "-np", "2", "-t", "1", "-z", "1",
+        "-p", "1", "-G", "0", "-C", "1", "-N", "2",
+    ];
+    let parsed = parse(&run_ok(exe, &args));
+    let sizes: Vec<usize> = parsed.rows.iter().map(|r| r.size).collect();
+    assert_eq!(sizes, [1024, 4096, 1024, 4096]);
+    assert_eq!(parsed.wrong_total, 0);
+    assert!(parsed
+        .rows
+        .iter()
+        .all(|r| r.groups.iter().all(|g| g.0 > 0.0)));
+}
+
+#[test]
+fn timeout_flag_sets_the_communicators_timeout() {
+    let exe = env!("CARGO_BIN_EXE_allreduce_perf");
+    let sweep = ["-b", "8", "-e", "8", "-n", "1", "-w", "0", "-np", "2"];
+    // -T stands for CHORUS_TIMEOUT: a bad value there fails, unless -T replaces it.
+    let with = |extra: &[&str]| {
+        Command::new(exe)
+            .args(sweep)
+            .args(extra)
+            .args(["--job-timeout", "60"])
+            .env_remove("RANK")
+            .env("CHORUS_TIMEOUT", "-5")
+            .output()
+            .unwrap()
+    };
+    let out = with(&[]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("CHORUS_TIMEOUT"));
+    let out = with(&["-T", "30"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(parse(&String::from_utf8_lossy(&out.stdout)).wrong_total, 0);
+}
+
+#[test]
+fn more_than_one_gpu_or_thread_per_process_is_a_clear_error() {
+    let exe = env!("CARGO_BIN_EXE_all_reduce_perf");
+    for (args, want) in [
+        (
+            &["-g", "8"][..],
+            "-g 8: one process drives one GPU here; start 8 processes with -np 8",
+        ),
+        (&["-t", "2"], "-t 2: Chorus runs one rank per process"),
+        (&["-G", "5"], "-G 5: Chorus has no CUDA graph capture"),
+        (&["-N", "0"], "-N 0 (run forever) is not supported"),
+        (
+            &["--device", "cuda"],
+            "`--device cuda` needs the perf tools built with the `cuda` feature",
+        ),
+    ] {
+        let out = run(exe, &[args, &["-np", "2"]].concat());
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+}

@@ -261,11 +261,5 @@ fn stream(len: usize, reps: usize) -> io::Result<Stream> {
 
 /// CPU seconds the calling thread has used.
 fn thread_cpu() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: writes one timespec into a live local; this clock exists on every Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    chorus_tools::cpu_seconds(libc::CLOCK_THREAD_CPUTIME_ID)
 }

@@ -1,10 +1,11 @@
-//! The perf tools' flags: nccl-tests' names and meanings, plus `-np`, `-J` and `--plot`.
+//! The perf tools' flags: nccl-tests' names and meanings, plus `-np`, `--plot` and `--device`.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use chorus::{DType, ReduceOp};
-use clap::Parser;
+use clap::{ArgAction, Parser, ValueEnum};
 
 /// How the per-rank times of one measurement become the reported time (`-a`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +29,85 @@ fn parse_average(s: &str) -> Result<Average, String> {
         _ => Err(format!(
             "bad -a '{s}': expected 0 (rank 0), 1 (average), 2 (min) or 3 (max)"
         )),
+    }
+}
+
+/// Where the measured buffers live (`--device`). [`Args::check_device`] refuses `Cuda` until
+/// the tools have a CUDA path.
+///
+/// Not to be confused with [`report::Device`](super::report::Device), a rank's line under
+/// "Using devices".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    /// Host memory (the default).
+    Cpu,
+    /// CUDA device memory: refused until the tools have a CUDA path.
+    Cuda,
+}
+
+/// Longest `-T`, in seconds: a year, the bound Chorus puts on `CHORUS_TIMEOUT`.
+const MAX_TIMEOUT_SECS: u64 = 365 * 24 * 3600;
+
+/// Parses a whole number given to `flag`.
+fn number(flag: &str, s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse()
+        .map_err(|e| format!("bad {flag} '{s}': {e}"))
+}
+
+/// A parser for an nccl-tests switch: `0` or `1`.
+fn switch(flag: &'static str) -> impl Fn(&str) -> Result<bool, String> + Clone + Send + Sync {
+    move |s| match s.trim() {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        _ => Err(format!("bad {flag} '{s}': expected 0 or 1")),
+    }
+}
+
+fn parse_ngpus(s: &str) -> Result<u64, String> {
+    match number("-g", s)? {
+        1 => Ok(1),
+        0 => Err("bad -g '0': one process drives one GPU here, so -g is 1".into()),
+        n => Err(format!(
+            "-g {n}: one process drives one GPU here; start {n} processes with -np {n} instead"
+        )),
+    }
+}
+
+fn parse_nthreads(s: &str) -> Result<u64, String> {
+    match number("-t", s)? {
+        1 => Ok(1),
+        n => Err(format!(
+            "-t {n}: Chorus runs one rank per process, on one thread, so -t is 1; \
+             start more processes with -np instead"
+        )),
+    }
+}
+
+fn parse_cudagraph(s: &str) -> Result<u64, String> {
+    match number("-G", s)? {
+        0 => Ok(0),
+        n => Err(format!(
+            "-G {n}: Chorus has no CUDA graph capture, so -G is 0"
+        )),
+    }
+}
+
+fn parse_timeout(s: &str) -> Result<u64, String> {
+    match number("-T", s)? {
+        t if t <= MAX_TIMEOUT_SECS => Ok(t),
+        t => Err(format!(
+            "-T {t}: at most {MAX_TIMEOUT_SECS} seconds (a year); 0 keeps the default"
+        )),
+    }
+}
+
+fn parse_run_cycles(s: &str) -> Result<u64, String> {
+    match number("-N", s)? {
+        0 => Err(
+            "-N 0 (run forever) is not supported here: give a number of sweeps, at least 1".into(),
+        ),
+        n => Ok(n),
     }
 }
 
@@ -87,6 +167,37 @@ pub struct Args {
     /// Draw bus bandwidth and time against size into this PNG file.
     #[arg(long = "plot")]
     pub plot: Option<PathBuf>,
+    /// GPUs per process: 1, as each Chorus process drives one device (start more with -np).
+    #[arg(short = 'g', long = "ngpus", default_value = "1", value_parser = parse_ngpus)]
+    pub ngpus: u64,
+    /// Threads per process: 1, as Chorus runs one rank per process (start more with -np).
+    #[arg(short = 't', long = "nthreads", default_value = "1", value_parser = parse_nthreads)]
+    pub nthreads: u64,
+    /// Wait for each operation before the next (0 or 1): every Chorus call already blocks
+    /// until it is done, so both run alike.
+    #[arg(short = 'z', long = "blocking", default_value = "0", value_parser = switch("-z"), action = ArgAction::Set)]
+    pub blocking: bool,
+    /// CUDA graph launches: 0, as Chorus has no CUDA graph capture.
+    #[arg(short = 'G', long = "cudagraph", default_value = "0", value_parser = parse_cudagraph)]
+    pub cudagraph: u64,
+    /// Bound on every wait of the communicator, in seconds, as `CHORUS_TIMEOUT` (which it
+    /// overrides); 0 keeps the default.
+    #[arg(short = 'T', long = "timeout", default_value = "0", value_parser = parse_timeout)]
+    pub timeout: u64,
+    /// Run the whole sweep this many times, printing each row every time.
+    #[arg(short = 'N', long = "run_cycles", default_value = "1", value_parser = parse_run_cycles)]
+    pub run_cycles: u64,
+    /// Report the process's CPU time per operation (all its threads) in the time columns
+    /// instead of the elapsed time (0 or 1); the bandwidths stay from the elapsed time.
+    #[arg(short = 'C', long = "report_cputime", default_value = "0", value_parser = switch("-C"), action = ArgAction::Set)]
+    pub report_cputime: bool,
+    /// Initialise in parallel (0 or 1): the ranks, one per process, always do, so both run alike.
+    #[arg(short = 'p', long = "parallel_init", default_value = "0", value_parser = switch("-p"), action = ArgAction::Set)]
+    pub parallel_init: bool,
+    /// Where the buffers live: `cpu` (host memory); `cuda` is refused until the tools have a
+    /// CUDA path.
+    #[arg(long = "device", value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
     /// Start this many local ranks (`-np W`); without it, run as one rank of an existing job.
     #[arg(long = "np")]
     pub np: Option<usize>,
@@ -132,6 +243,21 @@ impl Args {
             ));
         }
         Ok(())
+    }
+
+    /// Fails for a `--device` these tools cannot measure on.
+    pub fn check_device(&self) -> Result<(), String> {
+        match self.device {
+            Device::Cpu => Ok(()),
+            Device::Cuda => {
+                Err("`--device cuda` needs the perf tools built with the `cuda` feature".into())
+            }
+        }
+    }
+
+    /// The communicator's timeout `-T` asks for; `None` for `-T 0` (keep the default).
+    pub fn comm_timeout(&self) -> Option<Duration> {
+        (self.timeout > 0).then(|| Duration::from_secs(self.timeout))
     }
 
     /// The sizes to measure, in bytes, as nccl-tests steps them.
@@ -259,6 +385,116 @@ mod tests {
         // Collectives that do not reduce ignore -o.
         assert_eq!(args.check_op(false), Ok(()));
         assert_eq!(Args::parse_from(["x", "-d", "half"]).check_op(true), Ok(()));
+    }
+
+    /// The error clap reports for `argv`, as text.
+    fn refused(argv: &[&str]) -> String {
+        let argv = ["x"].iter().chain(argv);
+        Args::try_parse_from(argv).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_first_line_of_an_nccl_tests_recipe_parses() {
+        let args = Args::parse_from(["x", "-b", "8", "-e", "128M", "-f", "2", "-g", "1"]);
+        assert_eq!(
+            (args.min_bytes, args.max_bytes, args.ngpus),
+            (8, 128 << 20, 1)
+        );
+        let long = ["x", "--ngpus", "1", "--nthreads", "1", "--blocking", "1"];
+        let args = Args::parse_from(long);
+        assert_eq!((args.ngpus, args.nthreads, args.blocking), (1, 1, true));
+    }
+
+    #[test]
+    fn one_gpu_per_process() {
+        assert_eq!(Args::parse_from(["x"]).ngpus, 1);
+        let err = refused(&["-g", "8"]);
+        assert!(
+            err.contains("-g 8: one process drives one GPU here; start 8 processes with -np 8"),
+            "{err}"
+        );
+        assert!(refused(&["-g", "0"]).contains("bad -g '0'"));
+        assert!(refused(&["-g", "two"]).contains("bad -g 'two'"));
+    }
+
+    #[test]
+    fn one_thread_per_process() {
+        assert_eq!(Args::parse_from(["x", "-t", "1"]).nthreads, 1);
+        let err = refused(&["--nthreads", "4"]);
+        assert!(
+            err.contains("-t 4: Chorus runs one rank per process"),
+            "{err}"
+        );
+        assert!(err.contains("-np"), "{err}");
+    }
+
+    #[test]
+    fn switches_take_0_or_1() {
+        let args = Args::parse_from(["x"]);
+        assert_eq!(
+            (args.blocking, args.report_cputime, args.parallel_init),
+            (false, false, false)
+        );
+        let args = Args::parse_from(["x", "-z", "1", "-C", "1", "-p", "1"]);
+        assert_eq!(
+            (args.blocking, args.report_cputime, args.parallel_init),
+            (true, true, true)
+        );
+        let args = Args::parse_from(["x", "-z", "0", "-C", "0", "-p", "0"]);
+        assert!(!args.blocking && !args.report_cputime && !args.parallel_init);
+        for flag in ["-z", "-C", "-p"] {
+            let err = refused(&[flag, "2"]);
+            assert!(
+                err.contains(&format!("bad {flag} '2': expected 0 or 1")),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn no_cuda_graphs() {
+        assert_eq!(Args::parse_from(["x", "-G", "0"]).cudagraph, 0);
+        let err = refused(&["--cudagraph", "10"]);
+        assert!(
+            err.contains("-G 10: Chorus has no CUDA graph capture"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn timeout_overrides_the_default_unless_0() {
+        assert_eq!(Args::parse_from(["x"]).comm_timeout(), None);
+        assert_eq!(Args::parse_from(["x", "-T", "0"]).comm_timeout(), None);
+        let args = Args::parse_from(["x", "--timeout", "90"]);
+        assert_eq!(args.comm_timeout(), Some(Duration::from_secs(90)));
+        let err = refused(&["-T", "99999999999"]);
+        assert!(
+            err.contains("-T 99999999999: at most 31536000 seconds"),
+            "{err}"
+        );
+        assert!(refused(&["-T", "1.5"]).contains("bad -T '1.5'"));
+    }
+
+    #[test]
+    fn run_cycles_are_counted_from_1() {
+        assert_eq!(Args::parse_from(["x"]).run_cycles, 1);
+        assert_eq!(Args::parse_from(["x", "-N", "3"]).run_cycles, 3);
+        let err = refused(&["--run_cycles", "0"]);
+        assert!(err.contains("-N 0 (run forever) is not supported"), "{err}");
+    }
+
+    #[test]
+    fn device_is_cpu_and_cuda_is_refused_for_now() {
+        let args = Args::parse_from(["x"]);
+        assert_eq!(args.device, Device::Cpu);
+        assert_eq!(args.check_device(), Ok(()));
+        let args = Args::parse_from(["x", "--device", "cuda"]);
+        assert_eq!(args.device, Device::Cuda);
+        assert_eq!(
+            args.check_device(),
+            Err("`--device cuda` needs the perf tools built with the `cuda` feature".into())
+        );
+        assert!(refused(&["--device", "tpu"]).contains("possible values: cpu, cuda"));
     }
 
     #[test]

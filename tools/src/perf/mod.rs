@@ -10,7 +10,7 @@ pub mod report;
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime};
 
-use chorus::{env, Communicator, ReduceOp};
+use chorus::{env, Communicator, Config, ReduceOp};
 
 pub use args::{parse_size, Args, Average};
 use buffer::Buffer;
@@ -31,6 +31,7 @@ pub fn main(collective: &Collective) -> ExitCode {
     let program = program_name();
     let result = args
         .check_op(collective.reduces())
+        .and_then(|()| args.check_device())
         .and_then(|()| match args.np {
             Some(np) if std::env::var_os(env::RANK).is_none() => spawn_ranks(&args, np),
             _ => run_rank(collective, &args, &program),
@@ -65,7 +66,7 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
     if args.iters == 0 || args.agg_iters == 0 {
         return Err("-n and -m must be at least 1".into());
     }
-    let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    let comm = communicator(args)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let roots = if collective.rooted {
         args.roots(world)?
@@ -99,7 +100,8 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
             op: args.op,
             root,
         };
-        for &size in &sizes {
+        let cycles = (0..args.run_cycles).flat_map(|_| &sizes);
+        for &size in cycles {
             let layout = Layout::new(collective.shape, size / elem, elem, world);
             let input = bufs.input.bytes_mut(layout.send * elem);
             collective.fill_input(p, &layout, rank, world, input);
@@ -107,13 +109,18 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
             for (slot, in_place) in timings.iter_mut().zip([false, true]) {
                 let (seconds, wrong) =
                     measure(collective, &comm, args, p, &layout, &mut bufs, in_place)?;
-                let algbw = if seconds > 0.0 {
-                    (layout.size() * elem) as f64 / seconds / 1e9
+                let algbw = if seconds.wall > 0.0 {
+                    (layout.size() * elem) as f64 / seconds.wall / 1e9
                 } else {
                     0.0
                 };
+                let time = if args.report_cputime {
+                    seconds.cpu
+                } else {
+                    seconds.wall
+                };
                 *slot = Some(Timing {
-                    time_us: seconds * 1e6,
+                    time_us: time * 1e6,
                     algbw,
                     busbw: algbw * (collective.bus_factor)(world),
                     wrong,
@@ -165,6 +172,25 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
     Ok(())
 }
 
+/// Joins the job the environment describes, with `-T` (if given) as its timeout.
+fn communicator(args: &Args) -> Result<Communicator, String> {
+    let timeout = args.comm_timeout().map(|t| t.as_secs().to_string());
+    Config::from_lookup(|name| match &timeout {
+        Some(t) if name == env::CHORUS_TIMEOUT => Some(t.clone()),
+        _ => std::env::var(name).ok(),
+    })
+    .and_then(Communicator::new)
+    .map_err(|e| e.to_string())
+}
+
+/// The time one operation took, combined over ranks as `-a` says.
+struct Seconds {
+    /// Elapsed.
+    wall: f64,
+    /// CPU time of the whole process, all its threads.
+    cpu: f64,
+}
+
 /// The buffers of one rank's run.
 struct Bench {
     input: Buffer,
@@ -174,7 +200,7 @@ struct Bench {
 
 /// Times `-n` iterations of `-m` operations after `-w` warm-up ones, then checks `-c` times.
 ///
-/// Returns the reported time per operation in seconds and the wrong elements over all ranks.
+/// Returns the time per operation and the wrong elements over all ranks.
 fn measure(
     collective: &Collective,
     comm: &Communicator,
@@ -183,7 +209,7 @@ fn measure(
     layout: &Layout,
     bufs: &mut Bench,
     in_place: bool,
-) -> Result<(f64, Option<u64>), String> {
+) -> Result<(Seconds, Option<u64>), String> {
     let err = |e: chorus::Error| e.to_string();
     let (rank, world, elem) = (comm.rank(), comm.world_size(), p.dtype.size());
     let input = bufs.input.bytes(layout.send * elem);
@@ -213,12 +239,20 @@ fn measure(
         once(output)?;
     }
     comm.barrier().map_err(err)?;
-    let start = Instant::now();
+    let ops = (args.iters * args.agg_iters) as f64;
+    let (start, start_cpu) = (
+        Instant::now(),
+        crate::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID),
+    );
     for _ in 0..args.iters * args.agg_iters {
         once(output)?;
     }
-    let mine = start.elapsed().as_secs_f64() / (args.iters * args.agg_iters) as f64;
-    let seconds = combine_times(comm, mine, args.average).map_err(err)?;
+    let mine = [
+        start.elapsed().as_secs_f64() / ops,
+        (crate::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID) - start_cpu) / ops,
+    ];
+    let [wall, cpu] = combine_times(comm, mine, args.average).map_err(err)?;
+    let seconds = Seconds { wall, cpu };
     if args.check == 0 {
         return Ok((seconds, None));
     }
@@ -244,15 +278,19 @@ fn measure(
 }
 
 /// Combines the ranks' times as `-a` asks.
-fn combine_times(comm: &Communicator, mine: f64, average: Average) -> chorus::Result<f64> {
-    let mut t = [mine];
+fn combine_times(
+    comm: &Communicator,
+    mine: [f64; 2],
+    average: Average,
+) -> chorus::Result<[f64; 2]> {
+    let mut t = mine;
     match average {
         Average::RankZero => comm.broadcast(&mut t, 0)?,
         Average::Mean => comm.all_reduce(&mut t, ReduceOp::Avg)?,
         Average::Min => comm.all_reduce(&mut t, ReduceOp::Min)?,
         Average::Max => comm.all_reduce(&mut t, ReduceOp::Max)?,
     }
-    Ok(t[0])
+    Ok(t)
 }
 
 /// Bytes of one rank's record in the device list: pid, name length, name.

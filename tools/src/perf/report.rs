@@ -60,14 +60,17 @@ pub fn banner(program: &str, args: &Args, devices: &[Device]) -> String {
         env!("CARGO_PKG_VERSION")
     );
     s += &format!(
-        "# nThread 1 nGpus 1 minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: {} validation: {} graph: 0 unalign: 0\n",
+        "# nThread {} nGpus {} minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: {} validation: {} graph: {} unalign: 0\n",
+        args.nthreads,
+        args.ngpus,
         args.min_bytes,
         args.max_bytes,
         args.step_label(),
         args.warmup,
         args.iters,
         args.agg_iters,
-        args.check
+        args.check,
+        args.cudagraph
     );
     s += "#\n# Using devices\n";
     for d in devices {
@@ -152,10 +155,10 @@ pub fn json(
         (None, f) => ("step_factor", f.unwrap_or(2)),
     };
     let mut config = json!({
-        "nthreads": 1, "ngpus": 1,
+        "nthreads": args.nthreads, "ngpus": args.ngpus,
         "minimum_bytes": args.min_bytes, "maximum_bytes": args.max_bytes,
         "warmup_iters": args.warmup, "iterations": args.iters,
-        "aggregated_iterations": args.agg_iters, "validation": args.check, "graph": 0,
+        "aggregated_iterations": args.agg_iters, "validation": args.check, "graph": args.cudagraph,
         "devices": devices.iter().map(|d| json!({
             "rank": d.rank, "group": 0, "pid": d.pid, "hostname": d.hostname,
             "device": -1, "device_hex": "host", "device_info": DEVICE_INFO,
