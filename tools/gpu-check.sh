@@ -25,7 +25,7 @@ build() {
     mkdir -p "$dir"
     local json
     json=$(mktemp)
-    cargo build --release -p chorus-tools --bin chorusrun --bin allreduce_perf
+    cargo build --release -p chorus-tools --features cuda --bin chorusrun --bin allreduce_perf
     cargo build --release -p chorus-kernels --features cuda --example cuda_bench
     cargo build --release -p chorus-tests --features cuda --bin chorus-cuda-worker
     cargo test --release -p chorus-kernels --features cuda --no-run --message-format=json >"$json"
@@ -91,7 +91,7 @@ run() {
     done
 
     for world in 2 4; do
-        check "allreduce_perf $world" 120 "$dir"/allreduce_perf --device cuda -np $world -b 8 -e 64M -f 8
+        check "allreduce_perf $world" 120 "$dir"/allreduce_perf --device cuda -np $world -b 16 -e 64M -f 4
         row "allreduce_perf -np $world" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
     done
 

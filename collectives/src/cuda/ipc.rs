@@ -182,7 +182,13 @@ impl Peers {
 /// halves, must match); fails naming the first rank that differs.
 fn agree(comm: &Communicator, job: Job) -> Result<()> {
     let (kind, op, root) = job.call.host();
-    let mine = [kind as u64, op as u64, root as u64, job.dtype as u64, job.block as u64];
+    let mine = [
+        kind as u64,
+        op as u64,
+        root as u64,
+        job.dtype as u64,
+        job.block as u64,
+    ];
     let mut all = vec![0u64; mine.len() * comm.world_size()];
     comm.all_gather(&mine, &mut all)?;
     match all.chunks(mine.len()).position(|theirs| theirs != mine) {

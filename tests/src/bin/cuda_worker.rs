@@ -283,7 +283,9 @@ fn bench(
         comm.barrier().map_err(cuda)?;
         if r == comm.rank() {
             copy_time = median(runs, || {
-                stream.memcpy_dtod(&buf, &mut copy).map_err(|e| e.to_string())?;
+                stream
+                    .memcpy_dtod(&buf, &mut copy)
+                    .map_err(|e| e.to_string())?;
                 stream.synchronize().map_err(|e| e.to_string())
             })?;
         }

@@ -249,6 +249,7 @@ impl Args {
     pub fn check_device(&self) -> Result<(), String> {
         match self.device {
             Device::Cpu => Ok(()),
+            Device::Cuda if cfg!(feature = "cuda") => Ok(()),
             Device::Cuda => {
                 Err("`--device cuda` needs the perf tools built with the `cuda` feature".into())
             }

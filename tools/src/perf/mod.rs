@@ -4,6 +4,8 @@
 pub mod args;
 pub mod buffer;
 pub mod collective;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod plot;
 pub mod report;
 
@@ -92,7 +94,16 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
         input: make(largest)?,
         output: make(largest)?,
         scratch: Buffer::default(),
+        #[cfg(feature = "cuda")]
+        gpu: match args.device {
+            args::Device::Cuda => Some(gpu::Gpu::new(&comm, largest)?),
+            args::Device::Cpu => None,
+        },
     };
+    #[cfg(feature = "cuda")]
+    if let (Some(gpu), 0) = (&bufs.gpu, rank) {
+        println!("#  Buffers on the GPU: rank 0 on {}", gpu.describe());
+    }
     let mut rows = Vec::new();
     for &root in &roots {
         let p = Params {
@@ -196,6 +207,58 @@ struct Bench {
     input: Buffer,
     output: Buffer,
     scratch: Buffer,
+    /// With `--device cuda`, the GPU the calls run on (the host buffers then hold the
+    /// input before it is loaded and the result after it is stored).
+    #[cfg(feature = "cuda")]
+    gpu: Option<gpu::Gpu>,
+}
+
+impl Bench {
+    /// Copies the prepared host buffers to the device, where the calls run there.
+    fn load(&mut self, _input_len: usize, _output_len: usize) -> Result<(), String> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &mut self.gpu {
+            gpu.load(self.input.bytes(_input_len), self.output.bytes(_output_len))?;
+        }
+        Ok(())
+    }
+
+    /// Copies the device's result into the host output buffer, where the calls run there.
+    fn store(&mut self, _output_len: usize) -> Result<(), String> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &mut self.gpu {
+            gpu.store(self.output.bytes_mut(_output_len))?;
+        }
+        Ok(())
+    }
+
+    /// Runs one operation on the host buffers, or on the device's.
+    fn once(
+        &mut self,
+        collective: &Collective,
+        comm: &Communicator,
+        (layout, p): (&Layout, Params),
+        (input_len, output_len, in_place): (usize, usize, bool),
+    ) -> chorus::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &mut self.gpu {
+            return gpu.once(collective, layout, p, in_place);
+        }
+        let _ = layout;
+        let output = self.output.bytes_mut(output_len);
+        let b = if in_place {
+            Bufs::InPlace {
+                buf: output,
+                scratch: &mut self.scratch,
+            }
+        } else {
+            Bufs::Apart {
+                input: self.input.bytes(input_len),
+                output,
+            }
+        };
+        (collective.run)(comm, b, p)
+    }
 }
 
 /// Times `-n` iterations of `-m` operations after `-w` warm-up ones, then checks `-c` times.
@@ -212,31 +275,23 @@ fn measure(
 ) -> Result<(Seconds, Option<u64>), String> {
     let err = |e: chorus::Error| e.to_string();
     let (rank, world, elem) = (comm.rank(), comm.world_size(), p.dtype.size());
-    let input = bufs.input.bytes(layout.send * elem);
+    let input_len = layout.send * elem;
     let output_len = if in_place { layout.size() } else { layout.recv } * elem;
-    let scratch = &mut bufs.scratch;
-    let output = bufs.output.bytes_mut(output_len);
-    // Puts the input where an in-place call expects it.
-    let prepare = |output: &mut [u8]| {
+    // Puts the input where an in-place call expects it, and on the device if it runs there.
+    let prepare = |bufs: &mut Bench| {
         if in_place {
             let at = collective.in_place_input(layout, rank) * elem;
-            output[at..at + input.len()].copy_from_slice(input);
+            let (input, output) = (&bufs.input, &mut bufs.output);
+            output.bytes_mut(output_len)[at..at + input_len]
+                .copy_from_slice(input.bytes(input_len));
         }
+        bufs.load(input_len, output_len)
     };
-    let mut once = |output: &mut [u8]| {
-        let b = if in_place {
-            Bufs::InPlace {
-                buf: output,
-                scratch: &mut *scratch,
-            }
-        } else {
-            Bufs::Apart { input, output }
-        };
-        (collective.run)(comm, b, p).map_err(err)
-    };
-    prepare(output);
+    let call = (layout, p);
+    let lens = (input_len, output_len, in_place);
+    prepare(bufs)?;
     for _ in 0..args.warmup {
-        once(output)?;
+        bufs.once(collective, comm, call, lens).map_err(err)?;
     }
     comm.barrier().map_err(err)?;
     let ops = (args.iters * args.agg_iters) as f64;
@@ -245,7 +300,7 @@ fn measure(
         crate::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID),
     );
     for _ in 0..args.iters * args.agg_iters {
-        once(output)?;
+        bufs.once(collective, comm, call, lens).map_err(err)?;
     }
     let mine = [
         start.elapsed().as_secs_f64() / ops,
@@ -264,10 +319,11 @@ fn measure(
     let mut wrong = [0u64];
     for _ in 0..args.check {
         // Stale results from the timed runs must not pass for fresh ones.
-        output.fill(0xa5);
-        prepare(output);
-        once(output)?;
-        let region = &output[result.start * elem..result.end * elem];
+        bufs.output.bytes_mut(output_len).fill(0xa5);
+        prepare(bufs)?;
+        bufs.once(collective, comm, call, lens).map_err(err)?;
+        bufs.store(output_len)?;
+        let region = &bufs.output.bytes(output_len)[result.start * elem..result.end * elem];
         wrong[0] = collective.count_wrong(p, layout, rank, world, region) as u64;
         comm.all_reduce(&mut wrong, ReduceOp::Sum).map_err(err)?;
         if wrong[0] > 0 {
