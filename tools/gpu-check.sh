@@ -90,6 +90,29 @@ run() {
         done
     done
 
+    # Ranks sharing a GPU from separate processes take turns on it (time-slicing, a context
+    # switch at every turn) unless CUDA MPS runs them in one context: the IPC rows again under
+    # MPS where the machine has it. The daemon lives in a private folder and quits at the end.
+    if command -v nvidia-cuda-mps-control >/dev/null; then
+        export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+        CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+        if nvidia-cuda-mps-control -d; then
+            for world in 2 4; do
+                check "bench ipc mps $world" 120 env CHORUS_CUDA_PATH=ipc "$dir"/chorusrun \
+                    --standalone --nproc-per-node $world "$dir"/chorus-cuda-worker bench ipc 64
+                row "all-reduce ipc MPS W=$world" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1)"
+            done
+            check "allreduce_perf mps 2" 120 "$dir"/allreduce_perf --device cuda -np 2 -b 16 -e 64M -f 4
+            row "allreduce_perf MPS -np 2" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
+            echo quit | nvidia-cuda-mps-control
+        else
+            row "MPS" "n/a" "nvidia-cuda-mps-control -d failed"
+        fi
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    else
+        row "MPS" "n/a" "no nvidia-cuda-mps-control on this machine"
+    fi
+
     for world in 2 4; do
         check "allreduce_perf $world" 120 "$dir"/allreduce_perf --device cuda -np $world -b 16 -e 64M -f 4
         row "allreduce_perf -np $world" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
