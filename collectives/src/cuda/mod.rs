@@ -412,16 +412,10 @@ impl CudaCommunicator {
     }
 
     fn check_stream(&self, stream: &CudaStream) -> Result<()> {
-        if **stream.context() != **self.device.context() {
-            return Err(CudaError::WrongDevice {
-                what: "stream",
-                ordinal: self.device.ordinal(),
-            }
-            .into());
-        }
-        Ok(())
+        self.check_buffer("stream", stream)
     }
 
+    /// Fails unless `owner` (a stream, or the stream a buffer belongs to) is on this device.
     fn check_buffer(&self, what: &'static str, owner: &CudaStream) -> Result<()> {
         if **owner.context() != **self.device.context() {
             return Err(CudaError::WrongDevice {
