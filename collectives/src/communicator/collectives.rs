@@ -103,7 +103,7 @@ impl Communicator {
     /// Fails on a transport error or timeout.
     pub fn barrier(&self) -> Result<()> {
         let info = CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0)?;
-        self.run_now(self.inner.prepare(info, Buffers::new(None, &mut [])))
+        self.run_now(self.inner.prepare(info, Buffers::new(None, &mut []))?)
     }
     /// Reduces every rank's `buf` into `root`'s `buf`.
     ///
@@ -226,7 +226,7 @@ impl Communicator {
             bytemuck::cast_slice_mut(output),
         );
         let counts = Some((send_counts, recv_counts));
-        self.run_now(self.inner.prepare_with(info, bufs, counts))
+        self.run_now(self.inner.prepare_with(info, bufs, counts)?)
     }
 
     /// Gathers every rank's `input` into `root`'s `output` (world_size blocks); other outputs are untouched.
@@ -291,7 +291,7 @@ impl Communicator {
 
     /// Prepares call `info` on `bufs` and runs it now.
     fn run_typed(&self, info: CallInfo, bufs: Buffers<'_>) -> Result<()> {
-        self.run_now(self.inner.prepare(info, bufs))
+        self.run_now(self.inner.prepare(info, bufs)?)
     }
 }
 
@@ -305,7 +305,7 @@ impl Inner {
     ) -> Result<Call<'a>> {
         let count = elements(output.len(), dtype)?;
         let info = CallInfo::new(Kind::AllReduce, dtype, op, 0, count)?;
-        Ok(self.prepare(info, Buffers::same_len(input, output)?))
+        self.prepare(info, Buffers::same_len(input, output)?)
     }
 
     pub(super) fn broadcast_call<'a>(
@@ -318,7 +318,7 @@ impl Inner {
         let count = elements(output.len(), dtype)?;
         self.check_root(root)?;
         let info = CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count)?;
-        Ok(self.prepare(info, Buffers::same_len(input, output)?))
+        self.prepare(info, Buffers::same_len(input, output)?)
     }
 
     pub(super) fn check_root(&self, root: usize) -> Result<()> {

@@ -31,6 +31,7 @@ use crate::algorithm::{Algorithm, Collective, Path};
 use crate::executor::Buffers;
 use crate::schedule::{all_to_all, barrier, hierarchical, Schedule};
 use crate::tuner::Plan;
+use crate::{Error, Result};
 
 /// Decisions kept at most (a handful of gradient buckets and sync calls).
 const KEEP: usize = 16;
@@ -78,15 +79,15 @@ pub(crate) struct Decisions {
 
 impl Decisions {
     /// The decision for `key`: the one made before, or `decide`'s, kept for next time.
-    fn get_or_decide(&self, key: Key, decide: impl FnOnce() -> Decided) -> Decided {
+    fn get_or_decide(&self, key: Key, decide: impl FnOnce() -> Result<Decided>) -> Result<Decided> {
         if let Some((_, hit)) = lock(&self.recent).iter().find(|(k, _)| *k == key) {
-            return hit.clone();
+            return Ok(hit.clone());
         }
-        let decided = decide();
+        let decided = decide()?;
         let mut recent = lock(&self.recent);
         recent.push_front((key, decided.clone()));
         recent.truncate(KEEP);
-        decided
+        Ok(decided)
     }
 }
 
@@ -107,7 +108,7 @@ fn collective(kind: Kind) -> Option<Collective> {
 
 impl Inner {
     /// Call `info` on `bufs`, ready to run: the route and algorithm the tuner picks.
-    pub(super) fn prepare<'a>(&self, info: CallInfo, bufs: Buffers<'a>) -> Call<'a> {
+    pub(super) fn prepare<'a>(&self, info: CallInfo, bufs: Buffers<'a>) -> Result<Call<'a>> {
         self.prepare_with(info, bufs, None)
     }
 
@@ -118,7 +119,7 @@ impl Inner {
         info: CallInfo,
         bufs: Buffers<'a>,
         counts: Option<(&[usize], &[usize])>,
-    ) -> Call<'a> {
+    ) -> Result<Call<'a>> {
         let window = self.window_call(&info, &bufs);
         let key = Key {
             kind: info.kind,
@@ -129,16 +130,21 @@ impl Inner {
         };
         let decide = || self.decide(&info, key.on_windows, counts);
         let decided = match counts {
-            Some(_) => decide(),
-            None => self.decisions.get_or_decide(key, decide),
+            Some(_) => decide()?,
+            None => self.decisions.get_or_decide(key, decide)?,
         };
         let route = match (decided, window) {
             (Decided::Messages(steps), _) => Route::Messages(steps),
             (Decided::Mailbox, _) => Route::Mailbox,
             (Decided::Window, Some(window)) => Route::Window(window),
-            (Decided::Window, None) => unreachable!("kept only for calls on shared buffers"),
+            (Decided::Window, None) => {
+                return Err(Error::Internal(format!(
+                    "{} was routed to shared buffers it does not have",
+                    info.kind.name()
+                )))
+            }
         };
-        Call { info, bufs, route }
+        Ok(Call { info, bufs, route })
     }
 
     /// The tuner's pick for call `info` (on shared buffers when `on_windows`), logged,
@@ -148,7 +154,7 @@ impl Inner {
         info: &CallInfo,
         on_windows: bool,
         counts: Option<(&[usize], &[usize])>,
-    ) -> Decided {
+    ) -> Result<Decided> {
         let (rank, w) = (self.config.rank, self.config.world_size);
         let c = collective(info.kind);
         // nccl-tests' size: the buffer of all-reduce, broadcast and reduce, the whole
@@ -164,8 +170,8 @@ impl Inner {
             self.tuner.explain_call(c, bytes, w, on_windows)
         });
         let algorithm = match plan.path {
-            Path::Mailbox => return Decided::Mailbox,
-            Path::Window => return Decided::Window,
+            Path::Mailbox => return Ok(Decided::Mailbox),
+            Path::Window => return Ok(Decided::Window),
             Path::Messages(a) => a,
         };
         let chunk = self.chunk_elems(info.dtype);
@@ -176,9 +182,13 @@ impl Inner {
                 hierarchical::all_reduce_on(rank, &self.hosts, info.count, chunk)
             }
             (Some(c), a, None) => crate::cost::schedule_for(c, a, rank, w, elems, chunk, info.root)
-                .expect("the tuner offers only algorithms that implement the collective"),
+                .ok_or_else(|| {
+                    Error::Internal(format!(
+                        "the tuner offered {a:?}, which has no {c:?} schedule"
+                    ))
+                })?,
         };
-        Decided::Messages(Arc::new(steps))
+        Ok(Decided::Messages(Arc::new(steps)))
     }
 
     /// Logs `plan` for a call of `kind`: `table` at `info` when the pick for `kind` changed.
@@ -207,16 +217,16 @@ mod tests {
         }
     }
 
-    fn one_step(count: usize) -> Decided {
-        Decided::Messages(Arc::new(vec![Step::Recv {
+    fn one_step(count: usize) -> Result<Decided> {
+        Ok(Decided::Messages(Arc::new(vec![Step::Recv {
             peer: 1,
             into: crate::schedule::Loc::output(0..count),
-        }]))
+        }])))
     }
 
-    fn steps(d: Decided) -> Arc<Schedule> {
+    fn steps(d: Result<Decided>) -> Arc<Schedule> {
         match d {
-            Decided::Messages(steps) => steps,
+            Ok(Decided::Messages(steps)) => steps,
             other => panic!("{other:?}"),
         }
     }
@@ -228,26 +238,39 @@ mod tests {
         let again = steps(kept.get_or_decide(key(3), || panic!("decided twice")));
         assert!(Arc::ptr_eq(&first, &again));
         for count in 100..100 + KEEP {
-            kept.get_or_decide(key(count), || one_step(count));
+            steps(kept.get_or_decide(key(count), || one_step(count)));
         }
         let mut again = false;
-        kept.get_or_decide(key(3), || {
+        steps(kept.get_or_decide(key(3), || {
             again = true;
             one_step(3)
-        });
+        }));
         assert!(again, "the oldest decision should have been dropped");
+    }
+
+    #[test]
+    fn a_failed_decision_is_returned_and_not_kept() {
+        let kept = Decisions::default();
+        let failed = kept.get_or_decide(key(3), || Err(Error::Internal("no schedule".into())));
+        assert!(matches!(failed, Err(Error::Internal(_))), "{failed:?}");
+        let mut decided = false;
+        steps(kept.get_or_decide(key(3), || {
+            decided = true;
+            one_step(3)
+        }));
+        assert!(decided, "a failure must not be kept as the decision");
     }
 
     #[test]
     fn calls_on_shared_buffers_are_kept_apart() {
         let kept = Decisions::default();
-        kept.get_or_decide(key(3), || one_step(3));
+        steps(kept.get_or_decide(key(3), || one_step(3)));
         let on_windows = Key {
             on_windows: true,
             ..key(3)
         };
-        let d = kept.get_or_decide(on_windows, || Decided::Window);
-        assert!(matches!(d, Decided::Window), "{d:?}");
+        let d = kept.get_or_decide(on_windows, || Ok(Decided::Window));
+        assert!(matches!(d, Ok(Decided::Window)), "{d:?}");
     }
 
     #[test]
