@@ -287,7 +287,7 @@ fn job_auth(get: Lookup<'_>) -> Result<Auth, Error> {
     .find_map(|var| get(var).filter(|v| !v.is_empty()).map(|v| (var, v)))
     .unwrap_or((env::CHORUS_JOB_ID, String::new()));
     let token = get(env::CHORUS_AUTH_TOKEN).unwrap_or_default();
-    Auth::new(job_id.clone(), token).map_err(|reason| bad(var, &job_id, &reason))
+    Auth::new(job_id.clone(), token).map_err(|reason| bad(var, &job_id, &reason.to_string()))
 }
 
 /// This machine's name (it decides which ranks share a host).

@@ -109,7 +109,7 @@ impl StoreHost {
     /// Listens on every interface at a port the system picks; peers must prove `token`.
     #[new]
     fn new(job_id: &str, token: &str) -> PyResult<StoreHost> {
-        let auth = Auth::new(job_id, token).map_err(PyValueError::new_err)?;
+        let auth = Auth::new(job_id, token).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let server = StoreServer::bind_with_auth(([0, 0, 0, 0], 0).into(), auth).map_err(failed)?;
         Ok(StoreHost {
             port: server.local_addr().port(),
@@ -168,7 +168,7 @@ impl Comm {
         if timeout.is_finite() && timeout > 0.0 && std::env::var_os(env::CHORUS_TIMEOUT).is_none() {
             config.timeout = Duration::from_secs_f64(timeout);
         }
-        config.auth = Auth::new(job_id, token).map_err(PyValueError::new_err)?;
+        config.auth = Auth::new(job_id, token).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let server = match host {
             Some(h) => h.server.lock().map_err(failed)?.take(),
             None => None,

@@ -21,6 +21,20 @@ pub const MAX_JOB_ID_LEN: usize = 255;
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// Why a job identity or a random value could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    /// The job id is longer than [`MAX_JOB_ID_LEN`] bytes.
+    #[error("the job id is {len} bytes; at most {MAX_JOB_ID_LEN} are allowed")]
+    JobIdTooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The operating system's random generator failed.
+    #[error("no randomness from the OS: {0}")]
+    NoRandomness(getrandom::Error),
+}
+
 /// A job's identity and shared secret; `Default` is no job id and an empty secret.
 ///
 /// `Debug` never shows the secret.
@@ -44,13 +58,10 @@ impl Auth {
     /// The identity of job `job_id` whose ranks share `token`.
     ///
     /// Fails if the job id is longer than [`MAX_JOB_ID_LEN`] bytes.
-    pub fn new(job_id: impl Into<String>, token: impl Into<Vec<u8>>) -> Result<Auth, String> {
+    pub fn new(job_id: impl Into<String>, token: impl Into<Vec<u8>>) -> Result<Auth, AuthError> {
         let job_id = job_id.into();
         if job_id.len() > MAX_JOB_ID_LEN {
-            return Err(format!(
-                "the job id is {} bytes; at most {MAX_JOB_ID_LEN} are allowed",
-                job_id.len()
-            ));
+            return Err(AuthError::JobIdTooLong { len: job_id.len() });
         }
         Ok(Auth {
             job_id,
@@ -94,14 +105,14 @@ impl Auth {
 }
 
 /// A fresh random challenge from the operating system's generator.
-pub fn nonce() -> Result<[u8; NONCE_LEN], String> {
+pub fn nonce() -> Result<[u8; NONCE_LEN], AuthError> {
     let mut bytes = [0u8; NONCE_LEN];
-    getrandom::fill(&mut bytes).map_err(|e| format!("no randomness from the OS: {e}"))?;
+    getrandom::fill(&mut bytes).map_err(AuthError::NoRandomness)?;
     Ok(bytes)
 }
 
 /// A fresh random secret, as 32 hex digits (what launchers hand their workers).
-pub fn random_token() -> Result<String, String> {
+pub fn random_token() -> Result<String, AuthError> {
     let bytes = nonce()?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
@@ -140,7 +151,8 @@ mod tests {
     fn long_job_ids_are_refused() {
         assert!(Auth::new("x".repeat(MAX_JOB_ID_LEN), "").is_ok());
         let err = Auth::new("x".repeat(MAX_JOB_ID_LEN + 1), "").unwrap_err();
-        assert!(err.contains("256 bytes"), "{err}");
+        assert!(matches!(err, AuthError::JobIdTooLong { len: 256 }), "{err}");
+        assert!(err.to_string().contains("256 bytes"), "{err}");
     }
 
     #[test]
