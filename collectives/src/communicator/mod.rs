@@ -38,6 +38,7 @@ pub use p2p::Group;
 use prepare::{Call, Route};
 pub use shared::SharedBuffer;
 use shared::Windows;
+pub(crate) use work::Queue;
 pub use work::Work;
 use work::Worker;
 

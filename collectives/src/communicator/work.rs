@@ -65,6 +65,58 @@ impl Drop for Worker {
     }
 }
 
+/// An ordered queue of operations run by a worker thread started on first use: what the
+/// device collectives' asynchronous calls run on.
+pub(crate) struct Queue {
+    rank: usize,
+    worker: std::sync::Mutex<Option<Worker>>,
+}
+
+impl Queue {
+    pub(crate) fn new(rank: usize) -> Queue {
+        Queue {
+            rank,
+            worker: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Runs `op` after every operation queued before it; its outcome and the buffer it
+    /// returns come back through the handle.
+    pub(crate) fn submit<B, F>(&self, op: F) -> Work<B>
+    where
+        B: Send + 'static,
+        F: FnOnce() -> (Result<()>, B) + Send + 'static,
+    {
+        let (done_tx, done) = channel::bounded(1);
+        let finished = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&finished);
+        let task: Task = Box::new(move || {
+            let (result, buf) = op();
+            flag.store(true, Ordering::Release);
+            let _ = done_tx.send((result, buf));
+        });
+        let mut worker = lock(&self.worker);
+        if worker.is_none() {
+            match Worker::start(self.rank) {
+                Ok(started) => *worker = Some(started),
+                // The handle reports the worker as stopped.
+                Err(e) => tracing::error!("cannot queue an asynchronous operation: {e}"),
+            }
+        }
+        if let Some(tasks) = worker.as_ref().and_then(|w| w.tasks.as_ref()) {
+            let _ = tasks.send(task);
+        }
+        Work { done, finished }
+    }
+
+    /// Waits until every operation queued so far has run; at once if none ever was.
+    pub(crate) fn drain(&self) {
+        if lock(&self.worker).is_some() {
+            let _ = self.submit(|| (Ok(()), ())).wait();
+        }
+    }
+}
+
 /// A handle to an operation in flight; gives its buffer back when it completes.
 ///
 /// The operation owns its buffer meanwhile:

@@ -43,9 +43,9 @@ pub use chorus_kernels::cuda::{
 use chorus_kernels::cuda::{DevicePtr, DevicePtrMut};
 use chorus_kernels::{DType, Element, ReduceOp};
 
-use crate::communicator::Kind;
+use crate::communicator::{Kind, Queue};
 use crate::env::CHORUS_CUDA_PATH;
-use crate::{Communicator, Error, Result};
+use crate::{Communicator, Error, Result, Work};
 
 /// How a [`CudaCommunicator`] moves device data between ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +127,13 @@ struct Job {
 /// A communicator for device buffers: a duplicate of a host [`Communicator`], a
 /// [`Device`], and the path's buffers. See the [module documentation](self).
 pub struct CudaCommunicator {
+    /// Dropped first: the queued operations finish before the path closes.
+    queue: Queue,
+    shared: Arc<Shared>,
+}
+
+/// What the calls run on, shared with the queue's worker thread.
+struct Shared {
     comm: Communicator,
     device: Device,
     path: Mutex<Path>,
@@ -140,9 +147,9 @@ enum Path {
 impl std::fmt::Debug for CudaCommunicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaCommunicator")
-            .field("rank", &self.comm.rank())
-            .field("world_size", &self.comm.world_size())
-            .field("device", &self.device)
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("device", self.device())
             .field("path", &self.path())
             .finish()
     }
@@ -170,15 +177,18 @@ impl CudaCommunicator {
             None => Path::Staged(staged::Staging::new(&device, comm.world_size())?),
         };
         Ok(CudaCommunicator {
-            comm,
-            device,
-            path: Mutex::new(path),
+            queue: Queue::new(comm.rank()),
+            shared: Arc::new(Shared {
+                comm,
+                device,
+                path: Mutex::new(path),
+            }),
         })
     }
 
     /// The path this communicator's calls take.
     pub fn path(&self) -> DevicePath {
-        match &*self.lock() {
+        match &*self.shared.lock() {
             Path::Ipc(_) => DevicePath::Ipc,
             Path::Staged(_) => DevicePath::Staged,
         }
@@ -186,17 +196,36 @@ impl CudaCommunicator {
 
     /// The device the buffers must be on.
     pub fn device(&self) -> &Device {
-        &self.device
+        &self.shared.device
     }
 
     /// This process's rank.
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.shared.comm.rank()
     }
 
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.shared.comm.world_size()
+    }
+
+    /// Runs a blocking call after the asynchronous ones queued before it.
+    fn now(&self, call: impl FnOnce(&Shared) -> Result<()>) -> Result<()> {
+        self.queue.drain();
+        call(&self.shared)
+    }
+
+    /// Queues `call` on owned buffers `bufs`; they come back through the handle.
+    fn later<B: Send + 'static>(
+        &self,
+        mut bufs: B,
+        call: impl FnOnce(&Shared, &mut B) -> Result<()> + Send + 'static,
+    ) -> Work<B> {
+        let shared = Arc::clone(&self.shared);
+        self.queue.submit(move || {
+            let result = call(&shared, &mut bufs);
+            (result, bufs)
+        })
     }
 
     /// Reduces `buf` across all ranks in place; every rank ends with the result.
@@ -206,7 +235,7 @@ impl CudaCommunicator {
         op: ReduceOp,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.in_place::<T, B>(DeviceCall::AllReduce(op), buf, stream)
+        self.now(|s| s.in_place::<T, B>(DeviceCall::AllReduce(op), buf, stream))
     }
 
     /// Reduces every rank's `input` into every rank's `output` (same length).
@@ -217,7 +246,7 @@ impl CudaCommunicator {
         op: ReduceOp,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.apart::<T, I, O>(DeviceCall::AllReduce(op), input, output, stream)
+        self.now(|s| s.apart::<T, I, O>(DeviceCall::AllReduce(op), input, output, stream))
     }
 
     /// Copies `root`'s `buf` into every other rank's `buf`.
@@ -227,7 +256,7 @@ impl CudaCommunicator {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.in_place::<T, B>(DeviceCall::Broadcast { root }, buf, stream)
+        self.now(|s| s.in_place::<T, B>(DeviceCall::Broadcast { root }, buf, stream))
     }
 
     /// Copies `root`'s `input` into every rank's `output` (`input` is read on the root only).
@@ -238,7 +267,7 @@ impl CudaCommunicator {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.apart::<T, I, O>(DeviceCall::Broadcast { root }, input, output, stream)
+        self.now(|s| s.apart::<T, I, O>(DeviceCall::Broadcast { root }, input, output, stream))
     }
 
     /// Reduces every rank's `buf` into `root`'s `buf`; other ranks' buffers are left as they were.
@@ -249,7 +278,7 @@ impl CudaCommunicator {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.in_place::<T, B>(DeviceCall::Reduce { op, root }, buf, stream)
+        self.now(|s| s.in_place::<T, B>(DeviceCall::Reduce { op, root }, buf, stream))
     }
 
     /// Reduces every rank's `input` into `root`'s `output` (same length); other outputs are untouched.
@@ -261,7 +290,7 @@ impl CudaCommunicator {
         root: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.apart::<T, I, O>(DeviceCall::Reduce { op, root }, input, output, stream)
+        self.now(|s| s.apart::<T, I, O>(DeviceCall::Reduce { op, root }, input, output, stream))
     }
 
     /// Gathers every rank's `input` into every rank's `output` (`world_size` blocks, block
@@ -272,7 +301,7 @@ impl CudaCommunicator {
         output: &mut O,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.apart::<T, I, O>(DeviceCall::AllGather, input, output, stream)
+        self.now(|s| s.apart::<T, I, O>(DeviceCall::AllGather, input, output, stream))
     }
 
     /// Reduces `input` (`world_size` blocks) across ranks; `output` gets block `rank` of
@@ -284,7 +313,94 @@ impl CudaCommunicator {
         op: ReduceOp,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        self.apart::<T, I, O>(DeviceCall::ReduceScatter(op), input, output, stream)
+        self.now(|s| s.apart::<T, I, O>(DeviceCall::ReduceScatter(op), input, output, stream))
+    }
+
+    /// Starts [`all_reduce`](Self::all_reduce) on an owned buffer and returns at once; the
+    /// buffer comes back from [`Work::wait`], once the result is in it.
+    ///
+    /// Asynchronous calls run in issue order on a worker thread, and blocking calls wait for
+    /// them first; the stream orders the device work as for a blocking call.
+    pub fn all_reduce_async<T, B>(&self, buf: B, op: ReduceOp, stream: &Arc<CudaStream>) -> Work<B>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Send + 'static,
+    {
+        let stream = Arc::clone(stream);
+        self.later(buf, move |s, buf| {
+            s.in_place::<T, B>(DeviceCall::AllReduce(op), buf, &stream)
+        })
+    }
+
+    /// Starts [`broadcast`](Self::broadcast) on an owned buffer (see
+    /// [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn broadcast_async<T, B>(&self, buf: B, root: usize, stream: &Arc<CudaStream>) -> Work<B>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Send + 'static,
+    {
+        let stream = Arc::clone(stream);
+        self.later(buf, move |s, buf| {
+            s.in_place::<T, B>(DeviceCall::Broadcast { root }, buf, &stream)
+        })
+    }
+
+    /// Starts [`reduce`](Self::reduce) on an owned buffer (see
+    /// [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn reduce_async<T, B>(
+        &self,
+        buf: B,
+        op: ReduceOp,
+        root: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Work<B>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Send + 'static,
+    {
+        let stream = Arc::clone(stream);
+        self.later(buf, move |s, buf| {
+            s.in_place::<T, B>(DeviceCall::Reduce { op, root }, buf, &stream)
+        })
+    }
+
+    /// Starts [`all_gather`](Self::all_gather) on owned buffers, given back as `(input,
+    /// output)` (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn all_gather_async<T, I, O>(
+        &self,
+        input: I,
+        output: O,
+        stream: &Arc<CudaStream>,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: DevicePtr<T> + Send + 'static,
+        O: DevicePtrMut<T> + Send + 'static,
+    {
+        let stream = Arc::clone(stream);
+        self.later((input, output), move |s, (input, output)| {
+            s.apart::<T, I, O>(DeviceCall::AllGather, input, output, &stream)
+        })
+    }
+
+    /// Starts [`reduce_scatter`](Self::reduce_scatter) on owned buffers, given back as
+    /// `(input, output)` (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn reduce_scatter_async<T, I, O>(
+        &self,
+        input: I,
+        output: O,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: DevicePtr<T> + Send + 'static,
+        O: DevicePtrMut<T> + Send + 'static,
+    {
+        let stream = Arc::clone(stream);
+        self.later((input, output), move |s, (input, output)| {
+            s.apart::<T, I, O>(DeviceCall::ReduceScatter(op), input, output, &stream)
+        })
     }
 
     /// Runs `call` on raw device pointers: `count` elements of `dtype` per rank block (see
@@ -306,11 +422,15 @@ impl CudaCommunicator {
         count: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
-        let job = self.job(call, dtype, count, (input, output))?;
-        self.check_stream(stream)?;
-        self.run(job, stream)
+        self.now(|s| {
+            let job = s.job(call, dtype, count, (input, output))?;
+            s.check_stream(stream)?;
+            s.run(job, stream)
+        })
     }
+}
 
+impl Shared {
     fn in_place<T: Element, B: DevicePtrMut<T>>(
         &self,
         call: DeviceCall,
@@ -335,7 +455,7 @@ impl CudaCommunicator {
         self.check_stream(stream)?;
         self.check_buffer("input buffer", input.stream())?;
         self.check_buffer("output buffer", output.stream())?;
-        let world = self.world_size();
+        let world = self.comm.world_size();
         let count = match call {
             DeviceCall::ReduceScatter(_) => output.len(),
             _ => input.len(),
@@ -365,7 +485,7 @@ impl CudaCommunicator {
         count: usize,
         (input, output): (u64, u64),
     ) -> Result<Job> {
-        let world = self.world_size();
+        let world = self.comm.world_size();
         match call {
             DeviceCall::AllReduce(op)
             | DeviceCall::Reduce { op, .. }
@@ -428,7 +548,7 @@ impl CudaCommunicator {
     }
 }
 
-impl Drop for CudaCommunicator {
+impl Drop for Shared {
     fn drop(&mut self) {
         let _ = self.device.context().bind_to_thread();
         if let Path::Ipc(peers) = &mut *self.lock() {

@@ -121,6 +121,7 @@ fn check(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
         check_type::<bf16>(dev, stream, count, &[ReduceOp::Sum, ReduceOp::Min])?;
         check_type::<i32>(dev, stream, count, &[ReduceOp::Sum, ReduceOp::BXor])?;
     }
+    check_async(dev, stream)?;
     if dev.world_size() > 1 {
         // Ranks passing different sizes fail, every one of them, rather than hang or corrupt.
         let mut buf = stream
@@ -208,6 +209,44 @@ fn check_type<T: Exact>(
     let want: Vec<T> = (0..w).flat_map(|r| input(r, count)).collect();
     same(&down(&out)?, &want, &what("all_gather"))?;
     Ok(())
+}
+
+/// Asynchronous calls on owned buffers, with a blocking call queued behind them: each
+/// result as the blocking form gives it.
+fn check_async(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
+    let (w, me, count) = (dev.world_size(), dev.rank(), 4099);
+    let input = |r: usize| -> Vec<f32> { (0..count).map(|i| value(r, i) as f32).collect() };
+    let up = |v: &[f32]| stream.clone_htod(v).map_err(|e| e.to_string());
+    let down = |s: &CudaSlice<f32>| {
+        let v = stream.clone_dtoh(s).map_err(|e| e.to_string())?;
+        stream.synchronize().map_err(|e| e.to_string())?;
+        Ok::<_, String>(v)
+    };
+    let summed = dev.all_reduce_async(up(&input(me))?, ReduceOp::Sum, stream);
+    let gathered = dev.all_gather_async(
+        up(&input(me))?,
+        up(&vec![POISON as f32; w * count])?,
+        stream,
+    );
+    let mut root = up(&input(me))?;
+    dev.broadcast(&mut root, 0, stream)
+        .map_err(|e| e.to_string())?;
+    let sum: Vec<f32> = (0..count)
+        .map(|i| reduce(ReduceOp::Sum, w, |r| value(r, i)) as f32)
+        .collect();
+    same(
+        &down(&summed.wait().map_err(|e| e.to_string())?)?,
+        &sum,
+        "all_reduce_async",
+    )?;
+    let (_, out) = gathered.wait().map_err(|e| e.to_string())?;
+    let all: Vec<f32> = (0..w).flat_map(input).collect();
+    same(&down(&out)?, &all, "all_gather_async")?;
+    same(
+        &down(&root)?,
+        &input(0),
+        "broadcast after asynchronous calls",
+    )
 }
 
 /// `op` over ranks `0..w` of `x(r)`, in f64.
