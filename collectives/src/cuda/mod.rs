@@ -32,6 +32,7 @@
 //! collectives.
 
 mod ipc;
+mod local;
 mod memory;
 mod staged;
 

@@ -122,6 +122,7 @@ fn check(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
         check_type::<i32>(dev, stream, count, &[ReduceOp::Sum, ReduceOp::BXor])?;
     }
     check_async(dev, stream)?;
+    check_local(dev, stream)?;
     if dev.world_size() > 1 {
         // Ranks passing different sizes fail, every one of them, rather than hang or corrupt.
         let mut buf = stream
@@ -247,6 +248,60 @@ fn check_async(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
         &input(0),
         "broadcast after asynchronous calls",
     )
+}
+
+/// Calls over two buffers per process (on the next GPU where there is one, else both on
+/// this one): every buffer of every rank is one participant, number `rank * 2 + i`.
+fn check_local(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
+    let (w, me, count, g) = (dev.world_size(), dev.rank(), 3001, 2);
+    let gpus = Device::count().map_err(|e| e.to_string())?;
+    let other = Device::open((dev.device().ordinal() + 1) % gpus).map_err(|e| e.to_string())?;
+    let streams = [
+        stream.clone(),
+        other.new_stream().map_err(|e| e.to_string())?,
+    ];
+    let input = |v: usize| -> Vec<f32> { (0..count).map(|i| value(v, i) as f32).collect() };
+    let load = || -> Result<Vec<CudaSlice<f32>>, String> {
+        (0..g)
+            .map(|i| {
+                streams[i]
+                    .clone_htod(&input(me * g + i))
+                    .map_err(|e| e.to_string())
+            })
+            .collect()
+    };
+    let down = |i: usize, s: &CudaSlice<f32>| {
+        let v = streams[i].clone_dtoh(s).map_err(|e| e.to_string())?;
+        streams[i].synchronize().map_err(|e| e.to_string())?;
+        Ok::<_, String>(v)
+    };
+    for op in [ReduceOp::Sum, ReduceOp::Avg] {
+        let mut bufs = load()?;
+        dev.all_reduce_local(&mut bufs, op, &streams)
+            .map_err(|e| e.to_string())?;
+        let want: Vec<f32> = (0..count)
+            .map(|i| reduce(op, w * g, |v| value(v, i)) as f32)
+            .collect();
+        for (i, buf) in bufs.iter().enumerate() {
+            same(
+                &down(i, buf)?,
+                &want,
+                &format!("all_reduce_local {op} buffer {i}"),
+            )
+            .map_err(err)?;
+        }
+    }
+    let mut bufs = load()?;
+    dev.broadcast_local(&mut bufs, w - 1, &streams)
+        .map_err(|e| e.to_string())?;
+    for (i, buf) in bufs.iter().enumerate() {
+        same(
+            &down(i, buf)?,
+            &input((w - 1) * g),
+            &format!("broadcast_local buffer {i}"),
+        )?;
+    }
+    Ok(())
 }
 
 /// `op` over ranks `0..w` of `x(r)`, in f64.
