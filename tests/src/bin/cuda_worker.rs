@@ -287,8 +287,7 @@ fn check_local(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
                 &down(i, buf)?,
                 &want,
                 &format!("all_reduce_local {op} buffer {i}"),
-            )
-            .map_err(err)?;
+            )?;
         }
     }
     let mut bufs = load()?;
