@@ -115,6 +115,47 @@ fn a_rank_that_never_shows_up_is_named() {
     }
 }
 
+/// A rank whose world size differs from rank 0's fails naming both values, without
+/// waiting for ranks that will never come.
+#[test]
+fn a_world_size_that_differs_from_rank_0s_is_named() {
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port().to_string();
+    let (zero, one) = thread::scope(|s| {
+        let zero = s.spawn(|| connect_as("0", "2", &port, "5"));
+        let one = connect_as("1", "3", &port, "5");
+        (zero.join().unwrap(), one)
+    });
+    assert!(!one.success && !zero.success);
+    assert_clean_failure(
+        &one.stderr,
+        &["rank 1 says WORLD_SIZE=3, rank 0 says WORLD_SIZE=2"],
+    );
+    assert_clean_failure(&zero.stderr, &["[1]"]);
+}
+
+/// Two processes given the same RANK: the second to claim it fails at once saying so,
+/// and the job of the other two completes.
+#[test]
+fn a_rank_number_given_twice_is_refused() {
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port().to_string();
+    let done: Vec<_> = thread::scope(|s| {
+        let runs: Vec<_> = ["0", "1", "1"]
+            .map(|rank| s.spawn(|| connect_as(rank, "2", &port, "20")))
+            .into_iter()
+            .collect();
+        runs.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let refused: Vec<_> = done.iter().filter(|d| !d.success).collect();
+    assert_eq!(
+        refused.len(),
+        1,
+        "one of the two rank 1s must fail: {done:?}"
+    );
+    assert_clean_failure(&refused[0].stderr, &["already has rank 1"]);
+}
+
 #[test]
 fn mismatched_lengths_fail_on_every_rank() {
     for world in [2, 3] {

@@ -10,6 +10,7 @@ mod meeting;
 mod monitor;
 mod p2p;
 mod prepare;
+mod roll_call;
 mod shared;
 mod split;
 mod work;
@@ -38,6 +39,7 @@ pub use p2p::Group;
 use prepare::{Call, Route};
 pub use shared::SharedBuffer;
 use shared::Windows;
+#[cfg(feature = "cuda")]
 pub(crate) use work::Queue;
 pub use work::Work;
 use work::Worker;
@@ -264,6 +266,7 @@ impl Communicator {
                 ..ShmConfig::default()
             },
         };
+        roll_call::roll_call(&store, &config)?;
         let transport = RoutedTransport::connect(rank, config.world_size, &store, &routes)
             .map_err(|e| Error::transport(rank, e))?;
         // The store's host keeps it up until every rank is done with it.

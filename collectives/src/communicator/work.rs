@@ -67,11 +67,13 @@ impl Drop for Worker {
 
 /// An ordered queue of operations run by a worker thread started on first use: what the
 /// device collectives' asynchronous calls run on.
+#[cfg(feature = "cuda")]
 pub(crate) struct Queue {
     rank: usize,
     worker: std::sync::Mutex<Option<Worker>>,
 }
 
+#[cfg(feature = "cuda")]
 impl Queue {
     pub(crate) fn new(rank: usize) -> Queue {
         Queue {
