@@ -29,6 +29,7 @@ use chorus_transport::Transport;
 use chorus_transport::{RouteConfig, RoutedTransport};
 
 use crate::algorithm::Path;
+use crate::config::MAX_WORLD_SIZE;
 use crate::executor::{self, Job, Watch, Workspace, PIPELINE_DEPTH};
 use crate::tuner::{Topology, Tuner};
 use crate::{Config, Error, Result, StoreKind};
@@ -187,6 +188,7 @@ impl Communicator {
     /// store cannot be reached, or a peer does not show up, all within
     /// `config.timeout`.
     pub fn new(config: Config) -> Result<Communicator> {
+        check_shape(&config)?;
         let (space, hosted) = match &config.store {
             StoreKind::Chorus => ("chorus".to_string(), true),
             StoreKind::TorchAgent { run } => (format!("torchelastic/{run}/chorus"), false),
@@ -220,12 +222,7 @@ impl Communicator {
         server: Option<StoreServer>,
         prefix: &str,
     ) -> Result<Communicator> {
-        if config.world_size == 0 || config.rank >= config.world_size {
-            return Err(Error::InvalidArgument(format!(
-                "rank {} is not below world size {}",
-                config.rank, config.world_size
-            )));
-        }
+        check_shape(&config)?;
         if config.world_size == 1 {
             return Ok(Communicator::assemble(config, None, None, None));
         }
@@ -599,6 +596,23 @@ fn connect_store(config: &Config, timeout: Duration) -> Result<Arc<dyn Store>> {
 }
 
 /// Number of `dtype` elements in `bytes` bytes; fails if not a whole number.
+/// Fails unless `config`'s rank is below its world size, and the world size within bounds.
+fn check_shape(config: &Config) -> Result<()> {
+    if config.world_size == 0 || config.rank >= config.world_size {
+        return Err(Error::InvalidArgument(format!(
+            "rank {} is not below world size {}",
+            config.rank, config.world_size
+        )));
+    }
+    if config.world_size > MAX_WORLD_SIZE {
+        return Err(Error::InvalidArgument(format!(
+            "world size {} is above the largest Chorus supports, {MAX_WORLD_SIZE}",
+            config.world_size
+        )));
+    }
+    Ok(())
+}
+
 fn elements(bytes: usize, dtype: DType) -> Result<usize> {
     if bytes % dtype.size() != 0 {
         return Err(Error::InvalidArgument(format!(
@@ -647,6 +661,15 @@ fn advertised_addr(config: &Config) -> Result<IpAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_world_size_out_of_bounds_fails_before_anything_is_allocated() {
+        let config = |world| Config::new(0, world, "127.0.0.1", 1);
+        let err = Communicator::new(config(MAX_WORLD_SIZE + 1)).unwrap_err();
+        assert!(err.to_string().contains("world size 1048577"), "{err}");
+        let err = Communicator::new(config(0)).unwrap_err();
+        assert!(err.to_string().contains("not below world size 0"), "{err}");
+    }
 
     fn call(dtype: DType, op: ReduceOp) -> CallInfo {
         CallInfo::new(Kind::AllReduce, dtype, op, 0, 1000).unwrap()
