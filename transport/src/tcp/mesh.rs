@@ -162,7 +162,16 @@ fn connect(peer: usize, addr: SocketAddr, deadline: Instant) -> Result<TcpStream
     }
 }
 
+/// How long an accepted connection may take to send its hello before it is dropped.
+const HELLO_WAIT: Duration = Duration::from_secs(5);
+/// The most connections waiting for their hello at once; past it the oldest is dropped.
+const MAX_PENDING: usize = 256;
+
 /// Accepts `nsocks` sockets from every rank above `rank`.
+///
+/// Hellos are read from every accepted connection at once, each with its own
+/// [`HELLO_WAIT`]: a connection that has not proven itself is never waited on, so a
+/// stranger holding connections open, or sending a byte at a time, cannot delay the ranks.
 fn accept_higher(
     listener: &TcpListener,
     own: &Hello,
@@ -176,50 +185,104 @@ fn accept_higher(
             .filter(|&p| sockets[p].iter().any(Option::is_none))
             .collect()
     };
+    let mut pending: Vec<Pending> = Vec::new();
     let mut pause = Duration::from_micros(100);
     while !missing(sockets).is_empty() {
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if now >= deadline {
             return Err(TransportError::Setup(format!(
                 "rank {rank} timed out waiting for ranks {:?} to connect (are they running, with the same MASTER_ADDR and MASTER_PORT?)",
                 missing(sockets)
             )));
         }
-        let (mut stream, from) = match listener.accept() {
-            Ok(pair) => pair,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(10));
+        let mut progressed = false;
+        loop {
+            let (stream, from) = match listener.accept() {
+                Ok(pair) => pair,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(TransportError::resource("accept failed", e)),
+            };
+            progressed = true;
+            if let Err(e) = stream.set_nonblocking(true) {
+                tracing::warn!(%from, "dropped a connection: {e}");
                 continue;
             }
-            Err(e) => return Err(TransportError::resource("accept failed", e)),
-        };
-        pause = Duration::from_micros(100);
-        match read_hello(&mut stream, auth, deadline).and_then(|h| own.admit(&h, sockets)) {
-            Ok((peer, sock)) => {
-                stream
-                    .write_all(&[ACK])
-                    .map_err(|e| io_setup(peer, "send the ack", e))?;
-                sockets[peer][sock] = Some(stream);
+            if pending.len() >= MAX_PENDING {
+                let oldest = pending.remove(0);
+                tracing::warn!(from = %oldest.from, "dropped a connection: too many without a hello");
             }
-            Err(why) => tracing::warn!(%from, "dropped a connection: {why}"),
+            pending.push(Pending {
+                stream,
+                from,
+                hello: [0; HELLO_LEN],
+                got: 0,
+                until: (now + HELLO_WAIT).min(deadline),
+            });
+        }
+        let mut i = 0;
+        while i < pending.len() {
+            let outcome = match pending[i].read(auth) {
+                Ok(None) if now < pending[i].until => {
+                    i += 1;
+                    continue;
+                }
+                Ok(None) => Err(format!("no hello within {HELLO_WAIT:?}")),
+                Ok(Some(hello)) => own.admit(&hello, sockets),
+                Err(why) => Err(why),
+            };
+            progressed = true;
+            let Pending {
+                mut stream, from, ..
+            } = pending.swap_remove(i);
+            match outcome {
+                Ok((peer, sock)) => {
+                    stream
+                        .set_nonblocking(false)
+                        .and_then(|()| stream.write_all(&[ACK]))
+                        .map_err(|e| io_setup(peer, "send the ack", e))?;
+                    sockets[peer][sock] = Some(stream);
+                }
+                Err(why) => tracing::warn!(%from, "dropped a connection: {why}"),
+            }
+        }
+        if progressed {
+            pause = Duration::from_micros(100);
+        } else {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
         }
     }
     Ok(())
 }
 
-fn read_hello(stream: &mut TcpStream, auth: &Auth, deadline: Instant) -> Result<Hello, String> {
-    let wait = deadline
-        .saturating_duration_since(Instant::now())
-        .clamp(Duration::from_millis(1), Duration::from_secs(5));
-    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    stream
-        .set_read_timeout(Some(wait))
-        .map_err(|e| e.to_string())?;
-    let mut buf = [0u8; HELLO_LEN];
-    stream
-        .read_exact(&mut buf)
-        .map_err(|e| format!("no hello: {e}"))?;
-    Hello::decode(&buf, auth)
+/// An accepted connection whose hello has not fully arrived.
+struct Pending {
+    stream: TcpStream,
+    from: SocketAddr,
+    hello: [u8; HELLO_LEN],
+    got: usize,
+    /// When it is dropped if the hello is still incomplete.
+    until: Instant,
+}
+
+impl Pending {
+    /// Reads what has arrived: the decoded hello once complete, `None` while incomplete.
+    fn read(&mut self, auth: &Auth) -> Result<Option<Hello>, String> {
+        loop {
+            match self.stream.read(&mut self.hello[self.got..]) {
+                Ok(0) => return Err("closed before its hello".into()),
+                Ok(n) => {
+                    self.got += n;
+                    if self.got == HELLO_LEN {
+                        return Hello::decode(&self.hello, auth).map(Some);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("no hello: {e}")),
+            }
+        }
+    }
 }
 
 fn read_ack(stream: &mut TcpStream, peer: usize, deadline: Instant) -> Result<(), TransportError> {
@@ -329,6 +392,40 @@ impl Hello {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Strangers that connect and send nothing, or a byte, before the peer: the peer is
+    /// admitted as soon as its hello arrives. (Reading hellos one at a time, five seconds
+    /// each, the strangers would outlast the deadline.)
+    #[test]
+    fn strangers_without_a_hello_do_not_hold_up_the_peers() {
+        let listener = listen(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let strangers: Vec<TcpStream> = (0..4)
+            .map(|i| {
+                let mut s = TcpStream::connect(addr).unwrap();
+                if i % 2 == 1 {
+                    s.write_all(b"C").unwrap();
+                }
+                s
+            })
+            .collect();
+        let auth = Auth::new("job", "secret").unwrap();
+        let hello = |rank| Hello {
+            session: 9,
+            world_size: 2,
+            rank,
+            sock: 0,
+            nsocks: 1,
+        };
+        let mut peer = TcpStream::connect(addr).unwrap();
+        peer.write_all(&hello(1).encode(&auth)).unwrap();
+        let mut sockets: Vec<Vec<Option<TcpStream>>> = vec![vec![None], vec![None]];
+        let deadline = Instant::now() + Duration::from_secs(15);
+        accept_higher(&listener, &hello(0), &auth, deadline, &mut sockets).unwrap();
+        assert!(sockets[1][0].is_some());
+        read_ack(&mut peer, 0, deadline).unwrap();
+        drop(strangers);
+    }
 
     #[test]
     fn hello_round_trips_and_rejects_strangers() {
