@@ -90,6 +90,24 @@ fn a_killed_rank_is_named_by_every_survivor() {
     }
 }
 
+/// Rank 0, which hosts the rendezvous store, killed mid-job: every survivor fails naming
+/// rank 0 first, without waiting on the store that went with it.
+#[test]
+fn rank_0_killed_is_named_first_by_every_survivor() {
+    for seed in [6u64, 7] {
+        let report = chaos(4, &["kill", "0", &seed.to_string()], "60");
+        assert_eq!(report.ranks[0].status, Exit::Signal(9), "{}", dump(&report));
+        for rank in 1..4 {
+            let error = error_of(&report, rank);
+            assert!(
+                error.starts_with("aborted: rank 0 is gone"),
+                "rank {rank}: {error}\n{}",
+                dump(&report)
+            );
+        }
+    }
+}
+
 /// A rank stopped with SIGSTOP: the others warn of the stall, then time out naming it; once
 /// continued it fails too instead of computing with what is left.
 #[test]

@@ -25,7 +25,7 @@ use chorus_transport::TransportError;
 
 use super::{connect_store, lock, Inner, Kind};
 use crate::executor::Watch;
-use crate::{Config, Error};
+use crate::{Config, Error, StoreKind};
 
 /// How long one wait for the next event lasts before the listener looks around.
 const LISTEN_TICK: Duration = Duration::from_secs(5);
@@ -164,6 +164,10 @@ pub(crate) struct Monitor {
     pub activity: Activity,
     /// The alarm the listener received, kept for when the store is gone.
     heard: Mutex<Option<String>>,
+    /// Whether rank 0 hosts the store (so the store's loss means rank 0's).
+    store_on_rank_0: bool,
+    /// Set when the listener lost the store while the communicator was in use.
+    store_lost: AtomicBool,
     stop: AtomicBool,
 }
 
@@ -183,6 +187,8 @@ impl Monitor {
             warn_after,
             activity: Activity::default(),
             heard: Mutex::new(None),
+            store_on_rank_0: config.store == StoreKind::Chorus,
+            store_lost: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         });
         let listener = monitor.clone();
@@ -242,6 +248,7 @@ impl Monitor {
 
     fn lost(&self, e: &StoreError) {
         if !self.stop.load(Ordering::Acquire) {
+            self.store_lost.store(true, Ordering::Release);
             tracing::debug!(rank = self.rank, error = %e, "monitor: the store is gone; no more fault reports");
         }
     }
@@ -297,6 +304,15 @@ impl Monitor {
         self.store.wait(&["alarm"], self.grace)?;
         let text = self.store.get("alarm")?;
         Ok(Some(String::from_utf8_lossy(&text).into_owned()))
+    }
+
+    /// Whether `source` (or the store's loss) says rank 0, the store's host, is gone:
+    /// then asking the store would only wait out its timeout.
+    fn rank_0_gone(&self, source: &TransportError) -> bool {
+        self.store_on_rank_0
+            && self.rank != 0
+            && (matches!(source, TransportError::PeerClosed { peer: 0 })
+                || self.store_lost.load(Ordering::Acquire))
     }
 
     /// The alarm the listener has received, if any.
@@ -415,6 +431,11 @@ impl Watch for Watcher<'_> {
         if let TransportError::Aborted(reason) = source {
             return Error::Aborted(reason.clone());
         }
+        if self.monitor.rank_0_gone(source) {
+            return Error::Aborted(format!(
+                "rank 0 is gone, and the rendezvous store it hosted with it: {source}; rank {rank} noticed in {call} #{seq}"
+            ));
+        }
         // A rank that found the fault first has explained it; this one may only see its fallout.
         match self.monitor.alarm() {
             Ok(Some(cause)) => return Error::Aborted(cause),
@@ -424,8 +445,13 @@ impl Watch for Watcher<'_> {
                 if let Some(cause) = self.monitor.heard() {
                     return Error::Aborted(cause);
                 }
+                if self.monitor.store_on_rank_0 {
+                    return Error::Aborted(format!(
+                        "rank 0 is gone, and the rendezvous store it hosted with it ({e}): {source}; rank {rank} noticed in {call} #{seq}"
+                    ));
+                }
                 return Error::Aborted(format!(
-                    "{source}; rank {rank} noticed in {call} #{seq}; the rendezvous store is unreachable too ({e}): rank 0 (its host) probably failed first"
+                    "{source}; rank {rank} noticed in {call} #{seq}; the rendezvous store is unreachable too ({e})"
                 ));
             }
         }
