@@ -14,7 +14,7 @@
 #   all-reduce 64 MiB     W = 2 and 4 ranks: device all-reduce time, bus bandwidth, the IPC
 #                         path against the floor its bytes allow at the copy bandwidth, the
 #                         staged path against the host-buffer all-reduce
-#   allreduce_perf        allreduce_perf --device cuda, -np 2 and -np 4
+#   allreduce_perf        allreduce_perf --device cuda, -np 2 and -np 4, and -np 2 -g 2
 set -uo pipefail
 
 mode=${1:-}
@@ -117,6 +117,9 @@ run() {
         check "allreduce_perf $world" 120 "$dir"/allreduce_perf --device cuda -np $world -b 16 -e 64M -f 4
         row "allreduce_perf -np $world" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
     done
+    # Two GPUs per rank (both on the one GPU where there is one): 4 participants.
+    check "allreduce_perf g2" 120 "$dir"/allreduce_perf --device cuda -np 2 -g 2 -b 16 -e 64M -f 4
+    row "allreduce_perf -np 2 -g 2" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
 
     echo
     printf '%-24s %-6s %s\n' check status result

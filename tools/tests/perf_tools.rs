@@ -445,7 +445,7 @@ fn more_than_one_gpu_or_thread_per_process_is_a_clear_error() {
     for (args, want) in [
         (
             &["-g", "8"][..],
-            "-g 8: one process drives one GPU here; start 8 processes with -np 8",
+            "-g 8: several GPUs per process need --device cuda",
         ),
         (&["-t", "2"], "-t 2: Chorus runs one rank per process"),
         (&["-G", "5"], "-G 5: Chorus has no CUDA graph capture"),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use chorus_kernels::cuda::cudarc::driver::result;
 use chorus_kernels::cuda::{CudaError, CudaStream, DevicePtr, DevicePtrMut};
-use chorus_kernels::{Element, ReduceOp};
+use chorus_kernels::{DType, Element, ReduceOp};
 
 use super::{CudaCommunicator, DeviceCall, Shared};
 use crate::{Error, Result};
@@ -28,48 +28,15 @@ impl CudaCommunicator {
         op: ReduceOp,
         streams: &[Arc<CudaStream>],
     ) -> Result<()> {
-        let world = self.world_size();
         self.now(|s| {
-            let ptrs = s.locals(bufs, streams)?;
-            let _guards: Vec<_> = ptrs.guards;
-            let (first, bytes) = (ptrs.addrs[0], ptrs.bytes);
-            if ptrs.addrs.len() > 1 {
-                let stream = &streams[0];
-                // SAFETY: a fresh allocation of `bytes` bytes, freed after the stream's work.
-                let tmp = unsafe { stream.alloc::<u8>(bytes.max(1)) }
-                    .map_err(CudaError::driver("allocating device memory"))?;
-                let (at, _tmp) = tmp.device_ptr(stream);
-                for (&other, other_stream) in ptrs.addrs[1..].iter().zip(&streams[1..]) {
-                    s.copy_between((at, stream), (other, other_stream), bytes, stream)?;
-                    // SAFETY: `first` and `at` hold `bytes` bytes on this device, kept
-                    // alive (borrowed buffer, live allocation) until the stream is synchronized.
-                    unsafe {
-                        s.device
-                            .reduce_into_raw(op, T::DTYPE, [first, first, at], bytes, stream)?
-                    };
-                }
-            }
-            let across = if op == ReduceOp::Avg {
-                ReduceOp::Sum
-            } else {
-                op
-            };
-            let job = s.job(
-                DeviceCall::AllReduce(across),
+            let locals = s.locals(bufs, streams)?;
+            s.local(
+                DeviceCall::AllReduce(op),
                 T::DTYPE,
-                bytes / T::DTYPE.size(),
-                (first, first),
-            )?;
-            s.run(job, &streams[0])?;
-            if op == ReduceOp::Avg {
-                let n = world * ptrs.addrs.len();
-                // SAFETY: as above; `first` is the caller's first buffer.
-                unsafe {
-                    s.device
-                        .finish_avg_raw(T::DTYPE, first, bytes, n, &streams[0])?
-                };
-            }
-            s.fan_out(&ptrs.addrs, bytes, streams)
+                &locals.addrs,
+                locals.bytes,
+                streams,
+            )
         })
     }
 
@@ -82,25 +49,60 @@ impl CudaCommunicator {
         streams: &[Arc<CudaStream>],
     ) -> Result<()> {
         self.now(|s| {
-            let ptrs = s.locals(bufs, streams)?;
-            let _guards: Vec<_> = ptrs.guards;
-            let first = ptrs.addrs[0];
-            let job = s.job(
-                DeviceCall::Broadcast { root },
-                T::DTYPE,
-                ptrs.bytes / T::DTYPE.size(),
-                (first, first),
-            )?;
-            s.run(job, &streams[0])?;
-            s.fan_out(&ptrs.addrs, ptrs.bytes, streams)
+            let locals = s.locals(bufs, streams)?;
+            let call = DeviceCall::Broadcast { root };
+            s.local(call, T::DTYPE, &locals.addrs, locals.bytes, streams)
         })
     }
+
+    /// [`all_reduce_local`](Self::all_reduce_local) (`call` an all-reduce) or
+    /// [`broadcast_local`](Self::broadcast_local) (a broadcast) on raw device pointers, in
+    /// place: `bufs[i]` holds `count` elements of `dtype` on `streams[i]`'s device.
+    ///
+    /// # Safety
+    /// Each pointer must address `count` elements of device memory on its stream's device,
+    /// allocated until the call returns, not overlapping the others; nothing else may use
+    /// them during the call.
+    pub unsafe fn call_local_raw(
+        &self,
+        call: DeviceCall,
+        dtype: DType,
+        bufs: &[u64],
+        count: usize,
+        streams: &[Arc<CudaStream>],
+    ) -> Result<()> {
+        if bufs.len() != streams.len() || bufs.is_empty() {
+            return Err(mismatch(bufs.len(), streams.len()));
+        }
+        let bytes = count.checked_mul(dtype.size()).ok_or_else(|| {
+            Error::InvalidArgument(format!("{}: {count} elements is too many", call.name()))
+        })?;
+        self.now(|s| {
+            s.check_stream(&streams[0])?;
+            streams.iter().try_for_each(|stream| wait(stream))?;
+            s.local(call, dtype, bufs, bytes, streams)
+        })
+    }
+}
+
+fn wait(stream: &CudaStream) -> Result<()> {
+    stream
+        .synchronize()
+        .map_err(CudaError::driver("waiting for a stream"))?;
+    Ok(())
+}
+
+fn mismatch(bufs: usize, streams: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "a call over local devices needs one stream per buffer and at least one buffer; got {bufs} buffers and {streams} streams"
+    ))
 }
 
 /// The local buffers' addresses, held borrowed (their guards order the streams' accesses).
 struct Locals<'a> {
     addrs: Vec<u64>,
-    guards: Vec<chorus_kernels::cuda::cudarc::driver::SyncOnDrop<'a>>,
+    /// Held for their drop, which records the buffers' use on their streams.
+    _guards: Vec<chorus_kernels::cuda::cudarc::driver::SyncOnDrop<'a>>,
     bytes: usize,
 }
 
@@ -113,11 +115,7 @@ impl Shared {
     ) -> Result<Locals<'a>> {
         let len = bufs.first().map(|b| b.len());
         if bufs.len() != streams.len() || len.is_none() {
-            return Err(Error::InvalidArgument(format!(
-                "a call over local devices needs one stream per buffer and at least one buffer; got {} buffers and {} streams",
-                bufs.len(),
-                streams.len()
-            )));
+            return Err(mismatch(bufs.len(), streams.len()));
         }
         self.check_stream(&streams[0])?;
         for (i, (buf, stream)) in bufs.iter().zip(streams).enumerate() {
@@ -133,9 +131,7 @@ impl Shared {
                     "local buffer {i} is on another device than stream {i}"
                 )));
             }
-            stream
-                .synchronize()
-                .map_err(CudaError::driver("waiting for a stream"))?;
+            wait(stream)?;
         }
         let (addrs, guards) = bufs
             .iter_mut()
@@ -144,9 +140,73 @@ impl Shared {
             .unzip();
         Ok(Locals {
             addrs,
-            guards,
+            _guards: guards,
             bytes: len.unwrap_or(0) * T::DTYPE.size(),
         })
+    }
+
+    /// Runs `call` (an all-reduce or a broadcast) over the local buffers at `addrs`, whose
+    /// streams have been waited for: reduced into the first (all-reduce), across ranks on
+    /// the first, then copied into the others.
+    fn local(
+        &self,
+        call: DeviceCall,
+        dtype: DType,
+        addrs: &[u64],
+        bytes: usize,
+        streams: &[Arc<CudaStream>],
+    ) -> Result<()> {
+        let (first, stream) = (addrs[0], &streams[0]);
+        let count = bytes / dtype.size();
+        let across = match call {
+            DeviceCall::AllReduce(op) => {
+                self.reduce_locals(op, dtype, addrs, bytes, streams)?;
+                DeviceCall::AllReduce(if op == ReduceOp::Avg { ReduceOp::Sum } else { op })
+            }
+            DeviceCall::Broadcast { .. } => call,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} takes one buffer per rank; calls over local devices are all_reduce and broadcast",
+                    call.name()
+                )))
+            }
+        };
+        self.run(self.job(across, dtype, count, (first, first))?, stream)?;
+        if call == DeviceCall::AllReduce(ReduceOp::Avg) {
+            let n = self.comm.world_size() * addrs.len();
+            // SAFETY: `first` holds `bytes` bytes on this device, live for the call.
+            unsafe { self.device.finish_avg_raw(dtype, first, bytes, n, stream)? };
+        }
+        self.fan_out(addrs, bytes, streams)
+    }
+
+    /// Reduces every local buffer into the first with `op`, on the first's stream.
+    fn reduce_locals(
+        &self,
+        op: ReduceOp,
+        dtype: DType,
+        addrs: &[u64],
+        bytes: usize,
+        streams: &[Arc<CudaStream>],
+    ) -> Result<()> {
+        let (first, stream) = (addrs[0], &streams[0]);
+        if addrs.len() < 2 {
+            return Ok(());
+        }
+        // SAFETY: a fresh allocation of `bytes` bytes, freed in stream order after the kernels.
+        let tmp = unsafe { stream.alloc::<u8>(bytes.max(1)) }
+            .map_err(CudaError::driver("allocating device memory"))?;
+        let (at, _tmp) = tmp.device_ptr(stream);
+        for (&other, other_stream) in addrs[1..].iter().zip(&streams[1..]) {
+            self.copy_between((at, stream), (other, other_stream), bytes, stream)?;
+            // SAFETY: `first` and `at` hold `bytes` bytes on this device, live until the
+            // stream is synchronized.
+            unsafe {
+                self.device
+                    .reduce_into_raw(op, dtype, [first, first, at], bytes, stream)?
+            };
+        }
+        Ok(())
     }
 
     /// Copies `bytes` bytes from `src` (on its stream's device) to `dst`, on `stream`.
@@ -175,11 +235,6 @@ impl Shared {
 
     /// Copies the first buffer into the others, each on its own stream, and waits for all.
     fn fan_out(&self, addrs: &[u64], bytes: usize, streams: &[Arc<CudaStream>]) -> Result<()> {
-        let wait = |stream: &CudaStream| {
-            stream
-                .synchronize()
-                .map_err(CudaError::driver("waiting for a stream"))
-        };
         wait(&streams[0])?;
         for (&dst, stream) in addrs[1..].iter().zip(&streams[1..]) {
             self.copy_between((dst, stream), (addrs[0], &streams[0]), bytes, stream)?;

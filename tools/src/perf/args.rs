@@ -66,11 +66,8 @@ fn switch(flag: &'static str) -> impl Fn(&str) -> Result<bool, String> + Clone +
 
 fn parse_ngpus(s: &str) -> Result<u64, String> {
     match number("-g", s)? {
-        1 => Ok(1),
-        0 => Err("bad -g '0': one process drives one GPU here, so -g is 1".into()),
-        n => Err(format!(
-            "-g {n}: one process drives one GPU here; start {n} processes with -np {n} instead"
-        )),
+        0 => Err("bad -g '0': a process drives at least one GPU".into()),
+        n => Ok(n),
     }
 }
 
@@ -167,7 +164,8 @@ pub struct Args {
     /// Draw bus bandwidth and time against size into this PNG file.
     #[arg(long = "plot")]
     pub plot: Option<PathBuf>,
-    /// GPUs per process: 1, as each Chorus process drives one device (start more with -np).
+    /// GPUs per process: above 1, each rank's calls take one buffer per GPU (`--device cuda`;
+    /// all_reduce and broadcast).
     #[arg(short = 'g', long = "ngpus", default_value = "1", value_parser = parse_ngpus)]
     pub ngpus: u64,
     /// Threads per process: 1, as Chorus runs one rank per process (start more with -np).
@@ -245,15 +243,30 @@ impl Args {
         Ok(())
     }
 
-    /// Fails for a `--device` these tools cannot measure on.
-    pub fn check_device(&self) -> Result<(), String> {
+    /// Fails for a `--device` these tools cannot measure on, or a `-g` above 1 where the
+    /// calls cannot take one buffer per GPU (`collective`: the tool's collective).
+    pub fn check_device(&self, collective: &str) -> Result<(), String> {
         match self.device {
-            Device::Cpu => Ok(()),
-            Device::Cuda if cfg!(feature = "cuda") => Ok(()),
-            Device::Cuda => {
-                Err("`--device cuda` needs the perf tools built with the `cuda` feature".into())
+            Device::Cpu if self.ngpus > 1 => {
+                return Err(format!(
+                    "-g {0}: several GPUs per process need --device cuda (or start {0} processes with -np {0})",
+                    self.ngpus
+                ))
             }
+            Device::Cuda if !cfg!(feature = "cuda") => {
+                return Err(
+                    "`--device cuda` needs the perf tools built with the `cuda` feature".into(),
+                )
+            }
+            _ => {}
         }
+        if self.ngpus > 1 && !matches!(collective, "all_reduce" | "broadcast") {
+            return Err(format!(
+                "-g {}: {collective} takes one GPU per process; one buffer per GPU is measured for all_reduce and broadcast",
+                self.ngpus
+            ));
+        }
+        Ok(())
     }
 
     /// The communicator's timeout `-T` asks for; `None` for `-T 0` (keep the default).
@@ -407,13 +420,24 @@ mod tests {
     }
 
     #[test]
-    fn one_gpu_per_process() {
+    fn several_gpus_per_process_need_the_device_path() {
         assert_eq!(Args::parse_from(["x"]).ngpus, 1);
-        let err = refused(&["-g", "8"]);
+        let host = Args::parse_from(["x", "-g", "8"]);
+        assert_eq!(host.ngpus, 8);
+        let err = host.check_device("all_reduce").unwrap_err();
         assert!(
-            err.contains("-g 8: one process drives one GPU here; start 8 processes with -np 8"),
+            err.contains("-g 8: several GPUs per process need --device cuda"),
             "{err}"
         );
+        let gpu = Args::parse_from(["x", "-g", "2", "--device", "cuda"]);
+        if cfg!(feature = "cuda") {
+            assert_eq!(gpu.check_device("broadcast"), Ok(()));
+            let err = gpu.check_device("all_gather").unwrap_err();
+            assert!(
+                err.contains("all_gather takes one GPU per process"),
+                "{err}"
+            );
+        }
         assert!(refused(&["-g", "0"]).contains("bad -g '0'"));
         assert!(refused(&["-g", "two"]).contains("bad -g 'two'"));
     }
@@ -488,11 +512,11 @@ mod tests {
     fn device_is_cpu_and_cuda_is_refused_for_now() {
         let args = Args::parse_from(["x"]);
         assert_eq!(args.device, Device::Cpu);
-        assert_eq!(args.check_device(), Ok(()));
+        assert_eq!(args.check_device("all_reduce"), Ok(()));
         let args = Args::parse_from(["x", "--device", "cuda"]);
         assert_eq!(args.device, Device::Cuda);
         assert_eq!(
-            args.check_device(),
+            args.check_device("all_reduce"),
             Err("`--device cuda` needs the perf tools built with the `cuda` feature".into())
         );
         assert!(refused(&["--device", "tpu"]).contains("possible values: cpu, cuda"));

@@ -1,79 +1,104 @@
 //! `--device cuda` (feature `cuda`): the measured buffers live on the GPU and the calls go
 //! through [`CudaCommunicator`]; the host buffers are the source of the input and the
 //! place the result is checked.
+//!
+//! With `-g N` a rank drives N GPUs (devices `LOCAL_RANK * N .. + N`, modulo the GPUs
+//! there are): one buffer pair per GPU, each GPU a participant of its own (number
+//! `rank * N + i`, as nccl-tests counts them), and the calls go through
+//! [`CudaCommunicator::call_local_raw`].
 
 use std::sync::Arc;
 
-use chorus::cuda::cudarc::driver::DevicePtr;
-use chorus::cuda::{CudaCommunicator, CudaSlice, CudaStream, Device, DeviceCall};
+use chorus::cuda::cudarc::driver::{DevicePtr, DriverError};
+use chorus::cuda::{CudaCommunicator, CudaError, CudaSlice, CudaStream, Device, DeviceCall};
 use chorus::Communicator;
 
 use super::collective::{Collective, Layout, Params};
 
-/// One rank's GPU: its device communicator, a stream, and device input and output buffers.
+/// One rank's GPUs: its device communicator (on the first) and a buffer pair per GPU.
 pub struct Gpu {
     comm: CudaCommunicator,
+    locals: Vec<Local>,
+}
+
+/// One GPU's stream and device input and output buffers.
+struct Local {
     stream: Arc<CudaStream>,
     input: CudaSlice<u8>,
     output: CudaSlice<u8>,
 }
 
 impl Gpu {
-    /// Opens GPU `LOCAL_RANK % count` with buffers of `bytes` bytes; collective.
-    pub fn new(comm: &Communicator, bytes: usize) -> Result<Gpu, String> {
-        let err = |e: chorus::cuda::CudaError| e.to_string();
+    /// Opens `ngpus` GPUs for this rank with buffers of `bytes` bytes on each; collective.
+    pub fn new(comm: &Communicator, bytes: usize, ngpus: usize) -> Result<Gpu, String> {
+        let err = |e: CudaError| e.to_string();
         let count = Device::count().map_err(err)?;
         if count == 0 {
             return Err("--device cuda: the CUDA driver sees no GPU".into());
         }
-        let device = Device::open(comm.local_rank() % count).map_err(err)?;
-        let stream = device.new_stream().map_err(err)?;
-        let alloc = |n: usize| {
-            stream
-                .alloc_zeros::<u8>(n.max(1))
-                .map_err(|e| format!("--device cuda: cannot allocate {n} bytes on the GPU: {e}"))
-        };
-        let (input, output) = (alloc(bytes)?, alloc(bytes)?);
-        let comm = CudaCommunicator::new(comm, device).map_err(|e| e.to_string())?;
-        Ok(Gpu {
-            comm,
-            stream,
-            input,
-            output,
-        })
+        let mut devices = Vec::with_capacity(ngpus);
+        let mut locals = Vec::with_capacity(ngpus);
+        for i in 0..ngpus {
+            let device = Device::open((comm.local_rank() * ngpus + i) % count).map_err(err)?;
+            let stream = device.new_stream().map_err(err)?;
+            let alloc = |n: usize| {
+                stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| {
+                    format!("--device cuda: cannot allocate {n} bytes on the GPU: {e}")
+                })
+            };
+            let (input, output) = (alloc(bytes)?, alloc(bytes)?);
+            locals.push(Local {
+                stream,
+                input,
+                output,
+            });
+            devices.push(device);
+        }
+        let comm =
+            CudaCommunicator::new(comm, devices.swap_remove(0)).map_err(|e| e.to_string())?;
+        Ok(Gpu { comm, locals })
     }
 
-    /// The GPU's name and path, for the banner.
+    /// The GPUs this rank drives (`-g`).
+    pub fn count(&self) -> usize {
+        self.locals.len()
+    }
+
+    /// The first GPU's name and the path, for the banner.
     pub fn describe(&self) -> String {
         let device = self.comm.device();
         format!(
-            "device {} {} ({:?} path)",
+            "device {} {} ({:?} path), {} GPU(s) per rank",
             device.ordinal(),
             device.name().unwrap_or_default(),
-            self.comm.path()
+            self.comm.path(),
+            self.locals.len()
         )
     }
 
-    /// Copies the host buffers' bytes to the device buffers.
-    pub fn load(&mut self, input: &[u8], output: &[u8]) -> Result<(), String> {
-        let err = |e: chorus::cuda::cudarc::driver::DriverError| e.to_string();
-        let mut to = self.input.slice_mut(..input.len());
-        self.stream.memcpy_htod(input, &mut to).map_err(err)?;
-        let mut to = self.output.slice_mut(..output.len());
-        self.stream.memcpy_htod(output, &mut to).map_err(err)?;
-        self.stream.synchronize().map_err(err)
+    /// Copies the host buffers' bytes to GPU `i`'s buffers.
+    pub fn load(&mut self, i: usize, input: &[u8], output: &[u8]) -> Result<(), String> {
+        let err = |e: DriverError| e.to_string();
+        let local = &mut self.locals[i];
+        let mut to = local.input.slice_mut(..input.len());
+        local.stream.memcpy_htod(input, &mut to).map_err(err)?;
+        let mut to = local.output.slice_mut(..output.len());
+        local.stream.memcpy_htod(output, &mut to).map_err(err)?;
+        local.stream.synchronize().map_err(err)
     }
 
-    /// Copies the device output back into `output`.
-    pub fn store(&mut self, output: &mut [u8]) -> Result<(), String> {
-        let err = |e: chorus::cuda::cudarc::driver::DriverError| e.to_string();
-        let from = self.output.slice(..output.len());
-        self.stream.memcpy_dtoh(&from, output).map_err(err)?;
-        self.stream.synchronize().map_err(err)
+    /// Copies GPU `i`'s output back into `output`.
+    pub fn store(&mut self, i: usize, output: &mut [u8]) -> Result<(), String> {
+        let err = |e: DriverError| e.to_string();
+        let local = &self.locals[i];
+        let from = local.output.slice(..output.len());
+        local.stream.memcpy_dtoh(&from, output).map_err(err)?;
+        local.stream.synchronize().map_err(err)
     }
 
-    /// Runs `collective` once on the device buffers (in place: within the output buffer,
-    /// at nccl-tests' offsets).
+    /// Runs `collective` once on the device buffers (in place: within the output buffers,
+    /// at nccl-tests' offsets). With several GPUs an out-of-place call first copies each
+    /// input to its output (timed with the call), as the calls over local GPUs are in place.
     pub fn once(
         &mut self,
         collective: &Collective,
@@ -88,22 +113,44 @@ impl Gpu {
             ))
         })?;
         let rank = self.comm.rank();
-        let elem = p.dtype.size() as u64;
-        let base_out = self.output.device_ptr(&self.stream).0;
-        let (input, output) = if in_place {
-            (
-                base_out + collective.in_place_input(layout, rank) as u64 * elem,
-                base_out + collective.in_place_output(layout, rank).start as u64 * elem,
-            )
-        } else {
-            (self.input.device_ptr(&self.stream).0, base_out)
-        };
-        // SAFETY: both buffers hold the largest layout's bytes (sized at `new`), the
-        // offsets are nccl-tests' in-place layouts inside them, and they live in `self`,
-        // on this communicator's device, for the whole (blocking) call.
+        let elem = p.dtype.size();
+        if let [local] = &self.locals[..] {
+            let base_out = local.output.device_ptr(&local.stream).0;
+            let (input, output) = if in_place {
+                (
+                    base_out + (collective.in_place_input(layout, rank) * elem) as u64,
+                    base_out + (collective.in_place_output(layout, rank).start * elem) as u64,
+                )
+            } else {
+                (local.input.device_ptr(&local.stream).0, base_out)
+            };
+            // SAFETY: both buffers hold the largest layout's bytes (sized at `new`), the
+            // offsets are nccl-tests' in-place layouts inside them, and they live in `self`,
+            // on this communicator's device, for the whole (blocking) call.
+            return unsafe {
+                self.comm
+                    .call_raw(call, p.dtype, (input, output), layout.block, &local.stream)
+            };
+        }
+        let bytes = layout.block * elem;
+        let mut outputs = Vec::with_capacity(self.locals.len());
+        for local in &mut self.locals {
+            if !in_place {
+                let from = local.input.slice(..bytes);
+                let mut to = local.output.slice_mut(..bytes);
+                local
+                    .stream
+                    .memcpy_dtod(&from, &mut to)
+                    .map_err(|e| CudaError::driver("copying the input")(e))?;
+            }
+            outputs.push(local.output.device_ptr(&local.stream).0);
+        }
+        let streams: Vec<_> = self.locals.iter().map(|l| l.stream.clone()).collect();
+        // SAFETY: each output holds at least `bytes` bytes on its stream's device, and lives
+        // in `self` for the whole (blocking) call.
         unsafe {
             self.comm
-                .call_raw(call, p.dtype, (input, output), layout.block, &self.stream)
+                .call_local_raw(call, p.dtype, &outputs, layout.block, &streams)
         }
     }
 }

@@ -33,7 +33,7 @@ pub fn main(collective: &Collective) -> ExitCode {
     let program = program_name();
     let result = args
         .check_op(collective.reduces())
-        .and_then(|()| args.check_device())
+        .and_then(|()| args.check_device(collective.name))
         .and_then(|()| match args.np {
             Some(np) if std::env::var_os(env::RANK).is_none() => spawn_ranks(&args, np),
             _ => run_rank(collective, &args, &program),
@@ -96,7 +96,7 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
         scratch: Buffer::default(),
         #[cfg(feature = "cuda")]
         gpu: match args.device {
-            args::Device::Cuda => Some(gpu::Gpu::new(&comm, largest)?),
+            args::Device::Cuda => Some(gpu::Gpu::new(&comm, largest, args.ngpus as usize)?),
             args::Device::Cpu => None,
         },
     };
@@ -133,7 +133,7 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
                 *slot = Some(Timing {
                     time_us: time * 1e6,
                     algbw,
-                    busbw: algbw * (collective.bus_factor)(world),
+                    busbw: algbw * (collective.bus_factor)(world * bufs.gpus()),
                     wrong,
                 });
             }
@@ -214,20 +214,33 @@ struct Bench {
 }
 
 impl Bench {
-    /// Copies the prepared host buffers to the device, where the calls run there.
-    fn load(&mut self, _input_len: usize, _output_len: usize) -> Result<(), String> {
+    /// The participants this rank holds: its GPUs with `-g`, else 1.
+    fn gpus(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            return gpu.count();
+        }
+        1
+    }
+
+    /// Copies the prepared host buffers to GPU `_i`, where the calls run on GPUs.
+    fn load(&mut self, _i: usize, _input_len: usize, _output_len: usize) -> Result<(), String> {
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &mut self.gpu {
-            gpu.load(self.input.bytes(_input_len), self.output.bytes(_output_len))?;
+            gpu.load(
+                _i,
+                self.input.bytes(_input_len),
+                self.output.bytes(_output_len),
+            )?;
         }
         Ok(())
     }
 
-    /// Copies the device's result into the host output buffer, where the calls run there.
-    fn store(&mut self, _output_len: usize) -> Result<(), String> {
+    /// Copies GPU `_i`'s result into the host output buffer, where the calls run on GPUs.
+    fn store(&mut self, _i: usize, _output_len: usize) -> Result<(), String> {
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &mut self.gpu {
-            gpu.store(self.output.bytes_mut(_output_len))?;
+            gpu.store(_i, self.output.bytes_mut(_output_len))?;
         }
         Ok(())
     }
@@ -277,19 +290,31 @@ fn measure(
     let (rank, world, elem) = (comm.rank(), comm.world_size(), p.dtype.size());
     let input_len = layout.send * elem;
     let output_len = if in_place { layout.size() } else { layout.recv } * elem;
-    // Puts the input where an in-place call expects it, and on the device if it runs there.
-    let prepare = |bufs: &mut Bench| {
+    // With `-g`, every GPU of every rank is a participant, numbered as nccl-tests does.
+    let gpus = bufs.gpus();
+    let everyone = world * gpus;
+    let participant = |i: usize| {
+        let root = p.root * gpus;
+        (rank * gpus + i, Params { root, ..p })
+    };
+    // Puts participant `i`'s input where an in-place call expects it, and on its GPU if
+    // the calls run on GPUs (filling it first where a rank holds several participants).
+    let prepare = |bufs: &mut Bench, i: usize| {
+        let (me, p) = participant(i);
+        if gpus > 1 {
+            collective.fill_input(p, layout, me, everyone, bufs.input.bytes_mut(input_len));
+        }
         if in_place {
             let at = collective.in_place_input(layout, rank) * elem;
             let (input, output) = (&bufs.input, &mut bufs.output);
             output.bytes_mut(output_len)[at..at + input_len]
                 .copy_from_slice(input.bytes(input_len));
         }
-        bufs.load(input_len, output_len)
+        bufs.load(i, input_len, output_len)
     };
     let call = (layout, p);
     let lens = (input_len, output_len, in_place);
-    prepare(bufs)?;
+    (0..gpus).try_for_each(|i| prepare(bufs, i))?;
     for _ in 0..args.warmup {
         bufs.once(collective, comm, call, lens).map_err(err)?;
     }
@@ -319,12 +344,18 @@ fn measure(
     let mut wrong = [0u64];
     for _ in 0..args.check {
         // Stale results from the timed runs must not pass for fresh ones.
-        bufs.output.bytes_mut(output_len).fill(0xa5);
-        prepare(bufs)?;
+        for i in 0..gpus {
+            bufs.output.bytes_mut(output_len).fill(0xa5);
+            prepare(bufs, i)?;
+        }
         bufs.once(collective, comm, call, lens).map_err(err)?;
-        bufs.store(output_len)?;
-        let region = &bufs.output.bytes(output_len)[result.start * elem..result.end * elem];
-        wrong[0] = collective.count_wrong(p, layout, rank, world, region) as u64;
+        wrong[0] = 0;
+        for i in 0..gpus {
+            bufs.store(i, output_len)?;
+            let region = &bufs.output.bytes(output_len)[result.start * elem..result.end * elem];
+            let (me, p) = participant(i);
+            wrong[0] += collective.count_wrong(p, layout, me, everyone, region) as u64;
+        }
         comm.all_reduce(&mut wrong, ReduceOp::Sum).map_err(err)?;
         if wrong[0] > 0 {
             break;
