@@ -15,11 +15,10 @@
 
 use std::sync::Arc;
 
-use chorus_kernels::cuda::cudarc::driver::sys::{self, CUipcMemHandle, CUipcMem_flags};
+use chorus_kernels::cuda::memory::{copy_on_device, DeviceAlloc, IpcHandle, IpcMapping};
 use chorus_kernels::cuda::{CudaError, CudaStream, Device};
 use chorus_kernels::{DType, ReduceOp};
 
-use super::memory::{copy_on_device, DeviceAlloc};
 use super::{DeviceCall, Job};
 use crate::env::CHORUS_CUDA_PATH;
 use crate::{Communicator, Error, Result};
@@ -28,12 +27,14 @@ use crate::{Communicator, Error, Result};
 const HALF_BYTES: usize = 64 << 20;
 /// Bytes of the record each rank publishes: a flag, the IPC handle, the host's identity.
 const RECORD: usize = 128;
-const HANDLE: usize = 64;
+const HANDLE: usize = IpcHandle::LEN;
 const HOST_ID: usize = RECORD - 1 - HANDLE;
 
 /// This rank's scratch buffer and every rank's, mapped into this process.
 pub(super) struct Peers {
     scratch: DeviceAlloc,
+    /// The peers' scratch buffers mapped into this process (unmapped on drop).
+    mapped: Vec<IpcMapping>,
     /// Every rank's scratch buffer in this process's address space (this rank's own too).
     ptrs: Vec<u64>,
     /// The half the next round uses (every rank runs the same rounds, so all agree).
@@ -47,13 +48,13 @@ impl Peers {
     pub fn connect(comm: &Communicator, forced: bool) -> Result<Option<Peers>> {
         let (rank, world) = (comm.rank(), comm.world_size());
         let exported = DeviceAlloc::new(2 * HALF_BYTES).and_then(|scratch| {
-            let handle = export(scratch.ptr)?;
+            let handle = scratch.export()?;
             Ok((scratch, handle))
         });
         let mut record = [0u8; RECORD];
         if let Ok((_, handle)) = &exported {
             record[0] = 1;
-            record[1..=HANDLE].copy_from_slice(handle);
+            record[1..=HANDLE].copy_from_slice(&handle.0);
         }
         record[1 + HANDLE..].copy_from_slice(&host_id());
         let mut records = vec![0u8; RECORD * world];
@@ -83,14 +84,20 @@ impl Peers {
         // This rank's own record passed the check above, so the export succeeded.
         let (scratch, _) = exported?;
         let mut ptrs = Vec::with_capacity(world);
+        let mut mapped = Vec::with_capacity(world);
         let mut failure = None;
         for (q, theirs) in records.chunks(RECORD).enumerate() {
             if q == rank {
-                ptrs.push(scratch.ptr);
+                ptrs.push(scratch.ptr());
                 continue;
             }
-            match open(&theirs[1..=HANDLE]) {
-                Ok(ptr) => ptrs.push(ptr),
+            let mut handle = IpcHandle([0; HANDLE]);
+            handle.0.copy_from_slice(&theirs[1..=HANDLE]);
+            match handle.open() {
+                Ok(mapping) => {
+                    ptrs.push(mapping.ptr());
+                    mapped.push(mapping);
+                }
                 Err(err) => {
                     failure.get_or_insert(format!(
                         "rank {rank} cannot map rank {q}'s device memory: {err}"
@@ -99,41 +106,29 @@ impl Peers {
                 }
             }
         }
-        let mut mapped = [u8::from(failure.is_none())];
-        comm.all_reduce(&mut mapped, ReduceOp::Min)?;
-        let peers = Peers {
-            scratch,
-            ptrs,
-            half: 0,
-        };
-        if mapped[0] == 0 {
-            peers.unmap(rank);
+        let mut agreed = [u8::from(failure.is_none())];
+        comm.all_reduce(&mut agreed, ReduceOp::Min)?;
+        if agreed[0] == 0 {
             return refuse(
                 failure
                     .unwrap_or_else(|| "another rank cannot map its peers' device memory".into()),
             );
         }
-        Ok(Some(peers))
+        Ok(Some(Peers {
+            scratch,
+            mapped,
+            ptrs,
+            half: 0,
+        }))
     }
 
     /// Unmaps the peers' buffers and waits until every rank has (so the scratch buffer
     /// freed next is no longer mapped anywhere).
     pub fn close(&mut self, comm: &Communicator) {
-        self.unmap(comm.rank());
+        self.mapped.clear();
         self.ptrs.clear();
         if let Err(err) = comm.barrier() {
             tracing::warn!(%err, "closing the device communicator: barrier failed");
-        }
-    }
-
-    fn unmap(&self, rank: usize) {
-        for (q, &ptr) in self.ptrs.iter().enumerate() {
-            if q != rank && ptr != 0 {
-                // SAFETY: `ptr` was returned by `cuIpcOpenMemHandle` and is closed once.
-                if let Err(err) = unsafe { sys::cuIpcCloseMemHandle(ptr) }.result() {
-                    tracing::warn!(%err, "unmapping rank {q}'s device memory failed");
-                }
-            }
         }
     }
 
@@ -158,7 +153,7 @@ impl Peers {
                 device,
                 stream,
                 ptrs: self.ptrs.iter().map(|p| p + at).collect(),
-                scratch: self.scratch.ptr + at,
+                scratch: self.scratch.ptr() + at,
                 job,
                 first: i == 0,
             };
@@ -360,43 +355,6 @@ fn slice(len: usize, dtype: DType, world: usize, q: usize) -> (usize, usize) {
     let per = len.div_ceil(world).div_ceil(unit) * unit;
     let start = (q * per).min(len);
     (start, ((q + 1) * per).min(len))
-}
-
-fn export(ptr: u64) -> Result<[u8; HANDLE], CudaError> {
-    let mut handle = CUipcMemHandle {
-        reserved: [0; HANDLE],
-    };
-    // SAFETY: `ptr` is the start of a live `cuMemAlloc` allocation of the current context.
-    unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) }
-        .result()
-        .map_err(CudaError::driver(
-            "exporting device memory (cuIpcGetMemHandle)",
-        ))?;
-    Ok(handle.reserved.map(|b| b as u8))
-}
-
-fn open(bytes: &[u8]) -> Result<u64, CudaError> {
-    let mut handle = CUipcMemHandle {
-        reserved: [0; HANDLE],
-    };
-    for (dst, src) in handle.reserved.iter_mut().zip(bytes) {
-        *dst = *src as _;
-    }
-    let mut ptr = 0;
-    // SAFETY: the handle is a peer's export of a live allocation (it frees it only after
-    // the closing barrier); the mapping is closed once, in `Peers::unmap`.
-    unsafe {
-        sys::cuIpcOpenMemHandle_v2(
-            &mut ptr,
-            handle,
-            CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-        )
-    }
-    .result()
-    .map_err(CudaError::driver(
-        "mapping a peer's device memory (cuIpcOpenMemHandle)",
-    ))?;
-    Ok(ptr)
 }
 
 /// What identifies this host to its peers: the kernel's boot id (one per machine and

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use chorus_kernels::cuda::cudarc::driver::result;
+use chorus_kernels::cuda::memory::copy_between;
 use chorus_kernels::cuda::{CudaError, CudaStream, DevicePtr, DevicePtrMut};
 use chorus_kernels::{DType, Element, ReduceOp};
 
@@ -198,10 +198,10 @@ impl Shared {
             .map_err(CudaError::driver("allocating device memory"))?;
         let (at, _tmp) = tmp.device_ptr(stream);
         for (&other, other_stream) in addrs[1..].iter().zip(&streams[1..]) {
-            self.copy_between((at, stream), (other, other_stream), bytes, stream)?;
-            // SAFETY: `first` and `at` hold `bytes` bytes on this device, live until the
-            // stream is synchronized.
+            // SAFETY: `other` holds `bytes` bytes on its stream's device, `first` and `at`
+            // on this one, all live until the streams are synchronized.
             unsafe {
+                copy_between((at, stream), (other, other_stream), bytes, stream)?;
                 self.device
                     .reduce_into_raw(op, dtype, [first, first, at], bytes, stream)?
             };
@@ -209,35 +209,13 @@ impl Shared {
         Ok(())
     }
 
-    /// Copies `bytes` bytes from `src` (on its stream's device) to `dst`, on `stream`.
-    fn copy_between(
-        &self,
-        (dst, dst_on): (u64, &CudaStream),
-        (src, src_on): (u64, &CudaStream),
-        bytes: usize,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        // SAFETY: both ranges lie in live buffers of `bytes` bytes on their streams'
-        // devices, held until the streams are synchronized.
-        unsafe {
-            result::memcpy_peer_async(
-                dst_on.context().cu_ctx(),
-                dst,
-                src_on.context().cu_ctx(),
-                src,
-                bytes,
-                stream.cu_stream(),
-            )
-        }
-        .map_err(CudaError::driver("copying between devices"))?;
-        Ok(())
-    }
-
     /// Copies the first buffer into the others, each on its own stream, and waits for all.
     fn fan_out(&self, addrs: &[u64], bytes: usize, streams: &[Arc<CudaStream>]) -> Result<()> {
         wait(&streams[0])?;
         for (&dst, stream) in addrs[1..].iter().zip(&streams[1..]) {
-            self.copy_between((dst, stream), (addrs[0], &streams[0]), bytes, stream)?;
+            // SAFETY: every buffer holds `bytes` bytes on its stream's device, live until
+            // the streams are synchronized below.
+            unsafe { copy_between((dst, stream), (addrs[0], &streams[0]), bytes, stream)? };
         }
         streams[1..].iter().try_for_each(|s| wait(s))?;
         Ok(())

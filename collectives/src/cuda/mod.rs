@@ -33,7 +33,6 @@
 
 mod ipc;
 mod local;
-mod memory;
 mod staged;
 
 use std::sync::{Arc, Mutex, PoisonError};

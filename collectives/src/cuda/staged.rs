@@ -11,9 +11,9 @@ use chorus_kernels::cuda::cudarc::driver::CudaEvent;
 use chorus_kernels::cuda::{CudaError, CudaStream, Device};
 use chorus_kernels::DType;
 
-use super::memory::{copy_to_device, copy_to_host, Pinned};
 use super::{DeviceCall, Job};
 use crate::{Communicator, Result};
+use chorus_kernels::cuda::memory::{copy_to_device, copy_to_host, Pinned};
 
 /// Bytes of each pinned buffer (two slots, an input and an output buffer each).
 const STAGE_BYTES: usize = 4 << 20;

@@ -51,6 +51,7 @@ mod compile;
 mod device;
 mod error;
 mod load;
+pub mod memory;
 mod source;
 #[cfg(test)]
 mod tests;
