@@ -15,6 +15,9 @@
 #                         path against the floor its bytes allow at the copy bandwidth, the
 #                         staged path against the host-buffer all-reduce
 #   allreduce_perf        allreduce_perf --device cuda, -np 2 and -np 4, and -np 2 -g 2
+#   train                 the trainer's GPU tests (--device cuda against the host trainer), and
+#                         train --bench 200 samples/s on the CPU and the GPU, -np 1 and 2 (on
+#                         Fashion-MNIST, copied from the build machine's dataset-fashion-mnist)
 set -uo pipefail
 
 mode=${1:-}
@@ -25,19 +28,23 @@ build() {
     mkdir -p "$dir"
     local json
     json=$(mktemp)
-    cargo build --release -p chorus-tools --features cuda --bin chorusrun --bin allreduce_perf
+    cargo build --release -p chorus-tools --features cuda --bin chorusrun --bin allreduce_perf --bin train
     cargo build --release -p chorus-kernels --features cuda --example cuda_bench
     cargo build --release -p chorus-tests --features cuda --bin chorus-cuda-worker
     cargo test --release -p chorus-kernels --features cuda --no-run --message-format=json >"$json"
     cargo test --release -p chorus-tests --features cuda --test cuda --no-run --message-format=json >>"$json"
-    local kernels tests
+    cargo test --release -p chorus-tools --features cuda --test train --no-run --message-format=json >>"$json"
+    local kernels tests train
     kernels=$(grep -o '"executable":"[^"]*chorus_kernels-[^"]*"' "$json" | tail -1 | cut -d'"' -f4)
     tests=$(grep -o '"executable":"[^"]*/cuda-[^"]*"' "$json" | tail -1 | cut -d'"' -f4)
+    train=$(grep -o '"executable":"[^"]*/train-[^"]*"' "$json" | tail -1 | cut -d'"' -f4)
     rm -f "$json"
     cp target/release/chorusrun target/release/allreduce_perf target/release/chorus-cuda-worker \
-        target/release/examples/cuda_bench "$dir"/
+        target/release/train target/release/examples/cuda_bench "$dir"/
     cp "$kernels" "$dir"/kernel-tests
     cp "$tests" "$dir"/cuda-tests
+    cp "$train" "$dir"/train-tests
+    [ ! -d /usr/share/datasets/fashion-mnist ] || cp -r /usr/share/datasets/fashion-mnist "$dir"/
     strip --strip-debug "$dir"/* 2>/dev/null || true
     du -sh "$dir"
 }
@@ -120,6 +127,17 @@ run() {
     # Two GPUs per rank (both on the one GPU where there is one): 4 participants.
     check "allreduce_perf g2" 120 "$dir"/allreduce_perf --device cuda -np 2 -g 2 -b 16 -e 64M -f 4
     row "allreduce_perf -np 2 -g 2" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
+
+    check "train tests" 300 "$dir"/train-tests cuda --test-threads 1 --nocapture
+    row "train --device cuda" "$status" "$(grep -c '^test .* ok$' "$last_out") tests ok; $(grep -o 'W=2: GPU vs host.*' "$last_out" | head -1) ($last_detail)"
+
+    for world in 1 2; do
+        for device in cpu cuda; do
+            check "train $device $world" 180 "$dir"/train --device $device --bench 200 -np $world \
+                --data-dir "$dir"/fashion-mnist --no-progress
+            row "train $device -np $world" "$status" "$(grep -o 'step_ms.*' "$last_out" | head -1)"
+        done
+    done
 
     echo
     printf '%-24s %-6s %s\n' check status result

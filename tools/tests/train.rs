@@ -1,17 +1,28 @@
 //! The trainer across real processes: data-parallel runs match one-rank runs
 //! of the same global batch, a resumed run matches an uninterrupted one bit
 //! for bit, and 3 epochs on Fashion-MNIST reach the accuracy PyTorch does.
+//!
+//! With the `cuda` feature, the tests named `cuda_*` check `--device cuda` against the host
+//! trainer; without a GPU they print a `skipping:` line and pass, and with
+//! `CHORUS_REQUIRE_CUDA=1` they fail instead.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use chorus_tests::{assert_success, run};
+use chorus_tests::{assert_success, run, CHORUS_TEST_BIN_DIR};
 use chorus_tools::train::checkpoint::Checkpoint;
 use chorus_tools::train::idx::{encode, DEFAULT_DATA_DIR};
 use chorus_tools::train::mlp::Mlp;
 
-const TRAIN: &str = env!("CARGO_BIN_EXE_train");
+/// The `train` binary: the one cargo built, or the one in `CHORUS_TEST_BIN_DIR` (binaries
+/// carried to a GPU machine by `tools/gpu-check.sh`).
+fn train_bin() -> PathBuf {
+    match std::env::var_os(CHORUS_TEST_BIN_DIR) {
+        Some(dir) => PathBuf::from(dir).join("train"),
+        None => PathBuf::from(env!("CARGO_BIN_EXE_train")),
+    }
+}
 
 /// A fresh directory for one test.
 fn scratch(name: &str) -> PathBuf {
@@ -58,15 +69,19 @@ fn train(world: usize, data: &Path, out: &Path, args: &[&str]) -> Checkpoint {
     let (data, out) = (data.to_str().unwrap(), out.to_str().unwrap());
     let mut all = vec!["--data-dir", data, "--out-dir", out, "--no-progress"];
     all.extend_from_slice(args);
-    assert_success(&run(world, Path::new(TRAIN), &all, &[]));
+    assert_success(&run(world, &train_bin(), &all, &[]));
     Checkpoint::load(&Path::new(out).join("checkpoint.bin")).unwrap()
 }
 
 /// Largest per-tensor relative L2 difference between two checkpoints' parameters.
 fn relative_difference(a: &Checkpoint, b: &Checkpoint) -> f64 {
-    a.params
-        .iter()
-        .zip(&b.params)
+    relative_l2(&a.params, &b.params)
+}
+
+/// Largest per-tensor relative L2 difference of `a` from `b`.
+fn relative_l2(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    a.iter()
+        .zip(b)
         .map(|(x, y)| {
             let diff: f64 = x.iter().zip(y).map(|(p, q)| f64::from(p - q).powi(2)).sum();
             let norm: f64 = y.iter().map(|q| f64::from(*q).powi(2)).sum();
@@ -156,7 +171,7 @@ fn a_resumed_run_matches_an_uninterrupted_one_bit_for_bit() {
 #[test]
 fn missing_data_says_how_to_get_it() {
     let dir = scratch("missing");
-    let out = Command::new(TRAIN)
+    let out = Command::new(train_bin())
         .args(["--data-dir", dir.to_str().unwrap(), "--no-progress"])
         .env_remove("RANK")
         .output()
@@ -185,7 +200,7 @@ fn three_epochs_at_w2_reach_84_percent_on_fashion_mnist() {
         return;
     }
     let out_dir = scratch("accuracy");
-    let out = Command::new(TRAIN)
+    let out = Command::new(train_bin())
         .args(["-np", "2", "--epochs", "3", "--batch-size", "64"])
         .args(["--lr", "0.05", "--momentum", "0.9", "--job-timeout", "600"])
         .args(["--out-dir", out_dir.to_str().unwrap()])
@@ -209,4 +224,166 @@ fn three_epochs_at_w2_reach_84_percent_on_fashion_mnist() {
     eprintln!("{last}");
     assert!(acc >= 0.84, "test accuracy {acc} after 3 epochs: {last}");
     std::fs::remove_dir_all(&out_dir).unwrap();
+}
+
+/// Without the `cuda` feature, or without a GPU, `--device cuda` fails saying what is missing.
+#[test]
+fn device_cuda_without_cuda_says_what_is_missing() {
+    #[cfg(feature = "cuda")]
+    if chorus::cuda::Device::count().is_ok_and(|n| n > 0) {
+        return; // Nothing is missing; the cuda_* tests train on the GPU.
+    }
+    let dir = scratch("no-cuda");
+    synthetic(&dir, 64, 10);
+    let out = Command::new(train_bin())
+        .args(["--data-dir", dir.to_str().unwrap()])
+        .args(["--out-dir", dir.join("out").to_str().unwrap()])
+        .args(["--device", "cuda", "--max-steps", "1", "--no-progress"])
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--device cuda"), "{stderr}");
+    if cfg!(not(feature = "cuda")) {
+        assert!(stderr.contains("--features cuda"), "{stderr}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--device cuda` against the host trainer.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use chorus::ddp::{Ddp, DdpOptions};
+    use chorus::{Communicator, Config};
+    use chorus_tools::train::gpu::Gpu;
+    use chorus_tools::train::mlp::{Sgd, Workspace};
+
+    /// Whether there is a GPU; if not, prints a skip line, or fails with `CHORUS_REQUIRE_CUDA=1`.
+    fn gpu_present(test: &str) -> bool {
+        let why = match chorus::cuda::Device::count() {
+            Ok(n) if n > 0 => return true,
+            Ok(_) => "the CUDA driver sees no GPU".to_string(),
+            Err(e) => e.to_string(),
+        };
+        if std::env::var(chorus::env::CHORUS_REQUIRE_CUDA).as_deref() == Ok("1") {
+            panic!("{test}: CHORUS_REQUIRE_CUDA=1 but {why}");
+        }
+        // Past the harness, which hides what a passing test prints with `eprintln!`.
+        let _ = writeln!(std::io::stderr(), "skipping: no CUDA GPU ({test}: {why})");
+        false
+    }
+
+    /// One batch of 37 random samples through both: the same score, gradients and SGD step.
+    #[test]
+    fn cuda_gradients_match_the_host_mlp() {
+        if !gpu_present("cuda_gradients_match_the_host_mlp") {
+            return;
+        }
+        let mut config = Config::new(0, 1, "127.0.0.1", 0);
+        config.timeout = std::time::Duration::from_secs(30);
+        let comm = Communicator::new(config).unwrap();
+        let mlp = Mlp::new(vec![784, 48, 24, 10]).unwrap();
+        let mut params = mlp.init(7);
+        let mut sgd = Sgd::new(0.05, 0.9, &params);
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut uniform = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let rows = 37;
+        let x: Vec<f32> = (0..rows * 784).map(|_| uniform()).collect();
+        let labels: Vec<u8> = (0..rows).map(|_| (uniform() * 10.0) as u8).collect();
+
+        let mut ddp = Ddp::new(&comm, mlp.params(), DdpOptions::default()).unwrap();
+        let mut ws = Workspace::default();
+        ddp.zero_grad().unwrap();
+        mlp.forward(&params, &x, rows, &mut ws);
+        let host = mlp.loss(&labels, rows as f32, &mut ws);
+        mlp.backward(&params, &x, rows, &mut ws, &mut ddp).unwrap();
+        ddp.finish().unwrap();
+
+        let mut gpu = Gpu::new(&comm, &mlp, &params, &sgd).unwrap();
+        gpu.zero_grad().unwrap();
+        let score = gpu.forward_backward(&x, &labels, rows as f32).unwrap();
+        let loss = (score.loss - host.loss).abs() / host.loss;
+        assert!(
+            loss < 1e-5,
+            "loss {} on the GPU, {} on the host",
+            score.loss,
+            host.loss
+        );
+        // A near tie of two logits could go either way.
+        assert!(
+            score.correct.abs_diff(host.correct) <= 1,
+            "{score:?} vs {host:?}"
+        );
+        let host_grads: Vec<Vec<f32>> = (0..params.len())
+            .map(|i| ddp.grad::<f32>(i).unwrap().to_vec())
+            .collect();
+        let grads = relative_l2(&gpu.gradients().unwrap(), &host_grads);
+        println!("gradients: relative L2 difference {grads:e}");
+        assert!(grads <= 1e-4, "the GPU's gradients differ by {grads:e}");
+
+        gpu.step().unwrap();
+        sgd.step(&mut params, &ddp).unwrap();
+        let p = relative_l2(&gpu.params().unwrap(), &params);
+        let m = relative_l2(&gpu.momentum().unwrap(), &sgd.buffers);
+        assert!(
+            p <= 1e-5 && m <= 1e-4,
+            "after one step: params {p:e}, momentum {m:e}"
+        );
+    }
+
+    /// `train --device cuda` against `--device cpu`, 30 steps at W=1 and (with 2
+    /// micro-batches per step) W=2, both ranks on the first GPU.
+    #[test]
+    fn cuda_training_matches_the_host_at_w1_and_w2() {
+        if !gpu_present("cuda_training_matches_the_host_at_w1_and_w2") {
+            return;
+        }
+        let dir = scratch("cuda");
+        synthetic(&dir, 1280, 200);
+        for (world, accumulate) in [(1, "1"), (2, "2")] {
+            let flags = |device| {
+                vec![
+                    "--epochs",
+                    "2",
+                    "--max-steps",
+                    "30",
+                    "--batch-size",
+                    "32",
+                    "--seed",
+                    "5",
+                    "--accumulate",
+                    accumulate,
+                    "--device",
+                    device,
+                ]
+            };
+            let host = train(world, &dir, &dir.join(format!("cpu{world}")), &flags("cpu"));
+            let gpu = train(
+                world,
+                &dir,
+                &dir.join(format!("cuda{world}")),
+                &flags("cuda"),
+            );
+            let p = relative_l2(&gpu.params, &host.params);
+            let m = relative_l2(&gpu.momentum, &host.momentum);
+            println!("W={world}: GPU vs host after 30 steps: params {p:e}, momentum {m:e}");
+            assert!(p <= 1e-3, "W={world}: parameters differ by {p:e}");
+            assert!(m <= 1e-2, "W={world}: momentum differs by {m:e}");
+            for (g, h) in gpu.header.history.iter().zip(&host.header.history) {
+                assert!(
+                    (g.train_loss - h.train_loss).abs() <= 1e-3 * h.train_loss,
+                    "{g:?} vs {h:?}"
+                );
+                assert!((g.test_acc - h.test_acc).abs() <= 0.02, "{g:?} vs {h:?}");
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

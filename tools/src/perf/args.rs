@@ -32,8 +32,8 @@ fn parse_average(s: &str) -> Result<Average, String> {
     }
 }
 
-/// Where the measured buffers live (`--device`). [`Args::check_device`] refuses `Cuda` until
-/// the tools have a CUDA path.
+/// Where the measured buffers live, or where `train` runs (`--device`). [`Args::check_device`]
+/// refuses `Cuda` in a build without the `cuda` feature.
 ///
 /// Not to be confused with [`report::Device`](super::report::Device), a rank's line under
 /// "Using devices".
@@ -41,7 +41,7 @@ fn parse_average(s: &str) -> Result<Average, String> {
 pub enum Device {
     /// Host memory (the default).
     Cpu,
-    /// CUDA device memory: refused until the tools have a CUDA path.
+    /// CUDA device memory (needs the `cuda` feature).
     Cuda,
 }
 
@@ -192,8 +192,8 @@ pub struct Args {
     /// Initialise in parallel (0 or 1): the ranks, one per process, always do, so both run alike.
     #[arg(short = 'p', long = "parallel_init", default_value = "0", value_parser = switch("-p"), action = ArgAction::Set)]
     pub parallel_init: bool,
-    /// Where the buffers live: `cpu` (host memory); `cuda` is refused until the tools have a
-    /// CUDA path.
+    /// Where the buffers live: `cpu` (host memory) or `cuda` (device memory; needs the `cuda`
+    /// feature).
     #[arg(long = "device", value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
     /// Start this many local ranks (`-np W`); without it, run as one rank of an existing job.

@@ -6,6 +6,8 @@
 
 pub mod checkpoint;
 mod file;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod idx;
 pub mod mlp;
 pub mod report;
@@ -15,6 +17,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+pub use crate::perf::args::Device;
 use chorus::ddp::{Compression, Ddp, DdpOptions, DistributedSampler};
 use chorus::{env, Communicator, Config, ReduceOp};
 use clap::Parser;
@@ -22,6 +25,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use checkpoint::{Checkpoint, Header};
 use idx::FashionMnist;
+use idx::Split;
 use mlp::{Mlp, Score, Sgd, Workspace};
 use report::EpochLog;
 
@@ -65,6 +69,10 @@ pub struct Args {
     /// Micro-batches per optimizer step (all but the last without synchronisation).
     #[arg(long, default_value_t = 1)]
     pub accumulate: usize,
+    /// Where the MLP runs: `cpu`, or `cuda` (the GPU, gradients all-reduced in device
+    /// memory as one bucket; needs the `cuda` feature).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
     /// Continue from the checkpoint in --out-dir.
     #[arg(long)]
     pub resume: bool,
@@ -161,12 +169,17 @@ struct Trainer<'c> {
     x: Vec<f32>,
     y: Vec<u8>,
     steps: u64,
+    /// `--device cuda`: the MLP's state on the GPU (`params` and `sgd` are then the host
+    /// copies, brought up to date for evaluation and checkpoints).
+    #[cfg(feature = "cuda")]
+    gpu: Option<gpu::Gpu>,
 }
 
 fn run_rank(args: &Args) -> Result<(), String> {
     if args.batch_size == 0 || args.accumulate == 0 {
         return Err("--batch-size and --accumulate must be at least 1".into());
     }
+    check_device(args)?;
     let comm = join()?;
     let data =
         FashionMnist::load(&args.data_dir).map_err(|e| format!("rank {}: {e}", comm.rank()))?;
@@ -195,11 +208,37 @@ fn run_rank(args: &Args) -> Result<(), String> {
         x: Vec::new(),
         y: Vec::new(),
         steps: 0,
+        #[cfg(feature = "cuda")]
+        gpu: None,
     };
     let history = t.start()?;
+    #[cfg(feature = "cuda")]
+    if args.device == Device::Cuda {
+        let gpu = gpu::Gpu::new(&comm, &t.mlp, &t.params, &t.sgd)?;
+        if comm.rank() == 0 {
+            eprintln!("train: rank 0 on the GPU, {}", gpu.describe());
+        }
+        t.gpu = Some(gpu);
+    }
     match args.bench {
         Some(steps) => t.bench(steps),
         None => t.train(history),
+    }
+}
+
+/// Fails for a `--device` this build or these flags cannot train on.
+fn check_device(args: &Args) -> Result<(), String> {
+    match args.device {
+        Device::Cpu => Ok(()),
+        Device::Cuda if !cfg!(feature = "cuda") => {
+            Err("`--device cuda` needs train built with the `cuda` feature \
+             (cargo build --release -p chorus-tools --features cuda)"
+                .into())
+        }
+        Device::Cuda if args.compression != Compression::None => {
+            Err("`--device cuda` all-reduces the gradients in f32: use --compression none".into())
+        }
+        Device::Cuda => Ok(()),
     }
 }
 
@@ -309,26 +348,28 @@ impl Trainer<'_> {
         Ok(c)
     }
 
-    /// Copies the samples `indices` into the batch buffers.
-    fn gather(&mut self, indices: &[usize]) {
-        let train = &self.data.train;
-        self.x.clear();
-        self.y.clear();
-        for &i in indices {
-            self.x.extend_from_slice(train.image(i));
-            self.y.push(train.labels[i]);
-        }
-    }
-
     /// One optimizer step over `batch` (split into `--accumulate` micro-batches).
     fn step(&mut self, batch: &[usize]) -> Result<Score, String> {
-        let err = |e: chorus::Error| e.to_string();
-        self.ddp.zero_grad().map_err(err)?;
         let micro = batch.len().div_ceil(self.args.accumulate);
         let chunks: Vec<&[usize]> = batch.chunks(micro.max(1)).collect();
         let mut total = Score::default();
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &mut self.gpu {
+            gpu.zero_grad()?;
+            for chunk in &chunks {
+                gather(&self.data.train, chunk, &mut self.x, &mut self.y);
+                let score = gpu.forward_backward(&self.x, &self.y, batch.len() as f32)?;
+                total.loss += score.loss;
+                total.correct += score.correct;
+            }
+            gpu.step()?;
+            self.steps += 1;
+            return Ok(total);
+        }
+        let err = |e: chorus::Error| e.to_string();
+        self.ddp.zero_grad().map_err(err)?;
         for (k, chunk) in chunks.iter().enumerate() {
-            self.gather(chunk);
+            gather(&self.data.train, chunk, &mut self.x, &mut self.y);
             let rows = chunk.len();
             self.mlp.forward(&self.params, &self.x, rows, &mut self.ws);
             let score = self.mlp.loss(&self.y, batch.len() as f32, &mut self.ws);
@@ -392,6 +433,7 @@ impl Trainer<'_> {
             }
             let seconds = start.elapsed().as_secs_f64();
             bar.bar.finish_and_clear();
+            self.sync_host()?;
             let test = self.evaluate();
             let mut sums = [
                 score.loss,
@@ -430,6 +472,16 @@ impl Trainer<'_> {
                 out.join(LOG).display(),
                 out.join(CURVES).display()
             );
+        }
+        Ok(())
+    }
+
+    /// With `--device cuda`, copies the GPU's parameters and momentum into the host copies.
+    fn sync_host(&mut self) -> Result<(), String> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            self.params = gpu.params()?;
+            self.sgd.buffers = gpu.momentum()?;
         }
         Ok(())
     }
@@ -524,6 +576,17 @@ impl Trainer<'_> {
         }
     }
 
+    /// The gradient buckets and whether their all-reduces overlap the backward pass: the
+    /// GPU all-reduces one bucket after it.
+    fn buckets(&self) -> Result<(usize, bool), String> {
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            return Ok((1, false));
+        }
+        let options = DdpOptions::from_env().map_err(|e| e.to_string())?;
+        Ok((self.ddp.buckets().len(), options.overlap))
+    }
+
     /// Times `steps` training steps after a warm-up; rank 0 prints step time and samples per second.
     fn bench(&mut self, steps: u64) -> Result<(), String> {
         let batches = self.batches(0)?;
@@ -552,16 +615,26 @@ impl Trainer<'_> {
         let world = self.comm.world_size();
         let samples = (world * self.args.batch_size) as f64 * steps as f64;
         if self.rank() == 0 {
-            let overlap = DdpOptions::from_env().map_err(err)?.overlap;
+            let (buckets, overlap) = self.buckets()?;
             println!(
                 "bench  world {world}  batch/rank {}  buckets {}  overlap {}  steps {steps}  step_ms {:.3}  samples/s {:.0}",
                 self.args.batch_size,
-                self.ddp.buckets().len(),
+                buckets,
                 if overlap { "on" } else { "off" },
                 seconds[0] * 1e3 / steps.max(1) as f64,
                 samples / seconds[0]
             );
         }
         Ok(())
+    }
+}
+
+/// Copies the samples `indices` of `split` into the batch buffers `x` and `y`.
+fn gather(split: &Split, indices: &[usize], x: &mut Vec<f32>, y: &mut Vec<u8>) {
+    x.clear();
+    y.clear();
+    for &i in indices {
+        x.extend_from_slice(split.image(i));
+        y.push(split.labels[i]);
     }
 }
