@@ -66,12 +66,9 @@ impl Gpu {
 
     /// The first GPU's name and the path, for the banner.
     pub fn describe(&self) -> String {
-        let device = self.comm.device();
         format!(
-            "device {} {} ({:?} path), {} GPU(s) per rank",
-            device.ordinal(),
-            device.name().unwrap_or_default(),
-            self.comm.path(),
+            "{}, {} GPU(s) per rank",
+            describe(&self.comm),
             self.locals.len()
         )
     }
@@ -168,4 +165,15 @@ fn device_call(name: &str, p: Params) -> Option<DeviceCall> {
         "reduce_scatter" => DeviceCall::ReduceScatter(p.op),
         _ => return None,
     })
+}
+
+/// `comm`'s GPU and path, for a banner: `device 0 NAME (Ipc path)`.
+pub fn describe(comm: &CudaCommunicator) -> String {
+    let device = comm.device();
+    format!(
+        "device {} {} ({:?} path)",
+        device.ordinal(),
+        device.name().unwrap_or_default(),
+        comm.path()
+    )
 }

@@ -198,13 +198,7 @@ impl Gpu {
 
     /// The GPU's name and the all-reduce's path, for the banner.
     pub fn describe(&self) -> String {
-        let device = self.comm.device();
-        format!(
-            "device {} {} ({:?} path)",
-            device.ordinal(),
-            device.name().unwrap_or_default(),
-            self.comm.path()
-        )
+        crate::perf::gpu::describe(&self.comm)
     }
 
     /// Zeroes the gradients (before a step's first micro-batch).
