@@ -20,7 +20,7 @@ use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
     CudaFunction, DevicePtr, DevicePtrMut, DriverError, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::CompileOptions;
+use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use super::mlp::{Mlp, Score, Sgd};
 
@@ -390,15 +390,22 @@ impl Gpu {
 }
 
 impl Kernels {
-    /// Compiles [`SOURCE`] (without fused multiply-adds) and loads it on `stream`'s device.
-    fn load(stream: &Arc<CudaStream>) -> Result<Kernels, String> {
+    /// [`SOURCE`] compiled to PTX, without fused multiply-adds.
+    fn compile() -> Result<Ptx, String> {
         let options = CompileOptions {
             fmad: Some(false),
             ..CompileOptions::default()
         };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)
-            .map_err(|e| format!("--device cuda: compiling the trainer's kernels: {e}"))?;
-        let module = stream.context().load_module(ptx).map_err(driver)?;
+        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)
+            .map_err(|e| format!("--device cuda: compiling the trainer's kernels: {e}"))
+    }
+
+    /// Compiles [`SOURCE`] and loads it on `stream`'s device.
+    fn load(stream: &Arc<CudaStream>) -> Result<Kernels, String> {
+        let module = stream
+            .context()
+            .load_module(Self::compile()?)
+            .map_err(driver)?;
         let f = |name: &str| module.load_function(name).map_err(driver);
         Ok(Kernels {
             bias_act: f("bias_act")?,
@@ -451,11 +458,19 @@ fn matmul<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
     if a.len() < p.m * p.k || b.len() < p.k * p.n || c.len() < p.m * p.n {
         return Err(format!("--device cuda: a {p:?} on buffers too short"));
     }
+    // SAFETY: the buffers hold at least the `m x k`, `k x n` and `m x n` elements the
+    // leading dimensions of `gemm_config` make cuBLAS touch (checked above).
+    unsafe { blas.gemm(gemm_config(p), b, a, c) }
+        .map_err(|e| format!("--device cuda: cuBLAS sgemm: {e}"))
+}
+
+/// cuBLAS's description of `p`, with `b` as its first operand and `a` as its second.
+fn gemm_config(p: Product) -> GemmConfig<f32> {
     let op = |t| match t {
         true => cublasOperation_t::CUBLAS_OP_T,
         false => cublasOperation_t::CUBLAS_OP_N,
     };
-    let config = GemmConfig {
+    GemmConfig {
         transa: op(p.tb),
         transb: op(p.ta),
         m: p.n as i32,
@@ -466,10 +481,7 @@ fn matmul<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
         ldb: if p.ta { p.m } else { p.k } as i32,
         beta: p.beta,
         ldc: p.n as i32,
-    };
-    // SAFETY: the buffers hold at least the `m x k`, `k x n` and `m x n` elements the
-    // leading dimensions above make cuBLAS touch (checked above).
-    unsafe { blas.gemm(config, b, a, c) }.map_err(|e| format!("--device cuda: cuBLAS sgemm: {e}"))
+    }
 }
 
 /// This rank's GPU, `LOCAL_RANK % count`, with the all-reduce's kernels loaded (which also
@@ -530,4 +542,85 @@ fn open_forever(path: &std::path::Path) {
     // SAFETY: loads one of NVIDIA's cuBLAS libraries, whose initialisers have no
     // preconditions; the handle is never closed.
     unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// BLAS's `sgemm` on column-major host matrices, as cuBLAS defines it.
+    fn sgemm(g: GemmConfig<f32>, a: &[f32], b: &[f32], c: &mut [f32]) {
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        let (lda, ldb, ldc) = (g.lda as usize, g.ldb as usize, g.ldc as usize);
+        let n_op = cublasOperation_t::CUBLAS_OP_N;
+        let op_a = |i: usize, l: usize| match g.transa == n_op {
+            true => a[i + l * lda],
+            false => a[l + i * lda],
+        };
+        let op_b = |l: usize, j: usize| match g.transb == n_op {
+            true => b[l + j * ldb],
+            false => b[j + l * ldb],
+        };
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f32 = (0..k).map(|l| op_a(i, l) * op_b(l, j)).sum();
+                c[i + j * ldc] = g.alpha * dot + g.beta * c[i + j * ldc];
+            }
+        }
+    }
+
+    /// A layer's three products (forward, weight gradient, gradient below) described to
+    /// cuBLAS give the row-major products.
+    #[test]
+    fn gemm_config_computes_row_major_products() {
+        let (rows, fan_in, fan_out) = (5, 4, 3);
+        let cases = [
+            (rows, fan_out, fan_in, false, false, 0.0),
+            (fan_in, fan_out, rows, true, false, 1.0),
+            (rows, fan_in, fan_out, false, true, 0.0),
+        ];
+        for (m, n, k, ta, tb, beta) in cases {
+            let p = Product {
+                m,
+                n,
+                k,
+                ta,
+                tb,
+                beta,
+            };
+            let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.7).sin()).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 1.3).cos()).collect();
+            let c0: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.1).collect();
+            // Row-major: `a` is m x k (stored k x m when `ta`), `b` k x n (n x k when `tb`).
+            let at = |i: usize, l: usize| if ta { a[l * m + i] } else { a[i * k + l] };
+            let bt = |l: usize, j: usize| if tb { b[j * k + l] } else { b[l * n + j] };
+            let mut c = c0.clone();
+            sgemm(gemm_config(p), &b, &a, &mut c);
+            for i in 0..m {
+                for j in 0..n {
+                    let dot: f32 = (0..k).map(|l| at(i, l) * bt(l, j)).sum();
+                    let want = dot + beta * c0[i * n + j];
+                    let got = c[i * n + j];
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "{p:?} [{i}][{j}]: {got} != {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// NVRTC compiles the kernels (no GPU needed; skipped where NVRTC is not on the
+    /// loader path).
+    #[test]
+    fn kernels_compile() {
+        // SAFETY: only tries to open the library under its usual names.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            use std::io::Write as _;
+            let line = "skipping: no NVRTC library on the loader path (kernels_compile)\n";
+            let _ = std::io::stderr().write_all(line.as_bytes());
+            return;
+        }
+        Kernels::compile().unwrap();
+    }
 }
