@@ -17,17 +17,17 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-pub use crate::perf::args::Device;
 use chorus::ddp::{Compression, Ddp, DdpOptions, DistributedSampler};
 use chorus::{env, Communicator, Config, ReduceOp};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use checkpoint::{Checkpoint, Header};
-use idx::FashionMnist;
-use idx::Split;
+use idx::{FashionMnist, Split};
 use mlp::{Mlp, Score, Sgd, Workspace};
 use report::EpochLog;
+
+pub use crate::perf::args::Device;
 
 /// The trainer's flags.
 #[derive(Debug, Clone, Parser)]
@@ -542,6 +542,7 @@ impl Trainer<'_> {
             "bucket_cap_mb": self.args.bucket_cap_mb,
             "compression": format!("{:?}", self.args.compression).to_lowercase(),
             "accumulate": self.args.accumulate,
+            "device": format!("{:?}", self.args.device).to_lowercase(),
         });
         report::write_log(&out.join(LOG), &config, history)?;
         report::plot(&out.join(CURVES), history)
