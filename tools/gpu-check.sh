@@ -128,12 +128,12 @@ run() {
     check "allreduce_perf g2" 120 "$dir"/allreduce_perf --device cuda -np 2 -g 2 -b 16 -e 64M -f 4
     row "allreduce_perf -np 2 -g 2" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
 
-    check "train tests" 300 "$dir"/train-tests cuda --test-threads 1 --nocapture
+    check "train tests" 150 "$dir"/train-tests cuda --test-threads 1 --nocapture
     row "train --device cuda" "$status" "$(grep -c '^test .* ok$' "$last_out") tests ok; $(grep -o 'W=2: GPU vs host.*' "$last_out" | head -1) ($last_detail)"
 
     for world in 1 2; do
         for device in cpu cuda; do
-            check "train $device $world" 180 "$dir"/train --device $device --bench 200 -np $world \
+            check "train $device $world" 60 "$dir"/train --device $device --bench 200 -np $world \
                 --data-dir "$dir"/fashion-mnist --no-progress
             row "train $device -np $world" "$status" "$(grep -o 'step_ms.*' "$last_out" | head -1)"
         done
