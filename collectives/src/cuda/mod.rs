@@ -215,16 +215,42 @@ impl CudaCommunicator {
         call(&self.shared)
     }
 
-    /// Queues `call` on owned buffers `bufs`; they come back through the handle.
-    fn later<B: Send + 'static>(
+    /// Queues `call` in place on the owned `buf`; it comes back through the handle.
+    fn later_in_place<T, B>(
         &self,
-        mut bufs: B,
-        call: impl FnOnce(&Shared, &mut B) -> Result<()> + Send + 'static,
-    ) -> Work<B> {
-        let shared = Arc::clone(&self.shared);
+        call: DeviceCall,
+        mut buf: B,
+        stream: &Arc<CudaStream>,
+    ) -> Work<B>
+    where
+        T: Element,
+        B: DevicePtrMut<T> + Send + 'static,
+    {
+        let (shared, stream) = (Arc::clone(&self.shared), Arc::clone(stream));
         self.queue.submit(move || {
-            let result = call(&shared, &mut bufs);
-            (result, bufs)
+            let result = shared.in_place::<T, B>(call, &mut buf, &stream);
+            (result, buf)
+        })
+    }
+
+    /// Queues `call` from the owned `input` into the owned `output`; both come back
+    /// through the handle.
+    fn later_apart<T, I, O>(
+        &self,
+        call: DeviceCall,
+        input: I,
+        mut output: O,
+        stream: &Arc<CudaStream>,
+    ) -> Work<(I, O)>
+    where
+        T: Element,
+        I: DevicePtr<T> + Send + 'static,
+        O: DevicePtrMut<T> + Send + 'static,
+    {
+        let (shared, stream) = (Arc::clone(&self.shared), Arc::clone(stream));
+        self.queue.submit(move || {
+            let result = shared.apart::<T, I, O>(call, &input, &mut output, &stream);
+            (result, (input, output))
         })
     }
 
@@ -326,10 +352,7 @@ impl CudaCommunicator {
         T: Element,
         B: DevicePtrMut<T> + Send + 'static,
     {
-        let stream = Arc::clone(stream);
-        self.later(buf, move |s, buf| {
-            s.in_place::<T, B>(DeviceCall::AllReduce(op), buf, &stream)
-        })
+        self.later_in_place(DeviceCall::AllReduce(op), buf, stream)
     }
 
     /// Starts [`broadcast`](Self::broadcast) on an owned buffer (see
@@ -339,10 +362,7 @@ impl CudaCommunicator {
         T: Element,
         B: DevicePtrMut<T> + Send + 'static,
     {
-        let stream = Arc::clone(stream);
-        self.later(buf, move |s, buf| {
-            s.in_place::<T, B>(DeviceCall::Broadcast { root }, buf, &stream)
-        })
+        self.later_in_place(DeviceCall::Broadcast { root }, buf, stream)
     }
 
     /// Starts [`reduce`](Self::reduce) on an owned buffer (see
@@ -358,10 +378,7 @@ impl CudaCommunicator {
         T: Element,
         B: DevicePtrMut<T> + Send + 'static,
     {
-        let stream = Arc::clone(stream);
-        self.later(buf, move |s, buf| {
-            s.in_place::<T, B>(DeviceCall::Reduce { op, root }, buf, &stream)
-        })
+        self.later_in_place(DeviceCall::Reduce { op, root }, buf, stream)
     }
 
     /// Starts [`all_gather`](Self::all_gather) on owned buffers, given back as `(input,
@@ -377,10 +394,7 @@ impl CudaCommunicator {
         I: DevicePtr<T> + Send + 'static,
         O: DevicePtrMut<T> + Send + 'static,
     {
-        let stream = Arc::clone(stream);
-        self.later((input, output), move |s, (input, output)| {
-            s.apart::<T, I, O>(DeviceCall::AllGather, input, output, &stream)
-        })
+        self.later_apart(DeviceCall::AllGather, input, output, stream)
     }
 
     /// Starts [`reduce_scatter`](Self::reduce_scatter) on owned buffers, given back as
@@ -397,10 +411,7 @@ impl CudaCommunicator {
         I: DevicePtr<T> + Send + 'static,
         O: DevicePtrMut<T> + Send + 'static,
     {
-        let stream = Arc::clone(stream);
-        self.later((input, output), move |s, (input, output)| {
-            s.apart::<T, I, O>(DeviceCall::ReduceScatter(op), input, output, &stream)
-        })
+        self.later_apart(DeviceCall::ReduceScatter(op), input, output, stream)
     }
 
     /// Runs `call` on raw device pointers: `count` elements of `dtype` per rank block (see
