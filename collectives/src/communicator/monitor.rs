@@ -29,6 +29,16 @@ use crate::{Config, Error, StoreKind};
 
 /// How long one wait for the next event lasts before the listener looks around.
 const LISTEN_TICK: Duration = Duration::from_secs(5);
+/// How long a rank that saw rank 0's connection close waits for its listener to tell why.
+const RANK_0_WAIT: Duration = Duration::from_millis(200);
+
+/// What a rank learns after rank 0's connection closed.
+enum Rank0 {
+    /// Rank 0 raised this alarm before it left.
+    Alarm(String),
+    /// The store rank 0 hosted is gone too: rank 0 died.
+    Gone,
+}
 
 /// What one collective call is, as ranks compare and report it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -306,13 +316,27 @@ impl Monitor {
         Ok(Some(String::from_utf8_lossy(&text).into_owned()))
     }
 
-    /// Whether `source` (or the store's loss) says rank 0, the store's host, is gone:
-    /// then asking the store would only wait out its timeout.
-    fn rank_0_gone(&self, source: &TransportError) -> bool {
-        self.store_on_rank_0
-            && self.rank != 0
-            && (matches!(source, TransportError::PeerClosed { peer: 0 })
-                || self.store_lost.load(Ordering::Acquire))
+    /// After rank 0's connection closed, on a rank of a job whose store rank 0 hosts: waits
+    /// a moment for the listener to hear either the alarm rank 0 raised before leaving (it
+    /// failed on something else) or the store's loss (rank 0 died, and asking the store
+    /// would only wait out its timeout). `None` when neither came, or the store is elsewhere.
+    fn after_rank_0_closed(&self) -> Option<Rank0> {
+        if !self.store_on_rank_0 || self.rank == 0 {
+            return None;
+        }
+        let until = Instant::now() + RANK_0_WAIT;
+        loop {
+            if let Some(cause) = self.heard() {
+                return Some(Rank0::Alarm(cause));
+            }
+            if self.store_lost.load(Ordering::Acquire) {
+                return Some(Rank0::Gone);
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// The alarm the listener has received, if any.
@@ -431,10 +455,16 @@ impl Watch for Watcher<'_> {
         if let TransportError::Aborted(reason) = source {
             return Error::Aborted(reason.clone());
         }
-        if self.monitor.rank_0_gone(source) {
-            return Error::Aborted(format!(
-                "rank 0 is gone, and the rendezvous store it hosted with it: {source}; rank {rank} noticed in {call} #{seq}"
-            ));
+        if let TransportError::PeerClosed { peer: 0 } = source {
+            match self.monitor.after_rank_0_closed() {
+                Some(Rank0::Alarm(cause)) => return Error::Aborted(cause),
+                Some(Rank0::Gone) => {
+                    return Error::Aborted(format!(
+                        "rank 0 is gone, and the rendezvous store it hosted with it: {source}; rank {rank} noticed in {call} #{seq}"
+                    ))
+                }
+                None => {}
+            }
         }
         // A rank that found the fault first has explained it; this one may only see its fallout.
         match self.monitor.alarm() {
