@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
 
-use super::{lock, Call, Communicator, Inner, Issue, State};
+use super::{lock, Call, Communicator, Inner, State};
 use crate::{Element, Error, ReduceOp, Result};
 
 type Task = Box<dyn FnOnce() + Send>;
@@ -89,26 +89,17 @@ impl Queue {
         B: Send + 'static,
         F: FnOnce() -> (Result<()>, B) + Send + 'static,
     {
-        let (done_tx, done) = channel::bounded(1);
-        let finished = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&finished);
+        let (work, done) = Work::pending();
         let task: Task = Box::new(move || {
             let (result, buf) = op();
-            flag.store(true, Ordering::Release);
-            let _ = done_tx.send((result, buf));
+            done.mark();
+            done.deliver(result, buf);
         });
-        let mut worker = lock(&self.worker);
-        if worker.is_none() {
-            match Worker::start(self.rank) {
-                Ok(started) => *worker = Some(started),
-                // The handle reports the worker as stopped.
-                Err(e) => tracing::error!("cannot queue an asynchronous operation: {e}"),
-            }
+        if let Err(e) = send(&mut lock(&self.worker), self.rank, task) {
+            // The handle reports the worker as stopped.
+            tracing::error!("cannot queue an asynchronous operation: {e}");
         }
-        if let Some(tasks) = worker.as_ref().and_then(|w| w.tasks.as_ref()) {
-            let _ = tasks.send(task);
-        }
-        Work { done, finished }
+        work
     }
 
     /// Waits until every operation queued so far has run; at once if none ever was.
@@ -116,6 +107,24 @@ impl Queue {
         if lock(&self.worker).is_some() {
             let _ = self.submit(|| (Ok(()), ())).wait();
         }
+    }
+}
+
+/// The queued side of a [`Work`]: marks the operation finished and hands its outcome back.
+struct Done<B> {
+    outcome: Sender<(Result<()>, B)>,
+    flag: Arc<AtomicBool>,
+}
+
+impl<B> Done<B> {
+    /// Makes the operation show as finished ([`Work::is_completed`]).
+    fn mark(&self) {
+        self.flag.store(true, Ordering::Release);
+    }
+
+    /// Hands the outcome and the buffer to the handle (dropped if the handle is gone).
+    fn deliver(self, result: Result<()>, buf: B) {
+        let _ = self.outcome.send((result, buf));
     }
 }
 
@@ -152,6 +161,14 @@ pub struct Work<B> {
 }
 
 impl<B> Work<B> {
+    /// A handle for an operation about to be queued, and the other end, which completes it.
+    fn pending() -> (Work<B>, Done<B>) {
+        let (outcome, done) = channel::bounded(1);
+        let finished = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&finished);
+        (Work { done, finished }, Done { outcome, flag })
+    }
+
     /// Whether the operation has finished (successfully or not).
     pub fn is_completed(&self) -> bool {
         self.finished.load(Ordering::Acquire) || !self.done.is_empty()
@@ -191,9 +208,7 @@ impl Communicator {
         B: Send + 'static,
         F: for<'a> FnOnce(&Inner, &'a mut B) -> Result<Call<'a>> + Send + 'static,
     {
-        let (done_tx, done) = channel::bounded(1);
-        let finished = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&finished);
+        let (work, done) = Work::pending();
         let inner = Arc::clone(&self.inner);
         let mut issue = lock(&self.inner.issue);
         let ticket = issue.next;
@@ -202,15 +217,14 @@ impl Communicator {
             // Completion is visible before the next operation's turn begins.
             let run =
                 |inner: &Inner, state: &mut State| inner.execute(state, build(inner, &mut buf)?);
-            let result = inner.run_then(ticket, run, || flag.store(true, Ordering::Release));
-            let _ = done_tx.send((result, buf));
+            let result = inner.run_then(ticket, run, || done.mark());
+            done.deliver(result, buf);
         });
-        if let Err(e) = send(&mut issue, self.rank(), task) {
-            tracing::error!("cannot queue an asynchronous operation: {e}");
+        if let Err(e) = send(&mut issue.worker, self.rank(), task) {
             // The handle reports the worker as stopped.
-            return Work { done, finished };
+            tracing::error!("cannot queue an asynchronous operation: {e}");
         }
-        Work { done, finished }
+        work
     }
 
     /// Starts an in-place all-reduce of `buf` and returns at once.
@@ -240,12 +254,12 @@ impl Communicator {
     }
 }
 
-fn send(issue: &mut Issue, rank: usize, task: Task) -> Result<()> {
-    if issue.worker.is_none() {
-        issue.worker = Some(Worker::start(rank)?);
+/// Queues `task` on `worker`, starting the thread on first use.
+fn send(worker: &mut Option<Worker>, rank: usize, task: Task) -> Result<()> {
+    if worker.is_none() {
+        *worker = Some(Worker::start(rank)?);
     }
-    let tasks = issue
-        .worker
+    let tasks = worker
         .as_ref()
         .and_then(|w| w.tasks.as_ref())
         .expect("worker running");
