@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use chorus_kernels::cuda::cudarc::driver::CudaEvent;
 use chorus_kernels::cuda::{CudaError, CudaStream, Device};
-use chorus_kernels::DType;
 
 use super::{DeviceCall, Job};
 use crate::{Communicator, Result};
@@ -121,7 +120,7 @@ impl Staging {
     ) -> Result<()> {
         let world = comm.world_size();
         let (kind, op, root) = job.call.host();
-        let info = (kind, job.dtype, op, root, elements(chunk.len, job.dtype));
+        let info = (kind, job.dtype, op, root, chunk.len / job.dtype.size());
         let Slot { input, output, .. } = &mut self.slots[slot];
         match job.call {
             DeviceCall::AllGather => comm.run_bytes(
@@ -169,11 +168,6 @@ impl Staging {
     }
 }
 
-/// Elements of `dtype` in `bytes`.
-fn elements(bytes: usize, dtype: DType) -> usize {
-    bytes / dtype.size()
-}
-
 /// The chunks of `job`: every chunk fits a pinned buffer of `room` bytes with all the
 /// blocks it stages, and holds whole elements.
 fn chunks(job: Job, world: usize, room: usize) -> Vec<Chunk> {
@@ -195,7 +189,7 @@ fn chunks(job: Job, world: usize, room: usize) -> Vec<Chunk> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use chorus_kernels::ReduceOp;
+    use chorus_kernels::{DType, ReduceOp};
 
     fn job(call: DeviceCall, dtype: DType, block: usize) -> Job {
         Job {

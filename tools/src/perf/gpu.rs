@@ -32,14 +32,10 @@ impl Gpu {
     /// Opens `ngpus` GPUs for this rank with buffers of `bytes` bytes on each; collective.
     pub fn new(comm: &Communicator, bytes: usize, ngpus: usize) -> Result<Gpu, String> {
         let err = |e: CudaError| e.to_string();
-        let count = Device::count().map_err(err)?;
-        if count == 0 {
-            return Err("--device cuda: the CUDA driver sees no GPU".into());
-        }
         let mut devices = Vec::with_capacity(ngpus);
         let mut locals = Vec::with_capacity(ngpus);
         for i in 0..ngpus {
-            let device = Device::open((comm.local_rank() * ngpus + i) % count).map_err(err)?;
+            let device = local_device(comm, i, ngpus)?;
             let stream = device.new_stream().map_err(err)?;
             let alloc = |n: usize| {
                 stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| {
@@ -165,6 +161,17 @@ fn device_call(name: &str, p: Params) -> Option<DeviceCall> {
         "reduce_scatter" => DeviceCall::ReduceScatter(p.op),
         _ => return None,
     })
+}
+
+/// GPU `i` of the `per_rank` this rank drives: device `LOCAL_RANK * per_rank + i`, modulo
+/// the GPUs there are (ranks share GPUs when there are fewer).
+pub fn local_device(comm: &Communicator, i: usize, per_rank: usize) -> Result<Device, String> {
+    let err = |e: CudaError| format!("--device cuda: {e}");
+    let count = Device::count().map_err(err)?;
+    if count == 0 {
+        return Err("--device cuda: the CUDA driver sees no GPU".into());
+    }
+    Device::open((comm.local_rank() * per_rank + i) % count).map_err(err)
 }
 
 /// `comm`'s GPU and path, for a banner: `device 0 NAME (Ipc path)`.

@@ -250,14 +250,13 @@ impl Bench {
         &mut self,
         collective: &Collective,
         comm: &Communicator,
-        (layout, p): (&Layout, Params),
+        call: (&Layout, Params),
         (input_len, output_len, in_place): (usize, usize, bool),
     ) -> chorus::Result<()> {
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &mut self.gpu {
-            return gpu.once(collective, layout, p, in_place);
+            return gpu.once(collective, call.0, call.1, in_place);
         }
-        let _ = layout;
         let output = self.output.bytes_mut(output_len);
         let b = if in_place {
             Bufs::InPlace {
@@ -270,7 +269,7 @@ impl Bench {
                 output,
             }
         };
-        (collective.run)(comm, b, p)
+        (collective.run)(comm, b, call.1)
     }
 }
 

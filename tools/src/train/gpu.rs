@@ -487,11 +487,7 @@ fn gemm_config(p: Product) -> GemmConfig<f32> {
 /// This rank's GPU, `LOCAL_RANK % count`, with the all-reduce's kernels loaded (which also
 /// makes NVRTC loadable) and cuBLAS found.
 fn open(comm: &Communicator) -> Result<Device, String> {
-    let count = Device::count().map_err(cuda)?;
-    if count == 0 {
-        return Err("--device cuda: the CUDA driver sees no GPU".into());
-    }
-    let device = Device::open(comm.local_rank() % count).map_err(cuda)?;
+    let device = crate::perf::gpu::local_device(comm, 0, 1)?;
     device.load_kernels().map_err(cuda)?;
     find_cublas()?;
     Ok(device)
