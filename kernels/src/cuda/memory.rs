@@ -127,15 +127,16 @@ pub struct Pinned {
 unsafe impl Send for Pinned {}
 
 impl Pinned {
-    /// Allocates `len` bytes (at least one).
+    /// Allocates `len` bytes (at least one), zeroed.
     pub fn new(len: usize) -> Result<Pinned, CudaError> {
         // SAFETY: allocates `len` bytes (at least 1) of page-locked memory.
-        let ptr = unsafe { result::malloc_host(len.max(1), 0) }
-            .map_err(CudaError::driver("allocating page-locked host memory"))?;
-        Ok(Pinned {
-            ptr: ptr.cast(),
-            len,
-        })
+        let ptr: *mut u8 = unsafe { result::malloc_host(len.max(1), 0) }
+            .map_err(CudaError::driver("allocating page-locked host memory"))?
+            .cast();
+        // SAFETY: `ptr` is a fresh allocation of at least `len` bytes, written once here so
+        // that every later read sees initialized bytes.
+        unsafe { ptr.write_bytes(0, len) };
+        Ok(Pinned { ptr, len })
     }
 
     /// The first `len` bytes. The caller makes sure no copy into them is in flight.
@@ -148,7 +149,7 @@ impl Pinned {
             self.len
         );
         // SAFETY: `ptr` is valid for `self.len` bytes for the life of `self`, and
-        // initialized (the copies and `bytes_mut` only ever write it).
+        // initialized (zeroed at allocation; only copies and `bytes_mut` write it after).
         unsafe { std::slice::from_raw_parts(self.ptr, len) }
     }
 
