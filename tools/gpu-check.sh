@@ -13,7 +13,7 @@
 #                         through CUDA IPC and through pinned-host staging
 #   all-reduce 64 MiB     W = 2 and 4 ranks: device all-reduce time, bus bandwidth, the IPC
 #                         path against the floor its bytes allow at the copy bandwidth, the
-#                         staged path against the host-buffer all-reduce
+#                         staged path against the host-buffer all-reduce (also over TCP)
 #   allreduce_perf        allreduce_perf --device cuda, -np 2 and -np 4, and -np 2 -g 2
 #   train                 the trainer's GPU tests (--device cuda against the host trainer), and
 #                         train --bench 200 samples/s on the CPU and the GPU, -np 1 and 2 (on
@@ -96,6 +96,11 @@ run() {
                 "$(grep -o 'device_us.*' "$last_out" | head -1)"
         done
     done
+
+    # The staged path as it runs across hosts: every rank over TCP (loopback here).
+    check "bench staged tcp 2" 120 env CHORUS_CUDA_PATH=staged CHORUS_TRANSPORT=tcp "$dir"/chorusrun \
+        --standalone --nproc-per-node 2 "$dir"/chorus-cuda-worker bench staged 64
+    row "all-reduce staged TCP W=2" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1)"
 
     # Ranks sharing a GPU from separate processes take turns on it (time-slicing, a context
     # switch at every turn) unless CUDA MPS runs them in one context: the IPC rows again under

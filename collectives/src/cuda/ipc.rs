@@ -17,9 +17,9 @@ use std::sync::Arc;
 
 use chorus_kernels::cuda::memory::{copy_on_device, DeviceAlloc, IpcHandle, IpcMapping};
 use chorus_kernels::cuda::{CudaError, CudaStream, Device};
-use chorus_kernels::{DType, ReduceOp};
+use chorus_kernels::ReduceOp;
 
-use super::{DeviceCall, Job};
+use super::{agree, slice, DeviceCall, Job};
 use crate::env::CHORUS_CUDA_PATH;
 use crate::{Communicator, Error, Result};
 
@@ -173,34 +173,6 @@ impl Peers {
     }
 }
 
-/// Meets every rank and checks that all make the same call (the rounds, and so the
-/// halves, must match); fails naming the first rank that differs.
-fn agree(comm: &Communicator, job: Job) -> Result<()> {
-    let (kind, op, root) = job.call.host();
-    let mine = [
-        kind as u64,
-        op as u64,
-        root as u64,
-        job.dtype as u64,
-        job.block as u64,
-    ];
-    let mut all = vec![0u64; mine.len() * comm.world_size()];
-    comm.all_gather(&mine, &mut all)?;
-    match all.chunks(mine.len()).position(|theirs| theirs != mine) {
-        None => Ok(()),
-        Some(q) => Err(Error::InvalidArgument(format!(
-            "device {}: rank {} called it with {} bytes of {}, rank {q} made another call or \
-             passed another size",
-            job.call.name(),
-            comm.rank(),
-            job.block,
-            job.dtype
-        ))),
-    }
-}
-
-/// One round of a call: bytes `offset..offset + len` of each rank block, through one
-/// half of every scratch buffer.
 struct Round<'a> {
     comm: &'a Communicator,
     device: &'a Device,
@@ -348,15 +320,6 @@ impl Round<'_> {
     }
 }
 
-/// Rank `q`'s slice (byte range) of a round of `len` bytes: `world` slices of whole
-/// elements, each a multiple of 16 bytes where the round allows, the last one shorter.
-fn slice(len: usize, dtype: DType, world: usize, q: usize) -> (usize, usize) {
-    let unit = 16.max(dtype.size());
-    let per = len.div_ceil(world).div_ceil(unit) * unit;
-    let start = (q * per).min(len);
-    (start, ((q + 1) * per).min(len))
-}
-
 /// What identifies this host to its peers: the kernel's boot id (one per machine and
 /// boot), else the host name, padded with zeros.
 fn host_id() -> [u8; HOST_ID] {
@@ -368,18 +331,4 @@ fn host_id() -> [u8; HOST_ID] {
         *dst = src;
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slices_split_a_round_in_whole_aligned_pieces() {
-        let pieces: Vec<_> = (0..4).map(|q| slice(100, DType::F32, 4, q)).collect();
-        assert_eq!(pieces, [(0, 32), (32, 64), (64, 96), (96, 100)]);
-        // More ranks than 16-byte units: the last ranks get nothing.
-        assert_eq!(slice(16, DType::F64, 3, 1), (16, 16));
-        assert_eq!(slice(0, DType::U8, 2, 0), (0, 0));
-    }
 }

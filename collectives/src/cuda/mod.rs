@@ -14,9 +14,10 @@
 //!   other slices from theirs: nothing passes through host memory. Several ranks may share
 //!   one GPU. Host barriers order the steps.
 //! * [`DevicePath::Staged`], across hosts (or when IPC is unavailable): the data is cut
-//!   into chunks that are copied into pinned host buffers, run through the host
-//!   collective, and copied back, two chunks in flight so that the copies overlap the
-//!   host collective.
+//!   into chunks that pass through pinned host buffers and the host transport, two chunks
+//!   in flight so that one's copies and kernels overlap the other's time on the wire.
+//!   Reductions run on the GPU: a ring whose steps copy a partial result to the host,
+//!   send it on, copy the previous rank's partial to the device and reduce it there.
 //!
 //! `CHORUS_CUDA_PATH` (`auto`, `ipc`, `staged`) forces a path; `auto`, the default,
 //! takes IPC where every rank shares the host and can map its peers' memory.
@@ -534,7 +535,7 @@ impl Shared {
         let mut path = self.lock();
         match &mut *path {
             Path::Ipc(peers) => peers.run(&self.comm, &self.device, job, stream),
-            Path::Staged(staging) => staging.run(&self.comm, job, stream),
+            Path::Staged(staging) => staging.run(&self.comm, &self.device, job, stream),
         }
     }
 
@@ -566,6 +567,48 @@ impl Drop for Shared {
             peers.close(&self.comm);
         }
     }
+}
+
+/// Meets every rank and checks that all make the same call (for IPC the rounds, and so
+/// the scratch halves, must match); fails naming the first rank that differs.
+fn agree(comm: &Communicator, job: Job) -> Result<()> {
+    let (kind, op, root) = job.call.host();
+    let mine = [
+        kind as u64,
+        op as u64,
+        root as u64,
+        job.dtype as u64,
+        job.block as u64,
+    ];
+    let mut all = vec![0u64; mine.len() * comm.world_size()];
+    comm.all_gather(&mine, &mut all)?;
+    match all.chunks(mine.len()).position(|theirs| theirs != mine) {
+        None => Ok(()),
+        Some(q) => Err(Error::InvalidArgument(format!(
+            "device {}: rank {} called it with {} bytes of {}, rank {q} made another call or \
+             passed another size",
+            job.call.name(),
+            comm.rank(),
+            job.block,
+            job.dtype
+        ))),
+    }
+}
+
+/// One round of a call: bytes `offset..offset + len` of each rank block, through one
+/// half of every scratch buffer.
+/// Rank `q`'s slice (byte range) of a round or chunk of `len` bytes: `world` slices of whole
+/// elements, each a multiple of 16 bytes where the round allows, the last one shorter.
+fn slice(len: usize, dtype: DType, world: usize, q: usize) -> (usize, usize) {
+    let per = slice_width(len, dtype, world);
+    let start = (q * per).min(len);
+    (start, ((q + 1) * per).min(len))
+}
+
+/// The length of every slice of [`slice`] but the last ones (which may be shorter).
+fn slice_width(len: usize, dtype: DType, world: usize) -> usize {
+    let unit = 16.max(dtype.size());
+    len.div_ceil(world).div_ceil(unit) * unit
 }
 
 /// The path `CHORUS_CUDA_PATH` forces, if any.
@@ -601,5 +644,14 @@ mod tests {
             Some((3, 3))
         );
         assert_eq!(DeviceCall::AllGather.lengths(usize::MAX, 2), None);
+    }
+
+    #[test]
+    fn slices_split_a_round_in_whole_aligned_pieces() {
+        let pieces: Vec<_> = (0..4).map(|q| slice(100, DType::F32, 4, q)).collect();
+        assert_eq!(pieces, [(0, 32), (32, 64), (64, 96), (96, 100)]);
+        // More ranks than 16-byte units: the last ranks get nothing.
+        assert_eq!(slice(16, DType::F64, 3, 1), (16, 16));
+        assert_eq!(slice(0, DType::U8, 2, 0), (0, 0));
     }
 }

@@ -530,7 +530,7 @@ fn split_and_dup(comm: &Communicator) -> Result<(), String> {
     Ok(())
 }
 
-/// A ring shift with a group, pairwise blocking send/recv, and self-messages.
+/// A ring shift with a group (empty messages too), pairwise blocking send/recv, and self-messages.
 fn point_to_point(comm: &Communicator) -> Result<(), String> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let err = |e: chorus::Error| e.to_string();
@@ -539,6 +539,13 @@ fn point_to_point(comm: &Communicator) -> Result<(), String> {
     let mine: Vec<i32> = (0..5000).map(|i| (rank * 10_000 + i) as i32).collect();
     let mut from_left = vec![0i32; 5000];
     let mut echo = vec![0i32; 3];
+    // Empty messages keep their place in the ring's order, as the device path's ring sends them.
+    let mut nothing: [i32; 0] = [];
+    comm.group(|g| {
+        g.send(&mine[..0], right, 6);
+        g.recv(&mut nothing, left, 6);
+    })
+    .map_err(err)?;
     comm.group(|g| {
         g.send(&mine, right, 7);
         g.recv(&mut from_left, left, 7);
