@@ -102,6 +102,38 @@ fn get_blocks_until_another_thread_sets_the_key() {
 }
 
 #[test]
+fn a_presence_sets_its_key_when_its_connection_closes_unless_released() {
+    let server = start_server();
+    let store = PrefixStore::new("job", client(&server, BOUND));
+    let waiter = client(&server, BOUND);
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(waiter.get("job/left"));
+    });
+    // Released: the key is never set, even once the connection is gone.
+    let kept = store
+        .presence("kept", b"never")
+        .unwrap()
+        .expect("a presence");
+    kept.release().unwrap();
+    // Dropped (as when the process dies): the waiter wakes with the value.
+    let gone = store.presence("left", b"rank 1 is gone").unwrap();
+    drop(gone);
+    let value = rx.recv_timeout(BOUND).expect("get did not return").unwrap();
+    assert_eq!(value, b"rank 1 is gone");
+    // A key set before the connection closes keeps its value.
+    let late = store.presence("left", b"rank 2 is gone").unwrap();
+    drop(late);
+    assert_eq!(store.get("left").unwrap(), b"rank 1 is gone");
+    assert!(matches!(
+        store.wait(&["kept"], SHORT),
+        Err(StoreError::Timeout { .. })
+    ));
+    let bare = client(&server, BOUND);
+    assert!(bare.presence("", b"x").is_err());
+}
+
+#[test]
 fn one_client_shared_by_a_blocked_getter_and_a_setter() {
     let server = start_server();
     let store = Arc::new(client(&server, BOUND));

@@ -21,6 +21,10 @@ fn encode(request: &Request) -> Vec<u8> {
         Request::Add { key, delta } => protocol::encode_add(key, *delta),
         Request::Wait { keys } => protocol::encode_wait(&refs(keys)),
         Request::Check { keys } => protocol::encode_check(&refs(keys)),
+        Request::Hold { hold: None } => protocol::encode_hold("", b""),
+        Request::Hold {
+            hold: Some((key, value)),
+        } => protocol::encode_hold(key, value),
     }
 }
 
@@ -33,6 +37,8 @@ fn request() -> impl Strategy<Value = Request> {
         (key(), any::<i64>()).prop_map(|(key, delta)| Request::Add { key, delta }),
         proptest::collection::vec(key(), 0..6).prop_map(|keys| Request::Wait { keys }),
         proptest::collection::vec(key(), 0..6).prop_map(|keys| Request::Check { keys }),
+        proptest::option::of((key(), proptest::collection::vec(any::<u8>(), 0..300)))
+            .prop_map(|hold| Request::Hold { hold }),
     ]
 }
 

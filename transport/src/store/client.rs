@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::conn::{self, read_exact_by, write_all_by, Failure, Greeting, Pool};
 use super::handshake;
-use super::protocol::{self, RESPONSE_HEADER_LEN, STATUS_OK};
+use super::protocol::{self, MAX_KEY_LEN, RESPONSE_HEADER_LEN, STATUS_OK};
 use super::{Store, StoreError};
 use crate::auth::Auth;
 
@@ -128,9 +128,57 @@ impl Store for TcpStore {
         Ok(i64::from_le_bytes(bytes))
     }
 
+    fn presence(&self, key: &str, value: &[u8]) -> Result<Option<Presence>, StoreError> {
+        if key.is_empty() || key.len() > MAX_KEY_LEN || value.len() > MAX_KEY_LEN {
+            return Err(StoreError::Protocol(format!(
+                "a held key must have 1 to {MAX_KEY_LEN} bytes and its value at most as many; \
+                 got {} and {}",
+                key.len(),
+                value.len()
+            )));
+        }
+        let deadline = Instant::now() + self.timeout;
+        let stream = self.pool.open(deadline)?;
+        hold(&stream, key, value, deadline)?;
+        Ok(Some(Presence {
+            stream,
+            timeout: self.timeout,
+        }))
+    }
+
     fn shutdown(&self) {
         self.pool.shutdown();
     }
+}
+
+/// A connection of its own to a store server, on which the server sets a key when the
+/// connection closes (see [`Store::presence`]). Dropping it closes the connection and so sets
+/// the key; [`release`](Presence::release) withdraws the key first.
+#[derive(Debug)]
+pub struct Presence {
+    stream: TcpStream,
+    timeout: Duration,
+}
+
+impl Presence {
+    /// Withdraws the key, then closes the connection.
+    pub fn release(self) -> Result<(), StoreError> {
+        hold(&self.stream, "", b"", Instant::now() + self.timeout)
+    }
+}
+
+/// Sends a HOLD request on `stream` (an empty `key` withdraws the connection's hold).
+fn hold(stream: &TcpStream, key: &str, value: &[u8], deadline: Instant) -> Result<(), StoreError> {
+    let what = || format!("hold of store key {key:?}");
+    let (status, payload) = exchange(stream, &protocol::encode_hold(key, value), deadline)
+        .map_err(|f| f.into_io_error(what))?;
+    if status != STATUS_OK {
+        let message = String::from_utf8_lossy(&payload);
+        return Err(StoreError::Protocol(format!(
+            "server refused the request: {message}"
+        )));
+    }
+    Ok(())
 }
 
 /// Writes `request` and reads the response header and payload, all before `deadline`.

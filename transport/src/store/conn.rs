@@ -67,6 +67,11 @@ impl<G: Greeting> Pool<G> {
         })
     }
 
+    /// Opens a connection of its own, outside the pool, before `deadline`.
+    pub fn open(&self, deadline: Instant) -> Result<TcpStream, StoreError> {
+        connect_with_retry(&self.host, self.port, &self.greeting, deadline)
+    }
+
     /// The server's `host:port`, for messages.
     pub fn addr(&self) -> String {
         format!("{}:{}", self.host, self.port)

@@ -31,7 +31,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use client::TcpStore;
+pub use client::{Presence, TcpStore};
 pub use protocol::{MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use server::{StoreLimits, StoreServer};
 pub use torch::TorchStore;
@@ -46,6 +46,13 @@ pub trait Store: Send + Sync {
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError>;
     /// Atomically adds `delta` to the integer stored at `key` (0 if unset) and returns the new value.
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError>;
+    /// Opens a connection of its own on which the server sets `key` to `value` once that
+    /// connection closes (this process exited or died), unless `key` is set by then, so that
+    /// clients waiting for `key` wake. `None` where the store cannot (torch's TCPStore).
+    fn presence(&self, key: &str, value: &[u8]) -> Result<Option<Presence>, StoreError> {
+        let _ = (key, value);
+        Ok(None)
+    }
     /// Closes this client's connections: requests in flight (a thread parked in `wait`) and
     /// later ones fail with [`StoreError::Closed`]. Does nothing by default.
     fn shutdown(&self) {}
@@ -129,6 +136,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         (**self).add(key, delta)
     }
+    fn presence(&self, key: &str, value: &[u8]) -> Result<Option<Presence>, StoreError> {
+        (**self).presence(key, value)
+    }
     fn shutdown(&self) {
         (**self).shutdown();
     }
@@ -180,6 +190,9 @@ impl<S: Store> Store for PrefixStore<S> {
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         self.inner.add(&self.full_key(key), delta)
+    }
+    fn presence(&self, key: &str, value: &[u8]) -> Result<Option<Presence>, StoreError> {
+        self.inner.presence(&self.full_key(key), value)
     }
     fn shutdown(&self) {
         self.inner.shutdown();

@@ -10,14 +10,18 @@
 //! ADD   = 3   a = key length,  b = 8             body = key ++ delta (i64 LE)
 //! WAIT  = 4   a = key count,   b = body length   body = key count × (u32 LE length ++ key)
 //! CHECK = 5   a = key count,   b = body length   body = as WAIT
+//! HOLD  = 6   a = key length,  b = value length  body = key ++ value (both at most MAX_KEY_LEN)
 //! ```
+//!
+//! HOLD asks the server to set `key` to `value` when this connection closes, unless `key` is
+//! set by then; a later HOLD on the connection replaces it, and one with an empty key drops it.
 //!
 //! Every response starts with a 9-byte header:
 //!
 //! ```text
 //! magic "CHS1" (4) | status u8 (1) | payload length u32 LE (4) | payload
 //!
-//! status OK = 0     payload: SET/WAIT empty, GET the value, ADD the new value (i64 LE),
+//! status OK = 0     payload: SET/WAIT/HOLD empty, GET the value, ADD the new value (i64 LE),
 //!                   CHECK one byte per requested key (1 = set, 0 = missing)
 //! status ERROR = 1  payload: UTF-8 message (e.g. ADD on a value that is not an integer)
 //! ```
@@ -48,6 +52,7 @@ const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
 const OP_WAIT: u8 = 4;
 const OP_CHECK: u8 = 5;
+const OP_HOLD: u8 = 6;
 
 /// Response status: the request succeeded.
 pub const STATUS_OK: u8 = 0;
@@ -86,6 +91,12 @@ pub enum Request {
         /// The keys.
         keys: Vec<String>,
     },
+    /// Set `key` to `value` when this connection closes, unless it is set by then (`None`:
+    /// drop the connection's hold).
+    Hold {
+        /// The key and its value.
+        hold: Option<(String, Vec<u8>)>,
+    },
 }
 
 /// Encodes a SET request.
@@ -108,6 +119,14 @@ pub fn encode_add(key: &str, delta: i64) -> Vec<u8> {
     let mut frame = request_header(OP_ADD, key.len(), 8);
     frame.extend_from_slice(key.as_bytes());
     frame.extend_from_slice(&delta.to_le_bytes());
+    frame
+}
+
+/// Encodes a HOLD request (an empty `key` drops the connection's hold).
+pub fn encode_hold(key: &str, value: &[u8]) -> Vec<u8> {
+    let mut frame = request_header(OP_HOLD, key.len(), value.len());
+    frame.extend_from_slice(key.as_bytes());
+    frame.extend_from_slice(value);
     frame
 }
 
@@ -233,7 +252,7 @@ fn check_magic_prefix(buf: &[u8]) -> Result<(), StoreError> {
 
 fn check_opcode(op: u8) -> Result<(), StoreError> {
     match op {
-        OP_SET | OP_GET | OP_ADD | OP_WAIT | OP_CHECK => Ok(()),
+        OP_SET | OP_GET | OP_ADD | OP_WAIT | OP_CHECK | OP_HOLD => Ok(()),
         _ => Err(protocol(format!("unknown opcode {op}"))),
     }
 }
@@ -248,6 +267,7 @@ fn parse_request_header(header: &[u8]) -> Result<(u8, usize, usize), StoreError>
         OP_SET => a <= MAX_KEY_LEN && b <= MAX_VALUE_LEN,
         OP_GET => a <= MAX_KEY_LEN && b == 0,
         OP_ADD => a <= MAX_KEY_LEN && b == 8,
+        OP_HOLD => a <= MAX_KEY_LEN && b <= MAX_KEY_LEN,
         _ => a <= MAX_KEYS && b >= 4 * a && b <= a * (4 + MAX_KEY_LEN) && b <= MAX_VALUE_LEN,
     };
     if !valid {
@@ -280,6 +300,12 @@ fn decode_body(op: u8, a: usize, body: &[u8]) -> Result<Request, StoreError> {
         },
         OP_WAIT => Request::Wait {
             keys: decode_key_list(a, body)?,
+        },
+        OP_HOLD => Request::Hold {
+            hold: match a {
+                0 => None,
+                _ => Some((decode_key(&body[..a])?, body[a..].to_vec())),
+            },
         },
         _ => Request::Check {
             keys: decode_key_list(a, body)?,
@@ -386,6 +412,13 @@ mod tests {
                 },
             ),
             (encode_check(&[]), Request::Check { keys: vec![] }),
+            (
+                encode_hold("gone", b"rank 1 left"),
+                Request::Hold {
+                    hold: Some(("gone".into(), b"rank 1 left".to_vec())),
+                },
+            ),
+            (encode_hold("", b""), Request::Hold { hold: None }),
         ]
     }
 
@@ -441,6 +474,11 @@ mod tests {
 
     #[test]
     fn oversized_lengths_are_rejected_from_the_header_alone() {
+        let long_hold = header(OP_HOLD, 4, MAX_KEY_LEN as u32 + 1);
+        assert!(matches!(
+            decode_request(&long_hold),
+            Err(StoreError::Protocol(_))
+        ));
         let huge_key = header(OP_SET, MAX_KEY_LEN as u32 + 1, 0);
         let huge_value = header(OP_SET, 1, MAX_VALUE_LEN as u32 + 1);
         let max_everything = header(OP_SET, u32::MAX, u32::MAX);

@@ -5,7 +5,8 @@
 //! GET/WAIT is parked, which keeps every connection's memory bounded (about one frame each
 //! way) and responses in order. A GET or WAIT that cannot be answered yet is parked, watching
 //! one missing key; setting that key wakes it. A connection that breaks the protocol is logged
-//! and dropped; nobody else notices.
+//! and dropped; nobody else notices. A connection may hold a key to be set when it closes
+//! (HOLD), so that a client's death wakes the clients waiting for that key.
 //!
 //! What a stranger can make it hold is bounded ([`StoreLimits`]): a connection that has not
 //! answered the handshake's challenge within its deadline is dropped (it is never waited on:
@@ -176,6 +177,8 @@ struct Conn {
     challenge: Option<[u8; NONCE_LEN]>,
     /// Why the handshake will be refused whatever the answer (the store is full).
     refusal: Option<String>,
+    /// The key and value to set when this connection closes (a HOLD request).
+    hold: Option<(String, Vec<u8>)>,
 }
 
 impl Conn {
@@ -191,6 +194,7 @@ impl Conn {
             eof: false,
             challenge: None,
             refusal: None,
+            hold: None,
         }
     }
 
@@ -322,6 +326,30 @@ impl State {
         Ok(new)
     }
 
+    /// Keeps `bytes` in reserve for a connection's hold, counted against the limit like data.
+    fn reserve(&mut self, bytes: usize) -> Result<(), String> {
+        let held = self.held + bytes;
+        if held > self.max_bytes {
+            return Err(format!(
+                "the store is full: holding {bytes} bytes for when this connection closes would \
+                 make it hold {held} bytes, over its limit of {}",
+                self.max_bytes
+            ));
+        }
+        self.held = held;
+        Ok(())
+    }
+
+    /// Takes a connection's hold out of reserve and sets its key, unless the key is set.
+    fn release(&mut self, (key, value): (String, Vec<u8>), fire: bool, woken: &mut Vec<Token>) {
+        self.held -= key.len() + value.len();
+        if fire && !self.data.contains_key(&key) {
+            if let Err(message) = self.set(key, value, woken) {
+                warn!("store server cannot set a closed connection's key: {message}");
+            }
+        }
+    }
+
     /// The first key in `keys` that is not set.
     fn first_missing<'k>(&self, keys: &'k [String]) -> Option<&'k String> {
         keys.iter().find(|key| !self.data.contains_key(*key))
@@ -409,7 +437,8 @@ impl Server {
                         "no answer to the challenge within {:?}",
                         self.limits.handshake_deadline
                     );
-                    self.drop_conn(token, conn, Disconnect::Refused(reason));
+                    // Unproven, it holds nothing whose release could wake anyone.
+                    self.drop_conn(token, conn, Disconnect::Refused(reason), &mut Vec::new());
                 }
                 Some(conn) => {
                     self.conns.insert(token, conn);
@@ -488,7 +517,7 @@ impl Server {
             Ok(()) => {
                 self.conns.insert(token, conn);
             }
-            Err(reason) => self.drop_conn(token, conn, reason),
+            Err(reason) => self.drop_conn(token, conn, reason, woken),
         }
     }
 
@@ -576,6 +605,22 @@ impl Server {
                 conn.parked = Some(Parked::Wait(keys));
                 self.try_unpark(token, conn);
             }
+            Request::Hold { hold } => {
+                if let Some(old) = conn.hold.take() {
+                    self.state.release(old, false, woken);
+                }
+                let reserved = match &hold {
+                    Some((key, value)) => self.state.reserve(key.len() + value.len()),
+                    None => Ok(()),
+                };
+                match reserved {
+                    Ok(()) => {
+                        conn.hold = hold;
+                        conn.respond(STATUS_OK, &[]);
+                    }
+                    Err(message) => conn.respond(STATUS_ERROR, message.as_bytes()),
+                }
+            }
         }
     }
 
@@ -614,9 +659,19 @@ impl Server {
         }
     }
 
-    fn drop_conn(&mut self, token: Token, mut conn: Conn, reason: Disconnect) {
+    /// Drops a connection; its hold, if any, sets its key (waking `woken`'s connections).
+    fn drop_conn(
+        &mut self,
+        token: Token,
+        mut conn: Conn,
+        reason: Disconnect,
+        woken: &mut Vec<Token>,
+    ) {
         if let Some(key) = conn.watching.take() {
             self.state.unwatch(&key, token);
+        }
+        if let Some(hold) = conn.hold.take() {
+            self.state.release(hold, true, woken);
         }
         let peer = conn.peer;
         match reason {
@@ -708,6 +763,26 @@ mod tests {
         state.set("c".into(), vec![0; 4], &mut woken).unwrap();
         assert!(state.add("d".into(), 1, &mut woken).is_err());
         assert_eq!((state.held, state.data.len()), (10, 2));
+    }
+
+    #[test]
+    fn a_hold_is_reserved_then_sets_its_key_unless_already_set() {
+        let mut state = State::new(30);
+        let mut woken = Vec::new();
+        state.reserve(10).unwrap();
+        assert!(state.reserve(21).is_err());
+        state.watch("gone", Token(7));
+        state.release(("gone".into(), b"rank 1".to_vec()), true, &mut woken);
+        assert_eq!(state.data["gone"], b"rank 1");
+        assert_eq!((state.held, &woken[..]), (10, &[Token(7)][..]));
+        // A key already set keeps its value; a released hold that does not fire sets nothing.
+        state.reserve(11).unwrap();
+        state.release(("gone".into(), b"rank 2!".to_vec()), true, &mut woken);
+        state.reserve(6).unwrap();
+        state.release(("other".into(), b"x".to_vec()), false, &mut woken);
+        assert_eq!(state.data["gone"], b"rank 1");
+        assert!(!state.data.contains_key("other"));
+        assert_eq!(state.held, 10);
     }
 
     #[test]
