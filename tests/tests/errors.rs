@@ -3,10 +3,13 @@
 
 use std::net::TcpListener;
 use std::path::Path;
+use std::process::{Command, Stdio};
 use std::thread;
 use std::time::Duration;
 
 use chorus_launch::PortReservation;
+use chorus_transport::auth::Auth;
+use chorus_transport::store::{Store, TcpStore};
 use chorus_tests::{assert_success, run, run_one};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
@@ -115,23 +118,71 @@ fn a_rank_that_never_shows_up_is_named() {
     }
 }
 
-/// A rank whose world size differs from rank 0's fails naming both values, without
-/// waiting for ranks that will never come.
+/// A rank whose world size differs from rank 0's fails naming both values, and rank 0
+/// fails at once with the same words, not after its timeout (60 s here).
 #[test]
 fn a_world_size_that_differs_from_rank_0s_is_named() {
     let reserved = PortReservation::new("127.0.0.1").unwrap();
     let port = reserved.port().to_string();
     let (zero, one) = thread::scope(|s| {
-        let zero = s.spawn(|| connect_as("0", "2", &port, "5"));
-        let one = connect_as("1", "3", &port, "5");
+        let zero = s.spawn(|| connect_as("0", "2", &port, "60"));
+        let one = connect_as("1", "3", &port, "60");
         (zero.join().unwrap(), one)
     });
     assert!(!one.success && !zero.success);
-    assert_clean_failure(
-        &one.stderr,
-        &["rank 1 says WORLD_SIZE=3, rank 0 says WORLD_SIZE=2"],
+    let said = "rank 1 says WORLD_SIZE=3, rank 0 says WORLD_SIZE=2";
+    assert_clean_failure(&one.stderr, &[said]);
+    assert_clean_failure(&zero.stderr, &["rank 1 failed during set-up", said]);
+    assert!(
+        zero.elapsed < Duration::from_secs(30),
+        "rank 0 took {:?}",
+        zero.elapsed
     );
-    assert_clean_failure(&zero.stderr, &["[1]"]);
+}
+
+/// A rank killed after it joined, while the others still wait in set-up (here for a rank
+/// that never comes): they fail at once naming it, not after their timeout (60 s here).
+#[test]
+fn a_rank_killed_during_set_up_is_named_at_once() {
+    let reserved = PortReservation::new("127.0.0.1").unwrap();
+    let port = reserved.port().to_string();
+    let env = |rank| {
+        [
+            ("RANK", rank),
+            ("WORLD_SIZE", "3"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("CHORUS_TIMEOUT", "60"),
+            ("CHORUS_JOB_ID", "killed-in-set-up"),
+        ]
+    };
+    let zero_env = env("0");
+    let zero = thread::scope(|s| {
+        let zero = s.spawn(|| run_one(worker(), &["connect"], &zero_env, LIMIT));
+        let mut victim = Command::new(WORKER)
+            .arg("connect")
+            .envs(env("2"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start rank 2");
+        // Rank 2 posts its settings once it watches the set-up: from then on it is a member.
+        let auth = Auth::new("killed-in-set-up", "").unwrap();
+        let store = TcpStore::connect_with_auth("127.0.0.1", reserved.port(), LIMIT, auth)
+            .expect("the job's store");
+        let joined = store.wait(&["chorus/0/settings/2"], LIMIT);
+        victim.kill().expect("kill rank 2");
+        victim.wait().expect("reap rank 2");
+        joined.expect("rank 2 joined");
+        zero.join().unwrap()
+    });
+    assert!(!zero.success);
+    assert_clean_failure(&zero.stderr, &["rank 2 left during set-up"]);
+    assert!(
+        zero.elapsed < Duration::from_secs(30),
+        "rank 0 took {:?}",
+        zero.elapsed
+    );
 }
 
 /// Two processes given the same RANK: the second to claim it fails at once saying so,

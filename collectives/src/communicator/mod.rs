@@ -5,6 +5,7 @@
 //! are blocking or asynchronous, and whichever thread issues them.
 
 mod collectives;
+mod lookout;
 mod mailbox;
 mod meeting;
 mod monitor;
@@ -28,6 +29,7 @@ use chorus_transport::tcp::TcpConfig;
 use chorus_transport::Transport;
 use chorus_transport::{RouteConfig, RoutedTransport};
 
+use self::lookout::Lookout;
 use crate::algorithm::Path;
 use crate::config::MAX_WORLD_SIZE;
 use crate::executor::{self, Job, Watch, Workspace, PIPELINE_DEPTH};
@@ -263,18 +265,25 @@ impl Communicator {
                 ..ShmConfig::default()
             },
         };
-        roll_call::roll_call(&store, &config)?;
-        let transport = RoutedTransport::connect(rank, config.world_size, &store, &routes)
-            .map_err(|e| Error::transport(rank, e))?;
-        // The store's host keeps it up until every rank is done with it.
-        store.set(&format!("ready/{rank}"), b"1")?;
-        if rank == 0 {
-            let keys: Vec<String> = (0..config.world_size)
-                .map(|r| format!("ready/{r}"))
-                .collect();
-            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            store.wait(&keys, config.timeout)?;
-        }
+        // A process that cannot claim its rank is not of this job: it fails alone.
+        roll_call::claim(&store, &config)?;
+        let lookout = Lookout::start(&config, &prefix, &client)?;
+        let set_up = (|| {
+            roll_call::compare(&store, &config)?;
+            let transport = RoutedTransport::connect(rank, config.world_size, &store, &routes)
+                .map_err(|e| Error::transport(rank, e))?;
+            // The store's host keeps it up until every rank is done with it.
+            store.set(&format!("ready/{rank}"), b"1")?;
+            if rank == 0 {
+                let keys: Vec<String> = (0..config.world_size)
+                    .map(|r| format!("ready/{r}"))
+                    .collect();
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                store.wait(&keys, config.timeout)?;
+            }
+            Ok(transport)
+        })();
+        let transport = lookout.finish(&store, set_up)?;
         tracing::info!(rank, world_size = config.world_size, nsocks = config.nsocks, %prefix, "communicator ready");
         Ok(Communicator::assemble(
             config,
@@ -595,7 +604,6 @@ fn connect_store(config: &Config, timeout: Duration) -> Result<Arc<dyn Store>> {
     })
 }
 
-/// Number of `dtype` elements in `bytes` bytes; fails if not a whole number.
 /// Fails unless `config`'s rank is below its world size, and the world size within bounds.
 fn check_shape(config: &Config) -> Result<()> {
     if config.world_size == 0 || config.rank >= config.world_size {

@@ -23,11 +23,10 @@ fn encode(settings: &[(&str, String)]) -> Vec<u8> {
     lines.join("\n").into_bytes()
 }
 
-/// Claims `config.rank` and checks this rank's settings against rank 0's.
+/// Claims `config.rank` for this process.
 ///
-/// Fails with [`Error::Config`] when another process already claimed the rank number, or
-/// naming the first setting that differs from rank 0's.
-pub(super) fn roll_call<S: Store + ?Sized>(store: &S, config: &Config) -> Result<()> {
+/// Fails with [`Error::Config`] when another process already claimed the rank number.
+pub(super) fn claim<S: Store + ?Sized>(store: &S, config: &Config) -> Result<()> {
     let rank = config.rank;
     if store.add(&format!("claim/{rank}"), 1)? > 1 {
         return Err(Error::Config {
@@ -38,6 +37,14 @@ pub(super) fn roll_call<S: Store + ?Sized>(store: &S, config: &Config) -> Result
             ),
         });
     }
+    Ok(())
+}
+
+/// Checks this rank's settings against rank 0's.
+///
+/// Fails with [`Error::Config`] naming the first setting that differs from rank 0's.
+pub(super) fn compare<S: Store + ?Sized>(store: &S, config: &Config) -> Result<()> {
+    let rank = config.rank;
     let mine = settings(config);
     store.set(&format!("settings/{rank}"), &encode(&mine))?;
     if rank == 0 {
@@ -71,6 +78,11 @@ mod tests {
     use chorus_transport::store::{StoreServer, TcpStore};
 
     use super::*;
+
+    fn roll_call(store: &TcpStore, config: &Config) -> Result<()> {
+        claim(store, config)?;
+        compare(store, config)
+    }
 
     fn config(rank: usize, world_size: usize) -> Config {
         let mut config = Config::new(rank, world_size, "127.0.0.1", 0);
