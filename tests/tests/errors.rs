@@ -8,9 +8,9 @@ use std::thread;
 use std::time::Duration;
 
 use chorus_launch::PortReservation;
+use chorus_tests::{assert_success, run, run_one};
 use chorus_transport::auth::Auth;
 use chorus_transport::store::{Store, TcpStore};
-use chorus_tests::{assert_success, run, run_one};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
 const LIMIT: Duration = Duration::from_secs(60);
