@@ -130,8 +130,14 @@ fn a_stopped_rank_is_named_and_fails_when_continued() {
             dump(&report)
         );
     }
-    // Continued, the victim fails with an error rather than a wrong result.
-    let _ = error_of(&report, victim);
+    // Continued, the victim fails with an error rather than a wrong result, saying that it
+    // is the rank the others gave up on.
+    let error = error_of(&report, victim);
+    assert!(
+        error.contains("rank 2 stopped answering while the other ranks waited for it"),
+        "the victim: {error}\n{}",
+        dump(&report)
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -275,10 +275,11 @@ impl Monitor {
                 tracing::debug!(rank = self.rank, error = %e, "monitor: cannot answer");
             }
         } else if let Some(reason) = event.strip_prefix("alarm ") {
-            lock(&self.heard).get_or_insert_with(|| reason.to_string());
+            let reason = self.own_part(reason.to_string());
+            lock(&self.heard).get_or_insert_with(|| reason.clone());
             if let Some(inner) = inner.upgrade() {
                 tracing::error!(rank = self.rank, "{reason}");
-                inner.fail(reason, true);
+                inner.fail(&reason, true);
             }
         }
     }
@@ -362,11 +363,12 @@ impl Monitor {
             .collect())
     }
 
-    /// Explains what the other ranks are doing while this one waits in call `seq`.
-    fn survey(&self, seq: u64, call: &CallInfo) -> String {
+    /// Explains what the other ranks are doing while this one waits in call `seq`; also
+    /// returns the ranks that did not answer.
+    fn survey(&self, seq: u64, call: &CallInfo) -> (String, Vec<usize>) {
         let statuses = match self.ask() {
             Ok(s) => s,
-            Err(e) => return format!("cannot ask the other ranks ({e})"),
+            Err(e) => return (format!("cannot ask the other ranks ({e})"), Vec::new()),
         };
         let mut silent = Vec::new();
         let mut waiting = Vec::new();
@@ -414,7 +416,32 @@ impl Monitor {
         if !waiting.is_empty() {
             notes.push(format!("{} waiting in the same call", ranks(&waiting)));
         }
-        notes.join("; ")
+        (notes.join("; "), silent)
+    }
+
+    /// Marks `silent` as ranks a timed-out call gave up on, for them to read if they resume.
+    fn mark_silent(&self, silent: &[usize]) {
+        for rank in silent {
+            if let Err(e) = self.store.add(&format!("silent/{rank}"), 1) {
+                tracing::debug!(rank = self.rank, error = %e, "monitor: cannot mark rank {rank} silent");
+            }
+        }
+    }
+
+    /// `cause`, the alarm this rank fails with, told from this rank's side where it is the
+    /// rank the others gave up on (it was stopped, and resumed too late).
+    fn own_part(&self, cause: String) -> String {
+        let told = format!("rank {} stopped answering", self.rank);
+        if cause.starts_with(&told) {
+            return cause;
+        }
+        match self.store.add(&format!("silent/{}", self.rank), 0) {
+            Ok(marks) if marks > 0 => format!(
+                "{told} while the other ranks waited for it (stopped by a signal or a \
+                 debugger, or hung outside Chorus), and they gave up on it: {cause}"
+            ),
+            _ => cause,
+        }
     }
 }
 
@@ -443,11 +470,22 @@ impl Watch for Watcher<'_> {
     fn stalled(&self) {
         let (rank, seq, call) = (self.monitor.rank, self.seq, self.call);
         let waited = self.started.elapsed().as_secs_f64();
-        let survey = self.monitor.survey(seq, &call);
+        let (survey, _) = self.monitor.survey(seq, &call);
         tracing::warn!("rank {rank}: {call} #{seq} has waited {waited:.1} s: {survey}");
     }
 
     fn failed(&self, error: Error) -> Error {
+        match self.explain(error) {
+            Error::Aborted(cause) => Error::Aborted(self.monitor.own_part(cause)),
+            other => other,
+        }
+    }
+}
+
+impl Watcher<'_> {
+    /// The error a failed call reports: the alarm that explains it, or this rank's own
+    /// finding, raised as the alarm for the others.
+    fn explain(&self, error: Error) -> Error {
         let (rank, seq, call) = (self.monitor.rank, self.seq, self.call);
         let Error::Transport { source, .. } = &error else {
             return error;
@@ -488,13 +526,14 @@ impl Watch for Watcher<'_> {
         let (detail, error) = match source {
             TransportError::Timeout { .. } => {
                 let waited = self.started.elapsed().as_secs_f64();
-                let survey = self.monitor.survey(seq, &call);
+                let (survey, silent) = self.monitor.survey(seq, &call);
+                self.monitor.mark_silent(&silent);
                 let detail =
                     format!("{call} #{seq} on rank {rank} timed out after {waited:.1} s: {survey}");
                 (detail.clone(), Error::Timeout { rank, detail })
             }
             TransportError::Protocol { .. } => {
-                let survey = self.monitor.survey(seq, &call);
+                let (survey, _) = self.monitor.survey(seq, &call);
                 let detail =
                     format!("rank {rank} called {call} as #{seq}, but {survey} ({source})");
                 (detail.clone(), Error::Mismatch { rank, detail })
