@@ -240,3 +240,30 @@ fn hydra_mpiexec_with_master_addr_and_port_given() {
         run.stderr
     );
 }
+
+#[test]
+fn hydra_stops_the_job_when_rank_0_cannot_bind_its_store() {
+    let Some(mpiexec) = hydra() else { return };
+    // MASTER_PORT alone picks rank 0's port and still leaves the address to PMI; here it is
+    // taken.
+    let busy = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let args = [
+        "-n",
+        "2",
+        "-genv",
+        "MASTER_PORT",
+        &port,
+        PROBE,
+        "allreduce",
+        "10",
+    ];
+    let run = start(mpiexec.command(&args)).wait(LIMIT);
+    assert_ne!(run.status.code(), Some(0), "{run:?}");
+    let want = format!("cannot listen on 0.0.0.0:{port} for the rendezvous store");
+    assert!(
+        run.stderr.contains(&want),
+        "{want:?} missing in:\n{}",
+        run.stderr
+    );
+}
