@@ -881,7 +881,7 @@ impl Master {
 
 /// Rank 0's side of a published rendezvous (`file://`, PMI): the address the others reach it
 /// at (`CHORUS_SOCKET_ADDR`; else `127.0.0.1` when the whole job is on this host, else the
-/// host name) and its store, bound on `MASTER_PORT` or else on any free port, so that the
+/// name hydra's `mpiexec` reached this host by, else the host name) and its store, bound on `MASTER_PORT` or else on any free port, so that the
 /// port published is already its own; only where torchrun's agent serves its store at
 /// `MASTER_PORT` is that one published without binding anything.
 ///
@@ -894,7 +894,7 @@ fn host_store(
     let addr = match value(get, env::CHORUS_SOCKET_ADDR) {
         Some(addr) => addr,
         None if ranks.local_world_size == ranks.world_size => "127.0.0.1".to_string(),
-        None => host_name(),
+        None => value(get, env::MPIR_CVAR_CH3_INTERFACE_HOSTNAME).unwrap_or_else(host_name),
     };
     let given = optional::<u16>(get, env::MASTER_PORT)?.unwrap_or(0);
     if given != 0 && store_kind(get, &addr, given) != StoreKind::Chorus {

@@ -9,7 +9,7 @@
 //! message is one line of space-separated words, `cmd=NAME` first and `key=value` after; an
 //! answer carrying `rc` other than 0 is a failure, explained by its `msg`. The exchange:
 //! `init` (version 1.1), `get_maxes` (the longest key and value), `get_my_kvsname`, rank 0's
-//! `put` of `chorus-store=HOST:PORT`, `barrier_in` (answered by `barrier_out` once every rank
+//! `put` of `chorus-store=HOST:PORT` (or `chorus-store=failed`), `barrier_in` (answered by `barrier_out` once every rank
 //! sent it), the others' `get`, and `finalize`: hydra stops the whole job when a process that
 //! said `init` exits without `finalize`.
 
@@ -24,6 +24,8 @@ use crate::env::{self, Lookup};
 
 /// The key rank 0's `host:port` is published under.
 pub(crate) const STORE_KEY: &str = "chorus-store";
+/// What rank 0 publishes instead when it cannot host its store.
+const FAILED: &str = "failed";
 /// Longest answer line read (hydra's values are at most 1024 bytes).
 const MAX_LINE: u64 = 64 << 10;
 /// Bound on the answers the server gives at once (every one but `barrier_out`).
@@ -407,7 +409,8 @@ pub(crate) fn assigned_ranks(get: Lookup<'_>) -> Result<Option<(usize, usize)>, 
 /// `timeout`), and the others read it; returns rank 0's `host:port`.
 ///
 /// Once per process: a second call returns the first one's outcome without calling
-/// `publish`. Fails when the server is not there or misbehaves, or the barrier times out.
+/// `publish`. Fails when `publish` fails (rank 0 then publishes that it failed, and the
+/// others fail saying so), the server is not there or misbehaves, or the barrier times out.
 pub(crate) fn rendezvous(
     get: Lookup<'_>,
     rank: usize,
@@ -415,30 +418,51 @@ pub(crate) fn rendezvous(
     publish: impl FnOnce() -> Result<String, String>,
 ) -> Result<String, String> {
     let mut session = SESSION.lock().unwrap_or_else(|p| p.into_inner());
-    let client = match std::mem::replace(&mut *session, Session::Unused) {
+    let open = match std::mem::replace(&mut *session, Session::Unused) {
         Session::Done(outcome) => {
             *session = Session::Done(outcome.clone());
             return outcome;
         }
-        Session::Open(client) => Ok(client),
-        Session::Unused => connect(get),
+        Session::Open(client) => Some(client),
+        Session::Unused => None,
     };
-    let outcome = client.and_then(|mut client| {
-        let addr = if rank == 0 {
-            let addr = publish()?;
-            client.put(STORE_KEY, &addr)?;
-            client.barrier(timeout)?;
-            addr
-        } else {
-            client
-                .barrier(timeout)
-                .map_err(|e| format!("waiting for rank 0 to publish its address: {e}"))?;
-            client.get(STORE_KEY)?
-        };
-        client.finalize()?;
-        Ok(addr)
-    });
+    let outcome = exchange(open, get, rank, timeout, publish);
     *session = Session::Done(outcome.clone());
+    outcome
+}
+
+/// [`rendezvous`]'s exchange, on the session `open` if there is one.
+fn exchange(
+    open: Option<Client>,
+    get: Lookup<'_>,
+    rank: usize,
+    timeout: Duration,
+    publish: impl FnOnce() -> Result<String, String>,
+) -> Result<String, String> {
+    let mut client = match open {
+        Some(client) => client,
+        None => connect(get)?,
+    };
+    let outcome = if rank == 0 {
+        // A failure is published too, so that the others stop at once (hydra does not stop a
+        // job whose process exits with an error outside a PMI session) and every rank ends its
+        // session, leaving hydra to report the exits as usual.
+        let published = publish();
+        client.put(STORE_KEY, published.as_deref().unwrap_or(FAILED))?;
+        client.barrier(timeout)?;
+        published
+    } else {
+        client
+            .barrier(timeout)
+            .map_err(|e| format!("waiting for rank 0 to publish its address: {e}"))?;
+        match client.get(STORE_KEY)? {
+            addr if addr == FAILED => Err(
+                "rank 0 could not host the rendezvous store (its own error says why)".to_string(),
+            ),
+            addr => Ok(addr),
+        }
+    };
+    client.finalize()?;
     outcome
 }
 
@@ -576,6 +600,42 @@ mod tests {
         client.barrier(Duration::from_secs(5)).unwrap();
         assert_eq!(client.get(STORE_KEY).unwrap(), "10.0.0.1:5");
         client.finalize().unwrap();
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn rank_0_publishes_its_failure_and_the_others_fail_at_once() {
+        let session = |put_or_get: (&'static str, &'static str)| {
+            let mut script: Vec<_> = START.iter().map(|(q, a)| (*q, vec![*a])).collect();
+            script.extend([
+                (put_or_get.0, vec![put_or_get.1]),
+                ("cmd=barrier_in", vec!["cmd=barrier_out"]),
+                ("cmd=finalize", vec!["cmd=finalize_ack"]),
+            ]);
+            if put_or_get.0.starts_with("cmd=get") {
+                script.swap(3, 4);
+            }
+            let (link, server) = serve(script);
+            (Client::start(link, None).unwrap(), server)
+        };
+        let none = |_: &str| None;
+        let (client, server) = session((
+            "cmd=put kvsname=kvs_7_0 key=chorus-store value=failed",
+            "cmd=put_result rc=0",
+        ));
+        let err = exchange(Some(client), &none, 0, Duration::from_secs(5), || {
+            Err("port busy".to_string())
+        });
+        assert_eq!(err, Err("port busy".to_string()));
+        server.join().unwrap();
+        let (client, server) = session((
+            "cmd=get kvsname=kvs_7_0 key=chorus-store",
+            "cmd=get_result rc=0 value=failed",
+        ));
+        let err = exchange(Some(client), &none, 1, Duration::from_secs(5), || {
+            unreachable!("only rank 0 publishes")
+        });
+        assert!(err.unwrap_err().contains("rank 0 could not host"));
         server.join().unwrap();
     }
 

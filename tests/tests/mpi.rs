@@ -4,18 +4,27 @@
 //! section says: `MASTER_ADDR` and `MASTER_PORT` for Open MPI (`-x`), nothing for hydra (rank 0's
 //! address goes through hydra's PMI-1 server, over `PMI_FD` or, with `-pmi-port`, `PMI_PORT`).
 //!
+//! Across two network-namespace nodes (as root with iproute2, see `netns_support`) each
+//! launcher starts its remote daemons through an agent script that enters the node's namespace
+//! in place of ssh (Open MPI's `plm_rsh_agent`, hydra's `-launcher-exec`).
+//!
 //! A launcher that is not installed makes its tests print `skipping: ... not installed` and
-//! return. Every run is bounded in time.
+//! return; the namespace tests also print `skipping: needs root and iproute2` without those.
+//! Every run is bounded in time.
 
 mod chorusrun_support;
+mod netns_support;
 
+use std::ffi::OsStr;
 use std::io::Write;
-use std::path::PathBuf;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use chorus_launch::PortReservation;
-use chorusrun_support::{allreduce_perf, clean_env, start, Finished, PROBE};
+use chorusrun_support::{allreduce_perf, clean_env, start, Finished, Scratch, PROBE};
+use netns_support::{cluster, Cluster};
 
 /// Bound on one launch (the ranks' own timeout is Chorus's default; this stops them first).
 const LIMIT: Duration = Duration::from_secs(120);
@@ -55,10 +64,18 @@ impl Launcher {
 
     /// A command for this launcher with `args`, the launcher variables removed from its
     /// environment.
-    fn command(&self, args: &[&str]) -> Command {
+    fn command<S: AsRef<OsStr>>(&self, args: &[S]) -> Command {
         let mut cmd = Command::new(&self.path);
         clean_env(&mut cmd);
         cmd.args(args);
+        cmd
+    }
+
+    /// The same, run inside network namespace `ns` (a node of a [`Cluster`]).
+    fn command_in<S: AsRef<OsStr>>(&self, ns: &str, args: &[S]) -> Command {
+        let mut cmd = Command::new("ip");
+        clean_env(&mut cmd);
+        cmd.args(["netns", "exec", ns]).arg(&self.path).args(args);
         cmd
     }
 }
@@ -86,18 +103,26 @@ fn hydra() -> Option<Launcher> {
 /// `mpirun -n N rest..` for this machine: `--allow-run-as-root` as root (CI), and
 /// `--oversubscribe` since it may have fewer cores than ranks.
 fn mpirun_n(mpirun: &Launcher, n: usize, rest: &[&str]) -> Command {
-    let count = n.to_string();
-    let mut args = vec!["--oversubscribe", "-n", &count];
-    if nix::unistd::geteuid().is_root() {
-        args.insert(0, "--allow-run-as-root");
-    }
-    args.extend(rest);
-    mpirun.command(&args)
+    mpirun.command(&open_mpi_args(n, rest))
+}
+
+/// The arguments of [`mpirun_n`].
+fn open_mpi_args(n: usize, rest: &[&str]) -> Vec<String> {
+    let root = nix::unistd::geteuid().is_root();
+    let flags = root.then_some("--allow-run-as-root").into_iter();
+    let flags = flags.chain(["--oversubscribe", "-n"]).map(String::from);
+    let flags = flags.chain([n.to_string()]);
+    flags.chain(rest.iter().map(|a| a.to_string())).collect()
 }
 
 /// Checks that a launch of the probe's `allreduce` succeeded on every one of `n` ranks, each
 /// reporting its own rank and agreeing on the world (the probe checked the sums itself).
 fn assert_every_rank_reduced(run: &Finished, n: usize) {
+    assert_every_rank_reduced_on(run, n, n);
+}
+
+/// The same, with the ranks placed `per_node` to a node in rank order.
+fn assert_every_rank_reduced_on(run: &Finished, n: usize, per_node: usize) {
     run.assert_code(0);
     let mut lines: Vec<&str> = run
         .stdout
@@ -106,7 +131,10 @@ fn assert_every_rank_reduced(run: &Finished, n: usize) {
         .collect();
     lines.sort();
     let want: Vec<String> = (0..n)
-        .map(|r| format!("allreduce ok rank={r} world={n} local_rank={r} local_world={n}"))
+        .map(|r| {
+            let local = r % per_node;
+            format!("allreduce ok rank={r} world={n} local_rank={local} local_world={per_node}")
+        })
         .collect();
     assert_eq!(
         lines, want,
@@ -138,6 +166,30 @@ fn assert_perf_table(run: &Finished, n: usize) {
         assert_eq!((row[8], row[12]), ("0", "0"), "wrong values: {row:?}");
     }
     assert!(out.contains("# Out of bounds values : 0 OK"), "{out}");
+}
+
+/// Writes a program that stands in for ssh to the cluster's nodes: `AGENT [-opts] HOST CMD..`
+/// runs `CMD..` with `sh -c` (as ssh's remote shell would) in the namespace whose address is
+/// `HOST`. Open MPI's `plm_rsh_agent` and hydra's `-launcher-exec` start their daemons with it.
+fn namespace_agent(cluster: &Cluster, dir: &Path) -> PathBuf {
+    let cases: String = cluster
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, ns)| format!("{}) ns={ns} ;;\n", Cluster::addr(i)))
+        .collect();
+    let script = format!(
+        "#!/bin/sh\n# Options (hydra's -x) come before the host.\n\
+         while [ \"${{1#-}}\" != \"$1\" ]; do shift; done\n\
+         case \"$1\" in\n{cases}*) echo \"no such node: $1\" >&2; exit 1 ;;\nesac\n\
+         shift\nexec ip netns exec \"$ns\" sh -c \"$*\"\n"
+    );
+    let agent = dir.join("agent");
+    std::fs::write(&agent, script).unwrap();
+    let mut perms = std::fs::metadata(&agent).unwrap().permissions();
+    perms.set_mode(0o755);
+    std::fs::set_permissions(&agent, perms).unwrap();
+    agent
 }
 
 /// The perf tool's arguments: 8 B to 2 KiB, a few iterations.
@@ -245,7 +297,7 @@ fn hydra_mpiexec_with_master_addr_and_port_given() {
 fn hydra_stops_the_job_when_rank_0_cannot_bind_its_store() {
     let Some(mpiexec) = hydra() else { return };
     // MASTER_PORT alone picks rank 0's port and still leaves the address to PMI; here it is
-    // taken.
+    // taken. Bounded by LIMIT, well below the ranks' own timeout: rank 1 must not wait it out.
     let busy = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
     let port = busy.local_addr().unwrap().port().to_string();
     let args = [
@@ -260,10 +312,82 @@ fn hydra_stops_the_job_when_rank_0_cannot_bind_its_store() {
     ];
     let run = start(mpiexec.command(&args)).wait(LIMIT);
     assert_ne!(run.status.code(), Some(0), "{run:?}");
-    let want = format!("cannot listen on 0.0.0.0:{port} for the rendezvous store");
-    assert!(
-        run.stderr.contains(&want),
-        "{want:?} missing in:\n{}",
-        run.stderr
-    );
+    // Rank 0 says why; rank 1 learns through PMI that rank 0 failed, and stops at once.
+    for want in [
+        format!("cannot listen on 0.0.0.0:{port} for the rendezvous store"),
+        "rank 0 could not host the rendezvous store".to_string(),
+    ] {
+        assert!(
+            run.stderr.contains(&want),
+            "{want:?} missing in:\n{}",
+            run.stderr
+        );
+    }
+}
+
+#[test]
+fn open_mpi_across_two_namespace_nodes() {
+    let Some(mpirun) = open_mpi() else { return };
+    let Some(cluster) = cluster(2) else { return };
+    let scratch = Scratch::new("mpi-agent-openmpi");
+    let agent = namespace_agent(&cluster, scratch.path());
+    let hosts = format!("{}:2,{}:2", Cluster::addr(0), Cluster::addr(1));
+    let rest = [
+        "--mca",
+        "plm_rsh_agent",
+        agent.to_str().unwrap(),
+        "-H",
+        &hosts,
+        "-x",
+        "MASTER_ADDR",
+        "-x",
+        "MASTER_PORT",
+        PROBE,
+        "allreduce",
+        "1000",
+    ];
+    // mpirun on node 0, with the port inside node 0's own namespace.
+    let mut cmd = mpirun.command_in(&cluster.nodes[0], &open_mpi_args(4, &rest));
+    cmd.env("MASTER_ADDR", Cluster::addr(0))
+        .env("MASTER_PORT", "29500");
+    assert_every_rank_reduced_on(&start(cmd).wait(LIMIT), 4, 2);
+}
+
+#[test]
+fn hydra_across_two_namespace_nodes_with_nothing_exported() {
+    let Some(mpiexec) = hydra() else { return };
+    let Some(cluster) = cluster(2) else { return };
+    let scratch = Scratch::new("mpi-agent-hydra");
+    let agent = namespace_agent(&cluster, scratch.path());
+    let hosts = format!("{},{}", Cluster::addr(0), Cluster::addr(1));
+    let args = [
+        "-launcher",
+        "ssh",
+        "-launcher-exec",
+        agent.to_str().unwrap(),
+        "-hosts",
+        &hosts,
+        "-n",
+        "4",
+        "-ppn",
+        "2",
+        PROBE,
+        "allreduce",
+        "1000",
+    ];
+    let mut cmd = mpiexec.command_in(&cluster.nodes[0], &args);
+    cmd.env("CHORUS_DEBUG", "chorus=info");
+    let run = start(cmd).wait(LIMIT);
+    assert_every_rank_reduced_on(&run, 4, 2);
+    // Rank 0 published node 0's address as mpiexec named it (not the host name every
+    // namespace shares).
+    let published: Vec<&str> = run
+        .stderr
+        .lines()
+        .filter(|l| l.contains("store address through PMI"))
+        .collect();
+    assert_eq!(published.len(), 4, "{}", run.stderr);
+    for line in published {
+        assert!(line.contains(&Cluster::addr(0)), "{line}");
+    }
 }
