@@ -310,6 +310,22 @@ impl<'c> Zero<'c> {
         }
     }
 
+    /// Every parameter's whole momentum buffer (in registration order), gathered
+    /// from the ranks' shards: for checkpoints.
+    ///
+    /// A collective: every rank calls it. Fails as the all-gather does.
+    pub fn momentum(&self) -> Result<Vec<Vec<f32>>> {
+        let mut out: Vec<Vec<f32>> = self.specs.iter().map(|s| vec![0.0; s.len]).collect();
+        for bucket in &self.buckets {
+            let mut flat = vec![0.0f32; bucket.shard * self.comm.world_size()];
+            self.comm.all_gather(&bucket.momentum, &mut flat)?;
+            for &i in &bucket.members {
+                out[i].copy_from_slice(&flat[self.slots[i].1.clone()]);
+            }
+        }
+        Ok(out)
+    }
+
     fn check_open(&self, param: usize) -> Result<()> {
         match self.ready.get(param) {
             None => Err(Error::InvalidArgument(format!(
