@@ -39,6 +39,13 @@ impl Layout {
         if pp == 0 || micro == 0 || args.dp == Some(0) {
             return Err("--pp, --dp and --micro-batches must be at least 1".into());
         }
+        let layers = layer_params.len();
+        if pp > layers {
+            return Err(format!(
+                "--pp {pp} asks for more stages than the network's {layers} layers \
+                 (give --hidden more widths)"
+            ));
+        }
         let dp = match args.dp {
             Some(dp) if dp * pp != world => {
                 return Err(format!(
@@ -52,13 +59,6 @@ impl Layout {
             }
             None => world / pp,
         };
-        let layers = layer_params.len();
-        if pp > layers {
-            return Err(format!(
-                "--pp {pp} asks for more stages than the network's {layers} layers \
-                 (give --hidden more widths)"
-            ));
-        }
         if args.batch_size % micro != 0 {
             return Err(format!(
                 "--micro-batches {micro} does not divide --batch-size {}",
