@@ -208,6 +208,9 @@ struct Trainer<'c> {
     gpu: Option<gpu::Gpu>,
 }
 
+/// One `f32` buffer per parameter.
+type Tensors = Vec<Vec<f32>>;
+
 /// One micro-batch's samples (the first stage's pixels, the last stage's labels) and the
 /// activations its backward needs.
 #[derive(Debug, Default)]
@@ -596,7 +599,7 @@ impl Trainer<'_> {
 
     /// The whole network's parameters and momentum on every rank, each stage's
     /// broadcast by the stage that holds them (for evaluation and checkpoints).
-    fn whole(&self) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String> {
+    fn whole(&self) -> Result<(Tensors, Tensors), String> {
         let err = |e: chorus::Error| e.to_string();
         let mine = self.reducer.momentum().map_err(err)?;
         let specs = self.mlp.params();
