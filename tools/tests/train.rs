@@ -335,53 +335,92 @@ fn pid_of_rank(rank: usize, marker: &str) -> Option<i32> {
         })
 }
 
-/// Four stages training; once the first epoch's checkpoint is written (the pipeline then
-/// runs the second), stage `victim` is killed with SIGKILL: every other rank fails at
-/// once (not by timing out), its error naming the victim.
+/// Trains with `flags` on 4 ranks; once the first epoch's checkpoint is written (the
+/// pipeline then runs the second), kills rank `victim` with SIGKILL. Checks that every
+/// other rank failed at once (not by timing out) and returns their last lines.
+fn kill_mid_pipeline(dir: &Path, flags: &[&str], victim: usize) -> Vec<(usize, String)> {
+    let out = dir.join(format!("out{victim}"));
+    let out_arg = out.to_str().unwrap().to_string();
+    let spec = LaunchSpec::new(train_bin(), 4)
+        .args(["--data-dir", dir.to_str().unwrap(), "--out-dir", &out_arg])
+        .args(["--no-progress", "--epochs", "1000", "--hidden", DEEP])
+        .args(flags.iter().copied())
+        .timeout(JOB_TIMEOUT)
+        .output(Output::Capture)
+        .wait_all(true)
+        .env(chorus::env::CHORUS_TIMEOUT, "60");
+    let job = std::thread::spawn(move || launch(&spec).expect("launch"));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let pid = loop {
+        let pid = pid_of_rank(victim, &out_arg);
+        if let (true, Some(pid)) = (out.join("checkpoint.bin").is_file(), pid) {
+            break pid;
+        }
+        assert!(
+            Instant::now() < deadline && !job.is_finished(),
+            "no first epoch within 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // SAFETY: kill(2) on a pid of ours, with a valid signal; no memory is involved.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let report = job.join().unwrap();
+    assert!(!report.timed_out, "the job hung:\n{}", report.summary());
+    assert_eq!(report.ranks[victim].status, Exit::Signal(9));
+    let mut errors = Vec::new();
+    for r in report.ranks.iter().filter(|r| r.rank != victim) {
+        let error = r.last_stderr_line().unwrap_or_default().to_string();
+        eprintln!("{flags:?} victim {victim}, rank {}: {error}", r.rank);
+        assert_eq!(r.status, Exit::Code(1), "rank {}: {}", r.rank, r.stderr);
+        assert!(!error.contains("timed out"), "rank {}: {error}", r.rank);
+        errors.push((r.rank, error));
+    }
+    errors
+}
+
+/// Four stages; a stage killed mid-pipeline is named by every other one.
 #[test]
 fn a_stage_killed_mid_pipeline_fails_every_other_rank_naming_it() {
     let dir = scratch("kill");
     synthetic(&dir, 12800, 100);
+    let flags = ["--pp", "4", "--micro-batches", "4", "--batch-size", "16"];
     for victim in [1usize, 3] {
-        let out = dir.join(format!("out{victim}"));
-        let out_arg = out.to_str().unwrap().to_string();
-        let spec = LaunchSpec::new(train_bin(), 4)
-            .args(["--data-dir", dir.to_str().unwrap(), "--out-dir", &out_arg])
-            .args(["--no-progress", "--epochs", "1000", "--batch-size", "16"])
-            .args(["--hidden", DEEP, "--pp", "4", "--micro-batches", "4"])
-            .timeout(JOB_TIMEOUT)
-            .output(Output::Capture)
-            .wait_all(true)
-            .env(chorus::env::CHORUS_TIMEOUT, "60");
-        let job = std::thread::spawn(move || launch(&spec).expect("launch"));
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let pid = loop {
-            let pid = pid_of_rank(victim, &out_arg);
-            if let (true, Some(pid)) = (out.join("checkpoint.bin").is_file(), pid) {
-                break pid;
-            }
-            assert!(
-                Instant::now() < deadline && !job.is_finished(),
-                "no first epoch within 120 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        // SAFETY: kill(2) on a pid of ours, with a valid signal; no memory is involved.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-        let report = job.join().unwrap();
-        assert!(!report.timed_out, "the job hung:\n{}", report.summary());
-        assert_eq!(report.ranks[victim].status, Exit::Signal(9));
-        for r in report.ranks.iter().filter(|r| r.rank != victim) {
-            let error = r.last_stderr_line().unwrap_or_default();
-            eprintln!("victim {victim}, rank {}: {error}", r.rank);
-            assert_eq!(r.status, Exit::Code(1), "rank {}: {}", r.rank, r.stderr);
-            assert!(!error.contains("timed out"), "rank {}: {error}", r.rank);
+        for (rank, error) in kill_mid_pipeline(&dir, &flags, victim) {
             assert!(
                 error.contains(&format!("rank {victim} ")),
-                "rank {} does not name rank {victim}: {error}",
-                r.rank
+                "rank {rank} does not name rank {victim}: {error}"
             );
         }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Two replicas of two stages, rank 3 (replica 1, stage 1) killed: the ranks sharing a
+/// group with it name it by its rank in that group, with the job's ranks of that group.
+/// (Rank 0 shares none: it names the rank of its groups that gave up first, as an alarm
+/// is raised on one communicator and heard on that one only.)
+#[test]
+fn a_rank_killed_in_a_two_by_two_grid_is_named_in_its_groups() {
+    let dir = scratch("kill-grid");
+    synthetic(&dir, 12800, 100);
+    let flags = [
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--micro-batches",
+        "4",
+        "--batch-size",
+        "16",
+    ];
+    let errors = kill_mid_pipeline(&dir, &flags, 3);
+    for (rank, group) in [(2, "replica 1's pipeline"), (1, "stage 1's replicas")] {
+        let (_, error) = errors.iter().find(|(r, _)| *r == rank).unwrap();
+        let maps = format!("(ranks 0, 1 of {group} are ranks ");
+        assert!(
+            error.contains("rank 1 closed its connection") && error.contains(&maps),
+            "rank {rank}: {error}"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -434,9 +434,10 @@ impl Trainer<'_> {
             self.steps += 1;
             return Ok(total);
         }
-        let err = |e: chorus::Error| e.to_string();
-        self.reducer.zero_grad().map_err(err)?;
-        let (first, last) = (self.grid.stage == 0, self.grid.stage + 1 == self.grid.pp);
+        let grid = self.grid;
+        let data_err = |e| in_group(grid, Group::Data, e);
+        self.reducer.zero_grad().map_err(data_err)?;
+        let (first, last) = (grid.stage == 0, grid.stage + 1 == grid.pp);
         let (mlp, params, data) = (&self.stage, &self.params, &self.data.train);
         let (w_in, w_out) = (mlp.widths()[0], mlp.widths()[mlp.layers()]);
         let rows_max = chunks.iter().map(|c| c.len()).max().unwrap_or(0);
@@ -444,7 +445,7 @@ impl Trainer<'_> {
         let reducer = &mut self.reducer;
         let (mut failed, mut backwards) = (None, 0);
         // Activations are `rows_max` rows long; a short micro-batch uses the front of them.
-        let stage = Stage::new(&self.grid.pipeline, rows_max * w_in, rows_max * w_out);
+        let stage = Stage::new(&grid.pipeline, rows_max * w_in, rows_max * w_out);
         let times = stage
             .run(
                 &self.schedule,
@@ -482,12 +483,12 @@ impl Trainer<'_> {
                     }
                 },
             )
-            .map_err(err)?;
+            .map_err(|e| in_group(grid, Group::Pipeline, e))?;
         if let Some(e) = failed {
-            return Err(e.to_string());
+            return Err(data_err(e));
         }
         self.times += times;
-        self.reducer.step(&mut self.params).map_err(err)?;
+        self.reducer.step(&mut self.params).map_err(data_err)?;
         self.steps += 1;
         Ok(total)
     }
@@ -600,8 +601,11 @@ impl Trainer<'_> {
     /// The whole network's parameters and momentum on every rank, each stage's
     /// broadcast by the stage that holds them (for evaluation and checkpoints).
     fn whole(&self) -> Result<(Tensors, Tensors), String> {
-        let err = |e: chorus::Error| e.to_string();
-        let mine = self.reducer.momentum().map_err(err)?;
+        let err = |e| in_group(self.grid, Group::Pipeline, e);
+        let mine = self
+            .reducer
+            .momentum()
+            .map_err(|e| in_group(self.grid, Group::Data, e))?;
         let specs = self.mlp.params();
         let mut params: Vec<Vec<f32>> = specs.iter().map(|p| vec![0.0; p.len]).collect();
         let mut momentum = params.clone();
@@ -834,6 +838,41 @@ impl Trainer<'_> {
         }
         Ok(())
     }
+}
+
+/// One of a [`Grid`]'s two communicators.
+#[derive(Debug, Clone, Copy)]
+enum Group {
+    /// This replica's stages.
+    Pipeline,
+    /// The replicas of this stage.
+    Data,
+}
+
+/// `e`, from `grid`'s `group`, which names ranks within that group: with the job's ranks
+/// they are, where the two differ.
+fn in_group(grid: &Grid, group: Group, e: chorus::Error) -> String {
+    let (what, ranks): (String, Vec<usize>) = match group {
+        Group::Pipeline => (
+            format!("replica {}'s pipeline", grid.replica),
+            (0..grid.pp)
+                .map(|s| grid.rank_of(grid.replica, s))
+                .collect(),
+        ),
+        Group::Data => (
+            format!("stage {}'s replicas", grid.stage),
+            (0..grid.dp).map(|d| grid.rank_of(d, grid.stage)).collect(),
+        ),
+    };
+    if ranks.iter().enumerate().all(|(i, &r)| i == r) {
+        return e.to_string();
+    }
+    let list = |v: Vec<String>| v.join(", ");
+    format!(
+        "{e} (ranks {} of {what} are ranks {} of the job)",
+        list((0..ranks.len()).map(|i| i.to_string()).collect()),
+        list(ranks.iter().map(|r| r.to_string()).collect())
+    )
 }
 
 /// `batch` split into `micro` contiguous parts whose lengths differ by at most one.
