@@ -594,7 +594,8 @@ mod cuda {
         ddp.zero_grad().unwrap();
         mlp.forward(&params, &x, rows, &mut ws);
         let host = mlp.loss(&labels, rows as f32, &mut ws);
-        mlp.backward(&params, &x, rows, &mut ws, &mut ddp).unwrap();
+        mlp.backward(&params, &x, rows, &mut ws, &mut ddp, None)
+            .unwrap();
         ddp.finish().unwrap();
 
         let mut gpu = Gpu::new(&comm, &mlp, &params, &sgd).unwrap();

@@ -24,7 +24,7 @@ pub struct EpochLog {
     pub train_seconds: f64,
     /// Training samples per second, all ranks together.
     pub samples_per_sec: f64,
-    /// Each rank's figures for the epoch (rank 0's record; empty elsewhere).
+    /// Each rank's figures for the epoch, by rank.
     #[serde(default)]
     pub ranks: Vec<RankLog>,
 }
