@@ -783,8 +783,8 @@ impl Trainer<'_> {
                 let options = DdpOptions::from_env().map_err(|e| e.to_string())?;
                 (ddp.buckets().len(), options.overlap)
             }
-            // Stage 1's all-reduces overlap backward; stage 2 reduce-scatters in it.
-            Reducer::Zero(zero) => (zero.buckets().len(), self.layout.zero == 1),
+            // Both stages start each bucket's reduction as soon as backward fills it.
+            Reducer::Zero(zero) => (zero.buckets().len(), true),
         })
     }
 
