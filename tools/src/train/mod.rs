@@ -51,7 +51,7 @@ pub struct Args {
     /// Epochs to train (in total, counting those of a resumed checkpoint).
     #[arg(long, default_value_t = 3)]
     pub epochs: u64,
-    /// Samples per batch on each rank.
+    /// Samples per batch on each replica (each rank without --pp; a pipeline's stages share it).
     #[arg(long, default_value_t = 64)]
     pub batch_size: usize,
     /// SGD learning rate.
