@@ -30,7 +30,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use checkpoint::{Checkpoint, Header};
 use idx::{FashionMnist, Split};
 use mlp::{Mlp, Score, Workspace};
-use parallel::{Layout, Reducer};
+use parallel::{in_group, micro_batches, Group, Layout, Reducer};
 use report::{EpochLog, RankLog};
 
 pub use crate::perf::args::Device;
@@ -838,54 +838,6 @@ impl Trainer<'_> {
         }
         Ok(())
     }
-}
-
-/// One of a [`Grid`]'s two communicators.
-#[derive(Debug, Clone, Copy)]
-enum Group {
-    /// This replica's stages.
-    Pipeline,
-    /// The replicas of this stage.
-    Data,
-}
-
-/// `e`, from `grid`'s `group`, which names ranks within that group: with the job's ranks
-/// they are, where the two differ.
-fn in_group(grid: &Grid, group: Group, e: chorus::Error) -> String {
-    let (what, ranks): (String, Vec<usize>) = match group {
-        Group::Pipeline => (
-            format!("replica {}'s pipeline", grid.replica),
-            (0..grid.pp)
-                .map(|s| grid.rank_of(grid.replica, s))
-                .collect(),
-        ),
-        Group::Data => (
-            format!("stage {}'s replicas", grid.stage),
-            (0..grid.dp).map(|d| grid.rank_of(d, grid.stage)).collect(),
-        ),
-    };
-    if ranks.iter().enumerate().all(|(i, &r)| i == r) {
-        return e.to_string();
-    }
-    let list = |v: Vec<String>| v.join(", ");
-    format!(
-        "{e} (ranks {} of {what} are ranks {} of the job)",
-        list((0..ranks.len()).map(|i| i.to_string()).collect()),
-        list(ranks.iter().map(|r| r.to_string()).collect())
-    )
-}
-
-/// `batch` split into `micro` contiguous parts whose lengths differ by at most one.
-fn micro_batches(batch: &[usize], micro: usize) -> Vec<&[usize]> {
-    let (base, extra) = (batch.len() / micro, batch.len() % micro);
-    let mut rest = batch;
-    (0..micro)
-        .map(|m| {
-            let (chunk, tail) = rest.split_at(base + usize::from(m < extra));
-            rest = tail;
-            chunk
-        })
-        .collect()
 }
 
 /// What a pipeline stage needs of the samples `indices`: the first stage their

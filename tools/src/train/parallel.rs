@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use chorus::ddp::{Compression, Ddp, DdpOptions, ParamSpec};
-use chorus::pipeline::ScheduleKind;
+use chorus::pipeline::{Grid, ScheduleKind};
 use chorus::zero::{Memory, Zero, ZeroOptions, ZeroStage};
 use chorus::Communicator;
 
@@ -245,6 +245,54 @@ impl Gradients for Unmarked<'_, '_> {
     }
 }
 
+/// One of a [`Grid`]'s two communicators.
+#[derive(Debug, Clone, Copy)]
+pub enum Group {
+    /// This replica's stages.
+    Pipeline,
+    /// The replicas of this stage.
+    Data,
+}
+
+/// `e`, from `grid`'s `group`, which names ranks within that group: with the job's ranks
+/// they are, where the two differ.
+pub fn in_group(grid: &Grid, group: Group, e: chorus::Error) -> String {
+    let (what, ranks): (String, Vec<usize>) = match group {
+        Group::Pipeline => (
+            format!("replica {}'s pipeline", grid.replica),
+            (0..grid.pp)
+                .map(|s| grid.rank_of(grid.replica, s))
+                .collect(),
+        ),
+        Group::Data => (
+            format!("stage {}'s replicas", grid.stage),
+            (0..grid.dp).map(|d| grid.rank_of(d, grid.stage)).collect(),
+        ),
+    };
+    if ranks.iter().enumerate().all(|(i, &r)| i == r) {
+        return e.to_string();
+    }
+    let list = |v: Vec<String>| v.join(", ");
+    format!(
+        "{e} (ranks {} of {what} are ranks {} of the job)",
+        list((0..ranks.len()).map(|i| i.to_string()).collect()),
+        list(ranks.iter().map(|r| r.to_string()).collect())
+    )
+}
+
+/// `batch` split into `micro` contiguous parts whose lengths differ by at most one.
+pub fn micro_batches(batch: &[usize], micro: usize) -> Vec<&[usize]> {
+    let (base, extra) = (batch.len() / micro, batch.len() % micro);
+    let mut rest = batch;
+    (0..micro)
+        .map(|m| {
+            let (chunk, tail) = rest.split_at(base + usize::from(m < extra));
+            rest = tail;
+            chunk
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,5 +307,16 @@ mod tests {
         // Every stage keeps a layer even where the parameters say otherwise.
         assert_eq!(split_layers(&[1, 1, 1000], 3), vec![0..1, 1..2, 2..3]);
         assert_eq!(split_layers(&[1000, 1, 1], 2), vec![0..1, 1..3]);
+    }
+
+    #[test]
+    fn a_batch_splits_into_exactly_m_near_equal_micro_batches() {
+        let batch: Vec<usize> = (0..10).collect();
+        let lens = |m| -> Vec<usize> { micro_batches(&batch, m).iter().map(|c| c.len()).collect() };
+        assert_eq!(lens(4), vec![3, 3, 2, 2]);
+        assert_eq!(lens(1), vec![10]);
+        // A short last batch leaves some micro-batches empty: every stage still runs M.
+        assert_eq!(lens(12), [vec![1; 10], vec![0; 2]].concat());
+        assert_eq!(micro_batches(&batch, 4).concat(), batch);
     }
 }
