@@ -52,23 +52,6 @@ impl Communicator {
         self.group(|g| g.send(data, peer, tag))
     }
 
-    /// Starts a send of `data` to `peer` and returns at once (the peer must post a matching
-    /// `recv`); operations issued later on this communicator start after it.
-    ///
-    /// The buffer comes back from [`Work::wait`](crate::Work::wait); errors surface there,
-    /// as `send`'s do.
-    pub fn send_async<T, B>(&self, data: B, peer: usize, tag: u32) -> crate::Work<B>
-    where
-        T: Element,
-        B: AsRef<[T]> + Send + 'static,
-    {
-        self.submit_run(data, move |inner, _, data| {
-            let mut group = Group::default();
-            group.send(AsRef::<[T]>::as_ref(&*data), peer, tag);
-            inner.exchange(group)
-        })
-    }
-
     /// Receives exactly `buf.len()` elements from `peer`.
     ///
     /// Fails if `peer` is not a rank, on a transport error or timeout, or if

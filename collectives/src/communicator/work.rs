@@ -203,22 +203,10 @@ impl Communicator {
     ///
     /// `build` turns the owned buffer's bytes into a call; errors it returns
     /// (bad arguments) surface through the handle.
-    pub(super) fn submit<B, F>(&self, buf: B, build: F) -> Work<B>
+    pub(super) fn submit<B, F>(&self, mut buf: B, build: F) -> Work<B>
     where
         B: Send + 'static,
         F: for<'a> FnOnce(&Inner, &'a mut B) -> Result<Call<'a>> + Send + 'static,
-    {
-        self.submit_run(buf, |inner, state, buf| {
-            inner.execute(state, build(inner, buf)?)
-        })
-    }
-
-    /// Queues `run(inner, state, buf)` to run in its turn after every operation issued
-    /// before it; returns at once.
-    pub(super) fn submit_run<B, F>(&self, mut buf: B, run: F) -> Work<B>
-    where
-        B: Send + 'static,
-        F: FnOnce(&Inner, &mut State, &mut B) -> Result<()> + Send + 'static,
     {
         let (work, done) = Work::pending();
         let inner = Arc::clone(&self.inner);
@@ -227,7 +215,8 @@ impl Communicator {
         issue.next += 1;
         let task: Task = Box::new(move || {
             // Completion is visible before the next operation's turn begins.
-            let run = |inner: &Inner, state: &mut State| run(inner, state, &mut buf);
+            let run =
+                |inner: &Inner, state: &mut State| inner.execute(state, build(inner, &mut buf)?);
             let result = inner.run_then(ticket, run, || done.mark());
             done.deliver(result, buf);
         });

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use super::schedule::{PipelineSchedule, Step, Transfer};
-use crate::{Communicator, Error, Result, Work};
+use crate::{Communicator, Error, Result};
 
 /// Where a stage's time went in [`Stage::run`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -79,9 +79,7 @@ impl<'c> Stage<'c> {
     /// gets the forward's input back, the gradient of its output (empty on the
     /// last stage) and writes the gradient of its input (empty on the first).
     /// The transfers between two computations are posted together, so a
-    /// neighbour's send and this stage's receive proceed at once; transfers that
-    /// are all sends are posted asynchronously, so the next computation runs
-    /// while they proceed (the next exchange waits for them first).
+    /// neighbour's send and this stage's receive proceed at once.
     ///
     /// Fails if the schedule is not for this pipeline's size or names a
     /// micro-batch past its count, or as the point-to-point calls do: a dead or
@@ -114,7 +112,6 @@ impl<'c> Stage<'c> {
             .map(|_| Held::default())
             .collect();
         let mut times = StageTimes::default();
-        let mut sending: Vec<Work<Vec<f32>>> = Vec::new();
         for step in &schedule.steps[s] {
             let start = Instant::now();
             match *step {
@@ -136,31 +133,16 @@ impl<'c> Stage<'c> {
                     times.compute += start.elapsed();
                 }
                 Step::Exchange(ref transfers) => {
-                    sending
-                        .drain(..)
-                        .try_for_each(|work| work.wait().map(drop))?;
-                    self.exchange(s, transfers, &mut held, &mut sending)?;
+                    self.exchange(s, transfers, &mut held)?;
                     times.wait += start.elapsed();
                 }
             }
         }
-        let start = Instant::now();
-        sending
-            .into_iter()
-            .try_for_each(|work| work.wait().map(drop))?;
-        times.wait += start.elapsed();
         Ok(times)
     }
 
-    /// Posts `transfers` as one group, then files what arrived and frees what left;
-    /// sends alone go asynchronously, onto `sending`.
-    fn exchange(
-        &self,
-        s: usize,
-        transfers: &[Transfer],
-        held: &mut [Held],
-        sending: &mut Vec<Work<Vec<f32>>>,
-    ) -> Result<()> {
+    /// Posts `transfers` as one group, then files what arrived and frees what left.
+    fn exchange(&self, s: usize, transfers: &[Transfer], held: &mut [Held]) -> Result<()> {
         let stages = self.comm.world_size();
         let mut arrived: Vec<(Transfer, Vec<f32>)> = transfers
             .iter()
@@ -179,26 +161,15 @@ impl<'c> Stage<'c> {
                 "stage {s}: the schedule sends {t:?} before computing it"
             ))
         };
-        if arrived.is_empty() {
-            for &t in &sends {
-                let peer = t.peer(s, stages).ok_or_else(|| missing(t))?;
-                let buf = outgoing(&mut held[t.micro_batch()], t).take();
-                sending.push(
-                    self.comm
-                        .send_async(buf.ok_or_else(|| missing(t))?, peer, t.tag()),
-                );
-            }
-            return Ok(());
-        }
         let mut data: Vec<(&[f32], usize, u32)> = Vec::with_capacity(sends.len());
         for &t in &sends {
-            let peer = t.peer(s, stages).ok_or_else(|| missing(t))?;
             let h = &held[t.micro_batch()];
             let buf = match t {
-                Transfer::SendActivation(_) => &h.output,
-                _ => &h.grad_in,
+                Transfer::SendActivation(_) => h.output.as_deref(),
+                _ => h.grad_in.as_deref(),
             };
-            data.push((buf.as_deref().ok_or_else(|| missing(t))?, peer, t.tag()));
+            let peer = t.peer(s, stages).ok_or_else(|| missing(t))?;
+            data.push((buf.ok_or_else(|| missing(t))?, peer, t.tag()));
         }
         self.comm.group(|g| {
             for &(buf, peer, tag) in &data {
@@ -210,7 +181,11 @@ impl<'c> Stage<'c> {
             }
         })?;
         for t in sends {
-            *outgoing(&mut held[t.micro_batch()], t) = None;
+            let h = &mut held[t.micro_batch()];
+            match t {
+                Transfer::SendActivation(_) => h.output = None,
+                _ => h.grad_in = None,
+            }
         }
         for (t, buf) in arrived {
             let h = &mut held[t.micro_batch()];
@@ -220,13 +195,5 @@ impl<'c> Stage<'c> {
             }
         }
         Ok(())
-    }
-}
-
-/// The buffer a send `t` carries out of micro-batch buffers `h`.
-fn outgoing(h: &mut Held, t: Transfer) -> &mut Option<Vec<f32>> {
-    match t {
-        Transfer::SendActivation(_) => &mut h.output,
-        _ => &mut h.grad_in,
     }
 }
