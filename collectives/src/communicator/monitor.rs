@@ -479,7 +479,9 @@ impl Watch for Watcher<'_> {
 impl Monitor {
     /// Explains a point-to-point exchange's failure as a collective's is: by the
     /// alarm another rank raised first, or by raising one, so every rank names the
-    /// same culprit (a pipeline's far stages included).
+    /// same culprit (a pipeline's far stages included). A timeout raises none: a
+    /// message that has not come yet fails this rank only, as peers may still be
+    /// about to send theirs.
     pub fn point_to_point_failed(&self, error: Error) -> Error {
         let Error::Transport { source, .. } = &error else {
             return error;
@@ -487,6 +489,9 @@ impl Monitor {
         let noticed = format!("rank {} noticed in send/recv", self.rank);
         if let Some(cause) = self.cause(source, &noticed) {
             return cause;
+        }
+        if let TransportError::Timeout { .. } = source {
+            return error;
         }
         self.alert(&format!("{source}; {noticed}"), error)
     }
