@@ -191,13 +191,34 @@ fn a_rank_killed_during_set_up_is_named_at_once() {
 fn a_rank_number_given_twice_is_refused() {
     let reserved = PortReservation::new("127.0.0.1").unwrap();
     let port = reserved.port().to_string();
+    // The job holds on until the refused claimer has exited, however late it started.
+    let release = std::env::temp_dir().join(format!("chorus-errors-release-{port}"));
+    let _ = std::fs::remove_file(&release);
+    let release = release.to_str().unwrap();
     let done: Vec<_> = thread::scope(|s| {
         let runs: Vec<_> = ["0", "1", "1"]
-            .map(|rank| s.spawn(|| connect_as(rank, "2", &port, "20")))
+            .map(|rank| {
+                let port = &port;
+                s.spawn(move || {
+                    let env = [
+                        ("RANK", rank),
+                        ("WORLD_SIZE", "2"),
+                        ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", port.as_str()),
+                        ("CHORUS_TIMEOUT", "20"),
+                    ];
+                    run_one(worker(), &["connect_until", release], &env, LIMIT)
+                })
+            })
             .into_iter()
             .collect();
+        while !runs.iter().any(|t| t.is_finished()) {
+            thread::sleep(Duration::from_millis(10));
+        }
+        std::fs::write(release, b"").unwrap();
         runs.into_iter().map(|t| t.join().unwrap()).collect()
     });
+    std::fs::remove_file(release).unwrap();
     let refused: Vec<_> = done.iter().filter(|d| !d.success).collect();
     assert_eq!(
         refused.len(),

@@ -19,7 +19,7 @@ mod work;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use chorus_kernels::{DType, ReduceOp};
@@ -37,7 +37,7 @@ use crate::tuner::{Topology, Tuner};
 use crate::{Config, Error, Result, StoreKind};
 
 pub(crate) use monitor::CallInfo;
-use monitor::{Monitor, Watcher};
+use monitor::{Lineage, Monitor, Watcher};
 pub use p2p::Group;
 use prepare::{Call, Route};
 pub use shared::SharedBuffer;
@@ -132,6 +132,8 @@ pub(crate) struct Inner {
     windows: Mutex<Windows>,
     /// Whether any shared buffer was allocated (calls skip looking for theirs until then).
     has_windows: AtomicBool,
+    /// The communicators split from this one, which an alarm heard here fails too.
+    children: Mutex<Vec<Weak<Inner>>>,
 }
 
 /// Why a communicator can no longer be used.
@@ -226,11 +228,11 @@ impl Communicator {
     ) -> Result<Communicator> {
         check_shape(&config)?;
         if config.world_size == 1 {
-            return Ok(Communicator::assemble(config, None, None, None));
+            return Ok(Communicator::assemble(config, None, None, None, None));
         }
         let server = server.map(Arc::new);
         let client = connect_store(&config, config.timeout)?;
-        let joined = Communicator::join(config, client, prefix.to_string(), server.clone());
+        let joined = Communicator::join(config, client, prefix.to_string(), server.clone(), None);
         if joined.is_err() && server.is_some() {
             // The others are failing too: keep the store up a moment so they read their own
             // errors (naming the missing ranks) rather than "the store closed".
@@ -239,12 +241,14 @@ impl Communicator {
         joined
     }
 
-    /// Connects `config.rank` to the other ranks through the store under `prefix`.
+    /// Connects `config.rank` to the other ranks through the store under `prefix`;
+    /// `lineage` places a communicator made by `split` in its job.
     fn join(
         config: Config,
         client: Arc<dyn Store>,
         prefix: String,
         server: Option<Arc<StoreServer>>,
+        lineage: Option<Lineage>,
     ) -> Result<Communicator> {
         let rank = config.rank;
         let store = PrefixStore::new(prefix.clone(), client.clone());
@@ -290,6 +294,7 @@ impl Communicator {
             Some(transport),
             Some((client, prefix)),
             server,
+            lineage,
         ))
     }
 
@@ -298,6 +303,7 @@ impl Communicator {
         transport: Option<RoutedTransport>,
         store: Option<(Arc<dyn Store>, String)>,
         server: Option<Arc<StoreServer>>,
+        lineage: Option<Lineage>,
     ) -> Communicator {
         let state = State {
             seq: 0,
@@ -346,7 +352,7 @@ impl Communicator {
             .with_topology(topology);
         let inner = Arc::new_cyclic(|weak| {
             let monitor = store.as_ref().and_then(|(_, prefix)| {
-                Monitor::start(&config, prefix, weak.clone())
+                Monitor::start(&config, prefix, weak.clone(), lineage)
                     .map_err(|e| {
                         tracing::warn!(rank = config.rank, "no watchdog or fault reports: {e}")
                     })
@@ -371,6 +377,7 @@ impl Communicator {
                 monitor,
                 windows: Mutex::new(Windows::default()),
                 has_windows: AtomicBool::new(false),
+                children: Mutex::new(Vec::new()),
             }
         });
         Communicator { inner }
@@ -537,6 +544,18 @@ impl Inner {
             Fault::Failed(reason)
         };
         lock(&self.fault).get_or_insert(fault);
+    }
+
+    /// Fails this communicator and those split from it, as an alarm does.
+    fn fail_family(&self, reason: &str) {
+        self.fail(reason, true);
+        let children: Vec<Arc<Inner>> = lock(&self.children)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for child in children {
+            child.fail_family(reason);
+        }
     }
 
     pub(crate) fn execute(&self, state: &mut State, call: Call<'_>) -> Result<()> {

@@ -161,10 +161,27 @@ impl Status {
     }
 }
 
+/// Where a communicator made by [`split`](super::Communicator::split) sits in its job.
+pub(crate) struct Lineage {
+    /// The monitor of the communicator it was split from.
+    pub parent: Arc<Monitor>,
+    /// The job's rank of each of its ranks.
+    pub job_ranks: Vec<usize>,
+}
+
 /// This rank's side of the monitoring: its store client, its activity and its listener.
+///
+/// The monitors of a job's communicators form a family: an alarm raised on a communicator
+/// split from another is raised on that one too, up to the job's first communicator, and an
+/// alarm heard on a communicator fails those split from it, so that every rank of the job
+/// fails at once and names the same culprit, whichever communicator it was waiting in.
 pub(crate) struct Monitor {
     rank: usize,
     world_size: usize,
+    /// The job's rank of each rank here (the identity on a job's first communicator).
+    job_ranks: Vec<usize>,
+    /// The monitor of the communicator this one was split from.
+    parent: Option<Arc<Monitor>>,
     /// A client of its own whose short timeout bounds every question and alarm.
     store: PrefixStore<Arc<dyn Store>>,
     /// How long to wait for answers.
@@ -185,13 +202,24 @@ impl Monitor {
     /// Connects a client for the communicator under `prefix` and starts listening.
     ///
     /// The listener holds `inner` weakly, so it never keeps a dropped communicator alive.
-    pub fn start(config: &Config, prefix: &str, inner: Weak<Inner>) -> Result<Arc<Monitor>, Error> {
+    pub fn start(
+        config: &Config,
+        prefix: &str,
+        inner: Weak<Inner>,
+        lineage: Option<Lineage>,
+    ) -> Result<Arc<Monitor>, Error> {
         let grace = (config.timeout / 10).clamp(Duration::from_secs(1), Duration::from_secs(5));
         let client = connect_store(config, grace)?;
         let warn_after = (config.watchdog > 0.0).then(|| config.timeout.mul_f64(config.watchdog));
+        let (parent, job_ranks) = match lineage {
+            Some(l) => (Some(l.parent), l.job_ranks),
+            None => (None, (0..config.world_size).collect()),
+        };
         let monitor = Arc::new(Monitor {
             rank: config.rank,
             world_size: config.world_size,
+            job_ranks,
+            parent,
             store: PrefixStore::new(format!("{prefix}/monitor"), client),
             grace,
             warn_after,
@@ -279,7 +307,7 @@ impl Monitor {
             lock(&self.heard).get_or_insert_with(|| reason.clone());
             if let Some(inner) = inner.upgrade() {
                 tracing::error!(rank = self.rank, "{reason}");
-                inner.fail(&reason, true);
+                inner.fail_family(&reason);
             }
         }
     }
@@ -304,6 +332,46 @@ impl Monitor {
         Ok(reason.to_string())
     }
 
+    /// Raises `reason` here and, where it is the alarm that stands here, on the
+    /// communicators this one was split from; returns the alarm that stands.
+    fn raise_up(&self, reason: &str) -> Result<String, StoreError> {
+        let standing = self.raise(reason)?;
+        match &self.parent {
+            // A parent already dropped (its store client shut) has no one left to tell.
+            Some(parent) if standing == reason => Ok(parent.raise_up(reason).unwrap_or(standing)),
+            _ => Ok(standing),
+        }
+    }
+
+    /// The alarm raised so far on this communicator or, failing that, on one it was split from.
+    fn family_alarm(&self) -> Result<Option<String>, StoreError> {
+        match (self.alarm()?, &self.parent) {
+            (None, Some(parent)) => Ok(parent.family_alarm().unwrap_or(None)),
+            (own, _) => Ok(own),
+        }
+    }
+
+    /// The job's rank of each rank of this communicator.
+    pub fn job_ranks(&self) -> &[usize] {
+        &self.job_ranks
+    }
+
+    /// `text`, which names ranks of this communicator, with the job's ranks they are where
+    /// the two differ.
+    fn in_job_terms(&self, text: &str) -> String {
+        if self.job_ranks.iter().enumerate().all(|(i, &r)| i == r) {
+            return text.to_string();
+        }
+        let list = |v: &mut dyn Iterator<Item = usize>| {
+            v.map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+        };
+        format!(
+            "{text} (on a communicator split from the job's, whose ranks {} are ranks {} of the job)",
+            list(&mut (0..self.job_ranks.len())),
+            list(&mut self.job_ranks.iter().copied())
+        )
+    }
+
     /// The alarm raised so far, if any (waiting briefly for its text if it is being written).
     fn alarm(&self) -> Result<Option<String>, StoreError> {
         if let Some(heard) = self.heard() {
@@ -322,7 +390,7 @@ impl Monitor {
     /// failed on something else) or the store's loss (rank 0 died, and asking the store
     /// would only wait out its timeout). `None` when neither came, or the store is elsewhere.
     fn after_rank_0_closed(&self) -> Option<Rank0> {
-        if !self.store_on_rank_0 || self.rank == 0 {
+        if !self.store_on_rank_0 || self.job_ranks[self.rank] == 0 {
             return None;
         }
         let until = Instant::now() + RANK_0_WAIT;
@@ -542,7 +610,8 @@ impl Monitor {
         if let TransportError::Aborted(reason) = source {
             return Some(Error::Aborted(reason.clone()));
         }
-        if let TransportError::PeerClosed { peer: 0 } = source {
+        let peer_is_rank_0 = matches!(source, TransportError::PeerClosed { peer } if self.job_ranks.get(*peer) == Some(&0));
+        if peer_is_rank_0 {
             match self.after_rank_0_closed() {
                 Some(Rank0::Alarm(cause)) => return Some(Error::Aborted(cause)),
                 Some(Rank0::Gone) => {
@@ -554,7 +623,7 @@ impl Monitor {
             }
         }
         // A rank that found the fault first has explained it; this one may only see its fallout.
-        match self.alarm() {
+        match self.family_alarm() {
             Ok(Some(cause)) => Some(Error::Aborted(cause)),
             Ok(None) => None,
             Err(e) => {
@@ -573,15 +642,17 @@ impl Monitor {
         }
     }
 
-    /// Raises `detail` as the alarm and returns `error`, unless an alarm came first:
-    /// then returns that one.
+    /// Raises `detail`, told in the job's ranks, as the alarm here and on the communicators
+    /// this one was split from, and returns `error`, unless an alarm came first: then returns
+    /// that one.
     fn alert(&self, detail: &str, error: Error) -> Error {
         // An alarm heard while surveying came first (its rank may be gone by now,
         // and the store with it).
         if let Some(cause) = self.heard() {
             return Error::Aborted(cause);
         }
-        match self.raise(detail) {
+        let detail = self.in_job_terms(detail);
+        match self.raise_up(&detail) {
             Ok(cause) if cause != detail => Error::Aborted(cause),
             Ok(_) => error,
             Err(e) => {

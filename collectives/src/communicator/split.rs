@@ -3,13 +3,15 @@
 //!
 //! Every rank publishes (color, key, host) in the rendezvous store; ranks
 //! sharing a color form a new communicator, numbered by (key, old rank),
-//! with its own connections, so it runs concurrently with its parent.
+//! with its own connections, so it runs concurrently with its parent. Faults
+//! travel between them: see [`Monitor`](super::monitor::Monitor).
 
 use std::sync::Arc;
 
 use chorus_transport::store::{PrefixStore, Store};
 
-use super::Communicator;
+use super::monitor::Lineage;
+use super::{lock, Communicator};
 use crate::{Error, Result};
 
 impl Communicator {
@@ -18,6 +20,10 @@ impl Communicator {
     ///
     /// A collective call: every rank must call it, in the same order as its
     /// other collectives. Fails if the exchange or the new connections fail.
+    ///
+    /// A fault the new communicator finds (a dead rank, a mismatched call, a stall) fails
+    /// this one and its other splits too, on every rank, and the alarm's text names the
+    /// job's ranks.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         let ticket = self.inner.ticket();
         let mut split = None;
@@ -86,13 +92,27 @@ impl super::Inner {
             world_size = sub.world_size,
             "split"
         );
-        match &self.store {
+        let comm = match &self.store {
             Some((client, prefix)) if sub.world_size > 1 => {
                 let prefix = format!("{prefix}/split{n}/color{color}");
-                Communicator::join(sub, Arc::clone(client), prefix, self.server.clone()).map(Some)
+                let lineage = self.monitor.as_ref().map(|parent| Lineage {
+                    job_ranks: group.iter().map(|&r| parent.job_ranks()[r]).collect(),
+                    parent: Arc::clone(parent),
+                });
+                Communicator::join(
+                    sub,
+                    Arc::clone(client),
+                    prefix,
+                    self.server.clone(),
+                    lineage,
+                )?
             }
-            _ => Ok(Some(Communicator::assemble(sub, None, None, None))),
-        }
+            _ => Communicator::assemble(sub, None, None, None, None),
+        };
+        let mut children = lock(&self.children);
+        children.retain(|c| c.strong_count() > 0);
+        children.push(Arc::downgrade(&comm.inner));
+        Ok(Some(comm))
     }
 }
 

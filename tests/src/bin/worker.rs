@@ -35,6 +35,7 @@ fn run(args: &[String]) -> Result<(), String> {
         "broadcast" => broadcast_matrix(&connect()?, &counts()?),
         "barrier" => barrier_rounds(&connect()?, args.get(1).ok_or("missing directory")?),
         "connect" => connect().map(|_| ()),
+        "connect_until" => connect_until(args.get(1).ok_or("missing file")?),
         "mismatched_length" => mismatched_length(&connect()?),
         "bitwise_floats" => bitwise_on_floats(&connect()?),
         "async" => async_in_order(&connect()?),
@@ -65,6 +66,20 @@ fn connect() -> Result<Communicator, String> {
         config.host_id = Some(format!("test-host-{}", config.rank / k.max(1)));
     }
     Communicator::new(config).map_err(|e| e.to_string())
+}
+
+/// Joins the job and keeps the communicator until `file` exists (at most a minute), so that
+/// a test can have a rank join while the job is still up.
+fn connect_until(file: &str) -> Result<(), String> {
+    let _comm = connect()?;
+    let start = std::time::Instant::now();
+    while !std::path::Path::new(file).exists() {
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            return Err(format!("{file} did not appear within 60 s"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    Ok(())
 }
 
 /// All-reduces until a peer fails (or for at most a minute), saying when the first one is done;

@@ -255,8 +255,11 @@ pub enum Group {
 }
 
 /// `e`, from `grid`'s `group`, which names ranks within that group: with the job's ranks
-/// they are, where the two differ.
+/// they are, where the two differ. (An alarm, [`chorus::Error::Aborted`], names them already.)
 pub fn in_group(grid: &Grid, group: Group, e: chorus::Error) -> String {
+    if let chorus::Error::Aborted(_) = e {
+        return e.to_string();
+    }
     let (what, ranks): (String, Vec<usize>) = match group {
         Group::Pipeline => (
             format!("replica {}'s pipeline", grid.replica),
