@@ -28,6 +28,15 @@ fn a_two_stage_pipeline_matches_one_rank_with_both_schedules() {
     all_ok(2, &["pipeline", "1f1b", "5"], "pipeline ok");
 }
 
+/// A stage computes its next micro-batch while its send waits for a busy neighbour.
+#[test]
+fn a_stage_computes_while_its_send_waits() {
+    let marker = std::env::temp_dir().join(format!("chorus-overlap-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    all_ok(2, &["overlap", marker.to_str().unwrap()], "overlap ok");
+    std::fs::remove_file(&marker).unwrap();
+}
+
 #[test]
 fn three_and_four_stage_pipelines_match_one_rank() {
     all_ok(3, &["pipeline", "1f1b", "7"], "pipeline ok");

@@ -1,5 +1,6 @@
 //! [`Stage`]: one rank's part of a pipeline, running a schedule over point-to-point calls.
 
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::schedule::{PipelineSchedule, Step, Transfer};
@@ -55,6 +56,59 @@ struct Held {
     grad_in: Option<Vec<f32>>,
 }
 
+/// What the computing thread and the exchanging thread of [`Stage::run`] share.
+#[derive(Debug)]
+struct Progress {
+    held: Vec<Held>,
+    /// Computations finished, and exchanges finished, each counted in schedule order.
+    computed: usize,
+    exchanged: usize,
+    /// Set when either side stops early (an exchange failed, or the computing side
+    /// returned or panicked): the other side then stops waiting.
+    stopped: bool,
+}
+
+/// Shared progress and its signal, rung whenever a side finishes a step or stops.
+struct Board {
+    progress: Mutex<Progress>,
+    changed: Condvar,
+}
+
+impl Board {
+    fn lock(&self) -> MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until `ready` holds or a side stopped; `None` in the second case.
+    fn wait_for(&self, ready: impl Fn(&Progress) -> bool) -> Option<MutexGuard<'_, Progress>> {
+        let mut progress = self.lock();
+        while !ready(&progress) {
+            if progress.stopped {
+                return None;
+            }
+            progress = self
+                .changed
+                .wait(progress)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        Some(progress)
+    }
+
+    fn stop(&self) {
+        self.lock().stopped = true;
+        self.changed.notify_all();
+    }
+}
+
+/// Stops the exchanging side when the computing side leaves, returning or unwinding.
+struct StopOnDrop<'a>(&'a Board);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
 impl<'c> Stage<'c> {
     /// Stage `comm.rank()` of a pipeline of `comm.world_size()` stages.
     pub fn new(comm: &'c Communicator, in_len: usize, out_len: usize) -> Stage<'c> {
@@ -79,7 +133,13 @@ impl<'c> Stage<'c> {
     /// gets the forward's input back, the gradient of its output (empty on the
     /// last stage) and writes the gradient of its input (empty on the first).
     /// The transfers between two computations are posted together, so a
-    /// neighbour's send and this stage's receive proceed at once.
+    /// neighbour's send and this stage's receive proceed at once. They run on a
+    /// thread of their own, in the schedule's order, each once the computations
+    /// before it are done, while the calling thread goes on with the next
+    /// computations whose inputs have arrived: a send waiting for a busy
+    /// neighbour overlaps this stage's next forward or backward. So `forward`
+    /// and `backward` must not call `comm` themselves (other communicators,
+    /// such as a data-parallel group's, are free).
     ///
     /// Fails if the schedule is not for this pipeline's size or names a
     /// micro-batch past its count, or as the point-to-point calls do: a dead or
@@ -108,92 +168,180 @@ impl<'c> Stage<'c> {
                 "stage {s}: step {step:?} names a micro-batch past the schedule's {micro}"
             )));
         }
-        let mut held: Vec<Held> = (0..schedule.micro_batches)
-            .map(|_| Held::default())
-            .collect();
-        let mut times = StageTimes::default();
-        for step in &schedule.steps[s] {
-            let start = Instant::now();
-            match *step {
-                Step::Forward(m) => {
-                    let h = &mut held[m];
-                    let input = h.input.get_or_insert_with(Vec::new);
-                    let mut output = vec![0.0; self.out_len];
-                    forward(m, input, &mut output);
-                    h.output = Some(output);
-                    times.compute += start.elapsed();
-                }
-                Step::Backward(m) => {
-                    let h = &mut held[m];
-                    let input = h.input.take().unwrap_or_default();
-                    let grad_out = h.grad_out.take().unwrap_or_default();
-                    let mut grad_in = vec![0.0; self.in_len];
-                    backward(m, &input, &grad_out, &mut grad_in);
-                    h.grad_in = Some(grad_in);
-                    times.compute += start.elapsed();
-                }
-                Step::Exchange(ref transfers) => {
-                    self.exchange(s, transfers, &mut held)?;
-                    times.wait += start.elapsed();
+        let steps = &schedule.steps[s];
+        // What each step waits for: a computation, the exchanges up to the one bringing its
+        // input; an exchange, the computations before it (which made what it sends).
+        let mut needs = vec![0; steps.len()];
+        let mut computes = 0;
+        for (i, step) in steps.iter().enumerate() {
+            match step {
+                Step::Exchange(_) => needs[i] = computes,
+                Step::Forward(m) | Step::Backward(m) => {
+                    let brings = |t: &Transfer| match step {
+                        Step::Forward(_) => *t == Transfer::RecvActivation(*m),
+                        _ => *t == Transfer::RecvGradient(*m),
+                    };
+                    needs[i] = steps[..i]
+                        .iter()
+                        .filter(|p| matches!(p, Step::Exchange(_)))
+                        .position(|p| matches!(p, Step::Exchange(ts) if ts.iter().any(brings)))
+                        .map_or(0, |k| k + 1);
+                    computes += 1;
                 }
             }
         }
-        Ok(times)
+        let board = Board {
+            progress: Mutex::new(Progress {
+                held: (0..micro).map(|_| Held::default()).collect(),
+                computed: 0,
+                exchanged: 0,
+                stopped: false,
+            }),
+            changed: Condvar::new(),
+        };
+        std::thread::scope(|scope| {
+            let exchanging = scope.spawn(|| self.exchange_all(s, steps, &needs, &board));
+            let computed = {
+                let _stop = StopOnDrop(&board);
+                self.compute_all(steps, &needs, &board, &mut forward, &mut backward)
+            };
+            // The last exchanges (sends, on the last stages) finish while this side waits.
+            let joining = Instant::now();
+            let exchanged = exchanging
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            // The exchange's error explains why the computations stopped.
+            exchanged?;
+            let mut times = computed.ok_or_else(|| {
+                Error::Internal(format!("stage {s}: the exchanges stopped early"))
+            })?;
+            times.wait += joining.elapsed();
+            Ok(times)
+        })
     }
 
-    /// Posts `transfers` as one group, then files what arrived and frees what left.
-    fn exchange(&self, s: usize, transfers: &[Transfer], held: &mut [Held]) -> Result<()> {
+    /// The computations of `steps`, in order, each once the exchanges it `needs` are done;
+    /// `None` if the exchanges stopped first.
+    fn compute_all(
+        &self,
+        steps: &[Step],
+        needs: &[usize],
+        board: &Board,
+        forward: &mut impl FnMut(usize, &[f32], &mut [f32]),
+        backward: &mut impl FnMut(usize, &[f32], &[f32], &mut [f32]),
+    ) -> Option<StageTimes> {
+        let mut times = StageTimes::default();
+        for (step, &need) in steps.iter().zip(needs) {
+            let m = match *step {
+                Step::Forward(m) | Step::Backward(m) => m,
+                Step::Exchange(_) => continue,
+            };
+            let waiting = Instant::now();
+            let mut progress = board.wait_for(|p| p.exchanged >= need)?;
+            let h = &mut progress.held[m];
+            let input = h.input.take().unwrap_or_default();
+            let grad_out = h.grad_out.take().unwrap_or_default();
+            drop(progress);
+            let start = Instant::now();
+            times.wait += start - waiting;
+            let mut progress = match *step {
+                Step::Forward(_) => {
+                    let mut output = vec![0.0; self.out_len];
+                    forward(m, &input, &mut output);
+                    let mut progress = board.lock();
+                    progress.held[m].input = Some(input);
+                    progress.held[m].output = Some(output);
+                    progress
+                }
+                _ => {
+                    let mut grad_in = vec![0.0; self.in_len];
+                    backward(m, &input, &grad_out, &mut grad_in);
+                    let mut progress = board.lock();
+                    progress.held[m].grad_in = Some(grad_in);
+                    progress
+                }
+            };
+            times.compute += start.elapsed();
+            progress.computed += 1;
+            drop(progress);
+            board.changed.notify_all();
+        }
+        Some(times)
+    }
+
+    /// The exchanges of `steps`, in order, each once the computations it `needs` are done.
+    fn exchange_all(&self, s: usize, steps: &[Step], needs: &[usize], board: &Board) -> Result<()> {
+        for (step, &need) in steps.iter().zip(needs) {
+            let Step::Exchange(transfers) = step else {
+                continue;
+            };
+            let Some(mut progress) = board.wait_for(|p| p.computed >= need) else {
+                return Ok(());
+            };
+            let (sends, mut arrived) = self.take_sends(s, transfers, &mut progress.held)?;
+            drop(progress);
+            let stages = self.comm.world_size();
+            let exchanged = self.comm.group(|g| {
+                for (buf, peer, tag) in &sends {
+                    g.send(&buf[..], *peer, *tag);
+                }
+                for (t, buf) in arrived.iter_mut() {
+                    let peer = t.peer(s, stages).unwrap_or(s);
+                    g.recv(&mut buf[..], peer, t.tag());
+                }
+            });
+            if let Err(e) = exchanged {
+                board.stop();
+                return Err(e);
+            }
+            let mut progress = board.lock();
+            for (t, buf) in arrived {
+                let h = &mut progress.held[t.micro_batch()];
+                match t {
+                    Transfer::RecvActivation(_) => h.input = Some(buf),
+                    _ => h.grad_out = Some(buf),
+                }
+            }
+            progress.exchanged += 1;
+            drop(progress);
+            board.changed.notify_all();
+        }
+        Ok(())
+    }
+
+    /// The buffers `transfers` send, taken from `held` (sent, they are freed), with their
+    /// peers and tags; and the buffers they receive into. Fails if the schedule sends
+    /// something not computed yet.
+    #[allow(clippy::type_complexity)]
+    fn take_sends(
+        &self,
+        s: usize,
+        transfers: &[Transfer],
+        held: &mut [Held],
+    ) -> Result<(Vec<(Vec<f32>, usize, u32)>, Vec<(Transfer, Vec<f32>)>)> {
         let stages = self.comm.world_size();
-        let mut arrived: Vec<(Transfer, Vec<f32>)> = transfers
-            .iter()
-            .filter(|t| !t.is_send())
-            .map(|&t| {
-                let len = match t {
-                    Transfer::RecvActivation(_) => self.in_len,
-                    _ => self.out_len,
-                };
-                (t, vec![0.0; len])
-            })
-            .collect();
-        let sends: Vec<Transfer> = transfers.iter().copied().filter(|t| t.is_send()).collect();
         let missing = |t: Transfer| {
             Error::InvalidArgument(format!(
                 "stage {s}: the schedule sends {t:?} before computing it"
             ))
         };
-        let mut data: Vec<(&[f32], usize, u32)> = Vec::with_capacity(sends.len());
-        for &t in &sends {
-            let h = &held[t.micro_batch()];
-            let buf = match t {
-                Transfer::SendActivation(_) => h.output.as_deref(),
-                _ => h.grad_in.as_deref(),
-            };
-            let peer = t.peer(s, stages).ok_or_else(|| missing(t))?;
-            data.push((buf.ok_or_else(|| missing(t))?, peer, t.tag()));
-        }
-        self.comm.group(|g| {
-            for &(buf, peer, tag) in &data {
-                g.send(buf, peer, tag);
-            }
-            for (t, buf) in arrived.iter_mut() {
-                let peer = t.peer(s, stages).unwrap_or(s);
-                g.recv(&mut buf[..], peer, t.tag());
-            }
-        })?;
-        for t in sends {
+        let mut sends = Vec::new();
+        let mut arrived = Vec::new();
+        for &t in transfers {
             let h = &mut held[t.micro_batch()];
             match t {
-                Transfer::SendActivation(_) => h.output = None,
-                _ => h.grad_in = None,
+                Transfer::RecvActivation(_) => arrived.push((t, vec![0.0; self.in_len])),
+                Transfer::RecvGradient(_) => arrived.push((t, vec![0.0; self.out_len])),
+                Transfer::SendActivation(_) | Transfer::SendGradient(_) => {
+                    let buf = match t {
+                        Transfer::SendActivation(_) => h.output.take(),
+                        _ => h.grad_in.take(),
+                    };
+                    let peer = t.peer(s, stages).ok_or_else(|| missing(t))?;
+                    sends.push((buf.ok_or_else(|| missing(t))?, peer, t.tag()));
+                }
             }
         }
-        for (t, buf) in arrived {
-            let h = &mut held[t.micro_batch()];
-            match t {
-                Transfer::RecvActivation(_) => h.input = Some(buf),
-                _ => h.grad_out = Some(buf),
-            }
-        }
-        Ok(())
+        Ok((sends, arrived))
     }
 }

@@ -4,8 +4,9 @@
 //!
 //! Scenarios: `pipeline gpipe|1f1b M` (the world is one pipeline), `grid D P
 //! gpipe|1f1b M` (D replicas of P stages, gradients averaged over replicas),
-//! `zero 1|2` (ZeRO against DDP), and `kill VICTIM` (VICTIM dies mid-pipeline;
-//! survivors print `failed: ERROR` and exit 1).
+//! `zero 1|2` (ZeRO against DDP), `kill VICTIM` (VICTIM dies mid-pipeline;
+//! survivors print `failed: ERROR` and exit 1), and `overlap FILE` (a stage
+//! computes while its send waits for a busy neighbour).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -42,6 +43,7 @@ fn main() -> ExitCode {
         "grid" => grid(&comm, num(1), num(2), arg(3), num(4)),
         "zero" => zero(&comm, num(1)),
         "kill" => killed(&comm, num(1)),
+        "overlap" => overlap(&comm, arg(1)),
         other => Err(Outcome::Wrong(format!("unknown scenario {other:?}"))),
     };
     match result {
@@ -55,6 +57,44 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// Two stages, GPipe, activations of 4 MiB (too big to sit in a transport's buffers: a
+/// send completes only once the receiver takes it). Stage 1's first forward waits until
+/// stage 0 has begun its third, which stage 0 reaches only by computing while its send
+/// of micro-batch 1 waits for stage 1: the overlap `Stage::run` promises.
+fn overlap(comm: &Communicator, file: &str) -> Result<(), Outcome> {
+    const BIG: usize = 1 << 20;
+    let marker = std::path::Path::new(file);
+    let schedule = PipelineSchedule::new(ScheduleKind::GPipe, 2, 3)?;
+    let stage = Stage::new(comm, BIG, BIG);
+    let mut waited = Ok(());
+    stage.run(
+        &schedule,
+        |m, _x, out| match (comm.rank(), m) {
+            (0, 2) => std::fs::write(marker, b"").expect("the marker file"),
+            (0, _) => out.fill(m as f32),
+            (_, 0) => {
+                let start = std::time::Instant::now();
+                while !marker.exists() {
+                    if start.elapsed() > std::time::Duration::from_secs(20) {
+                        waited = Err(Outcome::Wrong(
+                            "stage 0 did not begin micro-batch 2 while its send of \
+                             micro-batch 1 waited for stage 1"
+                                .into(),
+                        ));
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+            _ => {}
+        },
+        |_, _, _, _| {},
+    )?;
+    waited?;
+    println!("overlap ok");
+    Ok(())
 }
 
 /// Why a scenario did not succeed.
