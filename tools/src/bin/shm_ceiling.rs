@@ -1,0 +1,246 @@
+//! What one host's memory itself allows, with no library in the way: the ceilings over the
+//! shared-memory bandwidths of the perf tools, as `tcp_ceiling` gives them for TCP.
+//!
+//! A second process of this program (started with `--peer`) holds a 64 MiB buffer; this
+//! one times, median of `-n` rounds:
+//!
+//! - `copy`: one `memcpy` of 64 MiB on one core, then one on each of two cores at once
+//!   (this process and the peer), which shows how much the cores share the memory's rate.
+//! - `read`: `process_vm_readv` of the peer's 64 MiB into this process, in pieces of
+//!   64 KiB, 1 MiB and 4 MiB (each call pins and unpins the pages it copies).
+//! - `split`: the same message copied by both cores at once, as Chorus's single-copy
+//!   messages are when the sender has nothing else to do (a broadcast's root): this process
+//!   reads the first half from the peer while the peer writes the second half into it.
+//! - `bound`: from those rates, the fastest a W=2 broadcast of 64 MiB could run through
+//!   single copies, in place and out of place (where the two cores also share the root's
+//!   copy of its input to its output).
+//!
+//! `cargo run --release -p chorus-tools --bin shm_ceiling`
+
+use std::io::{self, BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+use clap::Parser;
+
+/// Bytes of every buffer.
+const LEN: usize = 64 << 20;
+
+#[derive(Parser)]
+#[command(about = "Ceilings of shared-memory copies on this machine")]
+struct Args {
+    /// Rounds of each measurement (the median is printed).
+    #[arg(short = 'n', long, default_value_t = 7)]
+    rounds: usize,
+    /// Run as the peer process (internal).
+    #[arg(long, hide = true)]
+    peer: bool,
+}
+
+fn main() -> io::Result<()> {
+    let args = Args::parse();
+    if args.peer {
+        return peer();
+    }
+    let mut peer = Peer::start()?;
+    let src = vec![1u8; LEN];
+    let mut dst = vec![2u8; LEN];
+    let n = args.rounds;
+    let rate = |seconds: f64| LEN as f64 / seconds / 1e9;
+    let one = rate(median(n, || Ok(timed(|| dst.copy_from_slice(&src))))?);
+    let two = rate(median(n, || {
+        peer.ask("copy")?;
+        let mine = timed(|| dst.copy_from_slice(&src));
+        Ok(mine.max(peer.seconds()?))
+    })?);
+    println!("copy      memcpy of 64 MiB: {one:.2} GB/s on one core; {two:.2} GB/s per core on two at once");
+    let mut read = Vec::new();
+    for piece in [64 << 10, 1 << 20, 4 << 20] {
+        let r = rate(median(n, || {
+            let whole = peer.src..peer.src + LEN as u64;
+            timed_io(|| copy(peer.pid, Way::Read, whole, &mut dst, piece))
+        })?);
+        println!(
+            "read      process_vm_readv of 64 MiB in {} KiB pieces: {r:.2} GB/s",
+            piece >> 10
+        );
+        read.push(r);
+    }
+    let half = LEN / 2;
+    let mut split = Vec::new();
+    for piece in [64 << 10, 1 << 20, 4 << 20] {
+        let r = rate(median(n, || {
+            let dst_at = dst.as_ptr() as u64 + half as u64;
+            peer.ask(&format!("write {dst_at} {piece}"))?;
+            let first = peer.src..peer.src + half as u64;
+            let mine = timed_io(|| copy(peer.pid, Way::Read, first, &mut dst[..half], piece))?;
+            Ok(mine.max(peer.seconds()?))
+        })?);
+        println!(
+            "split     64 MiB copied by both cores at once, {} KiB pieces: {r:.2} GB/s",
+            piece >> 10
+        );
+        split.push(r);
+    }
+    let best = split.iter().copied().fold(0.0, f64::max);
+    // Out of place, the two cores also share the root's memcpy of 64 MiB (at the rate of a
+    // core while the other copies too): core-seconds LEN/two for it, 2 LEN/best for the
+    // message, spread over two cores.
+    let out_of_place = 2.0 / (1.0 / two + 2.0 / best);
+    println!(
+        "bound     W=2 broadcast of 64 MiB: in place {best:.2} GB/s (both cores copy the message); \
+         out of place {out_of_place:.2} GB/s (and share the root's memcpy)"
+    );
+    peer.finish()
+}
+
+/// The peer process, answering this program's requests on stdin with seconds on stdout.
+fn peer() -> io::Result<()> {
+    let src = vec![3u8; LEN];
+    let mut dst = vec![4u8; LEN];
+    let mut out = io::stdout().lock();
+    writeln!(out, "{} {}", std::process::id(), src.as_ptr() as u64)?;
+    out.flush()?;
+    for line in io::stdin().lock().lines() {
+        let line = line?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let seconds = match words[..] {
+            ["copy"] => timed(|| dst.copy_from_slice(&src)),
+            ["write", at, piece] => {
+                let (at, piece) = (number(at)?, number(piece)? as usize);
+                let parent = std::os::unix::process::parent_id();
+                let half = LEN / 2;
+                // What the peer writes does not matter: `dst` is as big, and writable here.
+                let second = &mut dst[half..];
+                timed_io(|| copy(parent, Way::Write, at..at + half as u64, second, piece))?
+            }
+            ["exit"] => return Ok(()),
+            _ => return Err(io::Error::other(format!("unknown request {line:?}"))),
+        };
+        writeln!(out, "{seconds}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// The peer process as this one sees it: its pid, its buffer's address, its pipes.
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    pid: u32,
+    src: u64,
+}
+
+impl Peer {
+    fn start() -> io::Result<Peer> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("--peer")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let stdin = child.stdin.take().expect("piped");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut hello = String::new();
+        stdout.read_line(&mut hello)?;
+        let mut words = hello.split_whitespace();
+        let pid = number(words.next().unwrap_or(""))? as u32;
+        let src = number(words.next().unwrap_or(""))?;
+        Ok(Peer {
+            child,
+            stdin,
+            stdout,
+            pid,
+            src,
+        })
+    }
+
+    fn ask(&mut self, request: &str) -> io::Result<()> {
+        writeln!(self.stdin, "{request}")?;
+        self.stdin.flush()
+    }
+
+    /// The seconds the peer's last request took.
+    fn seconds(&mut self) -> io::Result<f64> {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        line.trim()
+            .parse()
+            .map_err(|_| io::Error::other(format!("the peer answered {line:?}")))
+    }
+
+    fn finish(mut self) -> io::Result<()> {
+        self.ask("exit")?;
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+/// Which way a copy between processes goes.
+#[derive(Clone, Copy)]
+enum Way {
+    /// From the other process into `local`.
+    Read,
+    /// From `local` into the other process.
+    Write,
+}
+
+/// Copies between `local` and the other process's `remote` range, `piece` bytes per call.
+fn copy(
+    pid: u32,
+    way: Way,
+    remote: std::ops::Range<u64>,
+    local: &mut [u8],
+    piece: usize,
+) -> io::Result<()> {
+    assert_eq!(remote.end - remote.start, local.len() as u64);
+    for (k, part) in local.chunks_mut(piece).enumerate() {
+        let here = libc::iovec {
+            iov_base: part.as_mut_ptr().cast(),
+            iov_len: part.len(),
+        };
+        let there = libc::iovec {
+            iov_base: (remote.start + (k * piece) as u64) as *mut libc::c_void,
+            iov_len: part.len(),
+        };
+        // SAFETY: `here` is memory this process owns for the call; the kernel checks
+        // `there` against the other process's mappings and fails rather than fault.
+        let n = unsafe {
+            match way {
+                Way::Read => libc::process_vm_readv(pid as i32, &here, 1, &there, 1, 0),
+                Way::Write => libc::process_vm_writev(pid as i32, &here, 1, &there, 1, 0),
+            }
+        };
+        if n != part.len() as isize {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn number(word: &str) -> io::Result<u64> {
+    word.parse()
+        .map_err(|_| io::Error::other(format!("not a number: {word:?}")))
+}
+
+fn timed(f: impl FnOnce()) -> f64 {
+    let start = Instant::now();
+    f();
+    start.elapsed().as_secs_f64()
+}
+
+fn timed_io(f: impl FnOnce() -> io::Result<()>) -> io::Result<f64> {
+    let start = Instant::now();
+    f()?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// The median of `n` samples (one more, first, for warm-up).
+fn median(n: usize, mut sample: impl FnMut() -> io::Result<f64>) -> io::Result<f64> {
+    sample()?;
+    let mut v = (0..n.max(1))
+        .map(|_| sample())
+        .collect::<io::Result<Vec<f64>>>()?;
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
+}
