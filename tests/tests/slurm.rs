@@ -42,7 +42,7 @@ const LIMIT: Duration = Duration::from_secs(60);
 static ONE_CLUSTER: Mutex<()> = Mutex::new(());
 
 /// The programs the tests run, with the Debian package that has them.
-const PROGRAMS: [(&str, &str); 7] = [
+const PROGRAMS: [(&str, &str); 8] = [
     ("munged", "munge"),
     ("slurmctld", "slurmctld"),
     ("slurmd", "slurmd"),
@@ -50,6 +50,7 @@ const PROGRAMS: [(&str, &str); 7] = [
     ("sbatch", "slurm-client"),
     ("sinfo", "slurm-client"),
     ("scontrol", "slurm-client"),
+    ("scancel", "slurm-client"),
 ];
 
 /// `name` on `PATH` or in the system directories (slurmctld, slurmd and munged are in
@@ -97,7 +98,7 @@ fn free_port() -> u16 {
 /// A first job id whose store port (and the next few, one per job) is free here.
 fn first_job_id() -> u64 {
     static TRIES: AtomicU64 = AtomicU64::new(0);
-    loop {
+    for _ in 0..1000 {
         let seed = u64::from(std::process::id()) * 7919 + TRIES.fetch_add(1, Ordering::Relaxed);
         let id = 1 + seed % 19_000;
         // The ports of jobs id..id+4: 10000 + id % 20000, below 30000.
@@ -108,6 +109,7 @@ fn first_job_id() -> u64 {
             return id;
         }
     }
+    panic!("no 5 free ports in a row between 10001 and 29005");
 }
 
 /// A daemon started by a test: its output goes to a log file; SIGTERM, then SIGKILL after 10 s,
@@ -119,6 +121,7 @@ struct Daemon {
 }
 
 impl Daemon {
+    /// Starts `cmd` as daemon `name`, logging to `dir/NAME.log`.
     fn start(name: &str, mut cmd: Command, dir: &Path) -> Daemon {
         let log = dir.join(format!("{name}.log"));
         let out = File::create(&log).expect("create a daemon log");
@@ -148,13 +151,18 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        end(&mut self.child);
     }
+}
+
+/// Waits up to 10 s for `child` to exit, then kills it.
+fn end(child: &mut Child) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// A node of the test cluster: its SLURM name, address and network namespace (`None`: this
@@ -195,9 +203,8 @@ struct Slurm {
 
 impl Slurm {
     /// Starts munged, slurmctld on the first node and a slurmd per node (in `cluster`'s
-    /// namespaces, if any) for `test`, and waits
-    /// (at most [`LIMIT`]) until every node is idle; panics with the daemons' logs if they do
-    /// not come up.
+    /// namespaces, if any) for `test`, and waits (at most [`LIMIT`]) until every node is idle;
+    /// panics with the daemons' logs if they do not come up.
     fn start(
         test: &str,
         one: MutexGuard<'static, ()>,
@@ -406,6 +413,14 @@ impl Slurm {
 
 impl Drop for Slurm {
     fn drop(&mut self) {
+        // A job a failed test left behind ends with the cluster (slurmd leaves its steps be).
+        if self.daemons.len() > 1 {
+            let mut scancel = self.command("scancel", &["--user=root"]);
+            scancel.stdout(Stdio::null()).stderr(Stdio::null());
+            if let Ok(mut child) = scancel.spawn() {
+                end(&mut child);
+            }
+        }
         while let Some(daemon) = self.daemons.pop() {
             drop(daemon);
         }
