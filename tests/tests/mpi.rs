@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use chorus_launch::PortReservation;
 use chorusrun_support::{
-    allreduce_perf, assert_perf_table, clean_env, start, Finished, Scratch, PERF_ARGS, PROBE,
+    allreduce_perf, assert_every_rank_reduced_on, assert_perf_table, clean_env, start, Finished,
+    Scratch, PERF_ARGS, PROBE,
 };
 use netns_support::{cluster, Cluster};
 
@@ -121,28 +122,6 @@ fn open_mpi_args(n: usize, rest: &[&str]) -> Vec<String> {
 /// reporting its own rank and agreeing on the world (the probe checked the sums itself).
 fn assert_every_rank_reduced(run: &Finished, n: usize) {
     assert_every_rank_reduced_on(run, n, n);
-}
-
-/// The same, with the ranks placed `per_node` to a node in rank order.
-fn assert_every_rank_reduced_on(run: &Finished, n: usize, per_node: usize) {
-    run.assert_code(0);
-    let mut lines: Vec<&str> = run
-        .stdout
-        .lines()
-        .filter_map(|l| l.find("allreduce ok").map(|i| &l[i..]))
-        .collect();
-    lines.sort();
-    let want: Vec<String> = (0..n)
-        .map(|r| {
-            let local = r % per_node;
-            format!("allreduce ok rank={r} world={n} local_rank={local} local_world={per_node}")
-        })
-        .collect();
-    assert_eq!(
-        lines, want,
-        "stdout:\n{}\nstderr:\n{}",
-        run.stdout, run.stderr
-    );
 }
 
 /// Writes a program that stands in for ssh to the cluster's nodes: `AGENT [-opts] HOST CMD..`

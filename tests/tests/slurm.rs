@@ -29,8 +29,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use chorusrun_support::{
-    allreduce_perf, assert_perf_table, chorusrun, clean_env, start, Finished, Scratch, PERF_ARGS,
-    PROBE,
+    allreduce_perf, assert_every_rank_reduced_on, assert_perf_table, chorusrun, clean_env, start,
+    Finished, Scratch, PERF_ARGS, PROBE,
 };
 use netns_support::{cluster, Cluster};
 
@@ -451,19 +451,7 @@ fn srun_on_one_node() {
     let script = format!(
         "#!/bin/bash\n#SBATCH -N 1\n#SBATCH --ntasks-per-node=4\nsrun -n 2 {PROBE} allreduce 1000\n"
     );
-    let run = slurm.batch(&script);
-    run.assert_code(0);
-    let mut lines: Vec<&str> = run
-        .stdout
-        .lines()
-        .filter_map(|l| l.find("allreduce ok").map(|i| &l[i..]))
-        .collect();
-    lines.sort();
-    let want = [
-        "allreduce ok rank=0 world=2 local_rank=0 local_world=2",
-        "allreduce ok rank=1 world=2 local_rank=1 local_world=2",
-    ];
-    assert_eq!(lines, want, "{run:?}");
+    assert_every_rank_reduced_on(&slurm.batch(&script), 2, 2);
 }
 
 #[test]
@@ -471,7 +459,14 @@ fn srun_across_two_nodes() {
     let Some(slurm) = Slurm::across("srun-nodes", 2) else {
         return;
     };
-    srun_perf(&slurm, &["-N", "2", "--ntasks-per-node", "2"], 4);
+    let layout = ["-N", "2", "--ntasks-per-node", "2"];
+    srun_perf(&slurm, &layout, 4);
+    // Ranks 2 and 3 reach rank 0's store on the first node's address.
+    let mut args = layout.to_vec();
+    args.extend([PROBE, "allreduce", "1000"]);
+    let mut run = start(slurm.command("srun", &args)).wait(LIMIT);
+    run.stderr.push_str(&slurm.logs());
+    assert_every_rank_reduced_on(&run, 4, 2);
 }
 
 /// `examples/slurm/NAME` for this cluster and build: no `--gres` line (the nodes have no

@@ -180,6 +180,30 @@ pub fn assert_perf_table(run: &Finished, n: usize) {
     assert!(out.contains("# Out of bounds values : 0 OK"), "{out}");
 }
 
+/// Checks that a launch of the probe's `allreduce` succeeded on every one of `n` ranks, placed
+/// `per_node` to a node in rank order, each reporting its own rank and agreeing on the world
+/// (the probe checked the sums itself).
+pub fn assert_every_rank_reduced_on(run: &Finished, n: usize, per_node: usize) {
+    run.assert_code(0);
+    let mut lines: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.find("allreduce ok").map(|i| &l[i..]))
+        .collect();
+    lines.sort();
+    let want: Vec<String> = (0..n)
+        .map(|r| {
+            let local = r % per_node;
+            format!("allreduce ok rank={r} world={n} local_rank={local} local_world={per_node}")
+        })
+        .collect();
+    assert_eq!(
+        lines, want,
+        "stdout:\n{}\nstderr:\n{}",
+        run.stdout, run.stderr
+    );
+}
+
 /// A started process whose output is being collected; stopped if dropped while running.
 pub struct Running {
     child: Child,
