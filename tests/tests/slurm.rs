@@ -6,7 +6,8 @@
 //! listen on free ports; the first job id is picked so that the Chorus store port derived from
 //! it (`10000 + SLURM_JOB_ID % 20000`) is free.
 //!
-//! One node (`localhost`) runs `srun -n 2` and `-n 4`. Two nodes are two network namespaces of
+//! One node (`localhost`) runs `srun -n 2` and `-n 4`, and `srun -n 2` in an
+//! `sbatch --ntasks-per-node=4` job (a step smaller than its job). Two nodes are two network namespaces of
 //! `netns_support` (the controller and the submitting commands in the first), each with its own
 //! `slurmd`; the nodes are named by their addresses, so that the node list SLURM hands the
 //! ranks (`10.77.0.[10-11]`) names a host they reach. There `srun -N 2 --ntasks-per-node 2`
