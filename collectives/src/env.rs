@@ -70,7 +70,9 @@ pub const SLURM_NPROCS: &str = "SLURM_NPROCS";
 pub const SLURM_LOCALID: &str = "SLURM_LOCALID";
 /// The node's index in the step.
 pub const SLURM_NODEID: &str = "SLURM_NODEID";
-/// Tasks on every node (`--ntasks-per-node`).
+/// Tasks per node of the step, as a list like [`SLURM_TASKS_PER_NODE`]; read first.
+pub const SLURM_STEP_TASKS_PER_NODE: &str = "SLURM_STEP_TASKS_PER_NODE";
+/// Tasks on every node (`--ntasks-per-node`; the job's, also in a smaller step).
 pub const SLURM_NTASKS_PER_NODE: &str = "SLURM_NTASKS_PER_NODE";
 /// Tasks per node as a list, `2(x3),1`.
 pub const SLURM_TASKS_PER_NODE: &str = "SLURM_TASKS_PER_NODE";

@@ -10,7 +10,8 @@
 //! 2. torchrun's contract (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 //!    `MASTER_ADDR`, `MASTER_PORT`), as set by `chorusrun`, torchrun or by hand.
 //! 3. SLURM (`srun`): `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, the tasks on this node
-//!    from `SLURM_NTASKS_PER_NODE` or `SLURM_TASKS_PER_NODE` (`2(x3),1`) at `SLURM_NODEID`;
+//!    from the step's `SLURM_STEP_TASKS_PER_NODE` (`2(x3),1`) at `SLURM_NODEID`, else
+//!    `SLURM_NTASKS_PER_NODE`, else `SLURM_TASKS_PER_NODE` (a list like the step's);
 //!    the store on the first host of the step's node list (`MASTER_ADDR` overrides) at port
 //!    `10000 + SLURM_JOB_ID % 20000` (`MASTER_PORT` overrides).
 //! 4. Open MPI (`OMPI_COMM_WORLD_*`), MPICH / Intel MPI (`PMI_RANK`, `PMI_SIZE`,
@@ -190,12 +191,13 @@ const MPI: [Vars; 3] = [
 ];
 
 /// Every SLURM variable read, in the order error messages list them.
-const SLURM_VARS: [&str; 15] = [
+const SLURM_VARS: [&str; 16] = [
     env::SLURM_PROCID,
     env::SLURM_NTASKS,
     env::SLURM_NPROCS,
     env::SLURM_LOCALID,
     env::SLURM_NODEID,
+    env::SLURM_STEP_TASKS_PER_NODE,
     env::SLURM_NTASKS_PER_NODE,
     env::SLURM_TASKS_PER_NODE,
     env::SLURM_STEP_NODELIST,
@@ -448,26 +450,30 @@ fn slurm_ranks(get: Lookup<'_>) -> Result<Ranks, Error> {
             .ok_or_else(|| missing(get, env::SLURM_NTASKS, &SLURM_VARS, method))?,
     };
     let local_rank = need(env::SLURM_LOCALID)?;
-    let (local_world_size, local_var) = if let Some(n) = optional(get, env::SLURM_NTASKS_PER_NODE)?
-    {
-        (n, env::SLURM_NTASKS_PER_NODE)
-    } else if let Some(list) = value(get, env::SLURM_TASKS_PER_NODE) {
+    // The step's own layout first: a step smaller than its job (`srun -n 2` in an
+    // `sbatch --ntasks-per-node=4` job) keeps the job's SLURM_NTASKS_PER_NODE.
+    let at_node = |var: &'static str| -> Result<Option<usize>, Error> {
+        let Some(list) = value(get, var) else {
+            return Ok(None);
+        };
         let node = need(env::SLURM_NODEID)?;
-        let n = tasks_on_node(&list, node).map_err(|reason| {
-            bad(
-                env::SLURM_TASKS_PER_NODE,
-                &list,
-                &format!("{reason} (SLURM_NODEID={node})"),
-            )
-        })?;
+        tasks_on_node(&list, node)
+            .map(Some)
+            .map_err(|reason| bad(var, &list, &format!("{reason} (SLURM_NODEID={node})")))
+    };
+    let (local_world_size, local_var) = if let Some(n) = at_node(env::SLURM_STEP_TASKS_PER_NODE)? {
+        (n, env::SLURM_STEP_TASKS_PER_NODE)
+    } else if let Some(n) = optional(get, env::SLURM_NTASKS_PER_NODE)? {
+        (n, env::SLURM_NTASKS_PER_NODE)
+    } else if let Some(n) = at_node(env::SLURM_TASKS_PER_NODE)? {
         (n, env::SLURM_TASKS_PER_NODE)
     } else {
         return Err(bad(
             env::SLURM_TASKS_PER_NODE,
             "",
             &format!(
-                "found {} but neither SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set \
-                 ({method})",
+                "found {} but none of SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE and \
+                 SLURM_TASKS_PER_NODE is set ({method})",
                 found(get, &SLURM_VARS)
             ),
         ));
@@ -1131,6 +1137,21 @@ mod tests {
             assert_eq!(found.master, addr("a1", 10_007));
         }
 
+        // The step's layout wins over the job's --ntasks-per-node (as real srun sets them for
+        // `srun -n 2` in an `sbatch --ntasks-per-node=4` job).
+        let vars = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_NTASKS_PER_NODE", "4"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2"),
+            ("SLURM_TASKS_PER_NODE", "2"),
+            ("SLURM_JOB_NODELIST", "localhost"),
+            ("SLURM_JOB_ID", "5"),
+        ];
+        assert_eq!(detect_in(&vars).unwrap().ranks, ranks(1, 2, 1, 2));
+
         // One task needs no node list or job id.
         let vars = [
             ("SLURM_PROCID", "0"),
@@ -1162,7 +1183,7 @@ mod tests {
         ]);
         assert_mentions(
             &err,
-            &["neither SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set"],
+            &["none of SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE and SLURM_TASKS_PER_NODE is set"],
         );
 
         let err = error(&[

@@ -23,7 +23,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use chorus_launch::PortReservation;
-use chorusrun_support::{allreduce_perf, clean_env, start, Finished, Scratch, PROBE};
+use chorusrun_support::{
+    allreduce_perf, assert_every_rank_reduced_on, assert_perf_table, clean_env, start, Finished,
+    Scratch, PERF_ARGS, PROBE,
+};
 use netns_support::{cluster, Cluster};
 
 /// Bound on one launch (the ranks' own timeout is Chorus's default; this stops them first).
@@ -121,53 +124,6 @@ fn assert_every_rank_reduced(run: &Finished, n: usize) {
     assert_every_rank_reduced_on(run, n, n);
 }
 
-/// The same, with the ranks placed `per_node` to a node in rank order.
-fn assert_every_rank_reduced_on(run: &Finished, n: usize, per_node: usize) {
-    run.assert_code(0);
-    let mut lines: Vec<&str> = run
-        .stdout
-        .lines()
-        .filter_map(|l| l.find("allreduce ok").map(|i| &l[i..]))
-        .collect();
-    lines.sort();
-    let want: Vec<String> = (0..n)
-        .map(|r| {
-            let local = r % per_node;
-            format!("allreduce ok rank={r} world={n} local_rank={local} local_world={per_node}")
-        })
-        .collect();
-    assert_eq!(
-        lines, want,
-        "stdout:\n{}\nstderr:\n{}",
-        run.stdout, run.stderr
-    );
-}
-
-/// Checks an `allreduce_perf` table from `n` ranks: every rank listed, every size checked with
-/// no wrong value.
-fn assert_perf_table(run: &Finished, n: usize) {
-    run.assert_code(0);
-    let out = &run.stdout;
-    let mut ranks: Vec<usize> = out
-        .lines()
-        .filter_map(|l| l.strip_prefix("#  Rank"))
-        .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
-        .collect();
-    ranks.sort_unstable();
-    assert_eq!(ranks, (0..n).collect::<Vec<_>>(), "{out}");
-    let rows: Vec<Vec<&str>> = out
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .map(|l| l.split_whitespace().collect())
-        .collect();
-    assert_eq!(rows.len(), 3, "sizes 8, 128 and 2048:\n{out}");
-    for row in &rows {
-        assert_eq!(row.len(), 13, "{row:?}");
-        assert_eq!((row[8], row[12]), ("0", "0"), "wrong values: {row:?}");
-    }
-    assert!(out.contains("# Out of bounds values : 0 OK"), "{out}");
-}
-
 /// Writes a program that stands in for ssh to the cluster's nodes: `AGENT [-opts] HOST CMD..`
 /// runs `CMD..` with `sh -c` (as ssh's remote shell would) in the namespace whose address is
 /// `HOST`. Open MPI's `plm_rsh_agent` and hydra's `-launcher-exec` start their daemons with it.
@@ -191,9 +147,6 @@ fn namespace_agent(cluster: &Cluster, dir: &Path) -> PathBuf {
     std::fs::set_permissions(&agent, perms).unwrap();
     agent
 }
-
-/// The perf tool's arguments: 8 B to 2 KiB, a few iterations.
-const PERF_ARGS: [&str; 10] = ["-b", "8", "-e", "2K", "-f", "16", "-n", "3", "-w", "1"];
 
 #[test]
 fn open_mpi_mpirun_with_master_addr_and_port_exported() {

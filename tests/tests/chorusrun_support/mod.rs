@@ -1,4 +1,4 @@
-//! Shared by `launcher.rs`, `multinode.rs` and `torchrun.rs`: where `chorusrun`, the perf
+//! Shared by `launcher.rs`, `mpi.rs`, `multinode.rs`, `slurm.rs` and `torchrun.rs`: where `chorusrun`, the perf
 //! tools and the probe are, and running them with a bound on time.
 
 #![allow(dead_code)]
@@ -150,6 +150,58 @@ impl Finished {
         );
         self
     }
+}
+
+/// The perf tool's arguments: 8 B to 2 KiB, a few iterations.
+pub const PERF_ARGS: [&str; 10] = ["-b", "8", "-e", "2K", "-f", "16", "-n", "3", "-w", "1"];
+
+/// Checks an `allreduce_perf` table from `n` ranks: every rank listed, every size checked with
+/// no wrong value.
+pub fn assert_perf_table(run: &Finished, n: usize) {
+    run.assert_code(0);
+    let out = &run.stdout;
+    let mut ranks: Vec<usize> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("#  Rank"))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
+        .collect();
+    ranks.sort_unstable();
+    assert_eq!(ranks, (0..n).collect::<Vec<_>>(), "{out}");
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 3, "sizes 8, 128 and 2048:\n{out}");
+    for row in &rows {
+        assert_eq!(row.len(), 13, "{row:?}");
+        assert_eq!((row[8], row[12]), ("0", "0"), "wrong values: {row:?}");
+    }
+    assert!(out.contains("# Out of bounds values : 0 OK"), "{out}");
+}
+
+/// Checks that a launch of the probe's `allreduce` succeeded on every one of `n` ranks, placed
+/// `per_node` to a node in rank order, each reporting its own rank and agreeing on the world
+/// (the probe checked the sums itself).
+pub fn assert_every_rank_reduced_on(run: &Finished, n: usize, per_node: usize) {
+    run.assert_code(0);
+    let mut lines: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.find("allreduce ok").map(|i| &l[i..]))
+        .collect();
+    lines.sort();
+    let want: Vec<String> = (0..n)
+        .map(|r| {
+            let local = r % per_node;
+            format!("allreduce ok rank={r} world={n} local_rank={local} local_world={per_node}")
+        })
+        .collect();
+    assert_eq!(
+        lines, want,
+        "stdout:\n{}\nstderr:\n{}",
+        run.stdout, run.stderr
+    );
 }
 
 /// A started process whose output is being collected; stopped if dropped while running.
