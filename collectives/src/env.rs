@@ -107,6 +107,16 @@ pub const PMI_SIZE: &str = "PMI_SIZE";
 pub const MPI_LOCALRANKID: &str = "MPI_LOCALRANKID";
 /// MPICH / Intel MPI: the processes on the node.
 pub const MPI_LOCALNRANKS: &str = "MPI_LOCALNRANKS";
+/// MPICH's hydra: the inherited socket of its PMI-1 server (rank 0's address goes through it
+/// when `MASTER_ADDR` is unset).
+pub const PMI_FD: &str = "PMI_FD";
+/// MPICH's hydra under `mpiexec -pmi-port`: `host:port` of its PMI-1 server.
+pub const PMI_PORT: &str = "PMI_PORT";
+/// MPICH's hydra under `mpiexec -pmi-port`: the process's id for the PMI server.
+pub const PMI_ID: &str = "PMI_ID";
+/// MPICH's hydra: the name `mpiexec` reached the process's host by (its `-hosts` entry); rank 0
+/// of a job across hosts publishes it as its address unless `CHORUS_SOCKET_ADDR` is set.
+pub const MPIR_CVAR_CH3_INTERFACE_HOSTNAME: &str = "MPIR_CVAR_CH3_INTERFACE_HOSTNAME";
 /// MVAPICH2: the process's rank.
 pub const MV2_COMM_WORLD_RANK: &str = "MV2_COMM_WORLD_RANK";
 /// MVAPICH2: the number of processes.

@@ -14,8 +14,11 @@
 //!    the store on the first host of the step's node list (`MASTER_ADDR` overrides) at port
 //!    `10000 + SLURM_JOB_ID % 20000` (`MASTER_PORT` overrides).
 //! 4. Open MPI (`OMPI_COMM_WORLD_*`), MPICH / Intel MPI (`PMI_RANK`, `PMI_SIZE`,
-//!    `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`), MVAPICH2 (`MV2_COMM_WORLD_*`). MPI says nothing
-//!    about where rank 0 is, so `MASTER_ADDR` and `MASTER_PORT` must be exported to every rank.
+//!    `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`), MVAPICH2 (`MV2_COMM_WORLD_*`). Where rank 0 is:
+//!    `MASTER_ADDR` and `MASTER_PORT` exported to every rank; else, under MPICH's hydra
+//!    (`PMI_FD`, or `PMI_PORT` with `mpiexec -pmi-port`, which then gives the rank and size
+//!    only through PMI), rank 0 publishes its store's address in hydra's PMI-1 key-value space
+//!    ([`crate::pmi`]). Open MPI and MVAPICH2's `mpirun_rsh` need the two variables.
 //!
 //! SLURM and MPI together: `mpirun` inside an `sbatch` script hands every rank the batch
 //! step's `SLURM_PROCID` (the same in every process), so when an MPI flavour's rank or size
@@ -32,7 +35,7 @@ use chorus_transport::auth::Auth;
 use chorus_transport::store::StoreServer;
 
 use crate::env::{self, bad, optional, Lookup};
-use crate::Error;
+use crate::{pmi, Error};
 
 /// The rendezvous store at `MASTER_ADDR:MASTER_PORT`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -130,6 +133,10 @@ pub(crate) enum Master {
         /// The `CHORUS_INIT_METHOD` value, for messages.
         url: String,
     },
+    /// Published in MPICH hydra's PMI-1 key-value space: rank 0 binds its store as for
+    /// [`Master::File`] and puts `HOST:PORT` under [`pmi::STORE_KEY`]; after a PMI barrier
+    /// the others get it.
+    Pmi,
 }
 
 /// What [`detect`] found.
@@ -238,7 +245,7 @@ fn launcher_ranks(get: Lookup<'_>) -> Result<Option<(Method, Ranks)>, Error> {
     let mpi = MPI.iter().find(|v| value(get, v.rank).is_some());
     let slurm = value(get, env::SLURM_PROCID).is_some();
     match (slurm, mpi) {
-        (false, None) => Ok(None),
+        (false, None) => pmi_port_ranks(get),
         (true, None) => slurm_ranks(get).map(|r| Some((Method::Slurm, r))),
         (false, Some(vars)) => standard_ranks(get, vars, true).map(|r| Some((vars.method, r))),
         (true, Some(vars)) => {
@@ -264,6 +271,43 @@ fn launcher_ranks(get: Lookup<'_>) -> Result<Option<(Method, Ranks)>, Error> {
             Ok(Some((vars.method, mpi)))
         }
     }
+}
+
+/// Under `mpiexec -pmi-port` hydra gives the rank and size through PMI only (this connects to
+/// it); `None` when `PMI_PORT` is not set.
+fn pmi_port_ranks(get: Lookup<'_>) -> Result<Option<(Method, Ranks)>, Error> {
+    let assigned = pmi::assigned_ranks(get).map_err(|reason| pmi_error(get, &reason))?;
+    let Some((rank, world_size)) = assigned else {
+        return Ok(None);
+    };
+    let locals = [env::MPI_LOCALRANKID, env::MPI_LOCALNRANKS];
+    let need = |var: &'static str| -> Result<usize, Error> {
+        optional(get, var)?.ok_or_else(|| missing(get, var, &locals, Method::Pmi))
+    };
+    let ranks = Ranks {
+        rank,
+        world_size,
+        local_rank: need(env::MPI_LOCALRANKID)?,
+        local_world_size: need(env::MPI_LOCALNRANKS)?,
+    };
+    check(
+        &ranks,
+        env::PMI_ID,
+        env::PMI_PORT,
+        env::MPI_LOCALRANKID,
+        env::MPI_LOCALNRANKS,
+    )?;
+    Ok(Some((Method::Pmi, ranks)))
+}
+
+/// An error of the PMI exchange, naming the variable that named the server.
+fn pmi_error(get: Lookup<'_>, reason: &str) -> Error {
+    let (var, value) = pmi::server(get).unwrap_or((env::PMI_FD, String::new()));
+    bad(
+        var,
+        &value,
+        &format!("MPICH hydra's PMI rendezvous failed: {reason}"),
+    )
 }
 
 /// `CHORUS_INIT_METHOD`: `env://`, `tcp://HOST:PORT` or `file:///PATH`.
@@ -493,20 +537,26 @@ pub(crate) fn slurm_port(job_id: u64) -> u16 {
     SLURM_PORT_BASE + (job_id % SLURM_PORT_SPAN) as u16
 }
 
-/// `MASTER_ADDR` and `MASTER_PORT`, required unless the job has one rank.
+/// `MASTER_ADDR` and `MASTER_PORT`, required unless the job has one rank or MPICH's hydra
+/// serves PMI (then [`Master::Pmi`] when `MASTER_ADDR` is not set).
 fn given_master(get: Lookup<'_>, ranks: &Ranks, method: Method) -> Result<Master, Error> {
     let single = ranks.world_size == 1;
     let mpi = MPI.iter().find(|v| v.method == method);
+    let hydra = method == Method::Pmi || method == Method::Mvapich2;
+    if hydra && !single && value(get, env::MASTER_ADDR).is_none() && pmi::server(get).is_some() {
+        return Ok(Master::Pmi);
+    }
     let hint = |var: &'static str| -> Error {
         let reason = match mpi {
             Some(vars) => format!(
                 "not set: {method} (found {}) does not say where rank 0 is; export MASTER_ADDR \
-                 and MASTER_PORT to every rank (mpirun -x MASTER_ADDR -x MASTER_PORT), or set \
-                 CHORUS_INIT_METHOD=tcp://HOST:PORT or file:///shared/path",
+                 and MASTER_PORT to every rank ({}), or set CHORUS_INIT_METHOD=tcp://HOST:PORT \
+                 or file:///shared/path",
                 found(
                     get,
                     &[vars.rank, vars.size, vars.local_rank, vars.local_size]
-                )
+                ),
+                export_advice(method)
             ),
             None if var == env::MASTER_ADDR => "not set (the host of rank 0)".to_string(),
             None => "not set (the port of rank 0's store)".to_string(),
@@ -524,6 +574,18 @@ fn given_master(get: Lookup<'_>, ranks: &Ranks, method: Method) -> Result<Master
         None => return Err(hint(env::MASTER_PORT)),
     };
     Ok(Master::Addr(addr, port))
+}
+
+/// How `method`'s launcher exports the two variables to every rank.
+fn export_advice(method: Method) -> &'static str {
+    match method {
+        Method::OpenMpi => "mpirun -x MASTER_ADDR=HOST -x MASTER_PORT=PORT",
+        Method::Mvapich2 => "mpirun_rsh ... MASTER_ADDR=HOST MASTER_PORT=PORT prog",
+        _ => {
+            "mpiexec -genv MASTER_ADDR HOST -genv MASTER_PORT PORT; under MPICH's hydra \
+             mpiexec, PMI_FD carries rank 0's address without them"
+        }
+    }
 }
 
 /// Range checks shared by every launcher, naming the launcher's variables.
@@ -758,28 +820,41 @@ impl Master {
     ) -> Result<(String, u16, Option<StoreServer>), Error> {
         match self {
             Master::Addr(addr, port) => Ok((addr.clone(), *port, None)),
-            Master::File { .. } if ranks.world_size == 1 => {
+            Master::File { .. } | Master::Pmi if ranks.world_size == 1 => {
                 Ok((DEFAULT_MASTER_ADDR.to_string(), 0, None))
+            }
+            Master::Pmi => {
+                // Rank 0's store, and its own error (a busy MASTER_PORT) if it cannot bind it.
+                let (mut server, mut failed) = (None, None);
+                let publish = || match host_store(get, ranks, auth) {
+                    Ok((addr, port, bound)) => {
+                        server = bound;
+                        Ok(join_host_port(&addr, port))
+                    }
+                    Err(e) => {
+                        let reason = e.to_string();
+                        failed = Some(e);
+                        Err(reason)
+                    }
+                };
+                let at = pmi::rendezvous(get, ranks.rank, timeout, publish).map_err(|reason| {
+                    failed.take().unwrap_or_else(|| {
+                        pmi_error(
+                            get,
+                            &format!("rank {} of {}: {reason}", ranks.rank, ranks.world_size),
+                        )
+                    })
+                })?;
+                let (addr, port) = parse_host_port(&at).map_err(|reason| {
+                    pmi_error(get, &format!("rank 0 published {at:?}: {reason}"))
+                })?;
+                tracing::info!(%addr, port, rank = ranks.rank, "store address through PMI");
+                Ok((addr, port, server))
             }
             Master::File { path, url } => {
                 let run = run_token(get);
                 if ranks.rank == 0 {
-                    let addr = match value(get, env::CHORUS_SOCKET_ADDR) {
-                        Some(addr) => addr,
-                        None if ranks.local_world_size == ranks.world_size => {
-                            "127.0.0.1".to_string()
-                        }
-                        None => host_name(),
-                    };
-                    let given = optional::<u16>(get, env::MASTER_PORT)?.unwrap_or(0);
-                    let agent = given != 0 && store_kind(get, &addr, given) != StoreKind::Chorus;
-                    let (port, server) = if agent {
-                        (given, None)
-                    } else {
-                        let any = SocketAddr::from(([0, 0, 0, 0], given));
-                        let server = StoreServer::bind_with_auth(any, auth.clone())?;
-                        (server.local_addr().port(), Some(server))
-                    };
+                    let (addr, port, server) = host_store(get, ranks, auth)?;
                     publish(path, &run, &addr, port).map_err(|e| {
                         bad(
                             env::CHORUS_INIT_METHOD,
@@ -801,6 +876,41 @@ impl Master {
                 }
             }
         }
+    }
+}
+
+/// Rank 0's side of a published rendezvous (`file://`, PMI): the address the others reach it
+/// at (`CHORUS_SOCKET_ADDR`; else `127.0.0.1` when the whole job is on this host, else the
+/// name hydra's `mpiexec` reached this host by, else the host name) and its store, bound on `MASTER_PORT` or else on any free port, so that the
+/// port published is already its own; only where torchrun's agent serves its store at
+/// `MASTER_PORT` is that one published without binding anything.
+///
+/// Fails when the store cannot be bound.
+fn host_store(
+    get: Lookup<'_>,
+    ranks: &Ranks,
+    auth: &Auth,
+) -> Result<(String, u16, Option<StoreServer>), Error> {
+    let addr = match value(get, env::CHORUS_SOCKET_ADDR) {
+        Some(addr) => addr,
+        None if ranks.local_world_size == ranks.world_size => "127.0.0.1".to_string(),
+        None => value(get, env::MPIR_CVAR_CH3_INTERFACE_HOSTNAME).unwrap_or_else(host_name),
+    };
+    let given = optional::<u16>(get, env::MASTER_PORT)?.unwrap_or(0);
+    if given != 0 && store_kind(get, &addr, given) != StoreKind::Chorus {
+        return Ok((addr, given, None));
+    }
+    let any = SocketAddr::from(([0, 0, 0, 0], given));
+    let server = StoreServer::bind_with_auth(any, auth.clone())?;
+    Ok((addr, server.local_addr().port(), Some(server)))
+}
+
+/// `HOST:PORT`, with an IPv6 address in brackets.
+fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
     }
 }
 
@@ -1147,6 +1257,11 @@ mod tests {
             ),
         ];
         for (method, rank, size, local_rank, local_size) in flavours {
+            let advice = match method {
+                Method::OpenMpi => "mpirun -x MASTER_ADDR=HOST -x MASTER_PORT=PORT",
+                Method::Pmi => "mpiexec -genv MASTER_ADDR HOST -genv MASTER_PORT PORT",
+                _ => "mpirun_rsh ... MASTER_ADDR=HOST MASTER_PORT=PORT prog",
+            };
             let vars = [
                 (rank, "5"),
                 (size, "8"),
@@ -1167,7 +1282,7 @@ mod tests {
                 &[
                     "MASTER_ADDR=\"\"",
                     &format!("{method} (found {rank}=5, {size}=8, {local_rank}=1, {local_size}=4)"),
-                    "-x MASTER_ADDR",
+                    advice,
                     "CHORUS_INIT_METHOD",
                 ],
             );
@@ -1200,6 +1315,50 @@ mod tests {
             ]);
             assert_mentions(&err, &[&format!("{local_size}=\"4\""), "between 1 and"]);
         }
+    }
+
+    #[test]
+    fn hydra_pmi_carries_the_address() {
+        let hydra = [
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "4"),
+            ("PMI_FD", "6"),
+        ];
+        let found = detect_in(&hydra).unwrap();
+        assert_eq!(found.method, Method::Pmi);
+        assert_eq!(found.ranks, ranks(1, 4, 1, 4));
+        assert_eq!(found.master, Master::Pmi);
+        // MASTER_ADDR exported (mpiexec -genv) wins over PMI.
+        let mut vars = hydra.to_vec();
+        vars.extend([("MASTER_ADDR", "head"), ("MASTER_PORT", "29500")]);
+        assert_eq!(detect_in(&vars).unwrap().master, addr("head", 29_500));
+        // Open MPI has no PMI-1 server: it keeps asking for the variables.
+        let vars = [
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("PMI_FD", "6"),
+        ];
+        assert_mentions(&error(&vars), &["-x MASTER_ADDR=HOST"]);
+        // One process needs no exchange.
+        let (host, port, server) = Master::Pmi
+            .resolve(
+                &ranks(0, 1, 0, 1),
+                Duration::from_millis(1),
+                &|_: &str| None,
+                &Auth::default(),
+            )
+            .unwrap();
+        assert_eq!(
+            (host.as_str(), port, server.is_none()),
+            ("127.0.0.1", 0, true)
+        );
+        assert_eq!(join_host_port("10.0.0.1", 5), "10.0.0.1:5");
+        assert_eq!(join_host_port("fe80::1", 5), "[fe80::1]:5");
+        assert_eq!(parse_host_port("[fe80::1]:5"), Ok(("fe80::1".into(), 5)));
     }
 
     #[test]

@@ -35,6 +35,7 @@ mod error;
 mod executor;
 mod launcher;
 pub mod pipeline;
+mod pmi;
 pub mod schedule;
 pub mod torchrun;
 pub mod tuner;

@@ -4,10 +4,11 @@
 //! (same caps, same ready order). Each bucket is split into `W` equal shards
 //! (the last padded); rank `r` owns shard `r` of every bucket: it keeps the
 //! momentum for it alone, updates those parameters, and an all-gather gives
-//! every rank the whole updated bucket. Stage 1 all-reduces each gradient
-//! bucket asynchronously as soon as it is ready (overlapping the rest of
-//! backward, as DDP does); stage 2 reduce-scatters it, so a rank keeps only its shard of the
-//! averaged gradients and frees the bucket once it is reduced. The update is
+//! every rank the whole updated bucket. Each gradient bucket's reduction
+//! starts asynchronously as soon as the bucket is ready, overlapping the rest
+//! of backward as DDP's does: stage 1 all-reduces it; stage 2 reduce-scatters
+//! it, so a rank keeps only its shard of the averaged gradients and frees the
+//! bucket once it is reduced. The update is
 //! element for element the one [`Ddp`](crate::ddp::Ddp) plus SGD makes:
 //! `v = momentum * v + g; p -= lr * v`.
 //!
@@ -91,16 +92,25 @@ struct Bucket {
     shard: usize,
     /// The whole gradient bucket, padded to `shard * world`: kept in stage 1
     /// (away during its all-reduce), held in stage 2 only from the first
-    /// `grad_mut` to the reduction.
+    /// `grad_mut` until its reduce-scatter completes.
     grads: Vec<f32>,
-    /// Stage 1: the bucket's all-reduce, in flight until [`Zero::step`].
-    away: Option<Work<Vec<f32>>>,
+    /// The bucket's reduction, in flight until [`Zero::step`].
+    away: Option<Away>,
     /// Stage 2: this rank's shard of the averaged gradient, once reduced.
     reduced: Vec<f32>,
     /// This rank's shard of the momentum.
     momentum: Vec<f32>,
     /// Members not yet marked ready in this step.
     waiting: usize,
+}
+
+/// A bucket's reduction in flight.
+#[derive(Debug)]
+enum Away {
+    /// Stage 1: the whole bucket's all-reduce.
+    Whole(Work<Vec<f32>>),
+    /// Stage 2: the bucket's reduce-scatter into this rank's shard (bucket, shard).
+    Shard(Work<(Vec<f32>, Vec<f32>)>),
 }
 
 /// ZeRO stage 1 or 2 data parallelism with SGD and momentum over `f32` parameters.
@@ -195,11 +205,11 @@ impl<'c> Zero<'c> {
     }
 
     /// Says that backward has finished `param`'s gradient; a bucket whose
-    /// gradients are all ready is reduced now, in bucket order (stage 1
-    /// starts an asynchronous all-reduce; stage 2 reduce-scatters at once).
+    /// gradients are all ready starts its reduction now, asynchronously, in
+    /// bucket order (stage 1 an all-reduce, stage 2 a reduce-scatter).
     ///
-    /// Fails if there is no such parameter, it was already marked ready in
-    /// this step, or as the collective does.
+    /// Fails if there is no such parameter or it was already marked ready in
+    /// this step; the reduction's own errors surface in [`step`](Self::step).
     pub fn mark_ready(&mut self, param: usize) -> Result<()> {
         self.check_open(param)?;
         self.ready[param] = true;
@@ -212,18 +222,14 @@ impl<'c> Zero<'c> {
             if bucket.grads.is_empty() {
                 bucket.grads = vec![0.0; bucket.shard * world];
             }
-            match self.options.stage {
-                ZeroStage::One => {
-                    let grads = std::mem::take(&mut bucket.grads);
-                    bucket.away = Some(self.comm.all_reduce_async(grads, ReduceOp::Avg));
-                }
+            let grads = std::mem::take(&mut bucket.grads);
+            bucket.away = Some(match self.options.stage {
+                ZeroStage::One => Away::Whole(self.comm.all_reduce_async(grads, ReduceOp::Avg)),
                 ZeroStage::Two => {
-                    bucket.reduced = vec![0.0; bucket.shard];
-                    let grads = std::mem::take(&mut bucket.grads);
-                    self.comm
-                        .reduce_scatter(&grads, &mut bucket.reduced, ReduceOp::Avg)?;
+                    let shard = vec![0.0; bucket.shard];
+                    Away::Shard(self.comm.reduce_scatter_async(grads, shard, ReduceOp::Avg))
                 }
-            }
+            });
             self.next += 1;
         }
         Ok(())
@@ -234,7 +240,7 @@ impl<'c> Zero<'c> {
     /// same updated `params` (in registration order); then starts a new step.
     ///
     /// Fails naming a parameter not marked ready, if `params` do not match the
-    /// registered lengths, or as the all-gather does.
+    /// registered lengths, or as the reductions and the all-gather do.
     pub fn step(&mut self, params: &mut [&mut [f32]]) -> Result<()> {
         if let Some(i) = self.ready.iter().position(|r| !r) {
             return Err(Error::InvalidArgument(format!(
@@ -257,8 +263,11 @@ impl<'c> Zero<'c> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let ZeroOptions { lr, momentum, .. } = self.options;
         for bucket in &mut self.buckets {
-            if let Some(work) = bucket.away.take() {
-                bucket.grads = work.wait()?;
+            match bucket.away.take() {
+                Some(Away::Whole(work)) => bucket.grads = work.wait()?,
+                // The whole bucket is dropped here: only the shard stays.
+                Some(Away::Shard(work)) => bucket.reduced = work.wait()?.1,
+                None => {}
             }
             let mut flat = vec![0.0f32; bucket.shard * world];
             for &i in &bucket.members {
@@ -308,6 +317,22 @@ impl<'c> Zero<'c> {
             ),
             optimizer: f32s(self.buckets.iter().map(|b| b.shard).sum()),
         }
+    }
+
+    /// Every parameter's whole momentum buffer (in registration order), gathered
+    /// from the ranks' shards: for checkpoints.
+    ///
+    /// A collective: every rank calls it. Fails as the all-gather does.
+    pub fn momentum(&self) -> Result<Vec<Vec<f32>>> {
+        let mut out: Vec<Vec<f32>> = self.specs.iter().map(|s| vec![0.0; s.len]).collect();
+        for bucket in &self.buckets {
+            let mut flat = vec![0.0f32; bucket.shard * self.comm.world_size()];
+            self.comm.all_gather(&bucket.momentum, &mut flat)?;
+            for &i in &bucket.members {
+                out[i].copy_from_slice(&flat[self.slots[i].1.clone()]);
+            }
+        }
+        Ok(out)
     }
 
     fn check_open(&self, param: usize) -> Result<()> {

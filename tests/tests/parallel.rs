@@ -1,7 +1,7 @@
 //! Pipeline and sharded data parallelism across real processes: a pipeline's
 //! gradients equal the layers run on one rank, 2-D groups average them over
 //! replicas, ZeRO 1 and 2 end with DDP's parameters, and a rank killed
-//! mid-pipeline fails every other rank promptly, its neighbours naming it.
+//! mid-pipeline fails every other rank promptly, naming it.
 
 use std::path::Path;
 use std::time::Duration;
@@ -50,10 +50,9 @@ fn zero_one_and_two_end_with_ddps_parameters() {
 }
 
 /// A stage killed with SIGKILL in its forward: every other stage fails at once
-/// (not by timing out). Its neighbours name it; a stage further away names the
-/// neighbour that gave up before it, which itself names a rank closer to the
-/// victim (point-to-point failures are not yet explained through the monitor's
-/// alarm, as collective ones are).
+/// (not by timing out), naming it: the first stage to notice raises the
+/// monitor's alarm before giving up, so the stages further away, which only see
+/// a neighbour leave, read the cause from it.
 #[test]
 fn a_rank_killed_mid_pipeline_fails_every_other_rank_naming_it() {
     for victim in [1usize, 3] {
@@ -66,7 +65,7 @@ fn a_rank_killed_mid_pipeline_fails_every_other_rank_naming_it() {
         let report = launch(&spec).expect("launch");
         assert!(!report.timed_out, "the job hung:\n{}", report.summary());
         assert_eq!(report.ranks[victim].status, Exit::Signal(9));
-        let blamed = |rank: usize| -> usize {
+        for rank in (0..4).filter(|&r| r != victim) {
             let r = &report.ranks[rank];
             let error = r
                 .stderr
@@ -75,23 +74,10 @@ fn a_rank_killed_mid_pipeline_fails_every_other_rank_naming_it() {
                 .unwrap_or_else(|| panic!("rank {rank} printed no error:\n{}", r.stderr));
             assert_eq!(r.status, Exit::Code(1), "rank {rank}: {error}");
             assert!(!error.contains("timed out"), "rank {rank}: {error}");
-            let error = error
-                .strip_prefix(&format!("rank {rank}: "))
-                .unwrap_or(error);
-            (0..4)
-                .find(|&q| q != rank && error.contains(&format!("rank {q} ")))
-                .unwrap_or_else(|| panic!("rank {rank} names no rank: {error}"))
-        };
-        for rank in (0..4).filter(|&r| r != victim) {
-            let named = blamed(rank);
-            // Each survivor names the victim or a rank between it and the victim.
             assert!(
-                named == victim || named.abs_diff(victim) < rank.abs_diff(victim),
-                "rank {rank} names rank {named}, victim {victim}"
+                error.contains(&format!("rank {victim} ")),
+                "rank {rank} does not name rank {victim}: {error}"
             );
-            if rank.abs_diff(victim) == 1 {
-                assert_eq!(named, victim, "rank {rank} is the victim's neighbour");
-            }
         }
     }
 }

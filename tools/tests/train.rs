@@ -1,6 +1,8 @@
-//! The trainer across real processes: data-parallel runs match one-rank runs
-//! of the same global batch, a resumed run matches an uninterrupted one bit
-//! for bit, and 3 epochs on Fashion-MNIST reach the accuracy PyTorch does.
+//! The trainer across real processes: data-parallel, pipeline and ZeRO runs
+//! match one-rank runs of the same global batch, a stage killed mid-pipeline
+//! fails every other rank naming it, bad layouts name their flags, a resumed
+//! run matches an uninterrupted one bit for bit, and 3 epochs on Fashion-MNIST
+//! reach the accuracy PyTorch does.
 //!
 //! With the `cuda` feature, the tests named `cuda_*` check `--device cuda` against the host
 //! trainer; without a GPU they print a `skipping:` line and pass, and with
@@ -9,8 +11,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
-use chorus_tests::{assert_success, run, CHORUS_TEST_BIN_DIR};
+use chorus_launch::{launch, Exit, LaunchSpec, Output};
+use chorus_tests::{assert_success, run, CHORUS_TEST_BIN_DIR, JOB_TIMEOUT};
 use chorus_tools::train::checkpoint::Checkpoint;
 use chorus_tools::train::idx::{encode, DEFAULT_DATA_DIR};
 use chorus_tools::train::mlp::Mlp;
@@ -132,6 +136,293 @@ fn four_ranks_of_16_match_one_rank_of_64() {
 fn four_ranks_of_16_match_one_rank_of_64_with_bf16_compression() {
     // bf16 keeps 8 bits of mantissa: each step's gradient is off by up to 2^-9 relative.
     equivalence("bf16", 1e-2);
+}
+
+/// A network of 5 layers to split: stages of 1 to 4 layers.
+const DEEP: &str = "64,48,32,24";
+
+/// Each `(world, flags)` run against one rank of batch 64 for 30 steps on the `DEEP`
+/// network: the same parameters and momentum to float tolerance, and a JSON log with
+/// every rank's figures.
+fn parallel_modes_match_one_rank(name: &str, modes: &[(usize, &[&'static str])]) {
+    let dir = scratch(name);
+    synthetic(&dir, 3200, 100);
+    let common = [
+        "--epochs",
+        "1",
+        "--max-steps",
+        "30",
+        "--seed",
+        "3",
+        "--hidden",
+        DEEP,
+    ];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        common.iter().chain(extra).copied().collect()
+    };
+    let one = train(1, &dir, &dir.join("w1"), &with(&["--batch-size", "64"]));
+    let initial = Mlp::new(vec![784, 64, 48, 32, 24, 10]).unwrap().init(3);
+    let moved = relative_l2(&one.params, &initial);
+    assert!(
+        moved > 0.01,
+        "training barely moved the parameters: {moved}"
+    );
+    for (k, &(world, flags)) in modes.iter().enumerate() {
+        let out = dir.join(format!("mode{k}"));
+        let got = train(world, &dir, &out, &with(flags));
+        let p = relative_l2(&got.params, &one.params);
+        let m = relative_l2(&got.momentum, &one.momentum);
+        eprintln!("W={world} {flags:?} vs W=1: params {p:e}, momentum {m:e}");
+        assert!(
+            p <= 1e-5 && m <= 1e-4,
+            "W={world} {flags:?}: params differ by {p:e}, momentum by {m:e}"
+        );
+        let log: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("train_log.json")).unwrap()).unwrap();
+        let ranks = log["epochs"][0]["ranks"].as_array().unwrap();
+        assert_eq!(ranks.len(), world, "{flags:?}: {log}");
+        for r in ranks {
+            assert!(r["samples_per_sec"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["param_bytes"].as_u64().unwrap() > 0, "{r}");
+            if flags.contains(&"--zero") {
+                // Every rank keeps momentum for its shard only.
+                assert!(
+                    r["optimizer_bytes"].as_u64() < r["param_bytes"].as_u64(),
+                    "{r}"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn pipelines_and_zero_at_w2_match_one_rank() {
+    parallel_modes_match_one_rank(
+        "modes2",
+        &[
+            (
+                2,
+                &["--pp", "2", "--micro-batches", "4", "--schedule", "gpipe"],
+            ),
+            (
+                2,
+                &["--pp", "2", "--micro-batches", "4", "--schedule", "1f1b"],
+            ),
+            (2, &["--zero", "1", "--batch-size", "32"]),
+            (2, &["--zero", "2", "--batch-size", "32"]),
+        ],
+    );
+}
+
+#[test]
+fn three_stages_and_two_by_two_grids_match_one_rank() {
+    parallel_modes_match_one_rank(
+        "modes34",
+        &[
+            (3, &["--pp", "3", "--micro-batches", "8"]),
+            (
+                4,
+                &["--pp", "4", "--micro-batches", "8", "--schedule", "gpipe"],
+            ),
+            (
+                4,
+                &[
+                    "--pp",
+                    "2",
+                    "--dp",
+                    "2",
+                    "--micro-batches",
+                    "4",
+                    "--batch-size",
+                    "32",
+                ],
+            ),
+            (
+                4,
+                &[
+                    "--pp",
+                    "2",
+                    "--micro-batches",
+                    "2",
+                    "--zero",
+                    "1",
+                    "--batch-size",
+                    "32",
+                ],
+            ),
+            (
+                4,
+                &[
+                    "--pp",
+                    "2",
+                    "--micro-batches",
+                    "4",
+                    "--zero",
+                    "2",
+                    "--batch-size",
+                    "32",
+                ],
+            ),
+            (4, &["--zero", "2", "--batch-size", "16"]),
+        ],
+    );
+}
+
+/// Flags that do not fit together fail before training, naming the flag.
+#[test]
+fn bad_layouts_name_their_flags() {
+    let dir = scratch("layouts");
+    synthetic(&dir, 64, 10);
+    let cases: [(&[&str], &str); 9] = [
+        (
+            &["--pp", "3", "--hidden", "8"],
+            "--pp 3 asks for more stages than the network's 2 layers",
+        ),
+        (&["--pp", "2"], "--pp 2 does not divide the job's 1 ranks"),
+        (
+            &["--dp", "2"],
+            "--dp 2 x --pp 1 is 2 ranks, but the job has 1",
+        ),
+        (
+            &["--micro-batches", "3"],
+            "--micro-batches 3 does not divide --batch-size 64",
+        ),
+        (&["--zero", "3"], "--zero 3"),
+        (
+            &["--zero", "1", "--compression", "bf16"],
+            "--compression none",
+        ),
+        (
+            &["--accumulate", "2", "--micro-batches", "2"],
+            "--accumulate",
+        ),
+        (&["--resume", "--zero", "1"], "--resume"),
+        (&["--schedule", "zb"], "--schedule"),
+    ];
+    for (flags, want) in cases {
+        let out = Command::new(train_bin())
+            .args(["--data-dir", dir.to_str().unwrap()])
+            .args([
+                "--out-dir",
+                dir.join("out").to_str().unwrap(),
+                "--no-progress",
+            ])
+            .args(flags)
+            .env_remove("RANK")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} ran");
+        assert!(stderr.contains(want), "{flags:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The pid of the process running `RANK=rank` whose command line mentions `marker`.
+fn pid_of_rank(rank: usize, marker: &str) -> Option<i32> {
+    let env = format!("RANK={rank}");
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            let has = |bytes: &[u8], s: &str| bytes.split(|&b| b == 0).any(|w| w == s.as_bytes());
+            (has(&cmdline, marker) && has(&environ, &env)).then_some(pid)
+        })
+}
+
+/// Trains with `flags` on 4 ranks; once the first epoch's checkpoint is written (the
+/// pipeline then runs the second), kills rank `victim` with SIGKILL. Checks that every
+/// other rank failed at once (not by timing out) and returns their last lines.
+fn kill_mid_pipeline(dir: &Path, flags: &[&str], victim: usize) -> Vec<(usize, String)> {
+    let out = dir.join(format!("out{victim}"));
+    let out_arg = out.to_str().unwrap().to_string();
+    let spec = LaunchSpec::new(train_bin(), 4)
+        .args(["--data-dir", dir.to_str().unwrap(), "--out-dir", &out_arg])
+        .args(["--no-progress", "--epochs", "1000", "--hidden", DEEP])
+        .args(flags.iter().copied())
+        .timeout(JOB_TIMEOUT)
+        .output(Output::Capture)
+        .wait_all(true)
+        .env(chorus::env::CHORUS_TIMEOUT, "60");
+    let job = std::thread::spawn(move || launch(&spec).expect("launch"));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let pid = loop {
+        let pid = pid_of_rank(victim, &out_arg);
+        if let (true, Some(pid)) = (out.join("checkpoint.bin").is_file(), pid) {
+            break pid;
+        }
+        assert!(
+            Instant::now() < deadline && !job.is_finished(),
+            "no first epoch within 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // SAFETY: kill(2) on a pid of ours, with a valid signal; no memory is involved.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let report = job.join().unwrap();
+    assert!(!report.timed_out, "the job hung:\n{}", report.summary());
+    assert_eq!(report.ranks[victim].status, Exit::Signal(9));
+    let mut errors = Vec::new();
+    for r in report.ranks.iter().filter(|r| r.rank != victim) {
+        let error = r.last_stderr_line().unwrap_or_default().to_string();
+        eprintln!("{flags:?} victim {victim}, rank {}: {error}", r.rank);
+        assert_eq!(r.status, Exit::Code(1), "rank {}: {}", r.rank, r.stderr);
+        assert!(!error.contains("timed out"), "rank {}: {error}", r.rank);
+        errors.push((r.rank, error));
+    }
+    errors
+}
+
+/// Four stages; a stage killed mid-pipeline is named by every other one.
+#[test]
+fn a_stage_killed_mid_pipeline_fails_every_other_rank_naming_it() {
+    let dir = scratch("kill");
+    synthetic(&dir, 12800, 100);
+    let flags = ["--pp", "4", "--micro-batches", "4", "--batch-size", "16"];
+    for victim in [1usize, 3] {
+        for (rank, error) in kill_mid_pipeline(&dir, &flags, victim) {
+            assert!(
+                error.contains(&format!("rank {victim} ")),
+                "rank {rank} does not name rank {victim}: {error}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Two replicas of two stages, rank 3 (replica 1, stage 1) killed: the ranks sharing a
+/// group with it name it by its rank in that group, with the job's ranks of that group.
+/// (Rank 0 shares none: it names the rank of its groups that gave up first, as an alarm
+/// is raised on one communicator and heard on that one only.)
+#[test]
+fn a_rank_killed_in_a_two_by_two_grid_is_named_in_its_groups() {
+    let dir = scratch("kill-grid");
+    synthetic(&dir, 12800, 100);
+    let flags = [
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--micro-batches",
+        "4",
+        "--batch-size",
+        "16",
+    ];
+    let errors = kill_mid_pipeline(&dir, &flags, 3);
+    for (rank, group) in [(2, "replica 1's pipeline"), (1, "stage 1's replicas")] {
+        let (_, error) = errors.iter().find(|(r, _)| *r == rank).unwrap();
+        let maps = format!("(ranks 0, 1 of {group} are ranks ");
+        assert!(
+            error.contains("rank 1 closed its connection") && error.contains(&maps),
+            "rank {rank}: {error}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -303,7 +594,8 @@ mod cuda {
         ddp.zero_grad().unwrap();
         mlp.forward(&params, &x, rows, &mut ws);
         let host = mlp.loss(&labels, rows as f32, &mut ws);
-        mlp.backward(&params, &x, rows, &mut ws, &mut ddp).unwrap();
+        mlp.backward(&params, &x, rows, &mut ws, &mut ddp, None)
+            .unwrap();
         ddp.finish().unwrap();
 
         let mut gpu = Gpu::new(&comm, &mlp, &params, &sgd).unwrap();

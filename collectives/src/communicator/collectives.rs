@@ -141,7 +141,9 @@ impl Communicator {
     ///
     /// Fails unless `output.len() == world_size * input.len()`, or as other collectives do.
     pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        let n = self.blocks("all_gather", "output", output.len(), input.len())?;
+        let n = self
+            .inner
+            .blocks("all_gather", "output", output.len(), input.len())?;
         self.run_apart(
             CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n)?,
             input,
@@ -154,7 +156,9 @@ impl Communicator {
     /// Fails unless `buf.len()` is a multiple of the world size, or as other collectives do.
     pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
         let w = self.world_size();
-        let n = self.blocks("all_gather_in_place", "buffer", buf.len(), buf.len() / w)?;
+        let n = self
+            .inner
+            .blocks("all_gather_in_place", "buffer", buf.len(), buf.len() / w)?;
         let size = std::mem::size_of::<T>();
         let bufs = Buffers::inside(
             bytemuck::cast_slice_mut(buf),
@@ -176,9 +180,12 @@ impl Communicator {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let n = self.blocks("reduce_scatter", "input", input.len(), output.len())?;
-        let info = CallInfo::new(Kind::ReduceScatter, T::DTYPE, op, 0, n)?;
-        self.run_apart(info, input, output)
+        self.run_now(self.inner.reduce_scatter_call(
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+            T::DTYPE,
+            op,
+        )?)
     }
 
     /// Sends block `q` of `input` to rank `q` and receives rank `q`'s block into block `q` of `output`.
@@ -235,7 +242,8 @@ impl Communicator {
     pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
         self.inner.check_root(root)?;
         if self.rank() == root {
-            self.blocks("gather", "output", output.len(), input.len())?;
+            self.inner
+                .blocks("gather", "output", output.len(), input.len())?;
         }
         let info = CallInfo::new(Kind::Gather, T::DTYPE, ReduceOp::Sum, root, input.len())?;
         self.run_apart(info, input, output)
@@ -247,22 +255,11 @@ impl Communicator {
     pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
         self.inner.check_root(root)?;
         if self.rank() == root {
-            self.blocks("scatter", "input", input.len(), output.len())?;
+            self.inner
+                .blocks("scatter", "input", input.len(), output.len())?;
         }
         let info = CallInfo::new(Kind::Scatter, T::DTYPE, ReduceOp::Sum, root, output.len())?;
         self.run_apart(info, input, output)
-    }
-
-    /// Checks that `whole` holds world_size blocks of `block` elements; returns `block`.
-    fn blocks(&self, call: &str, name: &str, whole: usize, block: usize) -> Result<usize> {
-        let w = self.world_size();
-        if whole != w * block {
-            return Err(Error::InvalidArgument(format!(
-                "{call}: the {name} has {whole} elements, expected world size {w} x {block} = {}",
-                w * block
-            )));
-        }
-        Ok(block)
     }
 
     /// Runs call `info` from `input` into a separate `output`.
@@ -308,6 +305,24 @@ impl Inner {
         self.prepare(info, Buffers::same_len(input, output)?)
     }
 
+    pub(super) fn reduce_scatter_call<'a>(
+        &self,
+        input: &'a [u8],
+        output: &'a mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<Call<'a>> {
+        let whole = elements(input.len(), dtype)?;
+        let n = self.blocks(
+            "reduce_scatter",
+            "input",
+            whole,
+            elements(output.len(), dtype)?,
+        )?;
+        let info = CallInfo::new(Kind::ReduceScatter, dtype, op, 0, n)?;
+        self.prepare(info, Buffers::new(Some(input), output))
+    }
+
     pub(super) fn broadcast_call<'a>(
         &self,
         input: Option<&'a [u8]>,
@@ -319,6 +334,24 @@ impl Inner {
         self.check_root(root)?;
         let info = CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count)?;
         self.prepare(info, Buffers::same_len(input, output)?)
+    }
+
+    /// Checks that `whole` holds world_size blocks of `block` elements; returns `block`.
+    pub(super) fn blocks(
+        &self,
+        call: &str,
+        name: &str,
+        whole: usize,
+        block: usize,
+    ) -> Result<usize> {
+        let w = self.config.world_size;
+        if whole != w * block {
+            return Err(Error::InvalidArgument(format!(
+                "{call}: the {name} has {whole} elements, expected world size {w} x {block} = {}",
+                w * block
+            )));
+        }
+        Ok(block)
     }
 
     pub(super) fn check_root(&self, root: usize) -> Result<()> {

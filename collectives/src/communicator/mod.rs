@@ -785,4 +785,18 @@ mod tests {
         let work = comm.all_reduce_async(vec![1.0f32], ReduceOp::BXor);
         assert_invalid(work.wait(), ReduceOp::BXor, DType::F32);
     }
+
+    #[test]
+    fn reduce_scatter_async_gives_both_buffers_back_and_names_bad_lengths() {
+        let comm = solo();
+        // On one rank the shard is the whole input.
+        let work = comm.reduce_scatter_async(vec![2.5f32, 1.0], vec![0.0; 2], ReduceOp::Sum);
+        assert_eq!(work.wait().unwrap(), (vec![2.5, 1.0], vec![2.5, 1.0]));
+        let work = comm.reduce_scatter_async(vec![1.0f32; 3], vec![0.0; 2], ReduceOp::Sum);
+        let e = work.wait().unwrap_err().to_string();
+        assert!(
+            e.contains("reduce_scatter: the input has 3 elements"),
+            "{e}"
+        );
+    }
 }

@@ -490,38 +490,9 @@ impl Watcher<'_> {
         let Error::Transport { source, .. } = &error else {
             return error;
         };
-        if let TransportError::Aborted(reason) = source {
-            return Error::Aborted(reason.clone());
-        }
-        if let TransportError::PeerClosed { peer: 0 } = source {
-            match self.monitor.after_rank_0_closed() {
-                Some(Rank0::Alarm(cause)) => return Error::Aborted(cause),
-                Some(Rank0::Gone) => {
-                    return Error::Aborted(format!(
-                        "rank 0 is gone, and the rendezvous store it hosted with it: {source}; rank {rank} noticed in {call} #{seq}"
-                    ))
-                }
-                None => {}
-            }
-        }
-        // A rank that found the fault first has explained it; this one may only see its fallout.
-        match self.monitor.alarm() {
-            Ok(Some(cause)) => return Error::Aborted(cause),
-            Ok(None) => {}
-            Err(e) => {
-                // The listener may have read the alarm while the store was still up.
-                if let Some(cause) = self.monitor.heard() {
-                    return Error::Aborted(cause);
-                }
-                if self.monitor.store_on_rank_0 {
-                    return Error::Aborted(format!(
-                        "rank 0 is gone, and the rendezvous store it hosted with it ({e}): {source}; rank {rank} noticed in {call} #{seq}"
-                    ));
-                }
-                return Error::Aborted(format!(
-                    "{source}; rank {rank} noticed in {call} #{seq}; the rendezvous store is unreachable too ({e})"
-                ));
-            }
+        let noticed = format!("rank {rank} noticed in {call} #{seq}");
+        if let Some(cause) = self.monitor.cause(source, &noticed) {
+            return cause;
         }
         let (detail, error) = match source {
             TransportError::Timeout { .. } => {
@@ -538,24 +509,86 @@ impl Watcher<'_> {
                     format!("rank {rank} called {call} as #{seq}, but {survey} ({source})");
                 (detail.clone(), Error::Mismatch { rank, detail })
             }
-            _ => (
-                format!("{source}; rank {rank} noticed in {call} #{seq}"),
-                error,
-            ),
+            _ => (format!("{source}; {noticed}"), error),
         };
+        self.monitor.alert(&detail, error)
+    }
+}
+
+impl Monitor {
+    /// Explains a point-to-point exchange's failure as a collective's is: by the
+    /// alarm another rank raised first, or by raising one, so every rank names the
+    /// same culprit (a pipeline's far stages included). A timeout raises none: a
+    /// message that has not come yet fails this rank only, as peers may still be
+    /// about to send theirs.
+    pub fn point_to_point_failed(&self, error: Error) -> Error {
+        let Error::Transport { source, .. } = &error else {
+            return error;
+        };
+        let noticed = format!("rank {} noticed in send/recv", self.rank);
+        if let Some(cause) = self.cause(source, &noticed) {
+            return cause;
+        }
+        if let TransportError::Timeout { .. } = source {
+            return error;
+        }
+        self.alert(&format!("{source}; {noticed}"), error)
+    }
+
+    /// What explains the transport failure `source` that this rank `noticed`, if
+    /// not this rank's own finding: an abort, rank 0's alarm or death, another
+    /// rank's alarm, or the store's loss.
+    fn cause(&self, source: &TransportError, noticed: &str) -> Option<Error> {
+        if let TransportError::Aborted(reason) = source {
+            return Some(Error::Aborted(reason.clone()));
+        }
+        if let TransportError::PeerClosed { peer: 0 } = source {
+            match self.after_rank_0_closed() {
+                Some(Rank0::Alarm(cause)) => return Some(Error::Aborted(cause)),
+                Some(Rank0::Gone) => {
+                    return Some(Error::Aborted(format!(
+                        "rank 0 is gone, and the rendezvous store it hosted with it: {source}; {noticed}"
+                    )))
+                }
+                None => {}
+            }
+        }
+        // A rank that found the fault first has explained it; this one may only see its fallout.
+        match self.alarm() {
+            Ok(Some(cause)) => Some(Error::Aborted(cause)),
+            Ok(None) => None,
+            Err(e) => {
+                // The listener may have read the alarm while the store was still up.
+                if let Some(cause) = self.heard() {
+                    return Some(Error::Aborted(cause));
+                }
+                Some(Error::Aborted(if self.store_on_rank_0 {
+                    format!(
+                        "rank 0 is gone, and the rendezvous store it hosted with it ({e}): {source}; {noticed}"
+                    )
+                } else {
+                    format!("{source}; {noticed}; the rendezvous store is unreachable too ({e})")
+                }))
+            }
+        }
+    }
+
+    /// Raises `detail` as the alarm and returns `error`, unless an alarm came first:
+    /// then returns that one.
+    fn alert(&self, detail: &str, error: Error) -> Error {
         // An alarm heard while surveying came first (its rank may be gone by now,
         // and the store with it).
-        if let Some(cause) = self.monitor.heard() {
+        if let Some(cause) = self.heard() {
             return Error::Aborted(cause);
         }
-        match self.monitor.raise(&detail) {
+        match self.raise(detail) {
             Ok(cause) if cause != detail => Error::Aborted(cause),
             Ok(_) => error,
             Err(e) => {
-                if let Some(cause) = self.monitor.heard() {
+                if let Some(cause) = self.heard() {
                     return Error::Aborted(cause);
                 }
-                tracing::warn!(rank, "cannot tell the other ranks: {e}");
+                tracing::warn!(rank = self.rank, "cannot tell the other ranks: {e}");
                 error
             }
         }

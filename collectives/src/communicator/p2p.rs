@@ -151,10 +151,20 @@ impl Inner {
             }
             chorus_transport::wait_all(&reqs, deadline)
         })();
-        if posted.is_err() {
-            transport.abort("a point-to-point exchange failed on this rank");
-        }
-        posted.map_err(|e| Error::transport(rank, e))
+        // As a collective does: explain the failure (raising the alarm) before aborting, so a
+        // rank that sees this one close finds the alarm; the requests still borrow their
+        // buffers until the abort.
+        posted.map_err(|e| {
+            let error = Error::transport(rank, e);
+            let error = match &self.monitor {
+                Some(monitor) => monitor.point_to_point_failed(error),
+                None => error,
+            };
+            transport.abort(&format!(
+                "a point-to-point exchange failed on this rank: {error}"
+            ));
+            error
+        })
     }
 }
 

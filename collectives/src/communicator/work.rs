@@ -240,6 +240,26 @@ impl Communicator {
         })
     }
 
+    /// Starts a reduce-scatter of `input` (world size blocks of `output`'s length)
+    /// into `output` and returns at once.
+    ///
+    /// Both buffers come back from [`Work::wait`], `input` first; errors (lengths
+    /// that do not fit included) surface there.
+    pub fn reduce_scatter_async<T, B>(&self, input: B, output: B, op: ReduceOp) -> Work<(B, B)>
+    where
+        T: Element,
+        B: AsRef<[T]> + AsMut<[T]> + Send + 'static,
+    {
+        self.submit((input, output), move |inner, (input, output)| {
+            inner.reduce_scatter_call(
+                bytemuck::cast_slice(AsRef::<[T]>::as_ref(&*input)),
+                bytemuck::cast_slice_mut(AsMut::<[T]>::as_mut(&mut *output)),
+                T::DTYPE,
+                op,
+            )
+        })
+    }
+
     /// Starts an in-place broadcast of `root`'s `buf` and returns at once.
     ///
     /// The buffer comes back from [`Work::wait`]; errors surface there.

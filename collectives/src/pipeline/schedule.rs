@@ -26,6 +26,16 @@ impl ScheduleKind {
     }
 }
 
+impl std::fmt::Display for ScheduleKind {
+    /// The name [`FromStr`](std::str::FromStr) parses: `gpipe` or `1f1b`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ScheduleKind::GPipe => "gpipe",
+            ScheduleKind::OneFOneB => "1f1b",
+        })
+    }
+}
+
 impl std::str::FromStr for ScheduleKind {
     type Err = crate::Error;
 
@@ -264,6 +274,9 @@ mod tests {
             ScheduleKind::GPipe
         );
         assert!("zb".parse::<ScheduleKind>().is_err());
+        for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+            assert_eq!(kind.to_string().parse::<ScheduleKind>().unwrap(), kind);
+        }
         assert!(PipelineSchedule::new(ScheduleKind::GPipe, 0, 4).is_err());
         assert!(PipelineSchedule::new(ScheduleKind::GPipe, 4, 0).is_err());
     }

@@ -83,7 +83,8 @@ impl<'c> Stage<'c> {
     ///
     /// Fails if the schedule is not for this pipeline's size or names a
     /// micro-batch past its count, or as the point-to-point calls do: a dead or
-    /// failed neighbour is named in the error (by its rank in `comm`).
+    /// failed stage is named in the error (by its rank in `comm`), on its
+    /// neighbours and, through the monitor's alarm, on the stages beyond them.
     pub fn run(
         &self,
         schedule: &PipelineSchedule,

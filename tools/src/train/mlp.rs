@@ -1,8 +1,13 @@
 //! A multi-layer perceptron (linear layers with ReLU between them, softmax
 //! cross-entropy on top) whose backward pass writes gradients straight into
-//! the [`Ddp`] buckets and marks each ready as soon as it is complete.
+//! the reducer's buckets ([`Ddp`] or [`Zero`]) and marks each ready as soon as
+//! it is complete. A pipeline stage runs a contiguous run of its layers
+//! ([`Mlp::stage`]).
+
+use std::ops::Range;
 
 use chorus::ddp::{Ddp, ParamSpec};
+use chorus::zero::Zero;
 use chorus::DType;
 use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView2, ArrayViewMut2};
@@ -11,6 +16,34 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mlp {
     widths: Vec<usize>,
+    /// Whether the last layer's output passes a ReLU: a stage before the last one.
+    relu_out: bool,
+}
+
+/// Where backward puts each parameter's gradient: a reducer's buckets.
+pub trait Gradients {
+    /// Parameter `param`'s gradient, to accumulate into.
+    fn grad_mut(&mut self, param: usize) -> chorus::Result<&mut [f32]>;
+    /// Says that `param`'s gradient is complete for this step.
+    fn mark_ready(&mut self, param: usize) -> chorus::Result<()>;
+}
+
+impl Gradients for Ddp<'_> {
+    fn grad_mut(&mut self, param: usize) -> chorus::Result<&mut [f32]> {
+        Ddp::grad_mut::<f32>(self, param)
+    }
+    fn mark_ready(&mut self, param: usize) -> chorus::Result<()> {
+        Ddp::mark_ready(self, param)
+    }
+}
+
+impl Gradients for Zero<'_> {
+    fn grad_mut(&mut self, param: usize) -> chorus::Result<&mut [f32]> {
+        Zero::grad_mut(self, param)
+    }
+    fn mark_ready(&mut self, param: usize) -> chorus::Result<()> {
+        Zero::mark_ready(self, param)
+    }
 }
 
 /// Per-batch scratch: each layer's output and the gradient flowing back.
@@ -42,7 +75,25 @@ impl Mlp {
                 "the network needs an input and an output width, all positive; got {widths:?}"
             ));
         }
-        Ok(Mlp { widths })
+        Ok(Mlp {
+            widths,
+            relu_out: false,
+        })
+    }
+
+    /// The stage of this network that runs `layers` (its output passes a ReLU
+    /// unless it ends with the last layer); its parameters are this network's
+    /// [`param_range`](Self::param_range) of them.
+    pub fn stage(&self, layers: Range<usize>) -> Mlp {
+        Mlp {
+            widths: self.widths[layers.start..=layers.end].to_vec(),
+            relu_out: layers.end < self.layers() || self.relu_out,
+        }
+    }
+
+    /// The indices of `layers`' parameters among this network's.
+    pub fn param_range(layers: Range<usize>) -> Range<usize> {
+        2 * layers.start..2 * layers.end
     }
 
     /// Layer widths, input first.
@@ -111,7 +162,7 @@ impl Mlp {
                 1.0,
                 &mut view_mut(out, rows, fan_out),
             );
-            if l + 1 < self.layers() {
+            if l + 1 < self.layers() || self.relu_out {
                 out.iter_mut().for_each(|v| *v = v.max(0.0));
             }
         }
@@ -156,8 +207,27 @@ impl Mlp {
         score
     }
 
-    /// Back-propagates the output gradient from [`loss`](Self::loss), adding each
-    /// parameter's gradient into its `ddp` bucket and marking it ready, last layer first.
+    /// The output of the last [`forward`](Self::forward) in `ws` (`rows` rows).
+    pub fn output<'w>(&self, ws: &'w Workspace, rows: usize) -> &'w [f32] {
+        &ws.outs[self.layers() - 1][..rows * self.widths[self.layers()]]
+    }
+
+    /// Sets the gradient of the output to `grad` (a stage's output gradient
+    /// from the next stage), through this stage's closing ReLU.
+    pub fn output_grad(&self, grad: &[f32], ws: &mut Workspace) {
+        let out = &ws.outs[self.layers() - 1];
+        ws.delta.clear();
+        ws.delta.extend(
+            grad.iter()
+                .zip(out)
+                .map(|(&g, &o)| if o > 0.0 { g } else { 0.0 }),
+        );
+    }
+
+    /// Back-propagates the output gradient from [`loss`](Self::loss) or
+    /// [`output_grad`](Self::output_grad), adding each parameter's gradient
+    /// into `grads` and marking it ready, last layer first; with `grad_in`,
+    /// writes the gradient of the input `x` there too.
     ///
     /// Fails with the reducer's error.
     pub fn backward(
@@ -166,13 +236,14 @@ impl Mlp {
         x: &[f32],
         rows: usize,
         ws: &mut Workspace,
-        ddp: &mut Ddp<'_>,
+        grads: &mut dyn Gradients,
+        grad_in: Option<&mut [f32]>,
     ) -> chorus::Result<()> {
         for l in (0..self.layers()).rev() {
             let (fan_in, fan_out) = (self.widths[l], self.widths[l + 1]);
             let input = if l == 0 { x } else { &ws.outs[l - 1][..] };
             let delta = view(&ws.delta, rows, fan_out);
-            let gw = ddp.grad_mut::<f32>(2 * l)?;
+            let gw = grads.grad_mut(2 * l)?;
             general_mat_mul(
                 1.0,
                 &view(input, rows, fan_in).t(),
@@ -180,12 +251,12 @@ impl Mlp {
                 1.0,
                 &mut view_mut(gw, fan_in, fan_out),
             );
-            ddp.mark_ready(2 * l)?;
-            let gb = ddp.grad_mut::<f32>(2 * l + 1)?;
-            for row in ws.delta.chunks_exact(fan_out) {
+            grads.mark_ready(2 * l)?;
+            let gb = grads.grad_mut(2 * l + 1)?;
+            for row in ws.delta[..rows * fan_out].chunks_exact(fan_out) {
                 gb.iter_mut().zip(row).for_each(|(g, d)| *g += d);
             }
-            ddp.mark_ready(2 * l + 1)?;
+            grads.mark_ready(2 * l + 1)?;
             if l > 0 {
                 ws.below.clear();
                 ws.below.resize(rows * fan_in, 0.0);
@@ -204,6 +275,16 @@ impl Mlp {
                 }
                 std::mem::swap(&mut ws.delta, &mut ws.below);
             }
+        }
+        if let Some(grad_in) = grad_in {
+            // The previous stage's closing ReLU masks this with its own output.
+            general_mat_mul(
+                1.0,
+                &view(&ws.delta, rows, self.widths[1]),
+                &view(&params[0], self.widths[0], self.widths[1]).t(),
+                0.0,
+                &mut view_mut(grad_in, rows, self.widths[0]),
+            );
         }
         Ok(())
     }
@@ -280,7 +361,8 @@ mod tests {
             mlp.loss(&labels, 2.0, ws).loss / 2.0
         };
         loss_of(&params, &mut ws);
-        mlp.backward(&params, &x, 2, &mut ws, &mut ddp).unwrap();
+        mlp.backward(&params, &x, 2, &mut ws, &mut ddp, None)
+            .unwrap();
         ddp.finish().unwrap();
         let h = 1e-3f32;
         for p in 0..params.len() {
@@ -296,6 +378,62 @@ mod tests {
                 assert!(
                     (analytic - numeric).abs() < 2e-3,
                     "param {p}[{j}]: analytic {analytic}, numeric {numeric}"
+                );
+            }
+        }
+    }
+
+    /// Gradients kept in plain vectors.
+    struct Plain(Vec<Vec<f32>>);
+
+    impl Gradients for Plain {
+        fn grad_mut(&mut self, param: usize) -> chorus::Result<&mut [f32]> {
+            Ok(&mut self.0[param])
+        }
+        fn mark_ready(&mut self, _param: usize) -> chorus::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Two stages chained by their activations and input gradients give the whole network's
+    /// loss and gradients.
+    #[test]
+    fn stages_chained_match_the_whole_network() {
+        let mlp = Mlp::new(vec![6, 5, 4, 3, 3]).unwrap();
+        let params = mlp.init(11);
+        let x: Vec<f32> = (0..18).map(|i| (i as f32 * 0.53).cos()).collect();
+        let labels = [1u8, 0, 2];
+        let zeros = |ps: &[Vec<f32>]| Plain(ps.iter().map(|p| vec![0.0; p.len()]).collect());
+        let mut ws = Workspace::default();
+        mlp.forward(&params, &x, 3, &mut ws);
+        let whole = mlp.loss(&labels, 3.0, &mut ws);
+        let mut want = zeros(&params);
+        mlp.backward(&params, &x, 3, &mut ws, &mut want, None)
+            .unwrap();
+
+        let (a, b) = (mlp.stage(0..2), mlp.stage(2..4));
+        let (pa, pb) = (
+            &params[Mlp::param_range(0..2)],
+            &params[Mlp::param_range(2..4)],
+        );
+        let (mut wa, mut wb) = (Workspace::default(), Workspace::default());
+        a.forward(pa, &x, 3, &mut wa);
+        let act = a.output(&wa, 3).to_vec();
+        b.forward(pb, &act, 3, &mut wb);
+        let score = b.loss(&labels, 3.0, &mut wb);
+        assert_eq!(score, whole);
+        let (mut ga, mut gb) = (zeros(pa), zeros(pb));
+        let mut grad_act = vec![0.0; act.len()];
+        b.backward(pb, &act, 3, &mut wb, &mut gb, Some(&mut grad_act))
+            .unwrap();
+        a.output_grad(&grad_act, &mut wa);
+        a.backward(pa, &x, 3, &mut wa, &mut ga, None).unwrap();
+        let got: Vec<Vec<f32>> = ga.0.into_iter().chain(gb.0).collect();
+        for (i, (g, w)) in got.iter().zip(&want.0).enumerate() {
+            for (u, v) in g.iter().zip(w) {
+                assert!(
+                    (u - v).abs() <= 1e-6 * (1.0 + v.abs()),
+                    "param {i}: {u} vs {v}"
                 );
             }
         }

@@ -1,5 +1,6 @@
-//! `train`: data-parallel training of an MLP on Fashion-MNIST, built only on
-//! Chorus's public API ([`chorus::ddp`] and the [`Communicator`]).
+//! `train`: data-, pipeline- and sharded-parallel training of an MLP on
+//! Fashion-MNIST, built only on Chorus's public API ([`chorus::ddp`],
+//! [`chorus::pipeline`], [`chorus::zero`] and the [`Communicator`]).
 //!
 //! `train -np 2` starts two local ranks; under chorusrun, torchrun, SLURM or
 //! mpirun it runs as one rank of the job.
@@ -10,28 +11,36 @@ mod file;
 pub mod gpu;
 pub mod idx;
 pub mod mlp;
+pub mod parallel;
 pub mod report;
 
+use std::cell::RefCell;
 use std::io::IsTerminal;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use chorus::ddp::{Compression, Ddp, DdpOptions, DistributedSampler};
+use chorus::ddp::{Compression, DdpOptions, DistributedSampler};
+use chorus::pipeline::{Grid, PipelineSchedule, ScheduleKind, Stage, StageTimes};
 use chorus::{env, Communicator, Config, ReduceOp};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use checkpoint::{Checkpoint, Header};
 use idx::{FashionMnist, Split};
-use mlp::{Mlp, Score, Sgd, Workspace};
-use report::EpochLog;
+use mlp::{Mlp, Score, Workspace};
+use parallel::{in_group, micro_batches, Group, Layout, Reducer};
+use report::{EpochLog, RankLog};
 
 pub use crate::perf::args::Device;
 
 /// The trainer's flags.
 #[derive(Debug, Clone, Parser)]
-#[command(version, about = "Data-parallel MLP training on Fashion-MNIST")]
+#[command(
+    version,
+    about = "Data-, pipeline- and sharded-parallel MLP training on Fashion-MNIST"
+)]
 pub struct Args {
     /// Directory holding the four Fashion-MNIST IDX files (plain or .gz).
     #[arg(long, default_value = idx::DEFAULT_DATA_DIR)]
@@ -42,7 +51,7 @@ pub struct Args {
     /// Epochs to train (in total, counting those of a resumed checkpoint).
     #[arg(long, default_value_t = 3)]
     pub epochs: u64,
-    /// Samples per batch on each rank.
+    /// Samples per batch on each replica (each rank without --pp; a pipeline's stages share it).
     #[arg(long, default_value_t = 64)]
     pub batch_size: usize,
     /// SGD learning rate.
@@ -69,6 +78,21 @@ pub struct Args {
     /// Micro-batches per optimizer step (all but the last without synchronisation).
     #[arg(long, default_value_t = 1)]
     pub accumulate: usize,
+    /// Pipeline stages: the layers split across this many ranks.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Data-parallel replicas of the pipeline (default: ranks / --pp).
+    #[arg(long)]
+    pub dp: Option<usize>,
+    /// Micro-batches each batch is split into for the pipeline (must divide --batch-size).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// Pipeline schedule: gpipe or 1f1b.
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: ScheduleKind,
+    /// ZeRO stage over the replicas: 0 (DDP), 1 (momentum sharded) or 2 (gradients too).
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
     /// Where the MLP runs: `cpu`, or `cuda` (the GPU, gradients all-reduced in device
     /// memory as one bucket; needs the `cuda` feature).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
@@ -159,20 +183,41 @@ impl Progress {
 struct Trainer<'c> {
     args: &'c Args,
     comm: &'c Communicator,
+    grid: &'c Grid,
+    layout: Layout,
     data: FashionMnist,
+    /// The whole network, for evaluation.
     mlp: Mlp,
-    ddp: Ddp<'c>,
+    /// This rank's stage of it: the layers `layers`.
+    stage: Mlp,
+    layers: Range<usize>,
+    schedule: PipelineSchedule,
+    reducer: Reducer<'c>,
+    /// This stage's parameters.
     params: Vec<Vec<f32>>,
-    sgd: Sgd,
+    /// Evaluation's scratch.
     ws: Workspace,
-    /// The current batch's pixels and labels.
-    x: Vec<f32>,
-    y: Vec<u8>,
+    /// Each micro-batch's samples and scratch.
+    micros: Vec<Micro>,
     steps: u64,
+    /// Where this stage's time went since the last report.
+    times: StageTimes,
     /// `--device cuda`: the MLP's state on the GPU (`params` and `sgd` are then the host
     /// copies, brought up to date for evaluation and checkpoints).
     #[cfg(feature = "cuda")]
     gpu: Option<gpu::Gpu>,
+}
+
+/// One `f32` buffer per parameter.
+type Tensors = Vec<Vec<f32>>;
+
+/// One micro-batch's samples (the first stage's pixels, the last stage's labels) and the
+/// activations its backward needs.
+#[derive(Debug, Default)]
+struct Micro {
+    x: Vec<f32>,
+    y: Vec<u8>,
+    ws: Workspace,
 }
 
 fn run_rank(args: &Args) -> Result<(), String> {
@@ -187,34 +232,49 @@ fn run_rank(args: &Args) -> Result<(), String> {
     widths.extend(&args.hidden);
     widths.push(data.classes);
     let mlp = Mlp::new(widths)?;
-    let options = DdpOptions {
-        bucket_cap_mb: args.bucket_cap_mb,
-        first_bucket_cap_mb: args.first_bucket_cap_mb,
-        compression: args.compression,
-        ..DdpOptions::from_env().map_err(|e| e.to_string())?
-    };
-    let ddp = Ddp::new(&comm, mlp.params(), options).map_err(|e| e.to_string())?;
-    let params = mlp.init(args.seed);
-    let sgd = Sgd::new(args.lr, args.momentum, &params);
+    let sizes: Vec<usize> = mlp
+        .widths()
+        .windows(2)
+        .map(|w| w[0] * w[1] + w[1])
+        .collect();
+    let layout = Layout::new(args, comm.world_size(), &sizes)?;
+    let err = |e: chorus::Error| e.to_string();
+    let grid = Grid::new(&comm, layout.dp, layout.pp).map_err(err)?;
+    let layers = layout.stages[grid.stage].clone();
+    let stage = mlp.stage(layers.clone());
+    let specs = mlp.params()[Mlp::param_range(layers.clone())].to_vec();
+    let params = mlp.init(args.seed)[Mlp::param_range(layers.clone())].to_vec();
+    let reducer = Reducer::new(&grid.data, args, layout.zero, specs, &params).map_err(err)?;
+    let schedule =
+        PipelineSchedule::new(layout.schedule, layout.pp, layout.micro_batches).map_err(err)?;
     let mut t = Trainer {
         args,
         comm: &comm,
+        grid: &grid,
+        micros: (0..layout.micro_batches)
+            .map(|_| Micro::default())
+            .collect(),
+        layout,
         data,
         mlp,
-        ddp,
+        stage,
+        layers,
+        schedule,
+        reducer,
         params,
-        sgd,
         ws: Workspace::default(),
-        x: Vec::new(),
-        y: Vec::new(),
         steps: 0,
+        times: StageTimes::default(),
         #[cfg(feature = "cuda")]
         gpu: None,
     };
     let history = t.start()?;
     #[cfg(feature = "cuda")]
     if args.device == Device::Cuda {
-        let gpu = gpu::Gpu::new(&comm, &t.mlp, &t.params, &t.sgd)?;
+        let Reducer::Ddp(_, sgd) = &t.reducer else {
+            return Err("--device cuda trains with --zero 0".into());
+        };
+        let gpu = gpu::Gpu::new(&comm, &t.mlp, &t.params, sgd)?;
         if comm.rank() == 0 {
             eprintln!("train: rank 0 on the GPU, {}", gpu.describe());
         }
@@ -260,7 +320,10 @@ impl Trainer<'_> {
         self.comm.rank()
     }
 
-    /// Rank 0's parameters (and, resuming, its checkpoint) on every rank; the history so far.
+    /// Rank 0's parameters (and, resuming, its checkpoint) on every replica; the history so far.
+    ///
+    /// Resuming needs `--pp 1 --zero 0` ([`Layout::new`] checks): this rank's stage is then the
+    /// whole network and its momentum the SGD buffers.
     fn start(&mut self) -> Result<Vec<EpochLog>, String> {
         let err = |e: chorus::Error| e.to_string();
         // Rank 0 reads the checkpoint and tells everyone how it went, so all fail together.
@@ -287,13 +350,16 @@ impl Trainer<'_> {
         let mut history = Vec::new();
         if let Some(c) = loaded {
             self.params = c.params;
-            self.sgd.buffers = c.momentum;
+            if let Reducer::Ddp(_, sgd) = &mut self.reducer {
+                sgd.buffers = c.momentum;
+            }
             history = c.header.history;
         }
-        let mut views: Vec<&mut [f32]> = self.params.iter_mut().map(|p| &mut p[..]).collect();
-        self.ddp.broadcast_parameters(&mut views).map_err(err)?;
-        if self.args.resume {
-            for buf in &mut self.sgd.buffers {
+        for p in &mut self.params {
+            self.grid.data.broadcast(p, 0).map_err(err)?;
+        }
+        if let (true, Reducer::Ddp(_, sgd)) = (self.args.resume, &mut self.reducer) {
+            for buf in &mut sgd.buffers {
                 self.comm.broadcast(buf, 0).map_err(err)?;
             }
         }
@@ -310,6 +376,7 @@ impl Trainer<'_> {
                     test_acc: 0.0,
                     train_seconds: 0.0,
                     samples_per_sec: 0.0,
+                    ranks: Vec::new(),
                 })
                 .collect();
         }
@@ -348,17 +415,18 @@ impl Trainer<'_> {
         Ok(c)
     }
 
-    /// One optimizer step over `batch` (split into `--accumulate` micro-batches).
+    /// One optimizer step over `batch`, split into micro-batches run through the pipeline
+    /// (one stage without `--pp`); the score is the last stage's (zero on the others).
     fn step(&mut self, batch: &[usize]) -> Result<Score, String> {
-        let micro = batch.len().div_ceil(self.args.accumulate);
-        let chunks: Vec<&[usize]> = batch.chunks(micro.max(1)).collect();
+        let chunks = micro_batches(batch, self.layout.micro_batches);
         let mut total = Score::default();
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &mut self.gpu {
             gpu.zero_grad()?;
+            let Micro { x, y, .. } = &mut self.micros[0];
             for chunk in &chunks {
-                gather(&self.data.train, chunk, &mut self.x, &mut self.y);
-                let score = gpu.forward_backward(&self.x, &self.y, batch.len() as f32)?;
+                gather_for(&self.data.train, chunk, true, true, x, y);
+                let score = gpu.forward_backward(x, y, batch.len() as f32)?;
                 total.loss += score.loss;
                 total.correct += score.correct;
             }
@@ -366,36 +434,69 @@ impl Trainer<'_> {
             self.steps += 1;
             return Ok(total);
         }
-        let err = |e: chorus::Error| e.to_string();
-        self.ddp.zero_grad().map_err(err)?;
-        for (k, chunk) in chunks.iter().enumerate() {
-            gather(&self.data.train, chunk, &mut self.x, &mut self.y);
-            let rows = chunk.len();
-            self.mlp.forward(&self.params, &self.x, rows, &mut self.ws);
-            let score = self.mlp.loss(&self.y, batch.len() as f32, &mut self.ws);
-            total.loss += score.loss;
-            total.correct += score.correct;
-            let (mlp, params, x, ws) = (&self.mlp, &self.params, &self.x, &mut self.ws);
-            if k + 1 < chunks.len() {
-                self.ddp.no_sync(|ddp| {
-                    mlp.backward(params, x, rows, ws, ddp)?;
-                    ddp.finish()
-                })
-            } else {
-                mlp.backward(params, x, rows, ws, &mut self.ddp)
-                    .and_then(|()| self.ddp.finish())
-            }
-            .map_err(err)?;
+        let grid = self.grid;
+        let data_err = |e| in_group(grid, Group::Data, e);
+        self.reducer.zero_grad().map_err(data_err)?;
+        let (first, last) = (grid.stage == 0, grid.stage + 1 == grid.pp);
+        let (mlp, params, data) = (&self.stage, &self.params, &self.data.train);
+        let (w_in, w_out) = (mlp.widths()[0], mlp.widths()[mlp.layers()]);
+        let rows_max = chunks.iter().map(|c| c.len()).max().unwrap_or(0);
+        let micros = RefCell::new(&mut self.micros);
+        let reducer = &mut self.reducer;
+        let (mut failed, mut backwards) = (None, 0);
+        // Activations are `rows_max` rows long; a short micro-batch uses the front of them.
+        let stage = Stage::new(&grid.pipeline, rows_max * w_in, rows_max * w_out);
+        let times = stage
+            .run(
+                &self.schedule,
+                |m, input, output| {
+                    let (chunk, rows) = (chunks[m], chunks[m].len());
+                    let Micro { x, y, ws } = &mut micros.borrow_mut()[m];
+                    gather_for(data, chunk, first, last, x, y);
+                    let x = if first { &x[..] } else { &input[..rows * w_in] };
+                    mlp.forward(params, x, rows, ws);
+                    if last {
+                        let s = mlp.loss(y, batch.len() as f32, ws);
+                        total.loss += s.loss;
+                        total.correct += s.correct;
+                    } else {
+                        output[..rows * w_out].copy_from_slice(mlp.output(ws, rows));
+                    }
+                },
+                |m, input, grad_out, grad_in| {
+                    backwards += 1;
+                    if failed.is_some() {
+                        return;
+                    }
+                    let rows = chunks[m].len();
+                    let Micro { x, ws, .. } = &mut micros.borrow_mut()[m];
+                    if !last {
+                        mlp.output_grad(&grad_out[..rows * w_out], ws);
+                    }
+                    let x = if first { &x[..] } else { &input[..rows * w_in] };
+                    let grad_in = (!first).then(|| &mut grad_in[..rows * w_in]);
+                    let done = backwards == chunks.len();
+                    if let Err(e) = reducer.backward(done, |grads| {
+                        mlp.backward(params, x, rows, ws, grads, grad_in)
+                    }) {
+                        failed = Some(e);
+                    }
+                },
+            )
+            .map_err(|e| in_group(grid, Group::Pipeline, e))?;
+        if let Some(e) = failed {
+            return Err(data_err(e));
         }
-        self.sgd.step(&mut self.params, &self.ddp).map_err(err)?;
+        self.times += times;
+        self.reducer.step(&mut self.params).map_err(data_err)?;
         self.steps += 1;
         Ok(total)
     }
 
-    /// This rank's batches for `epoch`.
+    /// This rank's replica's batches for `epoch` (every stage of a replica takes the same).
     fn batches(&self, epoch: u64) -> Result<Vec<Vec<usize>>, String> {
         let mut sampler =
-            DistributedSampler::new(self.data.train.len(), self.comm.world_size(), self.rank())
+            DistributedSampler::new(self.data.train.len(), self.grid.dp, self.grid.replica)
                 .map_err(|e| e.to_string())?
                 .seed(self.args.seed);
         sampler.set_epoch(epoch);
@@ -429,16 +530,24 @@ impl Trainer<'_> {
                 score.loss += s.loss;
                 score.correct += s.correct;
                 seen += batch.len();
-                bar.step(self.args.batch_size * self.comm.world_size());
+                bar.step(self.args.batch_size * self.grid.dp);
             }
             let seconds = start.elapsed().as_secs_f64();
             bar.bar.finish_and_clear();
+            let ranks = self.rank_logs(seen as f64 / seconds.max(1e-9))?;
             self.sync_host()?;
-            let test = self.evaluate();
+            let (params, momentum) = self.whole()?;
+            let test = self.evaluate(&params);
+            // Each replica's samples count once: on its last stage, which scores them.
+            let scored = if self.grid.stage + 1 == self.grid.pp {
+                seen
+            } else {
+                0
+            };
             let mut sums = [
                 score.loss,
                 score.correct as f64,
-                seen as f64,
+                scored as f64,
                 test.loss,
                 test.correct as f64,
                 self.test_share() as f64,
@@ -458,11 +567,14 @@ impl Trainer<'_> {
                 test_acc: sums[4] / sums[5].max(1.0),
                 train_seconds: slowest[0],
                 samples_per_sec: sums[2] / slowest[0].max(1e-9),
+                ranks,
             };
             history.push(log);
             if self.rank() == 0 {
-                self.save(&history)?;
-                println!("{}", history[history.len() - 1].line());
+                self.save(&history, params, momentum)?;
+                let log = &history[history.len() - 1];
+                log.ranks.iter().for_each(|r| println!("{}", r.line()));
+                println!("{}", log.line());
             }
         }
         if self.rank() == 0 {
@@ -479,11 +591,82 @@ impl Trainer<'_> {
     /// With `--device cuda`, copies the GPU's parameters and momentum into the host copies.
     fn sync_host(&mut self) -> Result<(), String> {
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = &self.gpu {
+        if let (Some(gpu), Reducer::Ddp(_, sgd)) = (&self.gpu, &mut self.reducer) {
             self.params = gpu.params()?;
-            self.sgd.buffers = gpu.momentum()?;
+            sgd.buffers = gpu.momentum()?;
         }
         Ok(())
+    }
+
+    /// The whole network's parameters and momentum on every rank, each stage's
+    /// broadcast by the stage that holds them (for evaluation and checkpoints).
+    fn whole(&self) -> Result<(Tensors, Tensors), String> {
+        let err = |e| in_group(self.grid, Group::Pipeline, e);
+        let mine = self
+            .reducer
+            .momentum()
+            .map_err(|e| in_group(self.grid, Group::Data, e))?;
+        let specs = self.mlp.params();
+        let mut params: Vec<Vec<f32>> = specs.iter().map(|p| vec![0.0; p.len]).collect();
+        let mut momentum = params.clone();
+        for (stage, layers) in self.layout.stages.iter().enumerate() {
+            let range = Mlp::param_range(layers.clone());
+            for (k, i) in range.enumerate() {
+                if stage == self.grid.stage {
+                    params[i].copy_from_slice(&self.params[k]);
+                    momentum[i].copy_from_slice(&mine[k]);
+                }
+                if self.grid.pp > 1 {
+                    self.grid
+                        .pipeline
+                        .broadcast(&mut params[i], stage)
+                        .map_err(err)?;
+                    self.grid
+                        .pipeline
+                        .broadcast(&mut momentum[i], stage)
+                        .map_err(err)?;
+                }
+            }
+        }
+        Ok((params, momentum))
+    }
+
+    /// Every rank's figures since the last call (rank 0 gets them all), this
+    /// rank's stage having passed `samples_per_sec`; starts the next period.
+    fn rank_logs(&mut self, samples_per_sec: f64) -> Result<Vec<RankLog>, String> {
+        let memory = self.reducer.memory(&self.params);
+        let mine = [
+            self.grid.replica as f64,
+            self.grid.stage as f64,
+            self.layers.start as f64,
+            self.layers.end as f64,
+            samples_per_sec,
+            self.times.bubble(),
+            memory.params as f64,
+            memory.grads as f64,
+            memory.optimizer as f64,
+        ];
+        self.times = StageTimes::default();
+        let mut all = vec![0.0; mine.len() * self.comm.world_size()];
+        self.comm
+            .all_gather(&mine, &mut all)
+            .map_err(|e| e.to_string())?;
+        Ok(all
+            .chunks_exact(mine.len())
+            .enumerate()
+            .map(|(rank, f)| RankLog {
+                rank,
+                replica: f[0] as usize,
+                stage: f[1] as usize,
+                layers: [f[2] as usize, f[3] as usize],
+                samples_per_sec: f[4],
+                bubble: f[5],
+                bubble_theory: self.schedule.bubble(),
+                param_bytes: f[6] as u64,
+                grad_bytes: f[7] as u64,
+                optimizer_bytes: f[8] as u64,
+            })
+            .collect())
     }
 
     /// Test images this rank scores: `rank, rank + W, ...`.
@@ -492,8 +675,9 @@ impl Trainer<'_> {
         n.saturating_sub(r).div_ceil(w)
     }
 
-    /// This rank's share of the test set, scored (summed, not averaged).
-    fn evaluate(&mut self) -> Score {
+    /// This rank's share of the test set, scored with the whole network's `params`
+    /// (summed, not averaged).
+    fn evaluate(&mut self, params: &[Vec<f32>]) -> Score {
         let split = &self.data.test;
         let mine: Vec<usize> = (self.comm.rank()..split.len())
             .step_by(self.comm.world_size())
@@ -506,8 +690,7 @@ impl Trainer<'_> {
                 .iter()
                 .for_each(|&i| x.extend_from_slice(split.image(i)));
             let labels: Vec<u8> = chunk.iter().map(|&i| split.labels[i]).collect();
-            self.mlp
-                .forward(&self.params, &x, chunk.len(), &mut self.ws);
+            self.mlp.forward(params, &x, chunk.len(), &mut self.ws);
             let s = self.mlp.loss(&labels, 1.0, &mut self.ws);
             total.loss += s.loss;
             total.correct += s.correct;
@@ -516,7 +699,12 @@ impl Trainer<'_> {
     }
 
     /// Rank 0: checkpoint, JSON log and curves for the epochs so far.
-    fn save(&self, history: &[EpochLog]) -> Result<(), String> {
+    fn save(
+        &self,
+        history: &[EpochLog],
+        params: Vec<Vec<f32>>,
+        momentum: Vec<Vec<f32>>,
+    ) -> Result<(), String> {
         let out = &self.args.out_dir;
         Checkpoint {
             header: Header {
@@ -525,11 +713,11 @@ impl Trainer<'_> {
                 seed: self.args.seed,
                 world_size: self.comm.world_size(),
                 batch_size: self.args.batch_size,
-                lens: self.params.iter().map(Vec::len).collect(),
+                lens: params.iter().map(Vec::len).collect(),
                 history: history.to_vec(),
             },
-            params: self.params.clone(),
-            momentum: self.sgd.buffers.clone(),
+            params,
+            momentum,
         }
         .save(&out.join(CHECKPOINT))?;
         let config = serde_json::json!({
@@ -543,6 +731,12 @@ impl Trainer<'_> {
             "compression": format!("{:?}", self.args.compression).to_lowercase(),
             "accumulate": self.args.accumulate,
             "device": format!("{:?}", self.args.device).to_lowercase(),
+            "dp": self.layout.dp,
+            "pp": self.layout.pp,
+            "micro_batches": self.layout.micro_batches,
+            "schedule": self.layout.schedule.to_string(),
+            "zero": self.layout.zero,
+            "stages": self.layout.stages.iter().map(|l| [l.start, l.end]).collect::<Vec<_>>(),
         });
         report::write_log(&out.join(LOG), &config, history)?;
         report::plot(&out.join(CURVES), history)
@@ -584,11 +778,18 @@ impl Trainer<'_> {
         if self.gpu.is_some() {
             return Ok((1, false));
         }
-        let options = DdpOptions::from_env().map_err(|e| e.to_string())?;
-        Ok((self.ddp.buckets().len(), options.overlap))
+        Ok(match &self.reducer {
+            Reducer::Ddp(ddp, _) => {
+                let options = DdpOptions::from_env().map_err(|e| e.to_string())?;
+                (ddp.buckets().len(), options.overlap)
+            }
+            // Both stages start each bucket's reduction as soon as backward fills it.
+            Reducer::Zero(zero) => (zero.buckets().len(), true),
+        })
     }
 
-    /// Times `steps` training steps after a warm-up; rank 0 prints step time and samples per second.
+    /// Times `steps` training steps after a warm-up; rank 0 prints step time and samples per
+    /// second, and each rank's figures.
     fn bench(&mut self, steps: u64) -> Result<(), String> {
         let batches = self.batches(0)?;
         let full: Vec<&Vec<usize>> = batches
@@ -603,39 +804,60 @@ impl Trainer<'_> {
         for i in 0..BENCH_WARMUP + steps {
             if i == BENCH_WARMUP {
                 self.comm.barrier().map_err(err)?;
+                self.times = StageTimes::default();
                 start = Instant::now();
             }
             let batch = full[i as usize % full.len()];
             self.step(batch)?;
         }
+        let mine = (self.args.batch_size * steps as usize) as f64 / start.elapsed().as_secs_f64();
         self.comm.barrier().map_err(err)?;
         let mut seconds = [start.elapsed().as_secs_f64()];
         self.comm
             .all_reduce(&mut seconds, ReduceOp::Max)
             .map_err(err)?;
-        let world = self.comm.world_size();
-        let samples = (world * self.args.batch_size) as f64 * steps as f64;
+        let ranks = self.rank_logs(mine)?;
+        let (world, layout) = (self.comm.world_size(), &self.layout);
+        let samples = (layout.dp * self.args.batch_size) as f64 * steps as f64;
         if self.rank() == 0 {
             let (buckets, overlap) = self.buckets()?;
             println!(
-                "bench  world {world}  batch/rank {}  buckets {}  overlap {}  steps {steps}  step_ms {:.3}  samples/s {:.0}",
+                "bench  world {world}  dp {}  pp {}  micro {}  schedule {}  zero {}  batch/replica {}  buckets {}  overlap {}  steps {steps}  step_ms {:.3}  samples/s {:.0}",
+                layout.dp,
+                layout.pp,
+                layout.micro_batches,
+                layout.schedule,
+                layout.zero,
                 self.args.batch_size,
                 buckets,
                 if overlap { "on" } else { "off" },
                 seconds[0] * 1e3 / steps.max(1) as f64,
                 samples / seconds[0]
             );
+            ranks.iter().for_each(|r| println!("{}", r.line()));
         }
         Ok(())
     }
 }
 
-/// Copies the samples `indices` of `split` into the batch buffers `x` and `y`.
-fn gather(split: &Split, indices: &[usize], x: &mut Vec<f32>, y: &mut Vec<u8>) {
+/// What a pipeline stage needs of the samples `indices`: the first stage their
+/// pixels, the last their labels.
+fn gather_for(
+    split: &Split,
+    indices: &[usize],
+    first: bool,
+    last: bool,
+    x: &mut Vec<f32>,
+    y: &mut Vec<u8>,
+) {
     x.clear();
     y.clear();
     for &i in indices {
-        x.extend_from_slice(split.image(i));
-        y.push(split.labels[i]);
+        if first {
+            x.extend_from_slice(split.image(i));
+        }
+        if last {
+            y.push(split.labels[i]);
+        }
     }
 }

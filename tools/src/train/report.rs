@@ -24,6 +24,55 @@ pub struct EpochLog {
     pub train_seconds: f64,
     /// Training samples per second, all ranks together.
     pub samples_per_sec: f64,
+    /// Each rank's figures for the epoch, by rank.
+    #[serde(default)]
+    pub ranks: Vec<RankLog>,
+}
+
+/// One rank's figures over an epoch (or a `--bench` run).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankLog {
+    /// Its rank in the job.
+    pub rank: usize,
+    /// Its replica (data-parallel index) and pipeline stage.
+    pub replica: usize,
+    /// Its pipeline stage.
+    pub stage: usize,
+    /// The layers its stage holds, `[first, end)`.
+    pub layers: [usize; 2],
+    /// Samples of its replica it passed through its stage per second.
+    pub samples_per_sec: f64,
+    /// Measured bubble: the fraction of its pipeline time spent waiting for neighbours.
+    pub bubble: f64,
+    /// The schedule's theoretical bubble, `(P - 1) / (M + P - 1)`.
+    pub bubble_theory: f64,
+    /// Bytes held for parameters.
+    pub param_bytes: u64,
+    /// Bytes held for gradients.
+    pub grad_bytes: u64,
+    /// Bytes held for optimizer state.
+    pub optimizer_bytes: u64,
+}
+
+impl RankLog {
+    /// One line: where the rank sits, its throughput, bubble and memory.
+    pub fn line(&self) -> String {
+        let mb = |b: u64| b as f64 / 1e6;
+        format!(
+            "rank {}  replica {} stage {} layers {}..{}  samples/s {:.0}  bubble {:.3} (theory {:.3})  MB params {:.2} grads {:.2} optimizer {:.2}",
+            self.rank,
+            self.replica,
+            self.stage,
+            self.layers[0],
+            self.layers[1],
+            self.samples_per_sec,
+            self.bubble,
+            self.bubble_theory,
+            mb(self.param_bytes),
+            mb(self.grad_bytes),
+            mb(self.optimizer_bytes)
+        )
+    }
 }
 
 impl EpochLog {
@@ -192,6 +241,18 @@ mod tests {
             test_acc: acc - 0.01,
             train_seconds: 1.0,
             samples_per_sec: 60000.0,
+            ranks: vec![RankLog {
+                rank: 1,
+                replica: 0,
+                stage: 1,
+                layers: [2, 3],
+                samples_per_sec: 3000.0,
+                bubble: 0.25,
+                bubble_theory: 0.2,
+                param_bytes: 4_000_000,
+                grad_bytes: 1_000_000,
+                optimizer_bytes: 500_000,
+            }],
         }
     }
 
@@ -200,6 +261,12 @@ mod tests {
         let line = log(3, 0.875).line();
         assert!(line.starts_with("epoch 3  train_loss 0.3333"), "{line}");
         assert!(line.ends_with("test_acc 0.8650"), "{line}");
+        let rank = log(3, 0.875).ranks[0].line();
+        assert!(
+            rank.contains("bubble 0.250 (theory 0.200)")
+                && rank.ends_with("params 4.00 grads 1.00 optimizer 0.50"),
+            "{rank}"
+        );
     }
 
     #[test]
@@ -217,6 +284,7 @@ mod tests {
             serde_json::from_slice(&std::fs::read(dir.join("log.json")).unwrap()).unwrap();
         assert_eq!(back["epochs"][1]["test_acc"], 0.84);
         assert_eq!(back["config"]["lr"], 0.05);
+        assert_eq!(back["epochs"][0]["ranks"][0]["bubble_theory"], 0.2);
         plot(&dir.join("curves.png"), &epochs).unwrap();
         let png = std::fs::read(dir.join("curves.png")).unwrap();
         assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"));
