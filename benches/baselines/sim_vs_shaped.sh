@@ -14,13 +14,20 @@
 # and one incoming link per rank, each at beta), so several senders to one node
 # share its incoming rate as they would on a real switch port.
 #
+# TCP runs CUBIC on the nodes' routes whatever the host's default: under BBR
+# the exchanges of recursive doubling and halving-doubling (both directions of
+# one connection busy at once) got up to a fifth less than the shaped rate while the
+# ring (one direction per connection) got all of it, so the measurement was of
+# the congestion control and not of the schedule.
+#
 # Usage (root, iproute2 and tc; release binaries built):
 #   cargo build --release -p chorus-tools
 #   sudo benches/baselines/sim_vs_shaped.sh 100mbit "4 6 8" 1M 64M
 #   sudo benches/baselines/sim_vs_shaped.sh 1gbit "4 8" 4M 256M
-# Arguments: rate (tc syntax), worlds, smallest and largest size (step factor 4).
+# Arguments: rate (tc syntax, in bit, kbit, mbit or gbit), worlds, smallest and largest size (step factor 4).
 # Environment: ALGOS (default "ring tree rd rhd"), ITERS (5),
-# BIN (target/release).
+# BIN (target/release), TBF (tbf's options, "burst <2 ms at RATE> latency 100ms"),
+# CC (TCP congestion control, cubic).
 set -euo pipefail
 
 RATE=${1:-100mbit}
@@ -30,6 +37,16 @@ MAXB=${4:-64M}
 ALGOS=${ALGOS:-ring tree rd rhd}
 ITERS=${ITERS:-5}
 BIN=${BIN:-target/release}
+# A bucket of 2 ms at RATE: a larger one lets a rank that idled send that much
+# at the veth's own speed (the tree ran 1.4-1.6x faster than predicted at 1 MiB,
+# sizes below 64 KiB up to 9x, with 256 KB at 100 Mbit/s).
+BURST=$(awk -v r="$RATE" 'BEGIN {
+    n = r + 0; u = tolower(substr(r, length(n "") + 1))
+    m = u == "kbit" ? 1e3 : u == "mbit" ? 1e6 : u == "gbit" ? 1e9 : u == "bit" || u == "" ? 1 : 0
+    if (m == 0) { print "sim_vs_shaped: rate " r ": use bit, kbit, mbit or gbit" > "/dev/stderr"; exit 1 }
+    printf "%d", n * m / 8 * 0.002 }')
+TBF=${TBF:-burst $BURST latency 100ms}
+CC=${CC:-cubic}
 ID=$$
 BR=csb$ID
 NODES=()
@@ -42,11 +59,12 @@ trap cleanup EXIT
 
 addr() { echo "10.78.0.$((10 + $1))"; }
 
-# tbf on one device: RATE, a burst of at least one tick's worth, and a queue of
-# 100 ms so that TCP's window fills it without drops.
+# tbf on one device: RATE, the bucket above, and a queue of 100 ms so that
+# TCP's window fills it without drops.
 shape() {
     local ns=$1 dev=$2
-    ip netns exec "$ns" tc qdisc add dev "$dev" root tbf rate "$RATE" burst 256kb latency 100ms
+    # shellcheck disable=SC2086
+    ip netns exec "$ns" tc qdisc add dev "$dev" root tbf rate "$RATE" $TBF
 }
 
 # Creates nodes 0..n-1; the bridge lives in a namespace of its own so that the
@@ -66,6 +84,7 @@ make_cluster() {
         ip -n "$ns" addr add "$(addr "$i")/24" dev eth0
         ip -n "$ns" link set eth0 up
         ip -n "$ns" link set lo up
+        ip -n "$ns" route replace 10.78.0.0/24 dev eth0 congctl "$CC"
         shape "$ns" eth0
         shape "csbr$ID" "p$i"
     done
@@ -111,7 +130,7 @@ for W in $WORLDS; do
     alpha_us=$(perf 2 sendrecv_perf -b 8 -e 8 | times | awk '{ print $2 }')
     gbps=$(perf 2 sendrecv_perf -b 4M -e 16M -f 4 | times |
         awk 'NR == 1 { s = $1; t = $2 } NR == 2 { printf "%.4f", ($1 - s) * 8 / (($2 - t) * 1e3) }')
-    echo "# W=$W rate $RATE: measured alpha $alpha_us us, beta $gbps Gbit/s ($(uptime | sed 's/.*load/load/'))"
+    echo "# W=$W rate $RATE tbf $TBF TCP $CC: measured alpha $alpha_us us, beta $gbps Gbit/s ($(uptime | sed 's/.*load/load/'))"
 
     declare -A measured=()
     for a in $ALGOS; do

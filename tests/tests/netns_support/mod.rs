@@ -102,14 +102,30 @@ impl Cluster {
         ip(&["link", "set", &self.links[i], "down"]).expect("unplug a node");
     }
 
-    /// Shapes both directions of every node's link to `rate` (tc syntax) with tbf: the
-    /// node's end limits what it sends, the bridge's end what it receives, as one NIC.
-    pub fn shape(&self, rate: &str) -> Result<(), String> {
+    /// Shapes both directions of every node's link to `mbit` Mbit/s with tbf: the node's end
+    /// limits what it sends, the bridge's end what it receives, as one NIC. The bucket holds
+    /// 2 ms of data (a larger one lets a rank that idled send that much unshaped), and TCP
+    /// between the nodes runs CUBIC whatever the host's default (BBR leaves up to a fifth
+    /// of a shaped link unused when both directions of one connection are busy at once); see
+    /// `benches/baselines/sim_vs_shaped.sh`.
+    pub fn shape(&self, mbit: u32) -> Result<(), String> {
+        let (rate, burst) = (format!("{mbit}mbit"), (mbit * 250).to_string());
         let tbf = [
-            "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms",
+            "root", "tbf", "rate", &rate, "burst", &burst, "latency", "100ms",
         ];
         for (ns, host_end) in self.nodes.iter().zip(&self.links) {
             let node_end = host_end.replacen("cv", "cp", 1);
+            ip(&[
+                "-n",
+                ns,
+                "route",
+                "replace",
+                "10.77.0.0/24",
+                "dev",
+                &node_end,
+                "congctl",
+                "cubic",
+            ])?;
             let mut node = vec!["netns", "exec", ns, "tc", "qdisc", "add", "dev", &node_end];
             node.extend(tbf);
             ip(&node)?;
