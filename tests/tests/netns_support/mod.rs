@@ -22,16 +22,21 @@ pub struct Cluster {
 
 /// Runs `ip args..`; the error names the command and what it printed.
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
+    run("ip", args)
+}
+
+/// Runs `program args..`; the error names the command and what it printed.
+fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    let out = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+        .map_err(|e| format!("{program} {}: {e}", args.join(" ")))?;
     if out.status.success() {
         Ok(())
     } else {
         Err(format!(
-            "ip {}: {}",
+            "{program} {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         ))
@@ -95,6 +100,40 @@ impl Cluster {
     /// Cuts node `i` off the bridge (its packets go nowhere).
     pub fn unplug(&self, i: usize) {
         ip(&["link", "set", &self.links[i], "down"]).expect("unplug a node");
+    }
+
+    /// Shapes both directions of every node's link to `mbit` Mbit/s with tbf: the node's end
+    /// limits what it sends, the bridge's end what it receives, as one NIC. The bucket holds
+    /// 2 ms of data (a larger one lets a rank that idled send that much unshaped), and TCP
+    /// between the nodes runs CUBIC whatever the host's default (BBR leaves up to a fifth
+    /// of a shaped link unused when both directions of one connection are busy at once); see
+    /// `benches/baselines/sim_vs_shaped.sh`.
+    pub fn shape(&self, mbit: u32) -> Result<(), String> {
+        let (rate, burst) = (format!("{mbit}mbit"), (mbit * 250).to_string());
+        let tbf = [
+            "root", "tbf", "rate", &rate, "burst", &burst, "latency", "100ms",
+        ];
+        for (ns, host_end) in self.nodes.iter().zip(&self.links) {
+            let node_end = host_end.replacen("cv", "cp", 1);
+            ip(&[
+                "-n",
+                ns,
+                "route",
+                "replace",
+                "10.77.0.0/24",
+                "dev",
+                &node_end,
+                "congctl",
+                "cubic",
+            ])?;
+            let mut node = vec!["netns", "exec", ns, "tc", "qdisc", "add", "dev", &node_end];
+            node.extend(tbf);
+            ip(&node)?;
+            let mut host = vec!["qdisc", "add", "dev", host_end.as_str()];
+            host.extend(tbf);
+            run("tc", &host)?;
+        }
+        Ok(())
     }
 }
 
