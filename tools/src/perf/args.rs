@@ -161,6 +161,10 @@ pub struct Args {
     /// read and write directly.
     #[arg(short = 'R', long = "local_register", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub register: u8,
+    /// Private buffers on transparent huge pages (`madvise(MADV_HUGEPAGE)`), as numpy
+    /// allocates its arrays; kernel copies between processes run about twice as fast on them.
+    #[arg(long = "hugepages")]
+    pub hugepages: bool,
     /// Draw bus bandwidth and time against size into this PNG file.
     #[arg(long = "plot")]
     pub plot: Option<PathBuf>,

@@ -19,9 +19,16 @@ impl Default for Buffer {
 }
 
 impl Buffer {
-    /// A zeroed private buffer of at least `len` bytes.
-    pub fn zeroed(len: usize) -> Buffer {
-        Buffer::Private(vec![0; len.div_ceil(8)])
+    /// A zeroed private buffer of at least `len` bytes; with `huge_pages`, advised to be
+    /// backed by transparent huge pages, as numpy does for its arrays (`--hugepages`).
+    pub fn zeroed(len: usize, huge_pages: bool) -> Buffer {
+        // Zeroed memory this big comes fresh from the kernel, untouched: the advice
+        // applies to every page as it is first touched.
+        let words = vec![0; len.div_ceil(8)];
+        if huge_pages {
+            advise_huge_pages(&words);
+        }
+        Buffer::Private(words)
     }
 
     /// A zeroed shared buffer of at least `len` bytes; every rank must ask for the same size.
@@ -62,18 +69,39 @@ impl Buffer {
     }
 }
 
+/// Asks the kernel to back the whole pages of `words` with transparent huge pages. A hint
+/// only: where THP is off (`/sys/kernel/mm/transparent_hugepage/enabled`) nothing changes.
+fn advise_huge_pages(words: &[u64]) {
+    const PAGE: usize = 4096;
+    let start = (words.as_ptr() as usize).next_multiple_of(PAGE);
+    let end = (words.as_ptr() as usize + std::mem::size_of_val(words)) & !(PAGE - 1);
+    if end > start {
+        // SAFETY: MADV_HUGEPAGE on whole pages inside this allocation changes only how the
+        // kernel backs them, never what they hold.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn grows_and_stays_aligned() {
-        let mut b = Buffer::zeroed(3);
+        let mut b = Buffer::zeroed(3, false);
         assert_eq!(b.bytes(3), &[0, 0, 0]);
         b.bytes_mut(20).fill(7);
         assert_eq!(b.bytes(20).len(), 20);
         assert_eq!(b.bytes(20).as_ptr() as usize % 8, 0);
         let floats: &[f64] = bytemuck::cast_slice(b.bytes(16));
         assert_eq!(floats.len(), 2);
+    }
+
+    #[test]
+    fn huge_page_buffers_are_zeroed_and_usable() {
+        let mut b = Buffer::zeroed(8 << 20, true);
+        assert!(b.bytes(8 << 20).iter().all(|&x| x == 0));
+        b.bytes_mut(8 << 20).fill(3);
+        assert!(b.bytes(8 << 20).iter().all(|&x| x == 3));
     }
 }

@@ -87,7 +87,7 @@ fn run_rank(collective: &Collective, args: &Args, program: &str) -> Result<(), S
         .fold(0, |m, l| m.max(l.size()))
         * elem;
     let make = |len| match args.register {
-        0 => Ok(Buffer::zeroed(len)),
+        0 => Ok(Buffer::zeroed(len, args.hugepages)),
         _ => Buffer::shared(&comm, len),
     };
     let mut bufs = Bench {

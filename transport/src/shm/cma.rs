@@ -95,13 +95,24 @@ pub(crate) unsafe fn copy(
     Ok(())
 }
 
-/// Bytes per piece of a single-copy message (a piece is what one side takes
-/// at a time; small enough that both sides share a 512 KiB chunk).
+/// Fewest bytes in a piece of a single-copy message (a piece is what one side
+/// takes at a time).
 pub(crate) const PIECE: usize = 64 << 10;
+
+/// Most bytes in a piece: every copy pins and unpins its pages, which costs
+/// about as much as copying 64 KiB, so big messages go in big pieces.
+const PIECE_MAX: usize = 4 << 20;
+
+/// Bytes per piece of a `len`-byte message: about an eighth of it, so both
+/// sides get several, between [`PIECE`] and 4 MiB, whole pages. Both sides
+/// derive it from the length alone.
+pub(crate) fn piece_len(len: usize) -> usize {
+    (len / 8).clamp(PIECE, PIECE_MAX) & !(4096 - 1)
+}
 
 /// Pieces of a `len`-byte message.
 pub(crate) fn pieces(len: usize) -> u64 {
-    len.div_ceil(PIECE) as u64
+    len.div_ceil(piece_len(len)) as u64
 }
 
 /// Takes pieces of a `len`-byte message from `split` and copies each between
@@ -123,11 +134,11 @@ pub(crate) unsafe fn take_pieces(
     local: *mut u8,
     len: usize,
 ) -> io::Result<u64> {
-    let total = pieces(len);
+    let (total, piece_len) = (pieces(len), piece_len(len));
     let mut copied = 0;
     while let Some(piece) = split.take(total) {
-        let at = piece as usize * PIECE;
-        let n = PIECE.min(len - at);
+        let at = piece as usize * piece_len;
+        let n = piece_len.min(len - at);
         // SAFETY: `at + n <= len`, inside the caller's buffer; the piece is
         // this side's alone (taken above).
         let done = unsafe { copy(pid, way, remote + at as u64, local.add(at), n) };
@@ -220,6 +231,21 @@ mod tests {
         assert_eq!(dst, src);
         assert_eq!(pieces(len), 6);
         assert_eq!(pieces(0), 0);
+    }
+
+    #[test]
+    fn big_messages_go_in_fewer_bigger_pieces_of_whole_pages() {
+        assert_eq!(piece_len(1), PIECE);
+        assert_eq!(piece_len(512 << 10), PIECE);
+        assert_eq!(piece_len(8 << 20), 1 << 20);
+        assert_eq!(piece_len(64 << 20), 4 << 20);
+        assert_eq!(pieces(64 << 20), 16);
+        for len in [1, PIECE + 1, (3 << 20) + 5, (100 << 20) + 4095] {
+            let piece = piece_len(len);
+            assert_eq!(piece % 4096, 0, "{len}");
+            assert!(pieces(len) as usize * piece >= len, "{len}");
+            assert!((pieces(len) as usize - 1) * piece < len, "{len}");
+        }
     }
 
     #[test]
