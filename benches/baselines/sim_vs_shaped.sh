@@ -51,8 +51,12 @@ ID=$$
 BR=csb$ID
 NODES=()
 
+# Ends every process left in the nodes (an interrupted run leaves its ranks), then the nodes.
 cleanup() {
-    for ns in "${NODES[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+    for ns in "${NODES[@]}"; do
+        ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+        ip netns del "$ns" 2>/dev/null || true
+    done
     ip link del "$BR" 2>/dev/null || true
 }
 trap cleanup EXIT
