@@ -83,7 +83,9 @@ fn main() -> io::Result<()> {
         split.push(r);
     }
     let best = split.iter().copied().fold(0.0, f64::max);
-    println!("bound     W=2 in-place broadcast of 64 MiB: {best:.2} GB/s (both cores copy the message)");
+    println!(
+        "bound     W=2 in-place broadcast of 64 MiB: {best:.2} GB/s (both cores copy the message)"
+    );
     peer.finish()
 }
 
