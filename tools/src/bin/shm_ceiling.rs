@@ -15,7 +15,7 @@
 //!   through single copies. (Out of place, the root's own copy of its input competes with
 //!   the message for the memory's rate in ways these figures do not pin down.)
 //!
-//! `cargo run --release -p chorus-tools --bin shm_ceiling`
+//! `cargo run --release -p chorus-tools --bin shm_ceiling [-- --hugepages]`
 
 use std::io::{self, BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -32,6 +32,10 @@ struct Args {
     /// Rounds of each measurement (the median is printed).
     #[arg(short = 'n', long, default_value_t = 7)]
     rounds: usize,
+    /// Every buffer on transparent huge pages (`madvise(MADV_HUGEPAGE)`), as numpy
+    /// allocates its arrays and the perf tools' `--hugepages` do.
+    #[arg(long)]
+    hugepages: bool,
     /// Run as the peer process (internal).
     #[arg(long, hide = true)]
     peer: bool,
@@ -40,11 +44,13 @@ struct Args {
 fn main() -> io::Result<()> {
     let args = Args::parse();
     if args.peer {
-        return peer();
+        return peer(args.hugepages);
     }
-    let mut peer = Peer::start()?;
-    let src = vec![1u8; LEN];
-    let mut dst = vec![2u8; LEN];
+    let mut peer = Peer::start(args.hugepages)?;
+    let src = buffer(1, args.hugepages);
+    let mut dst = buffer(2, args.hugepages);
+    let pages = if args.hugepages { "huge" } else { "small" };
+    println!("buffers   64 MiB each, on {pages} pages");
     let n = args.rounds;
     let rate = |seconds: f64| LEN as f64 / seconds / 1e9;
     let one = rate(median(n, || Ok(timed(|| dst.copy_from_slice(&src))))?);
@@ -90,9 +96,9 @@ fn main() -> io::Result<()> {
 }
 
 /// The peer process, answering this program's requests on stdin with seconds on stdout.
-fn peer() -> io::Result<()> {
-    let src = vec![3u8; LEN];
-    let mut dst = vec![4u8; LEN];
+fn peer(hugepages: bool) -> io::Result<()> {
+    let src = buffer(3, hugepages);
+    let mut dst = buffer(4, hugepages);
     let mut out = io::stdout().lock();
     writeln!(out, "{} {}", std::process::id(), src.as_ptr() as u64)?;
     out.flush()?;
@@ -128,9 +134,10 @@ struct Peer {
 }
 
 impl Peer {
-    fn start() -> io::Result<Peer> {
+    fn start(hugepages: bool) -> io::Result<Peer> {
         let mut child = Command::new(std::env::current_exe()?)
             .arg("--peer")
+            .args(hugepages.then_some("--hugepages"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()?;
@@ -211,6 +218,22 @@ fn copy(
         }
     }
     Ok(())
+}
+
+/// `LEN` bytes of `fill`; with `huge_pages`, advised onto transparent huge pages before
+/// anything touches them (zeroed memory this big comes fresh from the kernel).
+fn buffer(fill: u8, huge_pages: bool) -> Vec<u8> {
+    let mut v = vec![0u8; LEN];
+    if huge_pages {
+        const PAGE: usize = 4096;
+        let start = (v.as_ptr() as usize).next_multiple_of(PAGE);
+        let end = (v.as_ptr() as usize + LEN) & !(PAGE - 1);
+        // SAFETY: MADV_HUGEPAGE on whole pages inside this allocation changes only how the
+        // kernel backs them, never what they hold.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+    v.fill(fill);
+    v
 }
 
 fn number(word: &str) -> io::Result<u64> {
