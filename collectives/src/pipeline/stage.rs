@@ -100,7 +100,7 @@ impl Board {
     }
 }
 
-/// Stops the exchanging side when the computing side leaves, returning or unwinding.
+/// Stops the other side's waits when one side leaves, returning or unwinding.
 struct StopOnDrop<'a>(&'a Board);
 
 impl Drop for StopOnDrop<'_> {
@@ -169,27 +169,35 @@ impl<'c> Stage<'c> {
             )));
         }
         let steps = &schedule.steps[s];
-        // What each step waits for: a computation, the exchanges up to the one bringing its
-        // input; an exchange, the computations before it (which made what it sends).
-        let mut needs = vec![0; steps.len()];
-        let mut computes = 0;
-        for (i, step) in steps.iter().enumerate() {
-            match step {
-                Step::Exchange(_) => needs[i] = computes,
-                Step::Forward(m) | Step::Backward(m) => {
-                    let brings = |t: &Transfer| match step {
-                        Step::Forward(_) => *t == Transfer::RecvActivation(*m),
-                        _ => *t == Transfer::RecvGradient(*m),
-                    };
-                    needs[i] = steps[..i]
-                        .iter()
-                        .filter(|p| matches!(p, Step::Exchange(_)))
-                        .position(|p| matches!(p, Step::Exchange(ts) if ts.iter().any(brings)))
-                        .map_or(0, |k| k + 1);
-                    computes += 1;
+        // What each step waits for: an exchange, the computations before it (which made what
+        // it sends); a computation, the exchanges up to the one bringing its input (counted
+        // from 1; 0: none, it has no input to wait for).
+        let (mut computes, mut exchanges) = (0, 0);
+        let (mut activation_in, mut gradient_in) = (vec![0; micro], vec![0; micro]);
+        let needs: Vec<usize> = steps
+            .iter()
+            .map(|step| match step {
+                Step::Exchange(transfers) => {
+                    exchanges += 1;
+                    for &t in transfers {
+                        match t {
+                            Transfer::RecvActivation(m) => activation_in[m] = exchanges,
+                            Transfer::RecvGradient(m) => gradient_in[m] = exchanges,
+                            _ => {}
+                        }
+                    }
+                    computes
                 }
-            }
-        }
+                Step::Forward(m) => {
+                    computes += 1;
+                    activation_in[*m]
+                }
+                Step::Backward(m) => {
+                    computes += 1;
+                    gradient_in[*m]
+                }
+            })
+            .collect();
         let board = Board {
             progress: Mutex::new(Progress {
                 held: (0..micro).map(|_| Held::default()).collect(),
@@ -271,6 +279,8 @@ impl<'c> Stage<'c> {
 
     /// The exchanges of `steps`, in order, each once the computations it `needs` are done.
     fn exchange_all(&self, s: usize, steps: &[Step], needs: &[usize], board: &Board) -> Result<()> {
+        // However this side ends, the computing side stops waiting for it.
+        let _stop = StopOnDrop(board);
         for (step, &need) in steps.iter().zip(needs) {
             let Step::Exchange(transfers) = step else {
                 continue;
@@ -281,7 +291,7 @@ impl<'c> Stage<'c> {
             let (sends, mut arrived) = self.take_sends(s, transfers, &mut progress.held)?;
             drop(progress);
             let stages = self.comm.world_size();
-            let exchanged = self.comm.group(|g| {
+            self.comm.group(|g| {
                 for (buf, peer, tag) in &sends {
                     g.send(&buf[..], *peer, *tag);
                 }
@@ -289,11 +299,7 @@ impl<'c> Stage<'c> {
                     let peer = t.peer(s, stages).unwrap_or(s);
                     g.recv(&mut buf[..], peer, t.tag());
                 }
-            });
-            if let Err(e) = exchanged {
-                board.stop();
-                return Err(e);
-            }
+            })?;
             let mut progress = board.lock();
             for (t, buf) in arrived {
                 let h = &mut progress.held[t.micro_batch()];
@@ -343,5 +349,45 @@ impl<'c> Stage<'c> {
             }
         }
         Ok((sends, arrived))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::pipeline::ScheduleKind;
+    use crate::Config;
+
+    /// A hand-made schedule whose first exchange fails (it sends what was never computed)
+    /// while a computation waits for a later exchange: the call fails, naming the fault,
+    /// instead of leaving that computation waiting.
+    #[test]
+    fn a_failed_exchange_fails_the_call_while_a_computation_waits() {
+        let schedule = PipelineSchedule {
+            kind: ScheduleKind::GPipe,
+            stages: 1,
+            micro_batches: 1,
+            steps: vec![vec![
+                Step::Exchange(vec![Transfer::SendActivation(0)]),
+                Step::Exchange(vec![Transfer::RecvGradient(0)]),
+                Step::Backward(0),
+            ]],
+        };
+        let (done, result) = mpsc::channel();
+        std::thread::spawn(move || {
+            let comm = Communicator::new(Config::new(0, 1, "127.0.0.1", 0)).expect("one rank");
+            let run = Stage::new(&comm, 4, 4).run(&schedule, |_, _, _| {}, |_, _, _, _| {});
+            done.send(run.map(|_| ())).ok();
+        });
+        match result.recv_timeout(Duration::from_secs(20)) {
+            Ok(Err(Error::InvalidArgument(why))) => {
+                assert!(why.contains("before computing it"), "{why}")
+            }
+            Ok(other) => panic!("expected the schedule's fault, got {other:?}"),
+            Err(_) => panic!("Stage::run still waits 20 s after its exchange failed"),
+        }
     }
 }
