@@ -362,13 +362,11 @@ impl Monitor {
         if self.job_ranks.iter().enumerate().all(|(i, &r)| i == r) {
             return text.to_string();
         }
-        let list = |v: &mut dyn Iterator<Item = usize>| {
-            v.map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
-        };
+        let here: Vec<usize> = (0..self.job_ranks.len()).collect();
         format!(
-            "{text} (on a communicator split from the job's, whose ranks {} are ranks {} of the job)",
-            list(&mut (0..self.job_ranks.len())),
-            list(&mut self.job_ranks.iter().copied())
+            "{text} (on a communicator split from the job's, whose {} are {} of the job)",
+            ranks(&here),
+            ranks(&self.job_ranks)
         )
     }
 
