@@ -21,6 +21,7 @@ use std::io::{self, BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
+use chorus_tools::perf::buffer::advise_huge_pages;
 use clap::Parser;
 
 /// Bytes of every buffer.
@@ -225,12 +226,7 @@ fn copy(
 fn buffer(fill: u8, huge_pages: bool) -> Vec<u8> {
     let mut v = vec![0u8; LEN];
     if huge_pages {
-        const PAGE: usize = 4096;
-        let start = (v.as_ptr() as usize).next_multiple_of(PAGE);
-        let end = (v.as_ptr() as usize + LEN) & !(PAGE - 1);
-        // SAFETY: MADV_HUGEPAGE on whole pages inside this allocation changes only how the
-        // kernel backs them, never what they hold.
-        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        advise_huge_pages(&v);
     }
     v.fill(fill);
     v

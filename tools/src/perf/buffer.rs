@@ -69,12 +69,13 @@ impl Buffer {
     }
 }
 
-/// Asks the kernel to back the whole pages of `words` with transparent huge pages. A hint
-/// only: where THP is off (`/sys/kernel/mm/transparent_hugepage/enabled`) nothing changes.
-fn advise_huge_pages(words: &[u64]) {
+/// Asks the kernel to back the whole pages of `memory` with transparent huge pages, as
+/// numpy does for its arrays; best before anything touches them. A hint only: where THP is
+/// off (`/sys/kernel/mm/transparent_hugepage/enabled`) nothing changes.
+pub fn advise_huge_pages<T>(memory: &[T]) {
     const PAGE: usize = 4096;
-    let start = (words.as_ptr() as usize).next_multiple_of(PAGE);
-    let end = (words.as_ptr() as usize + std::mem::size_of_val(words)) & !(PAGE - 1);
+    let start = (memory.as_ptr() as usize).next_multiple_of(PAGE);
+    let end = (memory.as_ptr() as usize + std::mem::size_of_val(memory)) & !(PAGE - 1);
     if end > start {
         // SAFETY: MADV_HUGEPAGE on whole pages inside this allocation changes only how the
         // kernel backs them, never what they hold.
