@@ -21,6 +21,17 @@ fn worker() -> &'static Path {
 
 /// Runs the worker's `connect` scenario as one rank of a loopback job.
 fn connect_as(rank: &str, world: &str, port: &str, timeout: &str) -> chorus_tests::Finished {
+    run_as(&["connect"], rank, world, port, timeout)
+}
+
+/// Runs the worker with `args` as one rank of a loopback job.
+fn run_as(
+    args: &[&str],
+    rank: &str,
+    world: &str,
+    port: &str,
+    timeout: &str,
+) -> chorus_tests::Finished {
     let env = [
         ("RANK", rank),
         ("WORLD_SIZE", world),
@@ -28,7 +39,7 @@ fn connect_as(rank: &str, world: &str, port: &str, timeout: &str) -> chorus_test
         ("MASTER_PORT", port),
         ("CHORUS_TIMEOUT", timeout),
     ];
-    run_one(worker(), &["connect"], &env, LIMIT)
+    run_one(worker(), args, &env, LIMIT)
 }
 
 fn assert_clean_failure(stderr: &str, needles: &[&str]) {
@@ -197,19 +208,7 @@ fn a_rank_number_given_twice_is_refused() {
     let release = release.to_str().unwrap();
     let done: Vec<_> = thread::scope(|s| {
         let runs: Vec<_> = ["0", "1", "1"]
-            .map(|rank| {
-                let port = &port;
-                s.spawn(move || {
-                    let env = [
-                        ("RANK", rank),
-                        ("WORLD_SIZE", "2"),
-                        ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", port.as_str()),
-                        ("CHORUS_TIMEOUT", "20"),
-                    ];
-                    run_one(worker(), &["connect_until", release], &env, LIMIT)
-                })
-            })
+            .map(|rank| s.spawn(|| run_as(&["connect_until", release], rank, "2", &port, "20")))
             .into_iter()
             .collect();
         while !runs.iter().any(|t| t.is_finished()) {
