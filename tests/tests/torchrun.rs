@@ -22,6 +22,8 @@ use chorusrun_support::{
 
 /// Bound on one Python or torchrun run.
 const LIMIT: Duration = Duration::from_secs(120);
+/// What libstdc++ prints when torch's gloo backend aborts while it tears down.
+const GLOO_TEARDOWN_ABORT: &str = "terminate called without an active exception";
 /// Bound on every TorchStore request and on the workers' collectives.
 const STORE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -248,9 +250,11 @@ fn ddp_trains_on_the_chorus_backend_under_torchrun_as_on_gloo() {
         .env("PYTHONPATH", scratch.path())
         .env("CHORUS_TIMEOUT", STORE_TIMEOUT.as_secs().to_string())
         .env("PYTHONUNBUFFERED", "1");
-        let run = start(cmd).wait(LIMIT);
+        start(cmd).wait(LIMIT)
+    };
+    let norms = |backend: &str, run: &Finished| {
         run.assert_code(0);
-        let norms = ddp_norms(&run);
+        let norms = ddp_norms(run);
         assert_eq!(
             norms.iter().map(|&(rank, _)| rank).collect::<Vec<_>>(),
             [0, 1],
@@ -258,8 +262,21 @@ fn ddp_trains_on_the_chorus_backend_under_torchrun_as_on_gloo() {
         );
         norms
     };
-    let chorus = train("chorus");
-    let gloo = train("gloo");
+    let chorus = norms("chorus", &train("chorus"));
+    // Torch's gloo backend now and then aborts in its own teardown, after training
+    // ("terminate called without an active exception"); only that reference run is retried.
+    let mut reference = train("gloo");
+    for _ in 0..2 {
+        if reference.status.success() || !reference.stderr.contains(GLOO_TEARDOWN_ABORT) {
+            break;
+        }
+        let _ = writeln!(
+            std::io::stderr(),
+            "note: the gloo reference run aborted in torch's teardown; running it again"
+        );
+        reference = train("gloo");
+    }
+    let gloo = norms("gloo", &reference);
     for ((rank, ours), (_, theirs)) in chorus.iter().zip(&gloo) {
         assert!(
             (ours - theirs).abs() <= 1e-4 * theirs.abs().max(1.0),
