@@ -443,27 +443,45 @@ fn exchange(
         Some(client) => client,
         None => connect(get)?,
     };
-    let outcome = if rank == 0 {
+    let outcome = meet(&mut client, rank, timeout, publish);
+    // The session is ended on failure too: hydra treats a process that exits inside one as
+    // crashed and stops the job at once, before it has passed on the process's last output.
+    let ended = client.finalize();
+    let outcome = outcome?;
+    ended?;
+    outcome
+}
+
+/// [`exchange`]'s puts, barrier and gets on an open session: `Err` when the session failed,
+/// `Ok(Err)` when rank 0 could not host the store.
+fn meet(
+    client: &mut Client,
+    rank: usize,
+    timeout: Duration,
+    publish: impl FnOnce() -> Result<String, String>,
+) -> Result<Result<String, String>, String> {
+    if rank == 0 {
         // A failure is published too, so that the others stop at once (hydra does not stop a
         // job whose process exits with an error outside a PMI session) and every rank ends its
         // session, leaving hydra to report the exits as usual.
         let published = publish();
         client.put(STORE_KEY, published.as_deref().unwrap_or(FAILED))?;
         client.barrier(timeout)?;
-        published
+        Ok(published)
     } else {
-        client
-            .barrier(timeout)
-            .map_err(|e| format!("waiting for rank 0 to publish its address: {e}"))?;
-        match client.get(STORE_KEY)? {
+        client.barrier(timeout).map_err(|e| {
+            format!(
+                "waiting for rank 0 to publish its address: {e} (a rank that exits before its \
+                 rendezvous, rank 0 included, does not stop a hydra job: see its output)"
+            )
+        })?;
+        Ok(match client.get(STORE_KEY)? {
             addr if addr == FAILED => Err(
                 "rank 0 could not host the rendezvous store (its own error says why)".to_string(),
             ),
             addr => Ok(addr),
-        }
-    };
-    client.finalize()?;
-    outcome
+        })
+    }
 }
 
 #[cfg(test)]

@@ -279,6 +279,36 @@ fn hydra_stops_the_job_when_rank_0_cannot_bind_its_store() {
 }
 
 #[test]
+fn under_hydra_a_rank_0_that_exits_before_its_rendezvous_stops_the_others_in_their_timeout() {
+    let Some(mpiexec) = hydra() else { return };
+    // Hydra does not stop a job whose process exits outside a PMI session, so rank 1 learns
+    // nothing of rank 0's exit: its wait is bounded by CHORUS_TIMEOUT, and its error says so.
+    let args = [
+        "-genv",
+        "CHORUS_TIMEOUT",
+        "3",
+        "-n",
+        "1",
+        "false",
+        ":",
+        "-n",
+        "1",
+        PROBE,
+        "allreduce",
+        "10",
+    ];
+    let run = start(mpiexec.command(&args)).wait(LIMIT);
+    assert_ne!(run.status.code(), Some(0), "{run:?}");
+    let want = "waiting for rank 0 to publish its address: no answer within 3s (a rank that \
+                exits before its rendezvous, rank 0 included, does not stop a hydra job";
+    assert!(
+        run.stderr.contains(want),
+        "{want:?} missing in:\n{}",
+        run.stderr
+    );
+}
+
+#[test]
 fn open_mpi_across_two_namespace_nodes() {
     let Some(mpirun) = open_mpi() else { return };
     let Some(cluster) = cluster(2) else { return };
