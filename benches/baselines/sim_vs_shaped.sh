@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # chorus_sim against measurements on shaped links.
 #
-# Builds W network namespaces ("nodes", one rank each) on a bridge, shapes every
+# Builds W / PER_NODE network namespaces ("nodes", PER_NODE ranks each, 1 by default) on a bridge, shapes every
 # node's link with tc tbf to RATE, measures the link's alpha (an 8-byte sendrecv)
 # and beta (a large sendrecv) between two nodes, runs allreduce_perf with each
 # all-reduce algorithm forced (CHORUS_ALGO) over a size sweep, runs chorus_sim with
@@ -20,12 +20,18 @@
 # ring (one direction per connection) got all of it, so the measurement was of
 # the congestion control and not of the schedule.
 #
+# With PER_NODE ranks on a node they share its shaped link and reach each other
+# over shared memory (chorus_sim --ranks-per-host), and the hierarchical
+# all-reduce joins the algorithms.
+#
 # Usage (root, iproute2 and tc; release binaries built):
 #   cargo build --release -p chorus-tools
 #   sudo benches/baselines/sim_vs_shaped.sh 100mbit "4 6 8" 1M 64M
 #   sudo benches/baselines/sim_vs_shaped.sh 1gbit "4 8" 4M 256M
-# Arguments: rate (tc syntax, in bit, kbit, mbit or gbit), worlds, smallest and largest size (step factor 4).
-# Environment: ALGOS (default "ring tree rd rhd"), ITERS (5),
+#   sudo PER_NODE=2 benches/baselines/sim_vs_shaped.sh 100mbit "4 6" 1M 16M
+# Arguments: rate (tc syntax, in bit, kbit, mbit or gbit), worlds (ranks in all), smallest and
+# largest size (step factor 4).
+# Environment: PER_NODE (1), ALGOS (default "ring tree rd rhd", and "hier" with PER_NODE > 1), ITERS (5),
 # BIN (target/release), TBF (tbf's options, "burst <2 ms at RATE> latency 100ms"),
 # CC (TCP congestion control, cubic).
 set -euo pipefail
@@ -34,7 +40,8 @@ RATE=${1:-100mbit}
 WORLDS=${2:-4}
 MINB=${3:-1M}
 MAXB=${4:-64M}
-ALGOS=${ALGOS:-ring tree rd rhd}
+PER_NODE=${PER_NODE:-1}
+if ((PER_NODE > 1)); then ALGOS=${ALGOS:-ring tree rd rhd hier}; else ALGOS=${ALGOS:-ring tree rd rhd}; fi
 ITERS=${ITERS:-5}
 BIN=${BIN:-target/release}
 # A bucket of 2 ms at RATE: a larger one lets a rank that idled send that much
@@ -99,15 +106,15 @@ drop_cluster() {
     NODES=()
 }
 
-# Runs a perf tool on `n` nodes (one rank each); prints rank 0's table.
+# Runs a perf tool on `n` nodes of `per` ranks each; prints rank 0's table.
 perf() {
-    local n=$1 tool=$2
-    shift 2
+    local n=$1 per=$2 tool=$3
+    shift 3
     local pids=() out
     out=$(mktemp)
     for ((i = 0; i < n; i++)); do
         ip netns exec "cs$ID-n$i" "$BIN/chorusrun" --nnodes "$n" --node-rank "$i" \
-            --nproc-per-node 1 --master-addr "$(addr 0)" --master-port 29500 --timeout 600 \
+            --nproc-per-node "$per" --master-addr "$(addr 0)" --master-port 29500 --timeout 600 \
             "$BIN/$tool" -n "$ITERS" -w 2 -c 0 "$@" >"$out.$i" 2>&1 &
         pids+=($!)
     done
@@ -127,23 +134,28 @@ perf() {
 times() { sed 's/^\[rank[0-9]*\]: *//' | awk '!/^#/ && NF >= 8 && $1 ~ /^[0-9]+$/ { print $1, $6 }'; }
 
 for W in $WORLDS; do
-    make_cluster "$W"
+    if ((W % PER_NODE)); then
+        echo "sim_vs_shaped: PER_NODE=$PER_NODE does not divide W=$W" >&2
+        exit 1
+    fi
+    make_cluster $((W / PER_NODE))
     # A sendrecv step sends one message each way at once (alpha + S/beta): alpha is
     # an 8-byte step, beta the slope between a 4 MiB and a 16 MiB step (which leaves
     # out TCP's ramp-up at the start of each message).
-    alpha_us=$(perf 2 sendrecv_perf -b 8 -e 8 | times | awk '{ print $2 }')
-    gbps=$(perf 2 sendrecv_perf -b 4M -e 16M -f 4 | times |
+    alpha_us=$(perf 2 1 sendrecv_perf -b 8 -e 8 | times | awk '{ print $2 }')
+    gbps=$(perf 2 1 sendrecv_perf -b 4M -e 16M -f 4 | times |
         awk 'NR == 1 { s = $1; t = $2 } NR == 2 { printf "%.4f", ($1 - s) * 8 / (($2 - t) * 1e3) }')
-    echo "# W=$W rate $RATE tbf $TBF TCP $CC: measured alpha $alpha_us us, beta $gbps Gbit/s ($(uptime | sed 's/.*load/load/'))"
+    echo "# W=$W ($PER_NODE per node) rate $RATE tbf $TBF TCP $CC: measured alpha $alpha_us us, beta $gbps Gbit/s ($(uptime | sed 's/.*load/load/'))"
 
     declare -A measured=()
     for a in $ALGOS; do
         while read -r size t; do measured[$a,$size]=$t; done < <(
-            CHORUS_ALGO="allreduce:$a" perf "$W" allreduce_perf -b "$MINB" -e "$MAXB" -f 4 | times
+            CHORUS_ALGO="allreduce:$a" perf $((W / PER_NODE)) "$PER_NODE" allreduce_perf -b "$MINB" -e "$MAXB" -f 4 | times
         )
     done
     sim=$(mktemp)
     "$BIN/chorus_sim" -w "$W" -b "$MINB" -e "$MAXB" -f 4 --alpha-us "$alpha_us" --gbps "$gbps" \
+        --ranks-per-host "$PER_NODE" \
         --algos "${ALGOS// /,}" >"$sim"
     # chorus_sim's rows: size, then (time busbw) per algorithm, then pick and best.
     printf '%10s %-17s %12s %12s %6s\n' size algorithm predicted_us measured_us ratio

@@ -351,8 +351,7 @@ impl Tuner {
     /// of at most `local` ranks: a tree reduce and a tree broadcast over shared memory,
     /// a ring between hosts over this tuner's links, one after the other.
     fn hierarchical(&self, bytes: usize, hosts: usize, local: usize) -> f64 {
-        let shm = chorus_transport::shm::LINK_COST;
-        let inside = LinkModel::new(shm.latency, shm.bandwidth).with_gamma(self.model.gamma);
+        let inside = LinkModel::shared_memory().with_gamma(self.model.gamma);
         let chunk = self.chunk_bytes;
         let tree = |c| closed::estimate(&inside, c, Algorithm::Tree, bytes, local, chunk);
         let ring = closed::estimate(

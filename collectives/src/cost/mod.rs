@@ -56,6 +56,12 @@ impl LinkModel {
         }
     }
 
+    /// Shared memory between two ranks of one host, as the tuner assumes it.
+    pub fn shared_memory() -> LinkModel {
+        let shm = chorus_transport::shm::LINK_COST;
+        LinkModel::new(shm.latency, shm.bandwidth)
+    }
+
     /// This model with reductions at `gamma` bytes/s.
     pub fn with_gamma(mut self, gamma: f64) -> LinkModel {
         self.gamma = gamma;
@@ -74,6 +80,35 @@ impl LinkModel {
         } else {
             0.0
         }
+    }
+}
+
+/// The links of a simulated cluster: hosts of `per_host` consecutive ranks. Each host has
+/// one outgoing and one incoming link to the others (`between`, shared by its ranks); ranks
+/// on one host reach each other over links of their own (`within`, e.g. shared memory).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Network {
+    /// Links between hosts (reductions cost its `gamma`).
+    pub between: LinkModel,
+    /// Links between two ranks of one host.
+    pub within: LinkModel,
+    /// Ranks per host (the last host may hold fewer).
+    pub per_host: usize,
+}
+
+impl Network {
+    /// Every rank on a host of its own, with `model`'s links.
+    pub fn flat(model: LinkModel) -> Network {
+        Network {
+            between: model,
+            within: model,
+            per_host: 1,
+        }
+    }
+
+    /// The host of `rank`.
+    pub fn host(&self, rank: usize) -> usize {
+        rank / self.per_host.max(1)
     }
 }
 

@@ -8,7 +8,8 @@
 //!   the receiver's incoming link for as long, from when the sender starts
 //!   it and that link is free (in start-time order, ties in posting order).
 //!   It has arrived when the incoming link is done; the send completes when
-//!   the outgoing link is.
+//!   the outgoing link is. Between hosts the links are the hosts' (shared
+//!   by their ranks), within one host each rank's own (see [`Network`]).
 //! - Messages match receives FIFO per ordered pair of ranks. A message may
 //!   arrive before its receive is posted (the transport buffers it); the
 //!   receive completes at the later of the two.
@@ -34,7 +35,7 @@
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::LinkModel;
+use super::{LinkModel, Network};
 use crate::executor::{Action, Dest, Layout, Machine, Program, PIPELINE_DEPTH};
 use crate::schedule::{extent, Buf, Loc, Schedule, Step};
 use crate::Error;
@@ -136,7 +137,7 @@ pub enum EvalError {
     },
 }
 
-/// Runs the schedules `schedule(rank)` of `world_size` ranks through `model`.
+/// Runs the schedules `schedule(rank)` of `world_size` ranks on `net`'s links.
 ///
 /// `schedule` is called once per rank, or more often when the programs do
 /// not fit [`EvalConfig::resident_steps`] (it must return the same program
@@ -144,7 +145,7 @@ pub enum EvalError {
 /// message unreceived.
 pub fn evaluate<F>(
     world_size: usize,
-    model: &LinkModel,
+    net: &Network,
     config: &EvalConfig,
     schedule: F,
 ) -> Result<Evaluation, EvalError>
@@ -152,7 +153,8 @@ where
     F: FnMut(usize) -> Schedule,
 {
     let mut sim = Sim {
-        model: *model,
+        net: *net,
+        nics: vec![Nic::default(); net.host(world_size.saturating_sub(1)) + 1],
         window: (config.resident_steps / world_size.max(1)).max(256),
         world: world_size,
         generate: schedule,
@@ -186,10 +188,8 @@ struct Rank {
     window: Window,
     /// The thread's clock.
     now: f64,
-    /// When the outgoing link is free.
-    out_free: f64,
-    /// When the incoming link is free.
-    in_free: f64,
+    /// Its links to the ranks of its host.
+    local: Nic,
     /// The wait the thread is held in: the machine's id of the request, and its index.
     blocked: Option<(u64, u32)>,
     finished: bool,
@@ -205,6 +205,13 @@ impl Rank {
             self.now += model.reduce(reduction.into.len as f64);
         }
     }
+}
+
+/// One outgoing and one incoming link: when each is free.
+#[derive(Debug, Clone, Copy, Default)]
+struct Nic {
+    out_free: f64,
+    in_free: f64,
 }
 
 /// Steps `first..first + steps.len()` of a rank's program of `total` steps, packed.
@@ -481,7 +488,9 @@ fn pair(src: usize, dst: usize) -> u64 {
 }
 
 struct Sim<F> {
-    model: LinkModel,
+    net: Network,
+    /// Each host's links to the others.
+    nics: Vec<Nic>,
     /// Steps of each rank's window.
     window: usize,
     world: usize,
@@ -528,8 +537,7 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
             machine,
             window,
             now: 0.0,
-            out_free: 0.0,
-            in_free: 0.0,
+            local: Nic::default(),
             blocked: None,
             finished: false,
         });
@@ -553,7 +561,8 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
     /// request whose completion is not known yet, or finishes.
     fn thread(&mut self, r: usize) -> Result<(), EvalError> {
         let Sim {
-            model,
+            net,
+            nics,
             window: size,
             world,
             generate,
@@ -568,7 +577,7 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
         } = self;
         let rank = &mut ranks[r];
         if let Some((id, req)) = rank.blocked.take() {
-            rank.complete(id, req, reqs[req as usize].done, model, free_reqs);
+            rank.complete(id, req, reqs[req as usize].done, &net.between, free_reqs);
         }
         loop {
             let now = rank.now;
@@ -604,9 +613,14 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
                 Action::Send { peer, from, .. } => {
                     check_peer(peer, r, *world, rank.machine.pc() - 1)?;
                     let bytes = from.len as u64;
+                    let (model, nic) = if net.host(peer) == net.host(r) {
+                        (&net.within, &mut rank.local)
+                    } else {
+                        (&net.between, &mut nics[net.host(r)])
+                    };
                     let link = model.message(bytes as f64);
-                    let start = now.max(rank.out_free);
-                    rank.out_free = start + link;
+                    let start = now.max(nic.out_free);
+                    nic.out_free = start + link;
                     let req = post(Req {
                         done: start + link,
                         post: now,
@@ -647,7 +661,7 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
                         rank.blocked = Some((id, req));
                         return Ok(());
                     }
-                    rank.complete(id, req, done, model, free_reqs);
+                    rank.complete(id, req, done, &net.between, free_reqs);
                 }
                 Action::Copy { .. } | Action::Finish { .. } => {}
                 Action::Done => {
@@ -663,8 +677,13 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
     fn arrive(&mut self, ev: Ev) -> Result<(), EvalError> {
         let (src, dst) = (ev.src as usize, ev.dst as usize);
         let rank = &mut self.ranks[dst];
-        let end = ev.t.max(rank.in_free) + self.model.message(ev.bytes as f64);
-        rank.in_free = end;
+        let (model, nic) = if self.net.host(src) == self.net.host(dst) {
+            (&self.net.within, &mut rank.local)
+        } else {
+            (&self.net.between, &mut self.nics[self.net.host(dst)])
+        };
+        let end = ev.t.max(nic.in_free) + model.message(ev.bytes as f64);
+        nic.in_free = end;
         let key = pair(src, dst);
         let q = self.channels.entry(key).or_default();
         let Some(&Item::Posted { req, bytes }) = q.front() else {
@@ -797,7 +816,7 @@ mod tests {
     }
 
     fn eval(w: usize, m: &LinkModel, f: impl FnMut(usize) -> Schedule) -> Evaluation {
-        evaluate(w, m, &EvalConfig::default(), f).unwrap()
+        evaluate(w, &Network::flat(*m), &EvalConfig::default(), f).unwrap()
     }
 
     fn close(got: f64, want: f64, tol: f64) -> bool {
@@ -909,7 +928,10 @@ mod tests {
             ..EvalConfig::default()
         };
         let full = eval(w, &m, |r| ring::all_reduce(r, w, count, chunk));
-        let windowed = evaluate(w, &m, &small, |r| ring::all_reduce(r, w, count, chunk)).unwrap();
+        let windowed = evaluate(w, &Network::flat(m), &small, |r| {
+            ring::all_reduce(r, w, count, chunk)
+        })
+        .unwrap();
         assert_eq!(full.time, windowed.time);
         assert_eq!(full.steps, windowed.steps);
         assert!(
@@ -967,14 +989,14 @@ mod tests {
             peer,
             from: Loc::input(0..n),
         };
-        let e = evaluate(2, &m, &EvalConfig::default(), |r| {
+        let e = evaluate(2, &Network::flat(m), &EvalConfig::default(), |r| {
             vec![recv(1 - r), forward(1 - r)]
         });
         assert!(
             matches!(e, Err(EvalError::Deadlock { stuck: 2, .. })),
             "{e:?}"
         );
-        let e = evaluate(2, &m, &EvalConfig::default(), |r| {
+        let e = evaluate(2, &Network::flat(m), &EvalConfig::default(), |r| {
             if r == 0 {
                 vec![send(1, 3)]
             } else {
@@ -992,7 +1014,7 @@ mod tests {
             ),
             "{e:?}"
         );
-        let e = evaluate(2, &m, &EvalConfig::default(), |r| {
+        let e = evaluate(2, &Network::flat(m), &EvalConfig::default(), |r| {
             if r == 0 {
                 vec![send(1, 4)]
             } else {
@@ -1011,7 +1033,7 @@ mod tests {
             "{e:?}"
         );
         // The executor's own checks: it copies only between regions of one length.
-        let e = evaluate(2, &m, &EvalConfig::default(), |_| {
+        let e = evaluate(2, &Network::flat(m), &EvalConfig::default(), |_| {
             vec![Step::Copy {
                 from: Loc::input(0..4),
                 into: Loc::output(0..3),
@@ -1028,7 +1050,9 @@ mod tests {
             )
         };
         assert!(refused(&e), "{e:?}");
-        let e = evaluate(2, &m, &EvalConfig::default(), |_| vec![send(2, 4)]);
+        let e = evaluate(2, &Network::flat(m), &EvalConfig::default(), |_| {
+            vec![send(2, 4)]
+        });
         assert!(refused(&e), "{e:?}");
     }
 
@@ -1052,6 +1076,85 @@ mod tests {
             }
         });
         assert!(close(e.time, 3.0 * m.message(400.0), 1e-12), "{}", e.time);
+    }
+
+    #[test]
+    fn ranks_of_one_host_share_its_link_and_talk_over_their_own() {
+        // Hosts {0, 1} and {2, 3}: ranks 0 and 1 send to 2 and 3 at once, one after the
+        // other on the hosts' link; once its message is in, rank 2 sends to 3 over their
+        // own link, beside the second crossing.
+        let (between, within) = (model(), LinkModel::new(1e-6, 1e12));
+        let hosts = Network {
+            between,
+            within,
+            per_host: 2,
+        };
+        let send = |peer| Step::Send {
+            peer,
+            from: Loc::input(0..100),
+        };
+        let recv = |peer, at: usize| Step::Recv {
+            peer,
+            into: Loc::output(at..at + 100),
+        };
+        let program = |local: bool| {
+            move |r: usize| match (r, local) {
+                (0, _) => vec![send(2)],
+                (1, _) => vec![send(3)],
+                (2, true) => vec![recv(0, 0), send(3)],
+                (2, false) => vec![recv(0, 0)],
+                (_, true) => vec![recv(1, 0), recv(2, 100)],
+                (_, false) => vec![recv(1, 0)],
+            }
+        };
+        let config = EvalConfig::default();
+        let m = between.message(400.0);
+        let e = evaluate(4, &hosts, &config, program(true)).unwrap();
+        assert!(close(e.time, 2.0 * m, 1e-12), "{}", e.time);
+        // With a host per rank the crossings run side by side.
+        let flat = evaluate(4, &Network::flat(between), &config, program(false)).unwrap();
+        assert!(close(flat.time, m, 1e-12), "{}", flat.time);
+        let e = evaluate(4, &hosts, &config, program(false)).unwrap();
+        assert!(close(e.time, 2.0 * m, 1e-12), "{}", e.time);
+    }
+
+    #[test]
+    fn the_tuners_hierarchical_row_is_near_the_evaluator() {
+        // Two and four hosts of four ranks on slow links, shared memory within each.
+        let between = LinkModel::new(20e-6, 12.5e6);
+        for hosts in [2, 4] {
+            let w = 4 * hosts;
+            let net = Network {
+                between,
+                within: LinkModel::shared_memory(),
+                per_host: 4,
+            };
+            let tuner = crate::tuner::Tuner::new(between.alpha, between.beta, Default::default())
+                .with_topology(crate::tuner::Topology {
+                    hosts,
+                    most_local: 4,
+                    shared_memory: false,
+                });
+            for bytes in [64 << 10, 4 << 20] {
+                let count = bytes / 4;
+                let chunk = tuner.chunk_bytes() / 4;
+                let e = evaluate(w, &net, &EvalConfig::default(), |r| {
+                    crate::schedule::hierarchical::all_reduce(r, w, 4, count, chunk)
+                })
+                .unwrap();
+                let row = tuner
+                    .table(Some(Collective::AllReduce), bytes, w, false)
+                    .into_iter()
+                    .find(|(p, _)| *p == crate::tuner::Path::Messages(Algorithm::Hierarchical))
+                    .expect("several hosts of several ranks have the row")
+                    .1;
+                assert!(
+                    close(row, e.time, 0.05),
+                    "{hosts} hosts, {bytes} B: row {row}, evaluated {}",
+                    e.time
+                );
+            }
+        }
     }
 
     /// Worst ratio evaluator / closed form for `c` by `a` over a grid of

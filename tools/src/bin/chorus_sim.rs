@@ -6,14 +6,17 @@
 //! links, one NIC per rank; see `chorus::cost`), prints nccl-tests-style
 //! time and bus bandwidth per algorithm, the tuner's pick from its closed
 //! forms, the best simulated algorithm, and the sizes where the pick changes.
+//! With `--ranks-per-host K` hosts of K ranks share one NIC and reach each
+//! other over shared memory, and the hierarchical all-reduce joins the table.
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use chorus::cost::{closed, evaluate, schedule_for, EvalConfig, LinkModel};
-use chorus::tuner::{Algorithm, Collective, Forced, Tuner, TIE_MARGIN};
+use chorus::cost::{evaluate, schedule_for, EvalConfig, LinkModel, Network};
+use chorus::schedule::hierarchical;
+use chorus::tuner::{Algorithm, Collective, Forced, Path, Topology, Tuner, TIE_MARGIN};
 use chorus_tools::perf::parse_size;
 use clap::Parser;
 
@@ -48,6 +51,17 @@ struct Args {
     /// Link bandwidth in Gbit/s (beta).
     #[arg(long, default_value_t = 100.0)]
     gbps: f64,
+    /// Ranks per host: they share the host's link to the others and reach each other over
+    /// `--local-alpha-us` / `--local-gbps` links.
+    #[arg(long = "ranks-per-host", default_value_t = 1)]
+    ranks_per_host: usize,
+    /// Per-message latency between two ranks of one host, in microseconds (default: the
+    /// tuner's shared memory).
+    #[arg(long = "local-alpha-us")]
+    local_alpha_us: Option<f64>,
+    /// Bandwidth between two ranks of one host in Gbit/s (default: the tuner's shared memory).
+    #[arg(long = "local-gbps")]
+    local_gbps: Option<f64>,
     /// Reduction bandwidth in GB/s (gamma); reductions are free if unset.
     #[arg(long = "gamma-gbs")]
     gamma_gbs: Option<f64>,
@@ -139,22 +153,27 @@ fn run(args: &Args) -> Result<(), String> {
     if args.root >= w {
         return Err(format!("--root {} is not a rank of {w}", args.root));
     }
-    if !(args.alpha_us >= 0.0 && args.gbps > 0.0) {
-        return Err("--alpha-us must be >= 0 and --gbps > 0".into());
-    }
     let c = args.collective;
-    let beta = args.gbps * 1e9 / 8.0;
-    let mut model = LinkModel::new(args.alpha_us * 1e-6, beta);
-    let mut tuner =
-        Tuner::new(model.alpha, model.beta, Forced::none()).with_chunk_bytes(args.chunk);
+    let net = network(args)?;
+    let local = args.ranks_per_host;
+    let hosts = w.div_ceil(local);
+    let mut tuner = Tuner::new(net.between.alpha, net.between.beta, Forced::none())
+        .with_chunk_bytes(args.chunk)
+        .with_topology(Topology {
+            hosts,
+            most_local: local.min(w),
+            shared_memory: hosts == 1,
+        });
     if let Some(g) = args.gamma_gbs {
-        model = model.with_gamma(g * 1e9);
         tuner = tuner.with_gamma(g * 1e9);
     }
     let sizes = sizes(args)?;
+    let hierarchy =
+        (c == Collective::AllReduce && hosts > 1 && local > 1).then_some(Algorithm::Hierarchical);
     let algos: Vec<Algorithm> = Tuner::candidates(c)
         .iter()
         .copied()
+        .chain(hierarchy)
         .filter(|a| args.algos.is_empty() || args.algos.contains(a))
         .collect();
     if algos.is_empty() {
@@ -188,7 +207,7 @@ fn run(args: &Args) -> Result<(), String> {
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&(i, j)) = jobs.get(k) else { return };
                 let (bytes, a) = (sizes[i], algos[j]);
-                let result = cell(args, &model, &config, c, a, bytes, chunk);
+                let result = cell(args, &net, &tuner, &config, a, bytes, chunk);
                 match result {
                     Ok(cell) => cells.lock().unwrap()[i][j] = Some(cell),
                     Err(e) => {
@@ -204,7 +223,7 @@ fn run(args: &Args) -> Result<(), String> {
     let cells = cells.into_inner().unwrap();
     let total_wall = started.elapsed();
 
-    print_table(args, &model, &tuner, &sizes, algos, &cells);
+    print_table(args, &net, &tuner, &sizes, algos, &cells);
     print_crossovers(args, &tuner, &sizes, algos, &cells);
     let steps: u64 = cells.iter().flatten().flatten().map(|c| c.steps).sum();
     println!(
@@ -230,38 +249,83 @@ fn run(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// The predicted time of `c` by `a` on `bytes`: evaluated if small enough, else the closed form.
+/// The links `args` describe: `--ranks-per-host` ranks share a host's link.
+fn network(args: &Args) -> Result<Network, String> {
+    if !(args.alpha_us >= 0.0 && args.gbps > 0.0) {
+        return Err("--alpha-us must be >= 0 and --gbps > 0".into());
+    }
+    if args.ranks_per_host == 0 {
+        return Err("--ranks-per-host must be at least 1".into());
+    }
+    let shm = LinkModel::shared_memory();
+    let local_alpha = args.local_alpha_us.map_or(shm.alpha, |us| us * 1e-6);
+    let local_beta = args.local_gbps.map_or(shm.beta, |g| g * 1e9 / 8.0);
+    if !(local_alpha >= 0.0 && local_beta > 0.0) {
+        return Err("--local-alpha-us must be >= 0 and --local-gbps > 0".into());
+    }
+    let gamma = args.gamma_gbs.map_or(f64::INFINITY, |g| g * 1e9);
+    Ok(Network {
+        between: LinkModel::new(args.alpha_us * 1e-6, args.gbps * 1e9 / 8.0).with_gamma(gamma),
+        within: LinkModel::new(local_alpha, local_beta).with_gamma(gamma),
+        per_host: args.ranks_per_host,
+    })
+}
+
+/// The tuner's estimate (its closed forms) for `a` on `bytes`, infinite if it has no row.
+fn closed_form(tuner: &Tuner, c: Collective, a: Algorithm, bytes: usize, w: usize) -> f64 {
+    tuner
+        .table(Some(c), bytes, w, false)
+        .into_iter()
+        .find(|(path, _)| *path == Path::Messages(a))
+        .map_or(f64::INFINITY, |(_, t)| t)
+}
+
+/// The tuner's pick among the message algorithms for `bytes`.
+fn pick(tuner: &Tuner, c: Collective, bytes: usize, w: usize) -> Algorithm {
+    match tuner.plan(Some(c), bytes, w, false).path {
+        Path::Messages(a) => a,
+        // The mailbox (one host, small calls) is not simulated: the flat pick stands in.
+        Path::Mailbox | Path::Window => tuner.choose(c, bytes, w),
+    }
+}
+
+/// The predicted time of `a` on `bytes`: evaluated if small enough, else the closed form.
 fn cell(
     args: &Args,
-    model: &LinkModel,
+    net: &Network,
+    tuner: &Tuner,
     config: &EvalConfig,
-    c: Collective,
     a: Algorithm,
     bytes: usize,
     chunk: usize,
 ) -> Result<Cell, String> {
-    let w = args.world;
+    let (c, w) = (args.collective, args.world);
     let count = bytes / ELEM;
-    let make = |r: usize| {
-        schedule_for(c, a, r, w, count, chunk, args.root).expect("a candidate implements c")
+    let hosts: Vec<Vec<usize>> = (0..w)
+        .step_by(args.ranks_per_host)
+        .map(|first| (first..(first + args.ranks_per_host).min(w)).collect())
+        .collect();
+    let make = |r: usize| match a {
+        Algorithm::Hierarchical => hierarchical::all_reduce_on(r, &hosts, count, chunk),
+        _ => schedule_for(c, a, r, w, count, chunk, args.root).expect("a candidate implements c"),
     };
-    let closed_form = || Cell {
-        time: closed::estimate(model, c, a, bytes, w, args.chunk).unwrap_or(f64::INFINITY),
+    let closed = || Cell {
+        time: closed_form(tuner, c, a, bytes, w),
         closed: true,
         steps: 0,
         wall: Duration::ZERO,
     };
     if args.closed {
-        return Ok(closed_form());
+        return Ok(closed());
     }
     // Estimate the total from the longest of a few ranks' programs (the root's may be longest).
     let probe = [0, args.root, w / 2, w - 1];
     let longest = probe.iter().map(|&r| make(r).len()).max().unwrap_or(0);
     if longest.saturating_mul(w) > args.max_steps {
-        return Ok(closed_form());
+        return Ok(closed());
     }
     let t = Instant::now();
-    let e = evaluate(w, model, config, make).map_err(|e| format!("{c} {a} {bytes} B: {e}"))?;
+    let e = evaluate(w, net, config, make).map_err(|e| format!("{c} {a} {bytes} B: {e}"))?;
     Ok(Cell {
         time: e.time,
         closed: false,
@@ -272,18 +336,26 @@ fn cell(
 
 fn print_table(
     args: &Args,
-    model: &LinkModel,
+    net: &Network,
     tuner: &Tuner,
     sizes: &[usize],
     algos: &[Algorithm],
     cells: &[Vec<Option<Cell>>],
 ) {
     let (c, w) = (args.collective, args.world);
+    let hosts = match args.ranks_per_host {
+        1 => String::new(),
+        k => format!(
+            " ({k} per host, sharing its link; within a host alpha {:.1} us, {:.2} GB/s)",
+            net.within.alpha * 1e6,
+            net.within.beta / 1e9
+        ),
+    };
     println!(
-        "# chorus_sim: {c} on {w} ranks; alpha {} us, links {} Gbit/s ({:.2} GB/s){}; chunk {} B; staging depth {}",
+        "# chorus_sim: {c} on {w} ranks{hosts}; alpha {} us, links {} Gbit/s ({:.2} GB/s){}; chunk {} B; staging depth {}",
         args.alpha_us,
         args.gbps,
-        model.beta / 1e9,
+        net.between.beta / 1e9,
         args.gamma_gbs
             .map_or(String::new(), |g| format!(", reductions {g} GB/s")),
         args.chunk,
@@ -315,7 +387,7 @@ fn print_table(
                 best = Some((cell.time, a));
             }
         }
-        let pick = tuner.choose(c, bytes, w);
+        let pick = pick(tuner, c, bytes, w);
         let best = best.map(|(_, a)| a).unwrap_or(pick);
         let differ = if best == pick { ' ' } else { '!' };
         println!("  {pick:>8}  {best:>7}{differ}");
@@ -333,7 +405,7 @@ fn print_crossovers(
 ) {
     let (c, w) = (args.collective, args.world);
     let unit = unit(c, w);
-    let pick = |bytes: usize| tuner.choose(c, bytes, w);
+    let pick = |bytes: usize| pick(tuner, c, bytes, w);
     let (lo, hi) = (sizes[0], sizes[sizes.len() - 1]);
     let mut changes = Vec::new();
     // A fine geometric scan (32 points per doubling), each change refined to one unit.
@@ -373,7 +445,7 @@ fn print_crossovers(
             println!(
                 "#   {from} -> {to} at {bytes} B ({}); estimates there: {}",
                 human(bytes),
-                tuner.explain(c, bytes, w)
+                tuner.explain_call(Some(c), bytes, w, false)
             );
         }
     }
