@@ -248,6 +248,11 @@ impl Tuner {
         &self.model
     }
 
+    /// Where the ranks are, as the transport found them.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
     /// The pipeline chunk the estimates assume, in bytes.
     pub fn chunk_bytes(&self) -> usize {
         self.chunk_bytes

@@ -106,11 +106,17 @@ fn all_reduce_tree_w8() {
 }
 
 fn broadcast(world: usize, algo: &str) {
+    broadcast_over(world, algo, "auto");
+}
+
+/// Broadcasts from every root over `transport` (`auto`: shared memory between local ranks);
+/// 300007 elements are several pipeline chunks.
+fn broadcast_over(world: usize, algo: &str, transport: &str) {
     let report = run(
         world,
         worker(),
         &["broadcast", "0,1,7,1023,300007"],
-        &[("CHORUS_ALGO", algo)],
+        &[("CHORUS_ALGO", algo), ("CHORUS_TRANSPORT", transport)],
     );
     assert_success(&report);
     // 4 dtypes x 5 counts x 2 placements per root.
@@ -122,6 +128,14 @@ fn broadcast_from_every_root() {
     for world in [1, 2, 3, 4, 5, 8] {
         broadcast(world, "ring");
         broadcast(world, "tree");
+    }
+}
+
+#[test]
+fn broadcast_over_tcp_from_every_root() {
+    // Between two ranks: chunks over sockets, where shared memory sends one message.
+    for world in [2, 3] {
+        broadcast_over(world, "ring", "tcp");
     }
 }
 

@@ -174,7 +174,8 @@ impl Inner {
             Path::Window => return Ok(Decided::Window),
             Path::Messages(a) => a,
         };
-        let chunk = self.chunk_elems(info.dtype);
+        let shared = self.tuner.topology().shared_memory;
+        let chunk = chunk_for(c, w, elems, shared, self.chunk_elems(info.dtype));
         let steps = match (c, algorithm, counts) {
             (None, _, _) => barrier::dissemination(rank, w),
             (_, _, Some((send, recv))) => all_to_all::pairwise(rank, w, send, recv),
@@ -199,6 +200,24 @@ impl Inner {
         } else {
             tracing::debug!(rank, call = kind.name(), path = %plan, "tuner");
         }
+    }
+}
+
+/// The pipeline chunk of call `c` on `elems` elements over `world` ranks: `configured`,
+/// but a broadcast between two ranks that share memory goes as one message. Two ranks relay
+/// nothing, and over shared memory the receiver copies the whole message straight from the
+/// root's buffer; over sockets chunks move faster (W=2, 64 MiB, in place: 3.8-6.0 GB/s
+/// against 2.3-3.5 whole).
+fn chunk_for(
+    c: Option<Collective>,
+    world: usize,
+    elems: usize,
+    shared_memory: bool,
+    configured: usize,
+) -> usize {
+    match c {
+        Some(Collective::Broadcast) if world == 2 && shared_memory => elems.max(1),
+        _ => configured,
     }
 }
 
@@ -229,6 +248,18 @@ mod tests {
             Ok(Decided::Messages(steps)) => steps,
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_broadcast_between_two_ranks_is_one_message_on_shared_memory_only() {
+        let bcast = Some(Collective::Broadcast);
+        assert_eq!(chunk_for(bcast, 2, 1 << 24, true, 1 << 17), 1 << 24);
+        assert_eq!(chunk_for(bcast, 2, 0, true, 1 << 17), 1);
+        assert_eq!(chunk_for(bcast, 2, 1 << 24, false, 1 << 17), 1 << 17);
+        assert_eq!(chunk_for(bcast, 3, 1 << 24, true, 1 << 17), 1 << 17);
+        let all_reduce = Some(Collective::AllReduce);
+        assert_eq!(chunk_for(all_reduce, 2, 1 << 24, true, 1 << 17), 1 << 17);
+        assert_eq!(chunk_for(None, 2, 0, true, 1 << 17), 1 << 17);
     }
 
     #[test]

@@ -162,7 +162,7 @@ pub fn chain_broadcast(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     if w < 2 || s <= 0.0 {
         return 0.0;
     }
-    let n = broadcast_chunks(w, s, chunk);
+    let n = chunks(s, chunk);
     ((w - 1) as f64 + n - 1.0) * m.message(s / n)
 }
 
@@ -174,18 +174,8 @@ pub fn tree_broadcast(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     if w < 2 || s <= 0.0 {
         return 0.0;
     }
-    let n = broadcast_chunks(w, s, chunk);
+    let n = chunks(s, chunk);
     tree_steps(w, n) * m.message(s / n)
-}
-
-/// Chunks of a broadcast of `s` bytes: one between two ranks, which relay nothing
-/// (as the broadcast schedules have it).
-fn broadcast_chunks(w: usize, s: f64, chunk: f64) -> f64 {
-    if w <= 2 {
-        1.0
-    } else {
-        chunks(s, chunk)
-    }
 }
 
 /// Link steps of a pipelined binary tree of `n` chunks (see [`tree_broadcast`]).

@@ -9,7 +9,6 @@ use super::{chunks, Loc, Schedule, Step};
 /// speed; latency grows with W.
 pub fn chain(rank: usize, world_size: usize, root: usize, count: usize, chunk: usize) -> Schedule {
     let w = world_size;
-    let chunk = relayed(w, count, chunk);
     let pos = (rank + w - root) % w;
     let next = (pos + 1 < w).then_some((rank + 1) % w);
     let mut steps = Vec::new();
@@ -44,7 +43,6 @@ pub fn chain(rank: usize, world_size: usize, root: usize, count: usize, chunk: u
 /// Latency grows with log2(W); interior ranks send twice per chunk.
 pub fn tree(rank: usize, world_size: usize, root: usize, count: usize, chunk: usize) -> Schedule {
     let node = rooted(rank, world_size, root);
-    let chunk = relayed(world_size, count, chunk);
     let mut steps = Vec::new();
     for r in chunks(0..count, chunk) {
         if rank == root {
@@ -59,14 +57,4 @@ pub fn tree(rank: usize, world_size: usize, root: usize, count: usize, chunk: us
         }
     }
     steps
-}
-
-/// The chunk a broadcast of `count` elements pipelines: `chunk` where ranks relay chunks
-/// onwards, the whole buffer between two ranks (where chunks would only add messages).
-fn relayed(world_size: usize, count: usize, chunk: usize) -> usize {
-    if world_size <= 2 {
-        count
-    } else {
-        chunk
-    }
 }
