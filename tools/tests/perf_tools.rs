@@ -362,9 +362,10 @@ fn tcp_ceiling_reports_floor_streams_and_bounds() {
             .split_whitespace()
             .filter_map(|w| w.parse().ok())
             .collect();
-        // Copies alone, then copies and sums: the sums can only lower the bound.
+        // Cold and warm copies alone, then both with the sums: the sums can only lower a bound.
         assert!(
-            matches!(numbers[..], [copies, with_sums] if copies > with_sums && with_sums > 0.0),
+            matches!(numbers[..], [cold, warm, cold_sums, warm_sums]
+                if cold > cold_sums && warm > warm_sums && cold_sums > 0.0 && warm_sums > 0.0),
             "{line}"
         );
     }
