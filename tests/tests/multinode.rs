@@ -181,6 +181,10 @@ fn assert_takes_the_models_time(
     }
 }
 
+/// Held by each test that times shaped links, so that they do not run at once: on a small
+/// machine the other's ranks would take the cores and the time.
+static TIMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Links of 100 Mbit/s and about 20 us, as `Cluster::shape(100)` makes them.
 fn shaped_model() -> LinkModel {
     LinkModel::new(20e-6, 100e6 / 8.0)
@@ -195,6 +199,7 @@ fn shaped_model() -> LinkModel {
 #[test]
 fn shaped_links_take_the_cost_models_time() {
     const W: usize = 4;
+    let _alone = TIMED.lock().unwrap_or_else(|p| p.into_inner());
     let Some(cluster) = cluster(W) else { return };
     if let Err(why) = cluster.shape(100) {
         let _ = writeln!(std::io::stderr(), "skipping: needs tc with tbf ({why})");
@@ -226,6 +231,7 @@ fn shaped_links_take_the_cost_models_time() {
 /// hierarchical one. The full sweep measured 1.00-1.02 for both (README).
 #[test]
 fn on_shaped_links_the_tuner_prices_the_hierarchical_all_reduce() {
+    let _alone = TIMED.lock().unwrap_or_else(|p| p.into_inner());
     let Some(cluster) = cluster(2) else { return };
     if let Err(why) = cluster.shape(100) {
         let _ = writeln!(std::io::stderr(), "skipping: needs tc with tbf ({why})");
