@@ -613,11 +613,7 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
                 Action::Send { peer, from, .. } => {
                     check_peer(peer, r, *world, rank.machine.pc() - 1)?;
                     let bytes = from.len as u64;
-                    let (model, nic) = if net.host(peer) == net.host(r) {
-                        (&net.within, &mut rank.local)
-                    } else {
-                        (&net.between, &mut nics[net.host(r)])
-                    };
+                    let (model, nic) = link(net, nics, &mut rank.local, r, peer);
                     let link = model.message(bytes as f64);
                     let start = now.max(nic.out_free);
                     nic.out_free = start + link;
@@ -677,11 +673,7 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
     fn arrive(&mut self, ev: Ev) -> Result<(), EvalError> {
         let (src, dst) = (ev.src as usize, ev.dst as usize);
         let rank = &mut self.ranks[dst];
-        let (model, nic) = if self.net.host(src) == self.net.host(dst) {
-            (&self.net.within, &mut rank.local)
-        } else {
-            (&self.net.between, &mut self.nics[self.net.host(dst)])
-        };
+        let (model, nic) = link(&self.net, &mut self.nics, &mut rank.local, dst, src);
         let end = ev.t.max(nic.in_free) + model.message(ev.bytes as f64);
         nic.in_free = end;
         let key = pair(src, dst);
@@ -748,6 +740,23 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
             }
         }
         Ok(self.stats)
+    }
+}
+
+/// The link rank `this` uses for a message to or from `peer`, and its model: its own
+/// (`local`) within its host, its host's (in `nics`) across hosts.
+fn link<'a>(
+    net: &'a Network,
+    nics: &'a mut [Nic],
+    local: &'a mut Nic,
+    this: usize,
+    peer: usize,
+) -> (&'a LinkModel, &'a mut Nic) {
+    let host = net.host(this);
+    if net.host(peer) == host {
+        (&net.within, local)
+    } else {
+        (&net.between, &mut nics[host])
     }
 }
 
