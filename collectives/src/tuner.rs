@@ -274,14 +274,27 @@ impl Tuner {
         }
     }
 
-    /// Estimated seconds for `c` by `a` on `bytes` over `world_size` ranks (infinite if `a` cannot run `c`).
+    /// Estimated seconds for `c` by `a` on `bytes` over `world_size` ranks (infinite if `a` cannot run `c`,
+    /// or, for the hierarchical all-reduce, this tuner's topology has not several hosts with
+    /// several ranks on one).
     ///
     /// `bytes` is nccl-tests' size: the buffer for all-reduce, broadcast and
     /// reduce; the whole output for all-gather and gather; the whole input
     /// for reduce-scatter and scatter; each rank's buffer for all-to-all.
     pub fn estimate(&self, c: Collective, a: Algorithm, bytes: usize, world_size: usize) -> f64 {
-        closed::estimate(&self.model, c, a, bytes, world_size, self.chunk_bytes)
-            .unwrap_or(f64::INFINITY)
+        let t = &self.topology;
+        match a {
+            Algorithm::Hierarchical => {
+                let hosts = t.hosts > 1 && t.hosts < world_size && t.most_local > 1;
+                if c == Collective::AllReduce && hosts {
+                    self.hierarchical(bytes, t.hosts, t.most_local)
+                } else {
+                    f64::INFINITY
+                }
+            }
+            _ => closed::estimate(&self.model, c, a, bytes, world_size, self.chunk_bytes)
+                .unwrap_or(f64::INFINITY),
+        }
     }
 
     /// The message algorithm for `c` on `bytes` over `world_size` ranks, and why (flat
@@ -343,11 +356,9 @@ impl Tuner {
         for &a in Tuner::candidates(c) {
             rows.push((Path::Messages(a), self.estimate(c, a, b, w)));
         }
-        if c == Collective::AllReduce && t.hosts > 1 && t.hosts < w && t.most_local > 1 {
-            rows.push((
-                Path::Messages(Algorithm::Hierarchical),
-                self.hierarchical(b, t.hosts, t.most_local),
-            ));
+        let hierarchical = self.estimate(c, Algorithm::Hierarchical, b, w);
+        if hierarchical.is_finite() {
+            rows.push((Path::Messages(Algorithm::Hierarchical), hierarchical));
         }
         rows
     }

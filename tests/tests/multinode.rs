@@ -243,13 +243,6 @@ fn on_shaped_links_the_tuner_prices_the_hierarchical_all_reduce() {
         most_local: 2,
         shared_memory: false,
     });
-    let row = |algo: Algorithm, bytes: usize| {
-        let rows = tuner.table(Some(Collective::AllReduce), bytes, 4, false);
-        rows.into_iter()
-            .find(|(path, _)| *path == Path::Messages(algo))
-            .map(|(_, t)| t)
-            .expect("the tuner has a row for every candidate")
-    };
     for bytes in [1 << 20, 4 << 20] {
         let plan = tuner.plan(Some(Collective::AllReduce), bytes, 4, false);
         assert_eq!(
@@ -259,6 +252,8 @@ fn on_shaped_links_the_tuner_prices_the_hierarchical_all_reduce() {
         );
     }
     for algo in [Algorithm::Hierarchical, Algorithm::Ring] {
-        assert_takes_the_models_time(&cluster, 2, algo, |bytes| row(algo, bytes));
+        assert_takes_the_models_time(&cluster, 2, algo, |bytes| {
+            tuner.estimate(Collective::AllReduce, algo, bytes, 4)
+        });
     }
 }

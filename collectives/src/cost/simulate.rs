@@ -1151,12 +1151,7 @@ mod tests {
                     crate::schedule::hierarchical::all_reduce(r, w, 4, count, chunk)
                 })
                 .unwrap();
-                let row = tuner
-                    .table(Some(Collective::AllReduce), bytes, w, false)
-                    .into_iter()
-                    .find(|(p, _)| *p == crate::tuner::Path::Messages(Algorithm::Hierarchical))
-                    .expect("several hosts of several ranks have the row")
-                    .1;
+                let row = tuner.estimate(Collective::AllReduce, Algorithm::Hierarchical, bytes, w);
                 assert!(
                     close(row, e.time, 0.05),
                     "{hosts} hosts, {bytes} B: row {row}, evaluated {}",

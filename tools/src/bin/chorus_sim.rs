@@ -271,15 +271,6 @@ fn network(args: &Args) -> Result<Network, String> {
     })
 }
 
-/// The tuner's estimate (its closed forms) for `a` on `bytes`, infinite if it has no row.
-fn closed_form(tuner: &Tuner, c: Collective, a: Algorithm, bytes: usize, w: usize) -> f64 {
-    tuner
-        .table(Some(c), bytes, w, false)
-        .into_iter()
-        .find(|(path, _)| *path == Path::Messages(a))
-        .map_or(f64::INFINITY, |(_, t)| t)
-}
-
 /// The tuner's pick among the message algorithms for `bytes`.
 fn pick(tuner: &Tuner, c: Collective, bytes: usize, w: usize) -> Algorithm {
     match tuner.plan(Some(c), bytes, w, false).path {
@@ -310,7 +301,7 @@ fn cell(
         _ => schedule_for(c, a, r, w, count, chunk, args.root).expect("a candidate implements c"),
     };
     let closed = || Cell {
-        time: closed_form(tuner, c, a, bytes, w),
+        time: tuner.estimate(c, a, bytes, w),
         closed: true,
         steps: 0,
         wall: Duration::ZERO,
