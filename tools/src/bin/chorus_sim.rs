@@ -168,8 +168,12 @@ fn run(args: &Args) -> Result<(), String> {
         tuner = tuner.with_gamma(g * 1e9);
     }
     let sizes = sizes(args)?;
-    let hierarchy =
-        (c == Collective::AllReduce && hosts > 1 && local > 1).then_some(Algorithm::Hierarchical);
+    // The hierarchical all-reduce is a column where the tuner has it (several hosts, several
+    // ranks on one).
+    let hierarchy = tuner
+        .estimate(c, Algorithm::Hierarchical, sizes[0], w)
+        .is_finite()
+        .then_some(Algorithm::Hierarchical);
     let algos: Vec<Algorithm> = Tuner::candidates(c)
         .iter()
         .copied()
