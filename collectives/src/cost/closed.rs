@@ -94,9 +94,11 @@ pub fn ring_all_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
 /// reduces half the buffer up and broadcasts it down, chunk by chunk, the
 /// two trees alternating. A send blocks the executor's thread until its
 /// data is reduced, so chunk c+1 of one tree waits behind chunk c of the
-/// other and the pipeline advances one chunk per `2D + 2` steps instead of
-/// 4: `(5D - 2 + (n-1)(2D + 2)) u` for `n` chunks of each half and depth
-/// `D = ceil(log2 W)` (fitted to the evaluator within 10%; W = 2 and 3 apart).
+/// other, and every hop shares its links with the rank's other tree: the
+/// pipeline advances one chunk per `4D - 2` steps:
+/// `(5D - 2 + (n-1)(4D - 2)) u` for `n` chunks of each half and depth
+/// `D = ceil(log2 W)`, two steps less a chunk where the deepest rank is
+/// alone at its depth (fitted to the evaluator within 10%; W = 2 apart).
 pub fn tree_all_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     if w < 2 || s <= 0.0 {
         return 0.0;
@@ -108,10 +110,16 @@ pub fn tree_all_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     let (first, period) = match w {
         // Each rank is the other's only child in one tree: one step up, one down.
         2 => (2.0, 2.0),
-        3 => (6.0, 4.5),
-        _ => (5.0 * d - 2.0, 2.0 * d + 2.0),
+        _ if lone_deepest(w) => (5.0 * d - 2.0, 4.0 * d - 4.0),
+        _ => (5.0 * d - 2.0, 4.0 * d - 2.0),
     };
-    (first + (n - 1.0) * period) * u + (n + d) * r
+    (first + (n - 1.0) * period) * u + (n + fan(w) * d) * r
+}
+
+/// Whether a binary tree of `w` ranks has one rank alone at its deepest level
+/// (`w = 2^(D-1) + 1`).
+fn lone_deepest(w: usize) -> bool {
+    w > 2 && (w - 1).is_power_of_two()
 }
 
 /// Recursive doubling all-reduce: log2(P) rounds exchanging the whole
@@ -167,27 +175,25 @@ pub fn chain_broadcast(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
 }
 
 /// Binary tree broadcast, pipelined: interior ranks send each chunk to two
-/// children, `(2(n-1) + 2D - 1)(alpha + S/(n beta))` for `n` chunks and depth
-/// `D = ceil(log2 W)` when W is a power of two, one step less otherwise;
-/// exact for W < 4 (a chain) and powers of two.
+/// children at once, `(2(n-1) + 2D - 1)(alpha + S/(n beta))` for `n` chunks
+/// and depth `D = ceil(log2 W)`, one step less where the deepest rank is
+/// alone at its depth; exact for W < 4 (a chain).
 pub fn tree_broadcast(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     if w < 2 || s <= 0.0 {
         return 0.0;
     }
     let n = chunks(s, chunk);
-    tree_steps(w, n) * m.message(s / n)
+    let last = 2.0 * tree_depth(w) - if lone_deepest(w) { 2.0 } else { 1.0 };
+    (fan(w) * (n - 1.0) + last) * m.message(s / n)
 }
 
-/// Link steps of a pipelined binary tree of `n` chunks (see [`tree_broadcast`]).
-fn tree_steps(w: usize, n: f64) -> f64 {
-    let fan = if w <= 3 { 1.0 } else { 2.0 };
-    let d = tree_depth(w);
-    let last = if w.is_power_of_two() {
-        2.0 * d - 1.0
+/// Chunks an interior rank of a binary tree of `w` ranks passes on per chunk.
+fn fan(w: usize) -> f64 {
+    if w <= 3 {
+        1.0
     } else {
-        2.0 * d - 2.0
-    };
-    fan * (n - 1.0) + last
+        2.0
+    }
 }
 
 /// Chain reduce, pipelined: as the chain broadcast, each hop also reducing a chunk.
@@ -200,15 +206,19 @@ pub fn chain_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     ((w - 1) as f64 + n - 1.0) * u.max(r) + (w - 1) as f64 * u.min(r)
 }
 
-/// Binary tree reduce, pipelined: the tree broadcast reversed (interior
-/// ranks receive each chunk from two children), plus the reductions.
+/// Binary tree reduce, pipelined: interior ranks receive each chunk from
+/// two children at once and reduce both, `(2(n-1) + 2D - 1) max(u, r) + 2D
+/// min(u, r)` (W > 3; a chain below) for `n` chunks of link time `u` and reduction time `r`, depth
+/// `D = ceil(log2 W)`, one step less where W is not a power of two.
 pub fn tree_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     if w < 2 || s <= 0.0 {
         return 0.0;
     }
     let n = chunks(s, chunk);
     let (u, r) = (m.message(s / n), m.reduce(s / n));
-    tree_steps(w, n) * u.max(r) + tree_depth(w) * u.min(r)
+    let d = tree_depth(w);
+    let last = 2.0 * d - if w.is_power_of_two() { 1.0 } else { 2.0 };
+    (fan(w) * (n - 1.0) + last) * u.max(r) + fan(w) * d * u.min(r)
 }
 
 /// Ring all-gather of `S` bytes of output: `(W-1)(alpha + S/(W beta))` unchunked.

@@ -3,7 +3,7 @@
 //! Every message costs `alpha + bytes / beta` seconds of link time: `alpha`
 //! is a per-message latency (wire, stack, syscalls), `beta` the link
 //! bandwidth in bytes/s. Each rank has one outgoing and one incoming link (a
-//! NIC) that serialise its sends and its receives; a received chunk that is
+//! NIC) that its sends and its receives share; a received chunk that is
 //! reduced costs `bytes / gamma` more on the receiving rank (`gamma` is
 //! infinite, reductions free, unless set).
 //!
@@ -13,6 +13,7 @@
 //!   rank on the executor's own state machine, in simulated time.
 
 pub mod closed;
+mod fabric;
 pub mod simulate;
 
 pub use simulate::{evaluate, EvalConfig, EvalError, Evaluation, DEFAULT_DEPTH};

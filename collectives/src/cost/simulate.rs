@@ -3,15 +3,17 @@
 //! rank; what waits for what (data dependencies, staging slots, settling)
 //! is the machine's decision, and this driver only prices its actions:
 //!
-//! - A send occupies the sender's outgoing link for `alpha + bytes/beta`
-//!   from when it is posted and the link is free (in posting order), and
-//!   the receiver's incoming link for as long, from when the sender starts
-//!   it and that link is free (in start-time order, ties in posting order).
-//!   It has arrived when the incoming link is done; the send completes when
-//!   the outgoing link is. Between hosts the links are the hosts' (shared
-//!   by their ranks), within one host each rank's own (see [`Network`]).
+//! - A send crosses its sender's outgoing link and its receiver's incoming
+//!   link at once, from when it is posted. Each ordered pair of ranks is a
+//!   connection that carries its messages in order; the connections with a
+//!   message on a link share it equally; a message whose receive is not
+//!   posted stops after what the sockets hold (see [`super::fabric`]). Alone
+//!   on its links a message takes `alpha + bytes/beta`. The send completes,
+//!   and the message arrives, when it has crossed. Between hosts the links
+//!   are the hosts' (shared by their ranks), within one host each rank's own
+//!   (see [`Network`]).
 //! - Messages match receives FIFO per ordered pair of ranks. A message may
-//!   arrive before its receive is posted (the transport buffers it); the
+//!   arrive before its receive is posted (within what the sockets hold); the
 //!   receive completes at the later of the two.
 //! - Each rank has one thread, as the real driver does: a wait holds it
 //!   until the request completes, and a reduction from a staging slot then
@@ -23,18 +25,19 @@
 //! all ranks would exceed [`EvalConfig::resident_steps`] steps, each rank
 //! keeps a window of `resident_steps / W` steps and regenerates its schedule
 //! (calling the generator again) to load the next one. Messages in flight go
-//! through one binary heap keyed by time; their matching through one hash
-//! map of pairs.
+//! through a binary heap of posts and one of the links' timers, both keyed
+//! by time; their matching through one hash map of pairs. A link's flows
+//! are reshared once per instant at which they change.
 //! CPU time on a shared 2-core VM, release build: the unchunked ring
-//! all-reduce at W = 1024 (4.2 M steps) 0.5 s; at W = 4096 (67 M steps, two
-//! windows, 530 MB resident) 12 s; the double binary tree all-reduce at
+//! all-reduce at W = 1024 (4.2 M steps) 0.8 s; at W = 4096 (67 M steps, two
+//! windows, 530 MB resident) 15 s; the double binary tree all-reduce at
 //! W = 4096 (0.5 M steps) 0.1 s. A step costs the machine a scan of the
 //! rank's requests in flight, as in the real executor: the pairwise
-//! all-to-all, with 2W of them per rank, takes 4 s at W = 1024.
+//! all-to-all, with 2W of them per rank, takes 7 s at W = 1024.
 
-use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::{BinaryHeap, VecDeque};
 
+use super::fabric::{pair, At, Delivered, Fabric, Pairs};
 use super::{LinkModel, Network};
 use crate::executor::{Action, Dest, Layout, Machine, Program, PIPELINE_DEPTH};
 use crate::schedule::{extent, Buf, Loc, Schedule, Step};
@@ -82,7 +85,7 @@ pub struct Evaluation {
     pub steps: u64,
     /// Calls to the schedule generator (W when no rank needed a second window).
     pub generations: u64,
-    /// Events processed (arrivals of messages).
+    /// Events processed (posts and deliveries of messages).
     pub events: u64,
 }
 
@@ -154,15 +157,15 @@ where
 {
     let mut sim = Sim {
         net: *net,
-        nics: vec![Nic::default(); net.host(world_size.saturating_sub(1)) + 1],
+        fabric: Fabric::new(net, world_size),
         window: (config.resident_steps / world_size.max(1)).max(256),
         world: world_size,
         generate: schedule,
         ranks: Vec::with_capacity(world_size),
         reqs: Vec::new(),
         free_reqs: Vec::new(),
-        channels: HashMap::default(),
-        heap: BinaryHeap::new(),
+        channels: Channels::default(),
+        posts: BinaryHeap::new(),
         seq: 0,
         wake: Vec::new(),
         stats: Evaluation {
@@ -182,14 +185,12 @@ where
 }
 
 /// One rank: its machine (with a request's index in [`Sim::reqs`] as its handle), the
-/// window of its program, its thread's clock and its links.
+/// window of its program and its thread's clock.
 struct Rank {
     machine: Machine<u32>,
     window: Window,
     /// The thread's clock.
     now: f64,
-    /// Its links to the ranks of its host.
-    local: Nic,
     /// The wait the thread is held in: the machine's id of the request, and its index.
     blocked: Option<(u64, u32)>,
     finished: bool,
@@ -205,13 +206,6 @@ impl Rank {
             self.now += model.reduce(reduction.into.len as f64);
         }
     }
-}
-
-/// One outgoing and one incoming link: when each is free.
-#[derive(Debug, Clone, Copy, Default)]
-struct Nic {
-    out_free: f64,
-    in_free: f64,
 }
 
 /// Steps `first..first + steps.len()` of a rank's program of `total` steps, packed.
@@ -393,58 +387,15 @@ enum Item {
     Posted { req: u32, bytes: u64 },
 }
 
-/// At `t`, a message of `bytes` from `src` reaches the incoming link of `dst`.
+/// Rank `src` posts its send (request `req`) of `bytes` to `dst`, or (`recv`) rank `dst`
+/// posts its receive (request `req`) of `bytes` from `src`.
 #[derive(Debug, Clone, Copy)]
-struct Ev {
-    t: f64,
-    seq: u64,
+struct Post {
     src: u32,
     dst: u32,
     bytes: u64,
-}
-
-impl PartialEq for Ev {
-    fn eq(&self, other: &Ev) -> bool {
-        self.cmp(other) == std::cmp::Ordering::Equal
-    }
-}
-
-impl Eq for Ev {}
-
-impl PartialOrd for Ev {
-    fn partial_cmp(&self, other: &Ev) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Ev {
-    /// Reversed, so that the max-heap pops the earliest event (then the first pushed).
-    fn cmp(&self, other: &Ev) -> std::cmp::Ordering {
-        other
-            .t
-            .total_cmp(&self.t)
-            .then_with(|| other.seq.cmp(&self.seq))
-    }
-}
-
-/// A multiplicative hash for the (sender, receiver) keys of in-flight messages.
-#[derive(Default)]
-struct PairHasher(u64);
-
-impl Hasher for PairHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
+    req: u32,
+    recv: bool,
 }
 
 /// The messages or receives waiting on one ordered pair (one kind at a time),
@@ -481,16 +432,11 @@ impl Chan {
     }
 }
 
-type Channels = HashMap<u64, Chan, BuildHasherDefault<PairHasher>>;
-
-fn pair(src: usize, dst: usize) -> u64 {
-    (src as u64) << 32 | dst as u64
-}
+type Channels = Pairs<Chan>;
 
 struct Sim<F> {
     net: Network,
-    /// Each host's links to the others.
-    nics: Vec<Nic>,
+    fabric: Fabric,
     /// Steps of each rank's window.
     window: usize,
     world: usize,
@@ -500,7 +446,8 @@ struct Sim<F> {
     reqs: Vec<Req>,
     free_reqs: Vec<u32>,
     channels: Channels,
-    heap: BinaryHeap<Ev>,
+    /// Sends posted, in the order of their times.
+    posts: BinaryHeap<At<Post>>,
     seq: u64,
     /// Ranks whose threads a completion released, to run after the current event.
     wake: Vec<u32>,
@@ -537,7 +484,6 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
             machine,
             window,
             now: 0.0,
-            local: Nic::default(),
             blocked: None,
             finished: false,
         });
@@ -547,9 +493,32 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
         for r in 0..self.world {
             self.thread(r)?;
         }
-        while let Some(ev) = self.heap.pop() {
+        // In time order; a message that crosses when another is posted goes first, except
+        // that posts at the instant the links last changed go before the links are reshared.
+        loop {
+            let post = self.posts.peek().map(|p| p.t);
+            let now = post.is_some_and(|p| Some(p) == self.fabric.changed_at());
+            let crossed = if now {
+                None
+            } else {
+                self.fabric.next().filter(|&t| post.is_none_or(|p| t <= p))
+            };
+            if crossed.is_some() {
+                if let Some(delivered) = self.fabric.step() {
+                    self.deliver(delivered)?;
+                }
+            } else if let Some(At { t, what: p, .. }) = self.posts.pop() {
+                let (src, dst) = (p.src as usize, p.dst as usize);
+                if p.recv {
+                    self.fabric.recv(t, src, dst);
+                    self.receive(t, src, dst, p.bytes, p.req)?;
+                } else {
+                    self.fabric.send(t, src, dst, p.bytes, p.req);
+                }
+            } else {
+                break;
+            }
             self.stats.events += 1;
-            self.arrive(ev)?;
             while let Some(r) = self.wake.pop() {
                 self.thread(r as usize)?;
             }
@@ -562,15 +531,13 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
     fn thread(&mut self, r: usize) -> Result<(), EvalError> {
         let Sim {
             net,
-            nics,
             window: size,
             world,
             generate,
             ranks,
             reqs,
             free_reqs,
-            channels,
-            heap,
+            posts,
             seq,
             stats,
             ..
@@ -613,24 +580,24 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
                 Action::Send { peer, from, .. } => {
                     check_peer(peer, r, *world, rank.machine.pc() - 1)?;
                     let bytes = from.len as u64;
-                    let (model, nic) = link(net, nics, &mut rank.local, r, peer);
-                    let link = model.message(bytes as f64);
-                    let start = now.max(nic.out_free);
-                    nic.out_free = start + link;
                     let req = post(Req {
-                        done: start + link,
+                        done: f64::NAN,
                         post: now,
                     });
                     rank.machine.posted(req);
                     stats.messages += 1;
                     stats.wire_bytes += bytes;
                     *seq += 1;
-                    heap.push(Ev {
-                        t: start,
+                    posts.push(At {
+                        t: now,
                         seq: *seq,
-                        src: r as u32,
-                        dst: peer as u32,
-                        bytes,
+                        what: Post {
+                            src: r as u32,
+                            dst: peer as u32,
+                            bytes,
+                            req,
+                            recv: false,
+                        },
                     });
                 }
                 Action::Recv { peer, into, .. } => {
@@ -639,16 +606,23 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
                         Dest::Region(region) => region.len,
                         Dest::Slot { len, .. } => len,
                     } as u64;
-                    let done = take_arrived(channels, peer, r, bytes)?
-                        .map_or(f64::NAN, |end| end.max(now));
-                    let req = post(Req { done, post: now });
-                    if done.is_nan() {
-                        channels
-                            .entry(pair(peer, r))
-                            .or_default()
-                            .push_back(Item::Posted { req, bytes });
-                    }
+                    let req = post(Req {
+                        done: f64::NAN,
+                        post: now,
+                    });
                     rank.machine.posted(req);
+                    *seq += 1;
+                    posts.push(At {
+                        t: now,
+                        seq: *seq,
+                        what: Post {
+                            src: peer as u32,
+                            dst: r as u32,
+                            bytes,
+                            req,
+                            recv: true,
+                        },
+                    });
                 }
                 Action::Wait { id } => {
                     let req = *rank.machine.waiting();
@@ -668,20 +642,23 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
         }
     }
 
-    /// A message reaches its receiver's incoming link: it arrives when the link is done
-    /// with it, completing the receive it matches (now or once posted).
-    fn arrive(&mut self, ev: Ev) -> Result<(), EvalError> {
-        let (src, dst) = (ev.src as usize, ev.dst as usize);
-        let rank = &mut self.ranks[dst];
-        let (model, nic) = link(&self.net, &mut self.nics, &mut rank.local, dst, src);
-        let end = ev.t.max(nic.in_free) + model.message(ev.bytes as f64);
-        nic.in_free = end;
+    /// A message has crossed its links: its send is done, and it completes the receive
+    /// it matches (now or once posted).
+    fn deliver(&mut self, m: Delivered) -> Result<(), EvalError> {
+        let Delivered {
+            t,
+            src,
+            dst,
+            bytes: sent,
+            req: send,
+        } = m;
+        self.done(src, send, t);
         let key = pair(src, dst);
         let q = self.channels.entry(key).or_default();
         let Some(&Item::Posted { req, bytes }) = q.front() else {
             q.push_back(Item::Arrived {
-                end,
-                bytes: ev.bytes,
+                end: t,
+                bytes: sent,
             });
             return Ok(());
         };
@@ -689,20 +666,47 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
         if q.is_empty() {
             self.channels.remove(&key);
         }
-        if ev.bytes != bytes {
+        if sent != bytes {
             return Err(EvalError::LengthMismatch {
                 src,
                 dst,
-                sent: ev.bytes,
+                sent,
                 expected: bytes,
             });
         }
-        let r = &mut self.reqs[req as usize];
-        r.done = end.max(r.post);
-        if rank.blocked.is_some_and(|(_, b)| b == req) {
-            self.wake.push(dst as u32);
+        self.done(dst, req, t);
+        Ok(())
+    }
+
+    /// Rank `dst` posts its receive `req` of `bytes` from `src` at `t`: done if the message
+    /// has arrived, else waiting for it.
+    fn receive(
+        &mut self,
+        t: f64,
+        src: usize,
+        dst: usize,
+        bytes: u64,
+        req: u32,
+    ) -> Result<(), EvalError> {
+        match take_arrived(&mut self.channels, src, dst, bytes)? {
+            Some(end) => self.done(dst, req, end.max(t)),
+            None => self
+                .channels
+                .entry(pair(src, dst))
+                .or_default()
+                .push_back(Item::Posted { req, bytes }),
         }
         Ok(())
+    }
+
+    /// Rank `rank`'s request `req` completes at `t` (or when posted, if later), releasing
+    /// its thread if it waits for it.
+    fn done(&mut self, rank: usize, req: u32, t: f64) {
+        let r = &mut self.reqs[req as usize];
+        r.done = t.max(r.post);
+        if self.ranks[rank].blocked.is_some_and(|(_, b)| b == req) {
+            self.wake.push(rank as u32);
+        }
     }
 
     /// Checks that every rank finished and every message was received; collects the result.
@@ -740,23 +744,6 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
             }
         }
         Ok(self.stats)
-    }
-}
-
-/// The link rank `this` uses for a message to or from `peer`, and its model: its own
-/// (`local`) within its host, its host's (in `nics`) across hosts.
-fn link<'a>(
-    net: &'a Network,
-    nics: &'a mut [Nic],
-    local: &'a mut Nic,
-    this: usize,
-    peer: usize,
-) -> (&'a LinkModel, &'a mut Nic) {
-    let host = net.host(this);
-    if net.host(peer) == host {
-        (&net.within, local)
-    } else {
-        (&net.between, &mut nics[host])
     }
 }
 
@@ -1065,26 +1052,94 @@ mod tests {
         assert!(refused(&e), "{e:?}");
     }
 
+    fn send(peer: usize, elems: usize) -> Step {
+        Step::Send {
+            peer,
+            from: Loc::input(0..elems),
+        }
+    }
+
+    fn recv(peer: usize, elems: usize) -> Step {
+        Step::Recv {
+            peer,
+            into: Loc::output(0..elems),
+        }
+    }
+
     #[test]
-    fn fan_in_serialises_on_the_incoming_link() {
-        // Three ranks send to rank 0 at once: its incoming link takes them one after another.
+    fn a_link_is_shared_between_its_connections() {
+        // Ranks 1 and 2 send to rank 0 at once, 100 and 300 elements: they share its
+        // incoming link, so the first is in at 2 w1 (not w1, as it would be were the link
+        // served in order), and rank 0 then answers rank 1.
         let m = model();
-        let e = eval(4, &m, |r| {
-            if r == 0 {
-                (1..4)
-                    .map(|p| Step::Recv {
-                        peer: p,
-                        into: Loc::output(p * 100..(p + 1) * 100),
-                    })
-                    .collect()
-            } else {
-                vec![Step::Send {
-                    peer: 0,
-                    from: Loc::input(0..100),
-                }]
-            }
+        let e = eval(3, &m, |r| match r {
+            0 => vec![
+                recv(1, 100),
+                Step::Recv {
+                    peer: 2,
+                    into: Loc::output(100..400),
+                },
+                Step::Send {
+                    peer: 1,
+                    from: Loc::output(0..100),
+                },
+            ],
+            1 => vec![send(0, 100), recv(0, 100)],
+            _ => vec![send(0, 300)],
         });
-        assert!(close(e.time, 3.0 * m.message(400.0), 1e-12), "{}", e.time);
+        let w1 = m.message(400.0);
+        assert!(close(e.time, 3.0 * w1, 1e-12), "{}", e.time);
+    }
+
+    #[test]
+    fn a_connection_carries_its_messages_in_order() {
+        // Rank 1 sends rank 0 two messages: the first is in after one message time (the
+        // two do not share the link), rank 0 forwards it to rank 2 meanwhile.
+        let m = model();
+        let e = eval(3, &m, |r| match r {
+            0 => vec![
+                recv(1, 100),
+                Step::Send {
+                    peer: 2,
+                    from: Loc::output(0..100),
+                },
+                Step::Recv {
+                    peer: 1,
+                    into: Loc::output(100..200),
+                },
+            ],
+            1 => vec![send(0, 100), send(0, 100)],
+            _ => vec![recv(0, 100)],
+        });
+        assert!(close(e.time, 2.0 * m.message(400.0), 1e-12), "{}", e.time);
+    }
+
+    #[test]
+    fn a_message_waits_for_its_receive_beyond_what_the_buffers_hold() {
+        // Rank 1 sends 1 MiB to ranks 0 and 3 at once. Rank 0 posts its receive only once
+        // rank 2's 1 MiB is in, so rank 1's message to it stops after EAGER bytes and
+        // leaves rank 1's link to the message to rank 3, which then passes 4 MiB on.
+        let m = model();
+        let mib = 1 << 18;
+        let e = eval(5, &m, |r| match r {
+            0 => vec![recv(2, mib), recv(1, mib)],
+            1 => vec![send(0, mib), send(3, mib)],
+            2 => vec![send(0, mib)],
+            3 => vec![
+                recv(1, mib),
+                Step::Send {
+                    peer: 4,
+                    from: Loc::output(0..4 * mib),
+                },
+            ],
+            _ => vec![recv(3, 4 * mib)],
+        });
+        let (w, eager) = (
+            m.message(4.0 * mib as f64),
+            m.message(super::super::fabric::EAGER),
+        );
+        let want = w + eager + m.message(16.0 * mib as f64);
+        assert!(close(e.time, want, 1e-9), "{} vs {want}", e.time);
     }
 
     #[test]
@@ -1201,10 +1256,17 @@ mod tests {
         for c in Collective::ALL {
             for &a in Tuner::candidates(c) {
                 for pow2 in [true, false] {
-                    // Exact up to uneven splits, except where the forms say otherwise.
+                    // Exact up to uneven splits, except where the forms say otherwise:
+                    // the trees, and recursive rounds (or a fold and the first rounds)
+                    // that overlap and share links.
                     let tol = match (c, a, pow2) {
                         (AllReduce, Tree, _) => 0.20,
-                        (AllReduce, HalvingDoubling, false) => 0.20,
+                        (AllReduce, RecursiveDoubling, false) => 0.30,
+                        (AllReduce, HalvingDoubling, true) => 0.10,
+                        // A rank late from the fold posts two rounds at once, which share
+                        // its links, and the lateness spreads: up to 2.4x the form at
+                        // W = 33 and a few hundred bytes, where rd, 3x faster, is picked.
+                        (AllReduce, HalvingDoubling, false) => 1.5,
                         _ => 0.01,
                     };
                     let (ratio, at) = worst_ratio(c, a, pow2);
@@ -1216,8 +1278,8 @@ mod tests {
                     // are rougher (which of two children arrives first matters).
                     let tol = match (c, a) {
                         (AllReduce, Tree) => 0.40,
-                        (AllReduce, HalvingDoubling) | (Reduce, Tree) => 0.20,
-                        _ => 0.02,
+                        (AllReduce, HalvingDoubling) | (Reduce, Tree) => tol.max(0.20),
+                        _ => tol.max(0.02),
                     };
                     let gamma = model().with_gamma(4e9);
                     let (ratio, at) = worst_ratio_with(&gamma, c, a, pow2);
