@@ -105,7 +105,11 @@ def register_floor(dist, torch):
         def getBackendName(self):
             return "floor"
 
-    dist.Backend.register_backend("floor", lambda store, rank, size, timeout: Floor(rank, size))
+    create = lambda store, rank, size, timeout: Floor(rank, size)  # noqa: E731
+    try:
+        dist.Backend.register_backend("floor", create, devices=["cpu"])
+    except TypeError:  # torch before 2.1 takes no devices
+        dist.Backend.register_backend("floor", create)
 
 
 def rank_main(rank, world, port, backend, args, results):
