@@ -144,13 +144,47 @@ fn perf_times(stdout: &str) -> Vec<(usize, f64)> {
 }
 
 /// Runs `allreduce_perf` of 1 and 4 MiB with `algo` forced on every node of `cluster`, `per_node`
-/// ranks each, and checks that each size takes `predicted(bytes)` within 30%.
+/// ranks each, and checks that each size takes `predicted(bytes)` within 30%. Interference
+/// on a shared machine only ever slows a run, so a run that misses is repeated, up to three
+/// in all: a model off by a factor misses every time.
 fn assert_takes_the_models_time(
     cluster: &Cluster,
     per_node: usize,
     algo: Algorithm,
     predicted: impl Fn(usize) -> f64,
 ) {
+    let nodes = cluster.nodes.len();
+    let mut misses = Vec::new();
+    for _ in 0..3 {
+        let times = perf_run(cluster, per_node, algo);
+        let missed: Vec<String> = times
+            .into_iter()
+            .filter_map(|(bytes, measured)| {
+                let predicted = predicted(bytes);
+                let ratio = predicted / measured;
+                (!(0.7..1.3).contains(&ratio)).then(|| {
+                    format!("{bytes} B: predicted {predicted:.3} s, measured {measured:.3} s")
+                })
+            })
+            .collect();
+        if missed.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            std::io::stderr(),
+            "{algo} on {nodes} x {per_node} missed the model's time ({}); running it again",
+            missed.join(", ")
+        );
+        misses.push(missed.join(", "));
+    }
+    panic!(
+        "{algo} on {nodes} x {per_node} missed the model's time by over 30% in every run: {}",
+        misses.join("; ")
+    );
+}
+
+/// One run of `allreduce_perf` of 1 and 4 MiB with `algo` forced: rank 0's times by size.
+fn perf_run(cluster: &Cluster, per_node: usize, algo: Algorithm) -> Vec<(usize, f64)> {
     let perf = allreduce_perf().to_str().expect("a UTF-8 path");
     let nodes = cluster.nodes.len();
     let running: Vec<Running> = (0..nodes)
@@ -170,15 +204,7 @@ fn assert_takes_the_models_time(
     }
     let times = perf_times(&runs[0].stdout);
     assert_eq!(times.len(), 2, "{}", runs[0].stdout);
-    for (bytes, measured) in times {
-        let predicted = predicted(bytes);
-        let ratio = predicted / measured;
-        assert!(
-            (0.7..1.3).contains(&ratio),
-            "{algo} {bytes} B on {nodes} x {per_node}: predicted {predicted:.3} s, measured \
-             {measured:.3} s"
-        );
-    }
+    times
 }
 
 /// Held by each test that times shaped links, so that they do not run at once: on a small
@@ -194,8 +220,9 @@ fn shaped_model() -> LinkModel {
 /// of 1 and 4 MiB takes the cost model's time within 30%. At these sizes the wire
 /// dominates (alpha, about 20 us here, is under 0.1% of it); the full sweep
 /// (`benches/baselines/sim_vs_shaped.sh`) measured ratios of 0.91 to 1.07 for these cells,
-/// and single runs on a loaded machine 0.75, so 30% leaves room for that while a model off
-/// by a factor fails.
+/// and single runs on a loaded machine down to 0.67 (recursive doubling, which varies most),
+/// so 30% and a second and third run for a miss leave room for that while a model off by
+/// a factor fails.
 #[test]
 fn shaped_links_take_the_cost_models_time() {
     const W: usize = 4;
