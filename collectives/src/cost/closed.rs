@@ -207,9 +207,10 @@ pub fn chain_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
 }
 
 /// Binary tree reduce, pipelined: interior ranks receive each chunk from
-/// two children at once and reduce both, `(2(n-1) + 2D - 1) max(u, r) + 2D
-/// min(u, r)` (W > 3; a chain below) for `n` chunks of link time `u` and reduction time `r`, depth
-/// `D = ceil(log2 W)`, one step less where W is not a power of two.
+/// two children at once and reduce both, `(2(n-1) + 2D - 1) max(u, r) +
+/// 2D min(u, r)` (W > 3; a chain below) for `n` chunks of link time `u` and
+/// reduction time `r`, depth `D = ceil(log2 W)`, one step less where W is
+/// not a power of two.
 pub fn tree_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     if w < 2 || s <= 0.0 {
         return 0.0;

@@ -446,7 +446,7 @@ struct Sim<F> {
     reqs: Vec<Req>,
     free_reqs: Vec<u32>,
     channels: Channels,
-    /// Sends posted, in the order of their times.
+    /// Sends and receives posted, in the order of their times.
     posts: BinaryHeap<At<Post>>,
     seq: u64,
     /// Ranks whose threads a completion released, to run after the current event.
@@ -566,39 +566,44 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
                     done
                 })
                 .map_err(|e| invalid(r, rank.machine.pc(), e))?;
-            let mut post = |req: Req| match free_reqs.pop() {
-                Some(i) => {
-                    reqs[i as usize] = req;
-                    i
-                }
-                None => {
-                    reqs.push(req);
-                    (reqs.len() - 1) as u32
-                }
+            // A send (or, `recv`, a receive) of `bytes` from `src` to `dst` posted now: its
+            // request, done once the message has crossed.
+            let mut post = |src: usize, dst: usize, bytes: u64, recv: bool| {
+                let req = Req {
+                    done: f64::NAN,
+                    post: now,
+                };
+                let i = match free_reqs.pop() {
+                    Some(i) => {
+                        reqs[i as usize] = req;
+                        i
+                    }
+                    None => {
+                        reqs.push(req);
+                        (reqs.len() - 1) as u32
+                    }
+                };
+                *seq += 1;
+                posts.push(At {
+                    t: now,
+                    seq: *seq,
+                    what: Post {
+                        src: src as u32,
+                        dst: dst as u32,
+                        bytes,
+                        req: i,
+                        recv,
+                    },
+                });
+                i
             };
             match action {
                 Action::Send { peer, from, .. } => {
                     check_peer(peer, r, *world, rank.machine.pc() - 1)?;
                     let bytes = from.len as u64;
-                    let req = post(Req {
-                        done: f64::NAN,
-                        post: now,
-                    });
-                    rank.machine.posted(req);
                     stats.messages += 1;
                     stats.wire_bytes += bytes;
-                    *seq += 1;
-                    posts.push(At {
-                        t: now,
-                        seq: *seq,
-                        what: Post {
-                            src: r as u32,
-                            dst: peer as u32,
-                            bytes,
-                            req,
-                            recv: false,
-                        },
-                    });
+                    rank.machine.posted(post(r, peer, bytes, false));
                 }
                 Action::Recv { peer, into, .. } => {
                     check_peer(peer, r, *world, rank.machine.pc() - 1)?;
@@ -606,23 +611,7 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
                         Dest::Region(region) => region.len,
                         Dest::Slot { len, .. } => len,
                     } as u64;
-                    let req = post(Req {
-                        done: f64::NAN,
-                        post: now,
-                    });
-                    rank.machine.posted(req);
-                    *seq += 1;
-                    posts.push(At {
-                        t: now,
-                        seq: *seq,
-                        what: Post {
-                            src: peer as u32,
-                            dst: r as u32,
-                            bytes,
-                            req,
-                            recv: true,
-                        },
-                    });
+                    rank.machine.posted(post(peer, r, bytes, true));
                 }
                 Action::Wait { id } => {
                     let req = *rank.machine.waiting();
