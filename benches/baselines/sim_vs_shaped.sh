@@ -20,6 +20,13 @@
 # ring (one direction per connection) got all of it, so the measurement was of
 # the congestion control and not of the schedule.
 #
+# Every veth end steers its packets to a CPU by flow (RPS). Without it a packet
+# goes to the backlog of whichever CPU dequeued it from tbf, and the two CPUs
+# deliver one connection's packets out of order: TCP took that for loss (no tbf
+# dropped a packet, yet fast retransmits and SACK recoveries shrank the windows),
+# and recursive doubling at W = 4 ran 0.6-0.8 times the model's speed at 1-4 MiB
+# where with RPS it ran 1.00 times. A real NIC keeps a flow in order.
+#
 # With PER_NODE ranks on a node they share its shaped link and reach each other
 # over shared memory (chorus_sim --ranks-per-host), and the hierarchical
 # all-reduce joins the algorithms.
@@ -54,6 +61,10 @@ BURST=$(awk -v r="$RATE" 'BEGIN {
     printf "%d", n * m / 8 * 0.002 }')
 TBF=${TBF:-burst $BURST latency 100ms}
 CC=${CC:-cubic}
+# RPS mask: every CPU, in 32-bit groups as sysfs writes them.
+RPS=$(awk -v n="$(nproc)" 'BEGIN {
+    for (g = 0; n > 0; g++) { k = n > 32 ? 32 : n; n -= k; m = sprintf("%x", 2 ^ k - 1); s = g ? m "," s : m }
+    print s }')
 ID=$$
 BR=csb$ID
 NODES=()
@@ -98,6 +109,8 @@ make_cluster() {
         ip -n "$ns" route replace 10.78.0.0/24 dev eth0 congctl "$CC"
         shape "$ns" eth0
         shape "csbr$ID" "p$i"
+        ip netns exec "$ns" sh -c "echo $RPS >/sys/class/net/eth0/queues/rx-0/rps_cpus"
+        ip netns exec "csbr$ID" sh -c "echo $RPS >/sys/class/net/p$i/queues/rx-0/rps_cpus"
     done
 }
 
@@ -157,12 +170,14 @@ for W in $WORLDS; do
     "$BIN/chorus_sim" -w "$W" -b "$MINB" -e "$MAXB" -f 4 --alpha-us "$alpha_us" --gbps "$gbps" \
         --ranks-per-host "$PER_NODE" \
         --algos "${ALGOS// /,}" >"$sim"
-    # chorus_sim's rows: size, then (time busbw) per algorithm, then pick and best.
+    # chorus_sim's rows: size, then (time busbw) per algorithm in its own order (the
+    # header names them), then pick and best.
+    read -ra order < <(awk '/size \(B\)/ { for (i = 4; i < NF - 1; i += 3) printf "%s ", $i; print "" }' "$sim")
     printf '%10s %-17s %12s %12s %6s\n' size algorithm predicted_us measured_us ratio
     grep -v '^#' "$sim" | while read -r size rest; do
         read -ra f <<<"$rest"
         j=0 best= bt=
-        for a in $ALGOS; do
+        for a in "${order[@]}"; do
             p=${f[$((2 * j))]%\*}
             m=${measured[$a,$size]:-nan}
             printf '%10s %-17s %12.0f %12.0f %6.2f\n' "$size" "$a" "$p" "$m" \

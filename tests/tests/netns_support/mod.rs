@@ -107,7 +107,9 @@ impl Cluster {
     /// 2 ms of data (a larger one lets a rank that idled send that much unshaped), and TCP
     /// between the nodes runs CUBIC whatever the host's default (BBR leaves up to a fifth
     /// of a shaped link unused when both directions of one connection are busy at once); see
-    /// `benches/baselines/sim_vs_shaped.sh`.
+    /// `benches/baselines/sim_vs_shaped.sh`. Every veth end steers packets to a CPU by flow
+    /// (RPS), so that a connection's packets arrive in order as on a real NIC: otherwise each
+    /// goes to the CPU that took it out of tbf, and TCP reads the reordering as loss.
     pub fn shape(&self, mbit: u32) -> Result<(), String> {
         let (rate, burst) = (format!("{mbit}mbit"), (mbit * 250).to_string());
         let tbf = [
@@ -132,9 +134,30 @@ impl Cluster {
             let mut host = vec!["qdisc", "add", "dev", host_end.as_str()];
             host.extend(tbf);
             run("tc", &host)?;
+            let steer = |dev: &str| {
+                format!(
+                    "echo {} >/sys/class/net/{dev}/queues/rx-0/rps_cpus",
+                    rps_mask()
+                )
+            };
+            ip(&["netns", "exec", ns, "sh", "-c", &steer(&node_end)])?;
+            run("sh", &["-c", &steer(host_end)])?;
         }
         Ok(())
     }
+}
+
+/// A CPU mask naming every CPU, in the comma-separated 32-bit groups that sysfs reads.
+fn rps_mask() -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let groups: Vec<String> = (0..cpus.div_ceil(32))
+        .rev()
+        .map(|g| {
+            let bits = (cpus - 32 * g).min(32);
+            format!("{:x}", (1u64 << bits) - 1)
+        })
+        .collect();
+    groups.join(",")
 }
 
 impl Drop for Cluster {
