@@ -91,29 +91,42 @@ pub fn ring_all_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
 }
 
 /// Double binary tree all-reduce, as the executor runs it: each tree
-/// reduces half the buffer up and broadcasts it down, chunk by chunk, the
-/// two trees alternating. A send blocks the executor's thread until its
-/// data is reduced, so chunk c+1 of one tree waits behind chunk c of the
-/// other, and every hop shares its links with the rank's other tree: the
-/// pipeline advances one chunk per `4D - 2` steps:
-/// `(5D - 2 + (n-1)(4D - 2)) u` for `n` chunks of each half and depth
-/// `D = ceil(log2 W)`, two steps less a chunk where the deepest rank is
-/// alone at its depth (fitted to the evaluator within 10%; W = 2 apart).
+/// reduces half the buffer up and broadcasts it down, chunk by chunk, every
+/// rank in lockstep slots (a chunk climbs a level, or descends one, per
+/// slot). One chunk a tree takes `4D - 2` steps for depth `D = ceil(log2 W)`
+/// (`4D - 4` where the deepest rank is alone at its depth, `4D - 3` between);
+/// each further chunk adds 4 steps (a rank sends and receives four chunks a
+/// slot) until the pipeline settles at `P` steps a chunk, less `k` steps:
+/// the links' sharing and the slots' lockstep leave some of them idle.
+/// Fitted to the evaluator (within 20%; W = 2 apart): `P = 5.75`, `k = 10`,
+/// but for the bandwidth at W = 4, 6 and 8 (`P = 4.3`) and at W = 3 (`P =
+/// 3.5`, and 4 for the latency).
 pub fn tree_all_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     if w < 2 || s <= 0.0 {
         return 0.0;
     }
     let half = s / 2.0;
     let n = chunks(half, chunk);
-    let (u, r) = (m.message(half / n), m.reduce(half / n));
     let d = tree_depth(w);
-    let (first, period) = match w {
-        // Each rank is the other's only child in one tree: one step up, one down.
-        2 => (2.0, 2.0),
-        _ if lone_deepest(w) => (5.0 * d - 2.0, 4.0 * d - 4.0),
-        _ => (5.0 * d - 2.0, 4.0 * d - 2.0),
+    // Steps for a pipeline settling at `settled` steps a chunk, less `less`.
+    let steps = |(settled, less): (f64, f64)| {
+        let first = if w.is_power_of_two() {
+            4.0 * d - 2.0
+        } else if lone_deepest(w) {
+            4.0 * d - 4.0
+        } else {
+            4.0 * d - 3.0
+        };
+        (first + (n - 1.0) * settled.min(4.0)).max(settled * n - less)
     };
-    (first + (n - 1.0) * period) * u + (n + fan(w) * d) * r
+    let (latency, bandwidth) = match w {
+        // Each rank is the other's only child in one tree: one step up, one down.
+        2 => (2.0 * n, 2.0 * n),
+        3 => (steps((4.0, 0.0)), steps((3.5, 0.0))),
+        4 | 6 | 8 => (steps((5.75, 10.0)), steps((4.3, 0.0))),
+        _ => (steps((5.75, 10.0)), steps((5.75, 10.0))),
+    };
+    latency * m.alpha + bandwidth * half / n / m.beta + (n + fan(w) * d) * m.reduce(half / n)
 }
 
 /// Whether a binary tree of `w` ranks has one rank alone at its deepest level

@@ -8,6 +8,8 @@
 //! and interior in the other; each tree carries half of the data, which
 //! balances the links. Latency grows with log2(W) instead of W.
 
+use std::ops::Range;
+
 use super::{chunks, split, Loc, Schedule, Step};
 
 /// A rank's place in a tree.
@@ -81,28 +83,92 @@ pub fn dtree(rank: usize, n: usize, t: usize) -> Node {
     }
 }
 
+/// Hops from `rank` up to the root of tree `t` of the double binary tree over `0..n`.
+fn depth(rank: usize, n: usize, t: usize) -> usize {
+    let (mut at, mut hops) = (rank, 0);
+    while let Some(parent) = dtree(at, n, t).parent {
+        at = parent;
+        hops += 1;
+    }
+    hops
+}
+
 /// The double-binary-tree all-reduce program of `rank` for `count` elements.
 ///
-/// Each tree reduces its half up to its root chunk by chunk (pipelined),
-/// the root finishes it, and it is broadcast back down the same tree.
+/// Each tree reduces its half up to its root chunk by chunk, the root
+/// finishes each chunk, and it goes back down the same tree. The program
+/// runs in time slots, as a systolic pipeline does: with `D` the deepest
+/// rank's depth, a rank at depth `d` reduces chunk `c` of a tree in slot
+/// `c + D - d` (a slot after its children sent it) and passes it down in
+/// slot `c + D + d`. A rank posts its steps in program order, so laying the
+/// program out by slot keeps one tree's chunk from waiting behind another
+/// chunk that arrives later; within a slot the receives come before the
+/// sends, which wait for data.
 pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) -> Schedule {
     let halves = split(count, 2);
-    let trees = [dtree(rank, world_size, 0), dtree(rank, world_size, 1)];
+    let trees = [0, 1].map(|t| {
+        let node = dtree(rank, world_size, t);
+        // Which children are leaves: they send a chunk the slot they take it up.
+        let leaves: Vec<bool> = node
+            .children
+            .iter()
+            .map(|&c| dtree(c, world_size, t).children.is_empty())
+            .collect();
+        (node, leaves, depth(rank, world_size, t))
+    });
+    // ceil(log2 W): rank 1's path up passes 2, 4, ... to the root in both trees' shape.
+    let deepest = (usize::BITS - world_size.saturating_sub(1).leading_zeros()) as usize;
     let parts: Vec<Vec<_>> = halves.iter().map(|h| chunks(h.clone(), chunk)).collect();
     let rounds = parts.iter().map(Vec::len).max().unwrap_or(0);
-    let mut steps = Vec::new();
-    // Reduce up, alternating between the trees chunk by chunk.
-    for c in 0..rounds {
-        for (node, part) in trees.iter().zip(&parts) {
-            let Some(r) = part.get(c) else { continue };
-            reduce_up(&mut steps, node, r.clone());
+    // The chunk each tree takes up (`down`: down) in a slot.
+    let at = |slot: usize, down: bool| -> Vec<(&Node, &[bool], Range<usize>)> {
+        trees
+            .iter()
+            .zip(&parts)
+            .filter_map(|((node, leaves, d), part)| {
+                let lag = if down { deepest + d } else { deepest - d };
+                let c = slot.checked_sub(lag)?;
+                Some((node, leaves.as_slice(), part.get(c)?.clone()))
+            })
+            .collect()
+    };
+    // A slot's receives. A leaf sends first (its send needs nothing), so a rank receives
+    // from its leaf children first, and then in tree order: two messages from one child
+    // in one slot are received as they were sent.
+    let receives = |steps: &mut Schedule, slot: usize| {
+        let mut gathers: Vec<(bool, usize, usize, Range<usize>)> = at(slot, false)
+            .into_iter()
+            .enumerate()
+            .flat_map(|(t, (node, leaves, r))| {
+                node.children
+                    .iter()
+                    .zip(leaves)
+                    .map(move |(&child, &leaf)| (!leaf, t, child, r.clone()))
+            })
+            .collect();
+        gathers.sort_by_key(|&(inner, t, ..)| (inner, t));
+        let mut first = [true; 2];
+        for (_, t, child, r) in gathers {
+            receive_child(steps, child, std::mem::take(&mut first[t]), r);
         }
-    }
-    // Broadcast the finished halves down the same trees.
-    for c in 0..rounds {
-        for (node, part) in trees.iter().zip(&parts) {
-            let Some(r) = part.get(c) else { continue };
-            push_down(&mut steps, node, Loc::output(r.clone()));
+        for (node, _, r) in at(slot, true) {
+            receive_down(steps, node, Loc::output(r));
+        }
+    };
+    let mut steps = Vec::new();
+    for slot in 0..rounds + 2 * deepest + 1 {
+        let (leaves, inner): (Vec<_>, Vec<_>) = at(slot, false)
+            .into_iter()
+            .partition(|(node, ..)| node.children.is_empty());
+        for (node, _, r) in leaves {
+            pass_up(&mut steps, node, r);
+        }
+        receives(&mut steps, slot);
+        for (node, _, r) in inner {
+            pass_up(&mut steps, node, r);
+        }
+        for (node, _, r) in at(slot, true) {
+            send_down(&mut steps, node, Loc::output(r));
         }
     }
     steps
@@ -110,20 +176,36 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
 
 /// Reduces elements `r` from the children into the output and passes the
 /// result to the parent; the root (no parent) finishes it in its output.
-pub(super) fn reduce_up(steps: &mut Schedule, node: &Node, r: std::ops::Range<usize>) {
-    // The first child's data is combined with the input, later ones with the partial result.
+pub(super) fn reduce_up(steps: &mut Schedule, node: &Node, r: Range<usize>) {
+    gather_up(steps, node, r.clone());
+    pass_up(steps, node, r);
+}
+
+/// Receives elements `r` from each child, reducing them into the output.
+fn gather_up(steps: &mut Schedule, node: &Node, r: Range<usize>) {
     for (i, &child) in node.children.iter().enumerate() {
-        let with = if i == 0 {
-            Loc::input(r.clone())
-        } else {
-            Loc::output(r.clone())
-        };
-        steps.push(Step::RecvReduce {
-            peer: child,
-            with,
-            into: Loc::output(r.clone()),
-        });
+        receive_child(steps, child, i == 0, r.clone());
     }
+}
+
+/// Receives elements `r` from `child` and reduces them into the output: the
+/// `first` child's with the input, later ones' with the partial result.
+fn receive_child(steps: &mut Schedule, child: usize, first: bool, r: Range<usize>) {
+    let with = if first {
+        Loc::input(r.clone())
+    } else {
+        Loc::output(r.clone())
+    };
+    steps.push(Step::RecvReduce {
+        peer: child,
+        with,
+        into: Loc::output(r),
+    });
+}
+
+/// Sends the reduced elements `r` (a leaf's input) to the parent; the root
+/// finishes them in its output.
+fn pass_up(steps: &mut Schedule, node: &Node, r: Range<usize>) {
     let result = if node.children.is_empty() {
         Loc::input(r.clone())
     } else {
@@ -146,12 +228,22 @@ pub(super) fn reduce_up(steps: &mut Schedule, node: &Node, r: std::ops::Range<us
 
 /// Receive `at` from the parent (if any), then pass it to the children.
 pub(super) fn push_down(steps: &mut Schedule, node: &Node, at: Loc) {
+    receive_down(steps, node, at.clone());
+    send_down(steps, node, at);
+}
+
+/// Receives `at` from the parent, if there is one.
+fn receive_down(steps: &mut Schedule, node: &Node, at: Loc) {
     if let Some(parent) = node.parent {
         steps.push(Step::Recv {
             peer: parent,
-            into: at.clone(),
+            into: at,
         });
     }
+}
+
+/// Sends `at` to each child.
+fn send_down(steps: &mut Schedule, node: &Node, at: Loc) {
     for &child in &node.children {
         steps.push(Step::Send {
             peer: child,
@@ -241,6 +333,15 @@ mod tests {
                 children: vec![2]
             }
         );
+    }
+
+    #[test]
+    fn no_rank_lies_deeper_than_ceil_log2() {
+        for n in 1..=130 {
+            let deepest = (0..n).map(|r| depth(r, n, 0).max(depth(r, n, 1))).max();
+            let bound = (n as f64).log2().ceil() as usize;
+            assert_eq!(deepest, Some(bound), "n={n}");
+        }
     }
 
     #[test]
