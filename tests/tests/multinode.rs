@@ -219,10 +219,10 @@ fn shaped_model() -> LinkModel {
 /// Four nodes, one rank each, on links shaped to 100 Mbit/s: every all-reduce algorithm
 /// of 1 and 4 MiB takes the cost model's time within 30%. At these sizes the wire
 /// dominates (alpha, about 20 us here, is under 0.1% of it); the full sweep
-/// (`benches/baselines/sim_vs_shaped.sh`) measured ratios of 0.91 to 1.07 for these cells,
-/// and single runs on a loaded machine down to 0.67 (recursive doubling, which varies most),
-/// so 30% and a second and third run for a miss leave room for that while a model off by
-/// a factor fails.
+/// (`benches/baselines/sim_vs_shaped.sh`) measured ratios of 0.90 to 1.02 for these cells,
+/// and single runs of recursive doubling at 1 MiB, which varies most, 0.74 to 1.00, so 30%
+/// and a second and third run for a miss leave room for that while a model off by a
+/// factor fails.
 #[test]
 fn shaped_links_take_the_cost_models_time() {
     const W: usize = 4;
