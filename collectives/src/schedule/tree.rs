@@ -102,8 +102,9 @@ fn depth(rank: usize, n: usize, t: usize) -> usize {
 /// `c + D - d` (a slot after its children sent it) and passes it down in
 /// slot `c + D + d`. A rank posts its steps in program order, so laying the
 /// program out by slot keeps one tree's chunk from waiting behind another
-/// chunk that arrives later; within a slot the receives come before the
-/// sends, which wait for data.
+/// chunk that arrives later. Within a slot a leaf's send (which needs
+/// nothing) comes first, then the receives, then the sends that wait for
+/// them.
 pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) -> Schedule {
     let halves = split(count, 2);
     let trees = [0, 1].map(|t| {
@@ -120,15 +121,16 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
     let deepest = (usize::BITS - world_size.saturating_sub(1).leading_zeros()) as usize;
     let parts: Vec<Vec<_>> = halves.iter().map(|h| chunks(h.clone(), chunk)).collect();
     let rounds = parts.iter().map(Vec::len).max().unwrap_or(0);
-    // The chunk each tree takes up (`down`: down) in a slot.
-    let at = |slot: usize, down: bool| -> Vec<(&Node, &[bool], Range<usize>)> {
+    // The chunk each tree `t` takes up (`down`: down) in a slot.
+    let at = |slot: usize, down: bool| -> Vec<(usize, &Node, &[bool], Range<usize>)> {
         trees
             .iter()
             .zip(&parts)
-            .filter_map(|((node, leaves, d), part)| {
+            .enumerate()
+            .filter_map(|(t, ((node, leaves, d), part))| {
                 let lag = if down { deepest + d } else { deepest - d };
                 let c = slot.checked_sub(lag)?;
-                Some((node, leaves.as_slice(), part.get(c)?.clone()))
+                Some((t, node, leaves.as_slice(), part.get(c)?.clone()))
             })
             .collect()
     };
@@ -138,8 +140,7 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
     let receives = |steps: &mut Schedule, slot: usize| {
         let mut gathers: Vec<(bool, usize, usize, Range<usize>)> = at(slot, false)
             .into_iter()
-            .enumerate()
-            .flat_map(|(t, (node, leaves, r))| {
+            .flat_map(|(t, node, leaves, r)| {
                 node.children
                     .iter()
                     .zip(leaves)
@@ -151,7 +152,7 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
         for (_, t, child, r) in gathers {
             receive_child(steps, child, std::mem::take(&mut first[t]), r);
         }
-        for (node, _, r) in at(slot, true) {
+        for (_, node, _, r) in at(slot, true) {
             receive_down(steps, node, Loc::output(r));
         }
     };
@@ -159,15 +160,15 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
     for slot in 0..rounds + 2 * deepest + 1 {
         let (leaves, inner): (Vec<_>, Vec<_>) = at(slot, false)
             .into_iter()
-            .partition(|(node, ..)| node.children.is_empty());
-        for (node, _, r) in leaves {
+            .partition(|(_, node, ..)| node.children.is_empty());
+        for (_, node, _, r) in leaves {
             pass_up(&mut steps, node, r);
         }
         receives(&mut steps, slot);
-        for (node, _, r) in inner {
+        for (_, node, _, r) in inner {
             pass_up(&mut steps, node, r);
         }
-        for (node, _, r) in at(slot, true) {
+        for (_, node, _, r) in at(slot, true) {
             send_down(&mut steps, node, Loc::output(r));
         }
     }
