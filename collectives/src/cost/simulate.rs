@@ -895,6 +895,18 @@ mod tests {
     }
 
     #[test]
+    fn a_deep_tree_all_reduce_pipelines_as_fast_as_a_shallow_one() {
+        // 64 chunks a tree: a chunk's climb and descent overlap the next ones', so depth
+        // adds only the pipeline's fill (a program that made each chunk wait for the
+        // previous one's whole path took 2.7 times as long at W = 1000 as at W = 16).
+        let m = model();
+        let chunk = 1 << 16;
+        let time = |w: usize| eval(w, &m, |r| tree::all_reduce(r, w, 128 * chunk, chunk)).time;
+        let (shallow, deep) = (time(16), time(1000));
+        assert!(deep < 1.2 * shallow, "W=16 {shallow} s, W=1000 {deep} s");
+    }
+
+    #[test]
     fn the_barrier_takes_one_latency_per_round() {
         let m = model();
         for w in [2, 3, 8, 100] {
