@@ -24,8 +24,9 @@
 # goes to the backlog of whichever CPU dequeued it from tbf, and the two CPUs
 # deliver one connection's packets out of order: TCP took that for loss (no tbf
 # dropped a packet, yet fast retransmits and SACK recoveries shrank the windows),
-# and recursive doubling at W = 4 ran 0.6-0.8 times the model's speed at 1-4 MiB
-# where with RPS it ran 1.00 times. A real NIC keeps a flow in order.
+# and recursive doubling at W = 4 and 4 MiB ran at 0.70-1.00 of the model's speed,
+# varying from run to run, where with RPS it ran at 1.00-1.01. A real NIC keeps a
+# flow in order.
 #
 # With PER_NODE ranks on a node they share its shaped link and reach each other
 # over shared memory (chorus_sim --ranks-per-host), and the hierarchical

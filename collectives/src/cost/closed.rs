@@ -108,16 +108,16 @@ pub fn tree_all_reduce(m: &LinkModel, w: usize, s: f64, chunk: f64) -> f64 {
     let half = s / 2.0;
     let n = chunks(half, chunk);
     let d = tree_depth(w);
+    let first = if w.is_power_of_two() {
+        4.0 * d - 2.0
+    } else if lone_deepest(w) {
+        4.0 * d - 4.0
+    } else {
+        4.0 * d - 3.0
+    };
     // Steps for a pipeline settling at `settled` steps a chunk, less `less`.
     let steps = |(settled, less): (f64, f64)| {
-        let first = if w.is_power_of_two() {
-            4.0 * d - 2.0
-        } else if lone_deepest(w) {
-            4.0 * d - 4.0
-        } else {
-            4.0 * d - 3.0
-        };
-        (first + (n - 1.0) * settled.min(4.0)).max(settled * n - less)
+        (first + (n - 1.0) * f64::min(settled, 4.0)).max(settled * n - less)
     };
     let (latency, bandwidth) = match w {
         // Each rank is the other's only child in one tree: one step up, one down.

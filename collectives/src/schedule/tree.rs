@@ -118,7 +118,7 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
         (node, leaves, depth(rank, world_size, t))
     });
     // ceil(log2 W): rank 1's path up passes 2, 4, ... to the root in both trees' shape.
-    let deepest = (usize::BITS - world_size.saturating_sub(1).leading_zeros()) as usize;
+    let deepest = world_size.max(1).next_power_of_two().trailing_zeros() as usize;
     let parts: Vec<Vec<_>> = halves.iter().map(|h| chunks(h.clone(), chunk)).collect();
     let rounds = parts.iter().map(Vec::len).max().unwrap_or(0);
     // The chunk each tree `t` takes up (`down`: down) in a slot.
@@ -134,41 +134,39 @@ pub fn all_reduce(rank: usize, world_size: usize, count: usize, chunk: usize) ->
             })
             .collect()
     };
-    // A slot's receives. A leaf sends first (its send needs nothing), so a rank receives
-    // from its leaf children first, and then in tree order: two messages from one child
-    // in one slot are received as they were sent.
-    let receives = |steps: &mut Schedule, slot: usize| {
-        let mut gathers: Vec<(bool, usize, usize, Range<usize>)> = at(slot, false)
-            .into_iter()
+    let mut steps = Vec::new();
+    for slot in 0..rounds + 2 * deepest + 1 {
+        let (up, down) = (at(slot, false), at(slot, true));
+        let (leaves, inner): (Vec<_>, Vec<_>) = up
+            .iter()
+            .partition(|(_, node, ..)| node.children.is_empty());
+        for (_, node, _, r) in leaves {
+            pass_up(&mut steps, node, r.clone());
+        }
+        // A leaf sends first (its send needs nothing), so a rank receives from its leaf
+        // children first, and then in tree order: two messages from one child in one
+        // slot are received as they were sent.
+        let mut gathers: Vec<(bool, usize, usize, &Range<usize>)> = up
+            .iter()
             .flat_map(|(t, node, leaves, r)| {
                 node.children
                     .iter()
-                    .zip(leaves)
-                    .map(move |(&child, &leaf)| (!leaf, t, child, r.clone()))
+                    .zip(*leaves)
+                    .map(move |(&child, &leaf)| (!leaf, *t, child, r))
             })
             .collect();
         gathers.sort_by_key(|&(inner, t, ..)| (inner, t));
         let mut first = [true; 2];
         for (_, t, child, r) in gathers {
-            receive_child(steps, child, std::mem::take(&mut first[t]), r);
+            receive_child(&mut steps, child, std::mem::take(&mut first[t]), r.clone());
         }
-        for (_, node, _, r) in at(slot, true) {
-            receive_down(steps, node, Loc::output(r));
+        for (_, node, _, r) in &down {
+            receive_down(&mut steps, node, Loc::output(r.clone()));
         }
-    };
-    let mut steps = Vec::new();
-    for slot in 0..rounds + 2 * deepest + 1 {
-        let (leaves, inner): (Vec<_>, Vec<_>) = at(slot, false)
-            .into_iter()
-            .partition(|(_, node, ..)| node.children.is_empty());
-        for (_, node, _, r) in leaves {
-            pass_up(&mut steps, node, r);
-        }
-        receives(&mut steps, slot);
         for (_, node, _, r) in inner {
-            pass_up(&mut steps, node, r);
+            pass_up(&mut steps, node, r.clone());
         }
-        for (_, node, _, r) in at(slot, true) {
+        for (_, node, _, r) in down {
             send_down(&mut steps, node, Loc::output(r));
         }
     }

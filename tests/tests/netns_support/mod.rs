@@ -115,6 +115,7 @@ impl Cluster {
         let tbf = [
             "root", "tbf", "rate", &rate, "burst", &burst, "latency", "100ms",
         ];
+        let mask = rps_mask();
         for (ns, host_end) in self.nodes.iter().zip(&self.links) {
             let node_end = host_end.replacen("cv", "cp", 1);
             ip(&[
@@ -134,12 +135,8 @@ impl Cluster {
             let mut host = vec!["qdisc", "add", "dev", host_end.as_str()];
             host.extend(tbf);
             run("tc", &host)?;
-            let steer = |dev: &str| {
-                format!(
-                    "echo {} >/sys/class/net/{dev}/queues/rx-0/rps_cpus",
-                    rps_mask()
-                )
-            };
+            let steer =
+                |dev: &str| format!("echo {mask} >/sys/class/net/{dev}/queues/rx-0/rps_cpus");
             ip(&["netns", "exec", ns, "sh", "-c", &steer(&node_end)])?;
             run("sh", &["-c", &steer(host_end)])?;
         }
