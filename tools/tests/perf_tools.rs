@@ -349,7 +349,13 @@ fn tcp_ceiling_reports_floor_streams_and_bounds() {
     assert!(figure("exchange  W=4") > 0.0);
     assert!(figure("stream    one socket, 1 MiB") > 0.0);
     assert!(figure("reduce    float sum") > 0.0);
-    assert!(figure("bound     broadcast W=2") > 0.0);
+    assert!(figure("copy      memcpy") > 0.0);
+    assert!(figure("broadcast W=2 of 64 MiB in 512 KiB pieces") > 0.0);
+    assert!(figure("bound     broadcast W=4") > 0.0);
+    // The root's copy can only lower the bound.
+    let in_place = figure("bound     broadcast W=2");
+    let out_of_place = figure("bound     out-of-place broadcast W=2");
+    assert!(out_of_place > 0.0 && out_of_place <= in_place, "{text}");
     for w in [2, 4] {
         let line = text
             .lines()

@@ -14,10 +14,15 @@
 //!   all-reduce of 64 MiB could reach here, first counting only its kernel copies (reducing
 //!   for free), then its reductions too; each rank keeps at most one core busy (as when ranks
 //!   outnumber or equal the cores; softirq work charged elsewhere and memory contention only
-//!   lower it); and for a W=2 broadcast of 64 MiB, whose every byte is copied once by the
-//!   root's core and once by the other's, at best both at once. Each bound comes from the
-//!   64 MiB stream's costs (cold: every copy from memory) and from the 1 MiB stream's (warm:
-//!   every copy in cache, as a pipeline's chunk is when it is sent just after it arrived).
+//!   lower it); for a chain broadcast of 64 MiB, whose every byte is sent and received once
+//!   on each of its W-1 links; and for a W=2 out-of-place broadcast, whose root also copies
+//!   its input to its output (at `copy`'s rate, as the output is never in cache), at best on
+//!   a thread of its own. Each bound comes from the 64 MiB stream's costs (cold: every copy
+//!   from memory) and from the 1 MiB stream's (warm: every copy in cache, as a pipeline's
+//!   chunk is when it is sent just after it arrived).
+//! - `broadcast`: a bare W=2 broadcast of 64 MiB, written and read in 512 KiB pieces (the
+//!   pipeline chunk); in place, and out of place, where the root also copies each piece of
+//!   its input to its output just after writing it (so while it is still in cache).
 //!
 //! `cargo run --release -p chorus-tools --bin tcp_ceiling -- -np 4`
 
@@ -76,8 +81,15 @@ fn main() -> io::Result<()> {
         "stream    one socket, 64 MiB buffers: {:.2} GB/s; a core sends {:.2} GB/s, receives {:.2} GB/s",
         cold.rate, cold.send_core, cold.recv_core
     );
+    let in_place = broadcast(64 << 20, 512 << 10, args.streams, false)?;
+    let out_of_place = broadcast(64 << 20, 512 << 10, args.streams, true)?;
+    println!(
+        "broadcast W=2 of 64 MiB in 512 KiB pieces: {in_place:.2} GB/s in place, {out_of_place:.2} out of place"
+    );
     let summed = reduce_rate(args.streams);
     println!("reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core");
+    let copied = copy_rate(64 << 20, args.streams);
+    println!("copy      memcpy of 64 MiB: {copied:.2} GB/s on one core");
     // A ring or halving-doubling all-reduce sends and receives 2(W-1)/W of the buffer per
     // rank and reduces (W-1)/W of it: W ranks' worth of that work shared by the cores (one
     // per rank at most). Per byte of bus bandwidth, a rank spends 1/send + 1/recv on copies
@@ -91,7 +103,7 @@ fn main() -> io::Result<()> {
     // Cold: every copy streams from memory. Warm: every copy finds its bytes in cache, as
     // a pipeline's do when each chunk is sent or reduced just after it arrived (so a
     // pipelined collective lands between the two).
-    for w in worlds {
+    for &w in &worlds {
         let bound = |s: &Stream, sums: bool| {
             let per_byte = 1.0 / s.send_core + 1.0 / s.recv_core + f64::from(sums) * 0.5 / summed;
             cores.min(w as f64) / (w as f64 * per_byte)
@@ -104,10 +116,28 @@ fn main() -> io::Result<()> {
             bound(&hot, true)
         );
     }
+    // Each pass over the bytes runs on a thread of its own at best, no faster than one core,
+    // and the cores share all of them: `passes` GB/s rates, each `times` over.
+    let busiest = |passes: &[f64], times: f64| {
+        let per_byte: f64 = passes.iter().map(|rate| times / rate).sum();
+        let threads = times * passes.len() as f64;
+        passes
+            .iter()
+            .fold(cores.min(threads) / per_byte, |b, &r| b.min(r))
+    };
+    for &w in &worlds {
+        let chain = |s: &Stream| busiest(&[s.send_core, s.recv_core], (w - 1) as f64);
+        println!(
+            "bound     broadcast W={w} of 64 MiB: busbw <= {:.2} GB/s cold, {:.2} warm",
+            chain(&cold),
+            chain(&hot)
+        );
+    }
+    let out_of_place = |s: &Stream| busiest(&[s.send_core, s.recv_core, copied], 1.0);
     println!(
-        "bound     broadcast W=2 of 64 MiB: busbw <= {:.2} GB/s cold, {:.2} warm",
-        cold.send_core.min(cold.recv_core),
-        hot.send_core.min(hot.recv_core)
+        "bound     out-of-place broadcast W=2 of 64 MiB: busbw <= {:.2} GB/s cold, {:.2} warm",
+        out_of_place(&cold),
+        out_of_place(&hot)
     );
     Ok(())
 }
@@ -129,6 +159,21 @@ fn reduce_rate(reps: usize) -> f64 {
     // The first pass warms the buffers up.
     pass();
     median((0..reps).map(|_| pass()).collect())
+}
+
+/// GB/s one core copies a `len`-byte buffer into another, median of `reps` copies after one
+/// that warms both up.
+fn copy_rate(len: usize, reps: usize) -> f64 {
+    let from = vec![3u8; len];
+    let mut into = vec![0u8; len];
+    let mut once = || {
+        let start = Instant::now();
+        into.copy_from_slice(std::hint::black_box(&from));
+        std::hint::black_box(&into);
+        len as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    once();
+    median((0..reps).map(|_| once()).collect())
 }
 
 /// The middle value of `values` (the upper one of an even count).
@@ -267,6 +312,42 @@ fn stream(len: usize, reps: usize) -> io::Result<Stream> {
         send_core: bytes / cpu / 1e9,
         recv_core: bytes / recv_cpu / 1e9,
     })
+}
+
+/// GB/s of a bare W=2 broadcast of `len` bytes over one socket, written and read in
+/// `piece`-byte parts; with `copy`, the root copies each part of its input to its output
+/// just after writing it. Median of `reps` broadcasts after one that warms up.
+fn broadcast(len: usize, piece: usize, reps: usize, copy: bool) -> io::Result<f64> {
+    let (mut tx, mut rx) = pair()?;
+    let receiver = thread::spawn(move || -> io::Result<()> {
+        let mut buf = vec![0u8; len];
+        for _ in 0..=reps {
+            for part in buf.chunks_mut(piece) {
+                rx.read_exact(part)?;
+            }
+            rx.write_all(&[1])?;
+        }
+        Ok(())
+    });
+    let input = vec![7u8; len];
+    let mut output = vec![0u8; if copy { len } else { 0 }];
+    let mut rates = Vec::with_capacity(reps);
+    for rep in 0..=reps {
+        let start = Instant::now();
+        for (k, part) in input.chunks(piece).enumerate() {
+            tx.write_all(part)?;
+            if copy {
+                output[k * piece..k * piece + part.len()].copy_from_slice(part);
+            }
+        }
+        tx.read_exact(&mut [0u8; 1])?;
+        // The first broadcast warms the connection up.
+        if rep > 0 {
+            rates.push(len as f64 / start.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+    receiver.join().expect("broadcast receiver")?;
+    Ok(median(rates))
 }
 
 /// CPU seconds the calling thread has used.
