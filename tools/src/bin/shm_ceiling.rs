@@ -15,11 +15,18 @@
 //!   single copies: in place, both cores copying the message; out of place, the root also
 //!   copies its input to its output, one more pass the two cores share at best (at the
 //!   `memcpy` rate of two cores at once).
+//! - `meet`: a bare barrier of four processes (this one and three more), each bumping its
+//!   round counter on a page they share and spinning, then yielding its core, until every
+//!   counter has caught up: the floor under a W=4 barrier on this host, which Chorus's
+//!   meeting of a single-host job does with the same memory traffic.
 //!
 //! `cargo run --release -p chorus-tools --bin shm_ceiling [-- --hugepages]`
 
+use std::fs::OpenOptions;
 use std::io::{self, BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 use std::time::Instant;
 
 use chorus_tools::perf::buffer::advise_huge_pages;
@@ -38,15 +45,36 @@ struct Args {
     /// allocates its arrays and the perf tools' `--hugepages` do.
     #[arg(long)]
     hugepages: bool,
+    /// Rounds of the bare barrier timed, after as many again for warm-up.
+    #[arg(long, default_value_t = 20_000)]
+    meetings: usize,
     /// Run as the peer process (internal).
     #[arg(long, hide = true)]
     peer: bool,
+    /// Run as rank N of the bare barrier (internal), on the page in `--meet-file`.
+    #[arg(long, hide = true)]
+    meet_rank: Option<usize>,
+    #[arg(long, hide = true)]
+    meet_file: Option<std::path::PathBuf>,
 }
+
+/// Processes in the bare barrier.
+const MEETING: usize = 4;
+
+/// Bytes between two processes' round counters (one cache line each).
+const LINE: usize = 64;
+
+/// Longest a process of the bare barrier waits for the others.
+const PATIENCE: Duration = Duration::from_secs(30);
 
 fn main() -> io::Result<()> {
     let args = Args::parse();
     if args.peer {
         return peer(args.hugepages);
+    }
+    if let (Some(rank), Some(path)) = (args.meet_rank, &args.meet_file) {
+        println!("{}", meet(path, rank, args.meetings)?);
+        return Ok(());
     }
     let mut peer = Peer::start(args.hugepages)?;
     let src = buffer(1, args.hugepages);
@@ -99,7 +127,12 @@ fn main() -> io::Result<()> {
     println!(
         "bound     W=2 out-of-place broadcast of 64 MiB: {out_of_place:.2} GB/s (and the root's memcpy, shared by both cores)"
     );
-    peer.finish()
+    peer.finish()?;
+    let us = meeting(args.meetings)?;
+    println!(
+        "meet      W={MEETING} processes, a bare barrier on one shared page: {us:.2} us per round"
+    );
+    Ok(())
 }
 
 /// The peer process, answering this program's requests on stdin with seconds on stdout.
@@ -129,6 +162,92 @@ fn peer(hugepages: bool) -> io::Result<()> {
         out.flush()?;
     }
     Ok(())
+}
+
+/// Microseconds per round of the bare barrier, the slowest process's: this one is rank 0,
+/// and starts the others on a fresh file in `/dev/shm`.
+fn meeting(rounds: usize) -> io::Result<f64> {
+    let path = std::path::PathBuf::from(format!(
+        "/dev/shm/chorus-shm-ceiling-{}",
+        std::process::id()
+    ));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)?;
+    file.set_len((MEETING * LINE) as u64)?;
+    let mut others = Vec::new();
+    let spawned = (1..MEETING).try_for_each(|rank| {
+        let child = Command::new(std::env::current_exe()?)
+            .args(["--meet-rank", &rank.to_string()])
+            .args(["--meetings", &rounds.to_string()])
+            .arg("--meet-file")
+            .arg(&path)
+            .stdout(Stdio::piped())
+            .spawn()?;
+        others.push(child);
+        Ok(())
+    });
+    let mine = spawned.and_then(|()| meet(&path, 0, rounds));
+    std::fs::remove_file(&path)?;
+    let mut slowest = match mine {
+        Ok(us) => us,
+        Err(e) => {
+            for mut child in others {
+                child.kill().ok();
+                child.wait().ok();
+            }
+            return Err(e);
+        }
+    };
+    for child in others {
+        let out = child.wait_with_output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let us: f64 = text
+            .trim()
+            .parse()
+            .map_err(|_| io::Error::other(format!("a barrier process answered {text:?}")))?;
+        slowest = slowest.max(us);
+    }
+    Ok(slowest)
+}
+
+/// Rank `rank`'s part in `rounds` timed rounds (after as many untimed) of the bare barrier on
+/// the page in `path`; microseconds per round.
+fn meet(path: &std::path::Path, rank: usize, rounds: usize) -> io::Result<f64> {
+    let file = OpenOptions::new().read(true).write(true).open(path)?;
+    // SAFETY: the file is this program's own, sized before any process maps it, and every
+    // process touches it only through the atomics below.
+    let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+    if map.len() < MEETING * LINE {
+        return Err(io::Error::other("the barrier's page is too short"));
+    }
+    // SAFETY: the mapping is page-aligned and holds MEETING lines; an AtomicU64 may alias
+    // memory other processes change only atomically.
+    let counter = |r: usize| unsafe { &*map.as_ptr().add(r * LINE).cast::<AtomicU64>() };
+    let mut start = Instant::now();
+    for round in 1..=2 * rounds as u64 {
+        if round == rounds as u64 + 1 {
+            start = Instant::now();
+        }
+        counter(rank).store(round, Ordering::Release);
+        let since = Instant::now();
+        for r in 0..MEETING {
+            let mut spins = 0u32;
+            while counter(r).load(Ordering::Acquire) < round {
+                spins += 1;
+                if spins < 100 {
+                    std::hint::spin_loop();
+                } else if since.elapsed() < PATIENCE {
+                    std::thread::yield_now();
+                } else {
+                    return Err(io::Error::other(format!("barrier rank {r} did not come")));
+                }
+            }
+        }
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e6 / rounds as f64)
 }
 
 /// The peer process as this one sees it: its pid, its buffer's address, its pipes.
