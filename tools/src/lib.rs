@@ -19,6 +19,27 @@ pub fn cpu_seconds(clock: libc::clockid_t) -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
+/// GB/s of incoming bytes one core sums into a 64 MiB float buffer with Chorus's kernel,
+/// 512 KiB at a time (the default pipeline chunk), median of `reps` passes after one that
+/// warms the buffers up (the ceiling probes' reduction rate).
+pub fn reduce_rate(reps: usize) -> f64 {
+    use chorus_kernels::{reduce, DType, ReduceOp};
+    const PIECE: usize = 512 << 10;
+    let mut out = vec![1u8; 64 << 20];
+    let incoming = vec![2u8; PIECE];
+    let mut pass = || {
+        let start = std::time::Instant::now();
+        for piece in out.chunks_mut(PIECE) {
+            reduce(ReduceOp::Sum, DType::F32, piece, &incoming).expect("equal lengths");
+        }
+        out.len() as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    pass();
+    let mut rates: Vec<f64> = (0..reps.max(1)).map(|_| pass()).collect();
+    rates.sort_by(f64::total_cmp);
+    rates[rates.len() / 2]
+}
+
 /// How a tool ends on `result`: success, or `program: error` on stderr and exit code 1. Under
 /// torchrun the error also goes to torchrun's error file, so its failure summary names it.
 pub fn finish(program: &str, result: Result<(), String>) -> std::process::ExitCode {

@@ -352,10 +352,27 @@ fn shm_ceiling_reports_copies_bounds_and_the_bare_barrier() {
         panic!("shm_ceiling failed: {err}\n{text}");
     }
     let figure = |prefix: &str| figure(&text, prefix);
-    let in_place = figure("bound     W=2 in-place broadcast");
-    let out_of_place = figure("bound     W=2 out-of-place broadcast");
-    // The root's own copy can only lower the bound.
-    assert!(out_of_place > 0.0 && out_of_place < in_place, "{text}");
+    for w in [2, 4] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("bound     W={w} broadcast")))
+            .unwrap_or_else(|| panic!("no broadcast bound for W={w} in:\n{text}"));
+        let numbers: Vec<f64> = line
+            .rsplit(": ")
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        // The root's own copy can only lower the bound.
+        assert!(
+            matches!(numbers[..], [in_place, out_of_place] if 0.0 < out_of_place && out_of_place < in_place),
+            "{line}"
+        );
+    }
+    let all_reduce = [2, 4].map(|w| figure(&format!("bound     W={w} all-reduce")));
+    // Twice the ranks on the same two cores: half the bus bandwidth.
+    assert!((all_reduce[0] / all_reduce[1] - 2.0).abs() < 1e-6, "{text}");
     assert!(figure("meet      W=4") > 0.0, "{text}");
 }
 

@@ -11,10 +11,14 @@
 //! - `split`: the same message copied by both cores at once, as Chorus's single-copy
 //!   messages are when the sender has nothing else to do (a broadcast's root): this process
 //!   reads the first half from the peer while the peer writes the second half into it.
-//! - `bound`: from those rates, the fastest a W=2 broadcast of 64 MiB could run through
-//!   single copies: in place, both cores copying the message; out of place, the root also
-//!   copies its input to its output, one more pass the two cores share at best (at the
-//!   `memcpy` rate of two cores at once).
+//! - `reduce`: one core sums 512 KiB pieces into a 64 MiB float buffer with Chorus's kernel.
+//! - `bound`: from those rates, the fastest a broadcast or an all-reduce of 64 MiB could run
+//!   through single copies with every copy from memory, the two cores sharing all the work
+//!   (W ranks on two cores). A broadcast copies the message W-1 times (at the rate both cores
+//!   copy one message, `split`); out of place, the root also copies its input to its output
+//!   (at the `memcpy` rate of two cores at once). An all-reduce (ring or halving-doubling)
+//!   copies 2(W-1)/W of the buffer into each rank and sums (W-1)/W of it there. A pipeline's
+//!   chunks, found in cache, can beat these.
 //! - `meet`: a bare barrier of four processes (this one and three more), each bumping its
 //!   round counter on a page they share and spinning, then yielding its core, until every
 //!   counter has caught up: the floor under a W=4 barrier on this host, which Chorus's
@@ -119,14 +123,22 @@ fn main() -> io::Result<()> {
         split.push(r);
     }
     let best = split.iter().copied().fold(0.0, f64::max);
-    println!(
-        "bound     W=2 in-place broadcast of 64 MiB: {best:.2} GB/s (both cores copy the message)"
-    );
-    // Core-seconds per byte: 2 / best for the message, 1 / two for the root's own copy.
-    let out_of_place = 2.0 / (2.0 / best + 1.0 / two);
-    println!(
-        "bound     W=2 out-of-place broadcast of 64 MiB: {out_of_place:.2} GB/s (and the root's memcpy, shared by both cores)"
-    );
+    let summed = chorus_tools::reduce_rate(n);
+    println!("reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core");
+    // Core-seconds per byte: 2 / best for a message copied, 1 / two for a memcpy, 1 / summed
+    // for a byte summed; the two cores share them.
+    for w in [2.0, 4.0] {
+        let in_place = 2.0 / ((w - 1.0) * 2.0 / best);
+        let out_of_place = 2.0 / ((w - 1.0) * 2.0 / best + 1.0 / two);
+        println!(
+            "bound     W={w} broadcast of 64 MiB: busbw <= {in_place:.2} GB/s in place, {out_of_place:.2} out of place"
+        );
+    }
+    for w in [2.0, 4.0] {
+        // Per byte of bus bandwidth each rank copies one byte in and sums half of one.
+        let bound = 2.0 / (w * (2.0 / best + 0.5 / summed));
+        println!("bound     W={w} all-reduce of 64 MiB: busbw <= {bound:.2} GB/s");
+    }
     peer.finish()?;
     let us = meeting(args.meetings)?;
     println!(

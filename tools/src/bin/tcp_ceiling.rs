@@ -86,7 +86,7 @@ fn main() -> io::Result<()> {
     println!(
         "broadcast W=2 of 64 MiB in 512 KiB pieces: {in_place:.2} GB/s in place, {out_of_place:.2} out of place"
     );
-    let summed = reduce_rate(args.streams);
+    let summed = chorus_tools::reduce_rate(args.streams);
     println!("reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core");
     let copied = copy_rate(64 << 20, args.streams);
     println!("copy      memcpy of 64 MiB: {copied:.2} GB/s on one core");
@@ -140,25 +140,6 @@ fn main() -> io::Result<()> {
         out_of_place(&hot)
     );
     Ok(())
-}
-
-/// GB/s of incoming bytes one core sums into a 64 MiB float buffer, 512 KiB at a time (the
-/// default pipeline chunk), median of `reps` passes.
-fn reduce_rate(reps: usize) -> f64 {
-    use chorus_kernels::{reduce, DType, ReduceOp};
-    const PIECE: usize = 512 << 10;
-    let mut out = vec![1u8; 64 << 20];
-    let incoming = vec![2u8; PIECE];
-    let mut pass = || {
-        let start = Instant::now();
-        for piece in out.chunks_mut(PIECE) {
-            reduce(ReduceOp::Sum, DType::F32, piece, &incoming).expect("equal lengths");
-        }
-        out.len() as f64 / start.elapsed().as_secs_f64() / 1e9
-    };
-    // The first pass warms the buffers up.
-    pass();
-    median((0..reps).map(|_| pass()).collect())
 }
 
 /// GB/s one core copies a `len`-byte buffer into another, median of `reps` copies after one
