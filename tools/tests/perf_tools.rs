@@ -323,15 +323,25 @@ fn plot_draws_a_png_with_or_without_a_font() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("nothing to draw"));
 }
 
-/// The first number after the last ": " of the line of `text` that starts with `prefix`.
-fn figure(text: &str, prefix: &str) -> f64 {
+/// The numbers after the last ": " of the line of `text` that starts with `prefix`.
+fn figures(text: &str, prefix: &str) -> Vec<f64> {
     let line = text
         .lines()
         .find(|l| l.starts_with(prefix))
         .unwrap_or_else(|| panic!("no line starting {prefix:?} in:\n{text}"));
     let after = line.rsplit(": ").next().unwrap();
-    let value = after.split_whitespace().find_map(|w| w.parse().ok());
-    value.unwrap_or_else(|| panic!("no number in {line:?}"))
+    after
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect()
+}
+
+/// The first of [`figures`].
+fn figure(text: &str, prefix: &str) -> f64 {
+    let numbers = figures(text, prefix);
+    *numbers
+        .first()
+        .unwrap_or_else(|| panic!("no number after {prefix:?} in:\n{text}"))
 }
 
 #[test]
@@ -353,21 +363,11 @@ fn shm_ceiling_reports_copies_bounds_and_the_bare_barrier() {
     }
     let figure = |prefix: &str| figure(&text, prefix);
     for w in [2, 4] {
-        let line = text
-            .lines()
-            .find(|l| l.starts_with(&format!("bound     W={w} broadcast")))
-            .unwrap_or_else(|| panic!("no broadcast bound for W={w} in:\n{text}"));
-        let numbers: Vec<f64> = line
-            .rsplit(": ")
-            .next()
-            .unwrap()
-            .split_whitespace()
-            .filter_map(|w| w.parse().ok())
-            .collect();
+        let numbers = figures(&text, &format!("bound     W={w} broadcast"));
         // The root's own copy can only lower the bound.
         assert!(
             matches!(numbers[..], [in_place, out_of_place] if 0.0 < out_of_place && out_of_place < in_place),
-            "{line}"
+            "{text}"
         );
     }
     let all_reduce = [2, 4].map(|w| figure(&format!("bound     W={w} all-reduce")));
@@ -401,22 +401,12 @@ fn tcp_ceiling_reports_floor_streams_and_bounds() {
     let out_of_place = figure("bound     out-of-place broadcast W=2");
     assert!(out_of_place > 0.0 && out_of_place <= in_place, "{text}");
     for w in [2, 4] {
-        let line = text
-            .lines()
-            .find(|l| l.starts_with(&format!("bound     all-reduce W={w} ")))
-            .unwrap_or_else(|| panic!("no bound for W={w} in:\n{text}"));
-        let numbers: Vec<f64> = line
-            .rsplit(": ")
-            .next()
-            .unwrap()
-            .split_whitespace()
-            .filter_map(|w| w.parse().ok())
-            .collect();
+        let numbers = figures(&text, &format!("bound     all-reduce W={w} "));
         // Cold and warm copies alone, then both with the sums: the sums can only lower a bound.
         assert!(
             matches!(numbers[..], [cold, warm, cold_sums, warm_sums]
                 if cold > cold_sums && warm > warm_sums && cold_sums > 0.0 && warm_sums > 0.0),
-            "{line}"
+            "{text}"
         );
     }
     let bad = Command::new(exe).args(["-np", "3"]).output().unwrap();
