@@ -279,10 +279,16 @@ impl ShmTransport {
             return Err(TransportError::Aborted(reason.to_string()));
         }
         let region = self.shared.region();
-        if region.control(local).closed.load(Acquire) != 0 || engine.peer_exited(peer) {
-            return Err(TransportError::PeerClosed { peer });
-        }
         let theirs = region.meeting(local);
+        if region.control(local).closed.load(Acquire) != 0 || engine.peer_exited(peer) {
+            // Its epoch read after its leaving: a peer that arrived, then finished the call
+            // and left before this rank looked again, has met.
+            let arrived = (theirs.epoch.load(Acquire).wrapping_sub(target) as i32) >= 0;
+            return match arrived {
+                true => Ok(()),
+                false => Err(TransportError::PeerClosed { peer }),
+            };
+        }
         let Some(said) = CallPlace::read(&theirs, target) else {
             return Ok(()); // being rewritten: look again later
         };
@@ -321,5 +327,54 @@ impl ShmTransport {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::super::tests::pair;
+    use super::CallPlace;
+    use crate::{Transport, TransportError};
+
+    #[test]
+    fn a_peer_that_arrived_and_then_left_has_met() {
+        let t = pair(2);
+        let place = CallPlace {
+            tag: 3 << 32,
+            meets: true,
+            ..CallPlace::default()
+        };
+        let epoch = |local: usize| {
+            t[0].shared
+                .region()
+                .meeting(local)
+                .epoch
+                .load(super::SeqCst)
+        };
+        let target = epoch(0).wrapping_add(1);
+        std::thread::scope(|s| {
+            // Rank 1 arrives, then leaves while it waits for rank 0 (its own meeting fails).
+            let waiting =
+                s.spawn(|| t[1].meet(&place, Instant::now() + Duration::from_secs(20), None));
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while epoch(1) != target {
+                assert!(Instant::now() < deadline, "rank 1 never arrived");
+                std::thread::yield_now();
+            }
+            t[1].abort("finished and left");
+            assert!(waiting.join().unwrap().is_err());
+        });
+        // Rank 0 looks at rank 1 only now, as when its last poll came just before the arrival.
+        t[0].check_peer(1, 1, &place, target).unwrap();
+        // A peer that left without arriving has not.
+        let err = t[0]
+            .check_peer(1, 1, &place, target.wrapping_add(1))
+            .unwrap_err();
+        assert!(
+            matches!(err, TransportError::PeerClosed { peer: 1 }),
+            "{err}"
+        );
     }
 }

@@ -151,7 +151,7 @@ mod tests {
     use crate::Transport;
 
     /// `n` transports on one host, one per thread's rank, small slots so messages span several.
-    fn pair(n: usize) -> Vec<ShmTransport> {
+    pub(super) fn pair(n: usize) -> Vec<ShmTransport> {
         pair_in(n, ShmConfig::default().dir)
     }
 
