@@ -15,52 +15,57 @@
 # Environment: BIN (target/release), PYTHON (/usr/bin/python3: Debian's, with torch and mpi4py).
 # Chorus's lines are the perf tools' columns: size, time and busbw out of place, time and busbw
 # in place; the baselines' are collective_bench.py's: call, bytes, time (us), algbw, busbw.
-set -euo pipefail
+# A command that fails or runs past 10 minutes is named in a "-- failed" line, and the round
+# goes on.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-target/release}
 PYTHON=${PYTHON:-/usr/bin/python3}
 BENCH=benches/baselines/collective_bench.py
 CALLS=(--ops allreduce,broadcast,barrier --sizes 8,64M)
 
-# The data line of a perf tool's table: size, then both times and both bus bandwidths.
-row() { grep -v '^#' | awk 'NF >= 12 && $1 ~ /^[0-9]+$/ { print $1, $6, $8, $10, $12 }'; }
+# Runs a command with a time limit; says so if it fails.
+run() { timeout 600 "$@" || echo "-- failed ($?): $*"; }
 
-# Chorus's four rows at W ranks; the environment picks the transport.
+# The data line of a perf tool's table: size, then both times and both bus bandwidths.
+row() { awk 'NF >= 12 && $1 ~ /^[0-9]+$/ { print $1, $6, $8, $10, $12 }'; }
+
+# Chorus's four rows at W ranks over `transport` (shm: the default, tcp: CHORUS_TRANSPORT=tcp).
 chorus() {
-    local w=$1
-    echo "-- chorus $TRANSPORT W=$w all-reduce 8 B"
-    "$BIN/allreduce_perf" -b 8 -e 8 -n 20000 -w 1000 -c 0 -np "$w" | row
-    echo "-- chorus $TRANSPORT W=$w all-reduce 64 MiB"
-    "$BIN/allreduce_perf" -b 64M -e 64M -n 10 -w 2 -c 0 -np "$w" | row
-    echo "-- chorus $TRANSPORT W=$w broadcast 64 MiB"
-    "$BIN/broadcast_perf" -b 64M -e 64M -n 10 -w 2 -c 0 -np "$w" | row
-    echo "-- chorus $TRANSPORT W=$w barrier"
-    "$BIN/barrier_perf" -n 20000 -w 1000 -c 0 -np "$w" | row
+    local transport=$1 w=$2 env=(env -u CHORUS_TRANSPORT)
+    [[ $transport == tcp ]] && env=(env CHORUS_TRANSPORT=tcp)
+    echo "-- chorus $transport W=$w all-reduce 8 B"
+    run "${env[@]}" "$BIN/allreduce_perf" -b 8 -e 8 -n 20000 -w 1000 -c 0 -np "$w" | row
+    echo "-- chorus $transport W=$w all-reduce 64 MiB"
+    run "${env[@]}" "$BIN/allreduce_perf" -b 64M -e 64M -n 10 -w 2 -c 0 -np "$w" | row
+    echo "-- chorus $transport W=$w broadcast 64 MiB"
+    run "${env[@]}" "$BIN/broadcast_perf" -b 64M -e 64M -n 10 -w 2 -c 0 -np "$w" | row
+    echo "-- chorus $transport W=$w barrier"
+    run "${env[@]}" "$BIN/barrier_perf" -n 20000 -w 1000 -c 0 -np "$w" | row
 }
 
 # Open MPI with the byte transfer layers given, W ranks.
 mpi() {
     local w=$1 btl=$2
     shift 2
-    timeout 600 mpirun --allow-run-as-root --oversubscribe -np "$w" --mca btl "$btl" "$@" \
+    run mpirun --allow-run-as-root --oversubscribe -np "$w" --mca btl "$btl" "$@" \
         "$PYTHON" "$BENCH" --backend mpi "${CALLS[@]}" | grep -v '^#'
 }
 
 echo "== $(date +%T), load average $(cut -d' ' -f1 /proc/loadavg)"
 echo "-- shm_ceiling"
-"$BIN/shm_ceiling" -n 3
+run "$BIN/shm_ceiling" -n 3
 for w in 2 4; do
-    TRANSPORT=shm chorus "$w"
+    chorus shm "$w"
     echo "-- open mpi vader W=$w"
     mpi "$w" vader,self
 done
 echo "-- tcp_ceiling"
-"$BIN/tcp_ceiling" -np 4
-"$BIN/tcp_ceiling" -np 2 --streams 1 | grep "^exchange"
+run "$BIN/tcp_ceiling" -np 4
 for w in 2 4; do
-    CHORUS_TRANSPORT=tcp TRANSPORT=tcp chorus "$w"
+    chorus tcp "$w"
     echo "-- open mpi tcp W=$w"
     mpi "$w" tcp,self --mca btl_tcp_if_include lo
     echo "-- gloo W=$w"
-    timeout 600 "$PYTHON" "$BENCH" --backend gloo -np "$w" "${CALLS[@]}" | grep -v '^#'
+    run "$PYTHON" "$BENCH" --backend gloo -np "$w" "${CALLS[@]}" | grep -v '^#'
 done

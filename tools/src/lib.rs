@@ -35,9 +35,13 @@ pub fn reduce_rate(reps: usize) -> f64 {
         out.len() as f64 / start.elapsed().as_secs_f64() / 1e9
     };
     pass();
-    let mut rates: Vec<f64> = (0..reps.max(1)).map(|_| pass()).collect();
-    rates.sort_by(f64::total_cmp);
-    rates[rates.len() / 2]
+    median((0..reps.max(1)).map(|_| pass()).collect())
+}
+
+/// The middle value of `values` (the upper one of an even count); NaN if there is none.
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// How a tool ends on `result`: success, or `program: error` on stderr and exit code 1. Under

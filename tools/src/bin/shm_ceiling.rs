@@ -20,9 +20,10 @@
 //!   copies 2(W-1)/W of the buffer into each rank and sums (W-1)/W of it there. A pipeline's
 //!   chunks, found in cache, can beat these.
 //! - `meet`: a bare barrier of four processes (this one and three more), each bumping its
-//!   round counter on a page they share and spinning, then yielding its core, until every
-//!   counter has caught up: the floor under a W=4 barrier on this host, which Chorus's
-//!   meeting of a single-host job does with the same memory traffic.
+//!   round counter on a page they share and polling the others' until all have caught up,
+//!   giving its core away at every poll when the processes outnumber the cores: the floor
+//!   under a W=4 barrier on this host, which Chorus's meeting of a single-host job makes
+//!   with the same memory traffic and more bookkeeping.
 //!
 //! `cargo run --release -p chorus-tools --bin shm_ceiling [-- --hugepages]`
 
@@ -80,6 +81,10 @@ fn main() -> io::Result<()> {
         println!("{}", meet(path, rank, args.meetings)?);
         return Ok(());
     }
+    if args.rounds == 0 || args.meetings == 0 {
+        eprintln!("shm_ceiling: -n and --meetings must be at least 1");
+        std::process::exit(2);
+    }
     let mut peer = Peer::start(args.hugepages)?;
     let src = buffer(1, args.hugepages);
     let mut dst = buffer(2, args.hugepages);
@@ -126,18 +131,18 @@ fn main() -> io::Result<()> {
     let summed = chorus_tools::reduce_rate(n);
     println!("reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core");
     // Core-seconds per byte: 2 / best for a message copied, 1 / two for a memcpy, 1 / summed
-    // for a byte summed; the two cores share them.
+    // for a byte summed; the two cores (those `split` and `two` measured) share them.
     for w in [2.0, 4.0] {
-        let in_place = 2.0 / ((w - 1.0) * 2.0 / best);
+        let in_place = best / (w - 1.0);
         let out_of_place = 2.0 / ((w - 1.0) * 2.0 / best + 1.0 / two);
         println!(
-            "bound     W={w} broadcast of 64 MiB: busbw <= {in_place:.2} GB/s in place, {out_of_place:.2} out of place"
+            "bound     W={w} broadcast of 64 MiB on two cores: busbw <= {in_place:.2} GB/s in place, {out_of_place:.2} out of place"
         );
     }
     for w in [2.0, 4.0] {
         // Per byte of bus bandwidth each rank copies one byte in and sums half of one.
         let bound = 2.0 / (w * (2.0 / best + 0.5 / summed));
-        println!("bound     W={w} all-reduce of 64 MiB: busbw <= {bound:.2} GB/s");
+        println!("bound     W={w} all-reduce of 64 MiB on two cores: busbw <= {bound:.2} GB/s");
     }
     peer.finish()?;
     let us = meeting(args.meetings)?;
@@ -188,21 +193,32 @@ fn meeting(rounds: usize) -> io::Result<f64> {
         .write(true)
         .create_new(true)
         .open(&path)?;
-    file.set_len((MEETING * LINE) as u64)?;
+    let outcome = file
+        .set_len((MEETING * LINE) as u64)
+        .and_then(|()| meet_all(&path, rounds));
+    // Rank 0 removed the name once all had mapped the page, unless something failed first.
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => outcome,
+    }
+}
+
+/// Starts ranks 1.. of the bare barrier on the page at `path`, takes part as rank 0, and
+/// returns the slowest rank's microseconds per round.
+fn meet_all(path: &std::path::Path, rounds: usize) -> io::Result<f64> {
     let mut others = Vec::new();
     let spawned = (1..MEETING).try_for_each(|rank| {
         let child = Command::new(std::env::current_exe()?)
             .args(["--meet-rank", &rank.to_string()])
             .args(["--meetings", &rounds.to_string()])
             .arg("--meet-file")
-            .arg(&path)
+            .arg(path)
             .stdout(Stdio::piped())
             .spawn()?;
         others.push(child);
         Ok(())
     });
-    let mine = spawned.and_then(|()| meet(&path, 0, rounds));
-    std::fs::remove_file(&path)?;
+    let mine = spawned.and_then(|()| meet(path, 0, rounds));
     let mut slowest = match mine {
         Ok(us) => us,
         Err(e) => {
@@ -229,15 +245,17 @@ fn meeting(rounds: usize) -> io::Result<f64> {
 /// the page in `path`; microseconds per round.
 fn meet(path: &std::path::Path, rank: usize, rounds: usize) -> io::Result<f64> {
     let file = OpenOptions::new().read(true).write(true).open(path)?;
-    // SAFETY: the file is this program's own, sized before any process maps it, and every
-    // process touches it only through the atomics below.
-    let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+    // Raw: the page is only ever reached through pointers to atomics (below), never as bytes.
+    let map = memmap2::MmapRaw::map_raw(&file)?;
     if map.len() < MEETING * LINE {
         return Err(io::Error::other("the barrier's page is too short"));
     }
-    // SAFETY: the mapping is page-aligned and holds MEETING lines; an AtomicU64 may alias
-    // memory other processes change only atomically.
-    let counter = |r: usize| unsafe { &*map.as_ptr().add(r * LINE).cast::<AtomicU64>() };
+    // SAFETY: the mapping is page-aligned, lives as long as `map` and holds MEETING lines,
+    // each starting with a u64 that every process changes only atomically.
+    let counter = |r: usize| unsafe { &*map.as_mut_ptr().add(r * LINE).cast::<AtomicU64>() };
+    // With more processes than cores, a waiter gives its core away at every look, as the
+    // process it waits for may need it.
+    let crowded = MEETING > std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut start = Instant::now();
     for round in 1..=2 * rounds as u64 {
         if round == rounds as u64 + 1 {
@@ -246,17 +264,19 @@ fn meet(path: &std::path::Path, rank: usize, rounds: usize) -> io::Result<f64> {
         counter(rank).store(round, Ordering::Release);
         let since = Instant::now();
         for r in 0..MEETING {
-            let mut spins = 0u32;
             while counter(r).load(Ordering::Acquire) < round {
-                spins += 1;
-                if spins < 100 {
-                    std::hint::spin_loop();
-                } else if since.elapsed() < PATIENCE {
-                    std::thread::yield_now();
-                } else {
+                if since.elapsed() > PATIENCE {
                     return Err(io::Error::other(format!("barrier rank {r} did not come")));
                 }
+                std::hint::spin_loop();
+                if crowded {
+                    std::thread::yield_now();
+                }
             }
+        }
+        // Every process has mapped the page: its name is no longer needed.
+        if round == 1 && rank == 0 {
+            std::fs::remove_file(path)?;
         }
     }
     Ok(start.elapsed().as_secs_f64() * 1e6 / rounds as f64)
@@ -389,9 +409,6 @@ fn timed_io(f: impl FnOnce() -> io::Result<()>) -> io::Result<f64> {
 /// The median of `n` samples (one more, first, for warm-up).
 fn median(n: usize, mut sample: impl FnMut() -> io::Result<f64>) -> io::Result<f64> {
     sample()?;
-    let mut v = (0..n.max(1))
-        .map(|_| sample())
-        .collect::<io::Result<Vec<f64>>>()?;
-    v.sort_by(f64::total_cmp);
-    Ok(v[v.len() / 2])
+    let samples = (0..n.max(1)).map(|_| sample()).collect::<io::Result<_>>()?;
+    Ok(chorus_tools::median(samples))
 }

@@ -1,10 +1,11 @@
 //! What loopback TCP itself allows on this machine, with no library in the way: the floor
 //! under the perf tools' small-call times and the ceiling over their bandwidths.
 //!
-//! - `exchange`: W threads in a full mesh of TCP_NODELAY sockets swap a 48-byte frame (a
-//!   Chorus header and 8 bytes) with rank XOR 2^k in each of log2(W) rounds, as a
-//!   recursive-doubling all-reduce of 8 bytes does, waiting as Chorus's waiters do. Threads
-//!   switch a little more cheaply than processes, so this floor is, if anything, optimistic.
+//! - `exchange`: W threads (2, then `-np`) in a full mesh of TCP_NODELAY sockets swap a
+//!   48-byte frame (a Chorus header and 8 bytes) with rank XOR 2^k in each of log2(W)
+//!   rounds, as a recursive-doubling all-reduce of 8 bytes does, waiting as Chorus's waiters
+//!   do. Threads switch a little more cheaply than processes, so this floor is, if anything,
+//!   optimistic.
 //! - `stream`: one socket carries a 1 MiB buffer, which stays in cache (what `iperf3`
 //!   measures), then a 64 MiB buffer into another (both far larger than the caches, as in a
 //!   64 MiB collective), timing each end's CPU as well.
@@ -36,6 +37,9 @@ use clap::Parser;
 /// How long a reader polls before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
 
+/// Longest a socket read or write waits.
+const PATIENCE: Duration = Duration::from_secs(60);
+
 /// Bytes of one exchanged frame: a Chorus TCP header (40) and an 8-byte payload.
 const FRAME: usize = 48;
 
@@ -66,11 +70,19 @@ fn main() -> io::Result<()> {
         );
         std::process::exit(2);
     }
-    let us = exchange(args.world, args.iters)?;
-    println!(
-        "exchange  W={}  48 B frames, log2(W) rounds: {us:.2} us per call",
-        args.world
-    );
+    if args.iters == 0 || args.streams == 0 {
+        eprintln!("tcp_ceiling: -n and --streams must be at least 1");
+        std::process::exit(2);
+    }
+    let worlds = if args.world == 2 {
+        vec![2]
+    } else {
+        vec![2, args.world]
+    };
+    for &w in &worlds {
+        let us = exchange(w, args.iters)?;
+        println!("exchange  W={w}  48 B frames, log2(W) rounds: {us:.2} us per call");
+    }
     let hot = stream(1 << 20, 200)?;
     println!(
         "stream    one socket, 1 MiB buffers (in cache): {:.2} GB/s; a core sends {:.2} GB/s, receives {:.2} GB/s",
@@ -95,11 +107,6 @@ fn main() -> io::Result<()> {
     // per rank at most). Per byte of bus bandwidth, a rank spends 1/send + 1/recv on copies
     // and 1/(2 reduce) on sums.
     let cores = thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    let worlds = if args.world == 2 {
-        vec![2]
-    } else {
-        vec![2, args.world]
-    };
     // Cold: every copy streams from memory. Warm: every copy finds its bytes in cache, as
     // a pipeline's do when each chunk is sent or reduced just after it arrived (so a
     // pipelined collective lands between the two).
@@ -116,24 +123,25 @@ fn main() -> io::Result<()> {
             bound(&hot, true)
         );
     }
-    // Each pass over the bytes runs on a thread of its own at best, no faster than one core,
-    // and the cores share all of them: `passes` GB/s rates, each `times` over.
-    let busiest = |passes: &[f64], times: f64| {
+    // No pass over the bytes goes faster than one core does it, and at most `threads` cores
+    // share all the passes: `passes` GB/s rates, each made `times` over.
+    let busiest = |passes: &[f64], times: f64, threads: f64| {
         let per_byte: f64 = passes.iter().map(|rate| times / rate).sum();
-        let threads = times * passes.len() as f64;
         passes
             .iter()
             .fold(cores.min(threads) / per_byte, |b, &r| b.min(r))
     };
     for &w in &worlds {
-        let chain = |s: &Stream| busiest(&[s.send_core, s.recv_core], (w - 1) as f64);
+        // One core per rank at most, as for the all-reduce.
+        let chain = |s: &Stream| busiest(&[s.send_core, s.recv_core], (w - 1) as f64, w as f64);
         println!(
             "bound     broadcast W={w} of 64 MiB: busbw <= {:.2} GB/s cold, {:.2} warm",
             chain(&cold),
             chain(&hot)
         );
     }
-    let out_of_place = |s: &Stream| busiest(&[s.send_core, s.recv_core, copied], 1.0);
+    // The root's sender and its copy on threads of their own, and the receiver.
+    let out_of_place = |s: &Stream| busiest(&[s.send_core, s.recv_core, copied], 1.0, 3.0);
     println!(
         "bound     out-of-place broadcast W=2 of 64 MiB: busbw <= {:.2} GB/s cold, {:.2} warm",
         out_of_place(&cold),
@@ -154,13 +162,7 @@ fn copy_rate(len: usize, reps: usize) -> f64 {
         len as f64 / start.elapsed().as_secs_f64() / 1e9
     };
     once();
-    median((0..reps).map(|_| once()).collect())
-}
-
-/// The middle value of `values` (the upper one of an even count).
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    chorus_tools::median((0..reps).map(|_| once()).collect())
 }
 
 /// A full mesh of connected loopback sockets: `mesh[r][p]` joins rank `r` to rank `p`.
@@ -183,6 +185,9 @@ fn pair() -> io::Result<(TcpStream, TcpStream)> {
     let (b, _) = listener.accept()?;
     for s in [&a, &b] {
         s.set_nodelay(true)?;
+        // A peer thread that failed leaves the other's reads and writes to time out.
+        s.set_read_timeout(Some(PATIENCE))?;
+        s.set_write_timeout(Some(PATIENCE))?;
     }
     Ok((a, b))
 }
@@ -289,7 +294,7 @@ fn stream(len: usize, reps: usize) -> io::Result<Stream> {
     let recv_cpu = receiver.join().expect("stream receiver")?;
     let bytes = (len * reps) as f64;
     Ok(Stream {
-        rate: median(rates),
+        rate: chorus_tools::median(rates),
         send_core: bytes / cpu / 1e9,
         recv_core: bytes / recv_cpu / 1e9,
     })
@@ -315,10 +320,12 @@ fn broadcast(len: usize, piece: usize, reps: usize, copy: bool) -> io::Result<f6
     let mut rates = Vec::with_capacity(reps);
     for rep in 0..=reps {
         let start = Instant::now();
-        for (k, part) in input.chunks(piece).enumerate() {
+        // Without `copy` the output is empty and nothing is copied.
+        let mut outputs = output.chunks_mut(piece);
+        for part in input.chunks(piece) {
             tx.write_all(part)?;
-            if copy {
-                output[k * piece..k * piece + part.len()].copy_from_slice(part);
+            if let Some(into) = outputs.next() {
+                into.copy_from_slice(part);
             }
         }
         tx.read_exact(&mut [0u8; 1])?;
@@ -328,7 +335,7 @@ fn broadcast(len: usize, piece: usize, reps: usize, copy: bool) -> io::Result<f6
         }
     }
     receiver.join().expect("broadcast receiver")?;
-    Ok(median(rates))
+    Ok(chorus_tools::median(rates))
 }
 
 /// CPU seconds the calling thread has used.
