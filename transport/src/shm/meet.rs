@@ -157,9 +157,7 @@ impl ShmTransport {
         let mut stall = stall;
         for (local, &peer) in self.local.iter().enumerate() {
             let theirs = region.meeting(local);
-            // Wrapping comparison: arrived once its epoch is not behind ours.
-            let arrived = || (theirs.epoch.load(Acquire).wrapping_sub(target) as i32) >= 0;
-            while !arrived() {
+            while !reached(theirs.epoch.load(Acquire), target) {
                 polls += 1;
                 if polls < SPINS {
                     std::hint::spin_loop();
@@ -186,7 +184,7 @@ impl ShmTransport {
                 // store then load): either it sees this sleeper or this sees its epoch.
                 theirs.sleepers.fetch_add(1, SeqCst);
                 let seen = theirs.epoch.load(SeqCst);
-                if (seen.wrapping_sub(target) as i32) < 0 {
+                if !reached(seen, target) {
                     wake::futex_wait(theirs.epoch, seen, NAP.min(deadline - now));
                 }
                 theirs.sleepers.fetch_sub(1, SeqCst);
@@ -283,8 +281,7 @@ impl ShmTransport {
         if region.control(local).closed.load(Acquire) != 0 || engine.peer_exited(peer) {
             // Its epoch read after its leaving: a peer that arrived, then finished the call
             // and left before this rank looked again, has met.
-            let arrived = (theirs.epoch.load(Acquire).wrapping_sub(target) as i32) >= 0;
-            return match arrived {
+            return match reached(theirs.epoch.load(Acquire), target) {
                 true => Ok(()),
                 false => Err(TransportError::PeerClosed { peer }),
             };
@@ -292,7 +289,7 @@ impl ShmTransport {
         let Some(said) = CallPlace::read(&theirs, target) else {
             return Ok(()); // being rewritten: look again later
         };
-        let behind = (theirs.epoch.load(Acquire).wrapping_sub(target) as i32) < 0;
+        let behind = !reached(theirs.epoch.load(Acquire), target);
         let seq = |tag: u64| (tag >> 32) as u32;
         // Behind in meetings yet on a later call: it ran this one without meeting.
         if behind && (seq(said.tag).wrapping_sub(seq(place.tag)) as i32) > 0 {
@@ -328,6 +325,12 @@ impl ShmTransport {
         }
         Ok(())
     }
+}
+
+/// Whether a rank whose epoch is `epoch` has arrived at meeting `target`: its epoch is not
+/// behind it (a wrapping comparison).
+fn reached(epoch: u32, target: u32) -> bool {
+    (epoch.wrapping_sub(target) as i32) >= 0
 }
 
 #[cfg(test)]
