@@ -29,18 +29,17 @@ impl Inner {
     }
 
     /// Runs call `info`, tagged `tag`, on `bufs` through meetings: on the shared buffers
-    /// `window` names, or through the mailboxes when `None`. A meeting that outlasts
-    /// `watch`'s warning time is reported to it, once.
+    /// `window` names, or through the mailboxes when `None`, failing at `deadline`. A
+    /// meeting that outlasts `watch`'s warning time is reported to it, once.
     pub(super) fn run_meeting(
         &self,
         window: Option<&WindowCall>,
         bufs: &Buffers<'_>,
         tag: u64,
         info: &CallInfo,
-        watch: Option<&dyn Watch>,
+        (deadline, watch): (Instant, Option<&dyn Watch>),
     ) -> Result<()> {
         let shm = self.all_shm().expect("meetings need shared memory");
-        let deadline = Instant::now() + self.config.timeout;
         let warned = Cell::new(false);
         let tell = || {
             if !warned.replace(true) {

@@ -574,8 +574,9 @@ impl Inner {
         let tag = tag(state.seq, &info);
         let watch = watcher.as_ref().map(|w| w as &dyn Watch);
         let transport = self.transport.as_ref().map(|t| t as &dyn Transport);
+        let deadline = now + self.config.timeout;
         let meet = |window| {
-            self.run_meeting(window, &call.bufs, tag, &info, watch)
+            self.run_meeting(window, &call.bufs, tag, &info, (deadline, watch))
                 .map_err(|e| executor::failed(e, watch, transport))
         };
         let result = match &call.route {
@@ -588,7 +589,7 @@ impl Inner {
                     dtype: info.dtype,
                     op: info.op,
                     world_size: self.config.world_size,
-                    deadline: now + self.config.timeout,
+                    deadline,
                     depth: PIPELINE_DEPTH,
                     watch,
                 };

@@ -2,9 +2,10 @@
 //! shared region, with no message, so calls on shared buffers (see
 //! [`Window`](super::Window)) can hand over whole buffers at once.
 //!
-//! Each rank writes the call it is in (a [`CallPlace`]) and bumps its epoch;
-//! a meeting is over for a rank once every local rank's epoch has reached
-//! its own. Waiters spin briefly, then sleep on the missing peer's epoch (a
+//! Each rank writes the call it is in (a [`CallPlace`]) and bumps its epoch,
+//! in one of two turns (cache lines) that alternate between meetings; a
+//! meeting is over for a rank once every local rank's turn for it has reached
+//! its epoch. Waiters spin briefly, then sleep on the missing peer's epoch (a
 //! futex), waking at least every millisecond to notice an abort, a peer that
 //! closed its transport or a peer process that exited.
 
@@ -12,7 +13,7 @@ use std::sync::atomic::fence;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::time::{Duration, Instant};
 
-use super::region::{Meeting, MAILBOX_BYTES};
+use super::region::{Meeting, Turn, MAILBOX_BYTES};
 use super::wake;
 use super::ShmTransport;
 use crate::{LinkCost, TransportError};
@@ -50,21 +51,25 @@ pub struct CallPlace {
 }
 
 impl CallPlace {
-    fn words(&self) -> [u64; 8] {
+    /// The top bit of the root's word: whether the rank meets.
+    const MEETS: u64 = 1 << 63;
+
+    fn words(&self) -> [u64; 7] {
         let (iw, io) = self.input.map_or((0, 0), |(w, o)| (w + 1, o as u64));
         let (ow, oo) = self.output.map_or((0, 0), |(w, o)| (w + 1, o as u64));
-        let (len, root) = (self.len as u64, self.root as u64);
-        [self.tag, u64::from(self.meets), len, root, iw, io, ow, oo]
+        let meets = if self.meets { Self::MEETS } else { 0 };
+        let (len, root) = (self.len as u64, self.root as u64 | meets);
+        [self.tag, len, root, iw, io, ow, oo]
     }
 
-    /// The words for meeting `epoch`; `None` while the rank is rewriting them.
+    /// The words in `turn`; `None` while the rank is rewriting them.
     ///
     /// The tag is cleared first and written last, and read before and after
     /// the rest (a sequence lock), so a torn mix of two calls is never seen.
-    fn read(meeting: &Meeting<'_>, epoch: u32) -> Option<CallPlace> {
-        let words = &meeting.calls[epoch as usize % 2];
+    fn read(turn: &Turn<'_>) -> Option<CallPlace> {
+        let words = turn.call;
         let tag = words[0].load(Acquire);
-        let w: [u64; 8] = std::array::from_fn(|i| words[i].load(Relaxed));
+        let w: [u64; 7] = std::array::from_fn(|i| words[i].load(Relaxed));
         fence(Acquire);
         if tag == 0 || words[0].load(Relaxed) != tag {
             return None;
@@ -72,17 +77,17 @@ impl CallPlace {
         let place = |id: u64, off: u64| (id > 0).then(|| (id - 1, off as usize));
         Some(CallPlace {
             tag,
-            meets: w[1] != 0,
-            len: w[2] as usize,
-            root: w[3] as usize,
-            input: place(w[4], w[5]),
-            output: place(w[6], w[7]),
+            meets: w[2] & Self::MEETS != 0,
+            len: w[1] as usize,
+            root: (w[2] & !Self::MEETS) as usize,
+            input: place(w[3], w[4]),
+            output: place(w[5], w[6]),
         })
     }
 
-    /// Writes the words for meeting `epoch` (see [`read`](Self::read)).
-    fn write(&self, meeting: &Meeting<'_>, epoch: u32) {
-        let words = &meeting.calls[epoch as usize % 2];
+    /// Writes the words in `turn` (see [`read`](Self::read)).
+    fn write(&self, turn: &Turn<'_>) {
+        let words = turn.call;
         let values = self.words();
         words[0].store(0, Relaxed);
         fence(Release);
@@ -127,8 +132,8 @@ impl ShmTransport {
     /// in the same call learns that this rank is not coming.
     pub fn announce(&self, place: &CallPlace) {
         let own = self.shared.region().meeting(self.own_local);
-        // In the words of the meeting it would be at next, where waiting peers look.
-        place.write(&own, own.epoch.load(Relaxed).wrapping_add(1));
+        // In the turn of the meeting it would be at next, where waiting peers look.
+        place.write(own.turn(own.epoch().wrapping_add(1)));
     }
 
     /// Arrives at the next meeting in the call `place`, then waits until every
@@ -146,18 +151,20 @@ impl ShmTransport {
     ) -> Result<(), TransportError> {
         let region = self.shared.region();
         let own = region.meeting(self.own_local);
-        let target = own.epoch.load(Relaxed).wrapping_add(1);
-        place.write(&own, target);
-        own.epoch.store(target, SeqCst);
+        let target = own.epoch().wrapping_add(1);
+        let turn = own.turn(target);
+        place.write(turn);
+        turn.epoch.store(target, SeqCst);
         if own.sleepers.load(SeqCst) > 0 {
-            wake::futex_wake(own.epoch);
+            wake::futex_wake(turn.epoch);
         }
-        let started = Instant::now();
         let mut polls = 0u32;
+        let mut started = None; // from the first slow look: a fast meeting reads no clock
         let mut stall = stall;
         for (local, &peer) in self.local.iter().enumerate() {
             let theirs = region.meeting(local);
-            while !reached(theirs.epoch.load(Acquire), target) {
+            let arrived = theirs.turn(target).epoch;
+            while !reached(arrived.load(Acquire), target) {
                 polls += 1;
                 if polls < SPINS {
                     std::hint::spin_loop();
@@ -168,6 +175,7 @@ impl ShmTransport {
                 }
                 self.check_peer(local, peer, place, target)?;
                 let now = Instant::now();
+                let started = *started.get_or_insert(now);
                 if let Some(s) = stall.filter(|s| now >= s.at) {
                     (s.tell)();
                     stall = None;
@@ -183,9 +191,9 @@ impl ShmTransport {
                 // Counted as a sleeper before looking (pairs with the arriving rank's
                 // store then load): either it sees this sleeper or this sees its epoch.
                 theirs.sleepers.fetch_add(1, SeqCst);
-                let seen = theirs.epoch.load(SeqCst);
+                let seen = arrived.load(SeqCst);
                 if !reached(seen, target) {
-                    wake::futex_wait(theirs.epoch, seen, NAP.min(deadline - now));
+                    wake::futex_wait(arrived, seen, NAP.min(deadline - now));
                 }
                 theirs.sleepers.fetch_sub(1, SeqCst);
             }
@@ -199,10 +207,10 @@ impl ShmTransport {
     /// Fails naming the first rank whose words are not this call's.
     pub fn places(&self, mine: &CallPlace) -> Result<Vec<CallPlace>, TransportError> {
         let region = self.shared.region();
-        let epoch = region.meeting(self.own_local).epoch.load(Relaxed);
+        let epoch = region.meeting(self.own_local).epoch();
         let mut places = Vec::with_capacity(self.local.len());
         for (local, &peer) in self.local.iter().enumerate() {
-            match CallPlace::read(&region.meeting(local), epoch) {
+            match CallPlace::read(region.meeting(local).turn(epoch)) {
                 Some(place) if place.same_call(mine) => places.push(place),
                 other => {
                     return Err(TransportError::Protocol {
@@ -240,7 +248,7 @@ impl ShmTransport {
         let region = self.shared.region();
         // Mailboxes alternate: a peer reads this one until it meets again, and
         // this rank cannot reach the meeting after that one without it.
-        let which = (region.meeting(self.own_local).epoch.load(Relaxed) as usize + 1) % 2;
+        let which = (region.meeting(self.own_local).epoch() as usize + 1) % 2;
         // SAFETY: the mailbox holds MAILBOX_BYTES >= data.len(); no peer reads it until the
         // meeting below, which orders this write before their reads (release/acquire).
         unsafe {
@@ -278,18 +286,19 @@ impl ShmTransport {
         }
         let region = self.shared.region();
         let theirs = region.meeting(local);
+        let turn = theirs.turn(target);
         if region.control(local).closed.load(Acquire) != 0 || engine.peer_exited(peer) {
             // Its epoch read after its leaving: a peer that arrived, then finished the call
             // and left before this rank looked again, has met.
-            return match reached(theirs.epoch.load(Acquire), target) {
+            return match reached(turn.epoch.load(Acquire), target) {
                 true => Ok(()),
                 false => Err(TransportError::PeerClosed { peer }),
             };
         }
-        let Some(said) = CallPlace::read(&theirs, target) else {
+        let Some(said) = CallPlace::read(turn) else {
             return Ok(()); // being rewritten: look again later
         };
-        let behind = !reached(theirs.epoch.load(Acquire), target);
+        let behind = !reached(turn.epoch.load(Acquire), target);
         let seq = |tag: u64| (tag >> 32) as u32;
         // Behind in meetings yet on a later call: it ran this one without meeting.
         if behind && (seq(said.tag).wrapping_sub(seq(place.tag)) as i32) > 0 {
@@ -333,6 +342,23 @@ fn reached(epoch: u32, target: u32) -> bool {
     (epoch.wrapping_sub(target) as i32) >= 0
 }
 
+impl<'a> Meeting<'a> {
+    /// The last meeting the rank reached: the later of its two turns' (read by the rank itself).
+    fn epoch(&self) -> u32 {
+        let [even, odd] = self.turns.map(|t| t.epoch.load(Relaxed));
+        if reached(even, odd) {
+            even
+        } else {
+            odd
+        }
+    }
+
+    /// The turn that holds meeting `epoch`.
+    fn turn(&self, epoch: u32) -> &Turn<'a> {
+        &self.turns[epoch as usize % 2]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
@@ -349,13 +375,7 @@ mod tests {
             meets: true,
             ..CallPlace::default()
         };
-        let epoch = |local: usize| {
-            t[0].shared
-                .region()
-                .meeting(local)
-                .epoch
-                .load(super::SeqCst)
-        };
+        let epoch = |local: usize| t[0].shared.region().meeting(local).epoch();
         let target = epoch(0).wrapping_add(1);
         std::thread::scope(|s| {
             // Rank 1 arrives, then leaves while it waits for rank 0 (its own meeting fails).

@@ -5,7 +5,9 @@
 //! 0            header: magic, local ranks, slots per ring, slot bytes
 //! 4096         control block of local rank i (512 bytes each):
 //!                doorbell (futex word), sleeping flag, closed flag,
-//!                meeting epoch and the call it is for, meeting sleepers
+//!                two meeting turns, a cache line each (the last meeting
+//!                of its parity the rank reached, a futex word, and the
+//!                call it met in), meeting sleepers
 //! mailboxes    two mailboxes of local rank i (MAILBOX_BYTES each): bytes
 //!                it posts with a meeting, read by its peers until the next
 //! rings        ring (from, to) at rings + (from * locals + to) * ring_bytes:
@@ -27,7 +29,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use memmap2::MmapRaw;
 
 /// Identifies a Chorus mapping and its layout version.
-const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM04");
+const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM05");
 /// Bytes before the first control block.
 const HEADER_BYTES: usize = 4096;
 /// Bytes per control block.
@@ -125,6 +127,16 @@ impl Region {
         unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(at).cast()) }
     }
 
+    /// `N` consecutive words from byte `at`, checked once.
+    fn words<const N: usize>(&self, at: usize) -> &[AtomicU64; N] {
+        assert!(
+            at % 8 == 0 && at + 8 * N <= self.map.len(),
+            "words outside the map"
+        );
+        // SAFETY: as in `word`, for `N` words in a row (an array of atomics has their layout).
+        unsafe { &*self.map.as_mut_ptr().add(at).cast::<[AtomicU64; N]>() }
+    }
+
     fn word32(&self, at: usize) -> &AtomicU32 {
         assert!(
             at % 4 == 0 && at + 4 <= self.map.len(),
@@ -150,11 +162,14 @@ impl Region {
         assert!(local < self.layout.locals, "local rank outside the map");
         let at = HEADER_BYTES + local * CONTROL_BYTES + 256;
         Meeting {
-            epoch: self.word32(at),
-            calls: std::array::from_fn(|k| {
-                std::array::from_fn(|i| self.word(at + 8 + 64 * k + 8 * i))
+            turns: std::array::from_fn(|parity| {
+                let line = at + 64 * parity;
+                Turn {
+                    epoch: self.word32(line),
+                    call: self.words(line + 8),
+                }
             }),
-            sleepers: self.word32(at + 192),
+            sleepers: self.word32(at + 128),
         }
     }
 
@@ -198,17 +213,24 @@ pub(crate) struct Control<'a> {
 }
 
 /// One local rank's words for meeting its peers without messages (calls on
-/// shared buffers): how many meetings it has reached, and the call it is in.
+/// shared buffers): the meetings it has reached, and the calls it met in.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Meeting<'a> {
-    /// Meetings reached so far (a futex word, wrapping).
-    pub epoch: &'a AtomicU32,
-    /// The call this rank meets in, as the words of a [`CallPlace`](super::CallPlace):
-    /// for meetings of even epoch in the first, odd in the second (so peers
-    /// still reading one meeting's words are not overwritten by the next).
-    pub calls: [[&'a AtomicU64; 8]; 2],
-    /// Peers sleeping on `epoch`: a rank that bumps it wakes them.
+    /// The turns for meetings of even epoch and of odd, so that peers still
+    /// reading one meeting's call are not overwritten by the next.
+    pub turns: [Turn<'a>; 2],
+    /// Peers sleeping on a turn's epoch: a rank that bumps one wakes them.
     pub sleepers: &'a AtomicU32,
+}
+
+/// One cache line of a [`Meeting`]: a peer polling for the rank's arrival
+/// holds the call it arrived in, with no second line to fetch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Turn<'a> {
+    /// The last meeting of this parity the rank reached (a futex word, wrapping).
+    pub epoch: &'a AtomicU32,
+    /// The call it meets in, as the words of a [`CallPlace`](super::CallPlace).
+    pub call: &'a [AtomicU64; 7],
 }
 
 /// A single-producer single-consumer ring of slots inside a [`Region`].
