@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """torch.distributed through the chorus backend against gloo, in one sitting.
 
-For each world size: the time of `dist.all_reduce` on float32 tensors (8 B to 64 MiB, mean
-per call over ranks, with nccl-tests' bus bandwidth), then DDP training throughput
-(samples/s summed over ranks) for the DDP tutorial's ToyModel and for `train`'s MLP
-(784-256-128-10, batch 64 per rank, SGD with momentum):
+For each world size: the time of `dist.all_reduce` and `dist.broadcast` (root 0) on float32
+tensors (8 B to 64 MiB, mean per call over ranks, with nccl-tests' bus bandwidth) and of
+`dist.barrier`, then DDP training throughput (samples/s summed over ranks) for the DDP
+tutorial's ToyModel and for `train`'s MLP (784-256-128-10, batch 64 per rank, SGD with
+momentum):
 
     /usr/bin/python3 benches/baselines/torch_backend_bench.py -np 2,4
+    /usr/bin/python3 benches/baselines/torch_backend_bench.py -np 2,4 --sizes 8,64M --steps 0
 
 Needs torch and the chorus_torch package (pip install ./python).
 """
@@ -34,23 +36,34 @@ def iters_for(nbytes, args):
     return args.small_iters if nbytes <= 64 << 10 else args.iters
 
 
-def bench_allreduce(dist, torch, rank, world, args, reduces=True):
+# Each operation: the call on a tensor, and nccl-tests' bus bandwidth factor at W ranks.
+OPS = {
+    "allreduce": (lambda dist, t: dist.all_reduce(t), lambda w: 2 * (w - 1) / w),
+    "broadcast": (lambda dist, t: dist.broadcast(t, 0), lambda w: 1),
+    "barrier": (lambda dist, t: dist.barrier(), lambda w: 0),
+}
+
+
+def bench_op(dist, torch, world, op, args, reduces=True):
+    """(bytes, us per call, busbw) for each size (one row of 0 bytes for a barrier)."""
+    call, factor = OPS[op]
+    sizes = [0] if op == "barrier" else [parse_size(s) for s in args.sizes.split(",")]
     rows = []
-    for nbytes in [parse_size(s) for s in args.sizes.split(",")]:
+    for nbytes in sizes:
         t = torch.ones(max(nbytes // 4, 1))
         n = iters_for(nbytes, args)
         for _ in range(max(n // 10, 2)):
-            dist.all_reduce(t)
+            call(dist, t)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(n):
-            dist.all_reduce(t)
+            call(dist, t)
         took = (time.perf_counter() - start) / n
         if reduces:  # the mean over ranks (the floor's group reduces nothing: rank 0's own)
             mean = torch.tensor([took], dtype=torch.float64)
             dist.all_reduce(mean)
             took = mean.item() / world
-        busbw = nbytes / took * 2 * (world - 1) / world / 1e9
+        busbw = nbytes / took * factor(world) / 1e9
         rows.append((nbytes, took * 1e6, busbw))
     return rows
 
@@ -123,9 +136,11 @@ def rank_main(rank, world, port, backend, args, results):
     if backend == "floor":
         register_floor(dist, torch)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    out = {"allreduce": bench_allreduce(dist, torch, rank, world, args, reduces=backend != "floor")}
+    # The floor's group has only all_reduce (and a barrier made of it).
+    ops = ["allreduce"] if backend == "floor" else args.ops.split(",")
+    out = {op: bench_op(dist, torch, world, op, args, reduces=backend != "floor") for op in ops}
     for name in ("toy", "mlp"):
-        out[name] = bench_ddp(dist, torch, rank, world, name, args) if backend != "floor" else float("nan")
+        out[name] = bench_ddp(dist, torch, rank, world, name, args) if backend != "floor" and args.steps else float("nan")
     dist.destroy_process_group()
     if rank == 0:
         results.put(out)
@@ -149,28 +164,33 @@ def run(world, backend, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-np", default="2,4", help="comma-separated world sizes")
+    p.add_argument("--ops", default="allreduce,broadcast,barrier", help="comma-separated: " + ",".join(OPS))
     p.add_argument("--sizes", default="8,1K,64K,1M,16M,64M")
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("--small-iters", type=int, default=2000)
-    p.add_argument("--steps", type=int, default=300, help="DDP steps timed")
+    p.add_argument("--steps", type=int, default=300, help="DDP steps timed (0: no DDP)")
     p.add_argument("--backends", default="chorus,gloo,floor",
                    help="floor: a process group that does nothing (torch's own cost per call)")
     args = p.parse_args()
+    unknown = set(args.ops.split(",")) - set(OPS)
+    if unknown:
+        p.error(f"unknown --ops {sorted(unknown)}: choose among {', '.join(OPS)}")
     for world in [int(w) for w in args.np.split(",")]:
         got = {b: run(world, b, args) for b in args.backends.split(",")}
-        names = list(got)
-        print(f"\n# W={world}: all_reduce float32, time per call (us) and busbw (GB/s)")
-        print(f"{'bytes':>10} " + " ".join(f"{n + ' us':>12} {n + ' GB/s':>12}" for n in names)
-              + ("   chorus speed-up" if "chorus" in got and "gloo" in got else ""))
-        for i, (nbytes, _, _) in enumerate(got[names[0]]["allreduce"]):
-            cells = " ".join(f"{got[n]['allreduce'][i][1]:12.2f} {got[n]['allreduce'][i][2]:12.3f}" for n in names)
-            ratio = ""
-            if "chorus" in got and "gloo" in got:
-                ratio = f"   x{got['gloo']['allreduce'][i][1] / got['chorus']['allreduce'][i][1]:.1f}"
-            print(f"{nbytes:>10} {cells}{ratio}")
-        print(f"# W={world}: DDP samples/s (all ranks)")
-        for model in ("toy", "mlp"):
-            print(f"{model:>10} " + " ".join(f"{n}: {got[n][model]:10.0f}" for n in names))
+        for op in args.ops.split(","):
+            names = [n for n in got if op in got[n]]
+            compare = "chorus" in names and "gloo" in names
+            print(f"\n# W={world}: {op} float32, time per call (us) and busbw (GB/s)")
+            print(f"{'bytes':>10} " + " ".join(f"{n + ' us':>12} {n + ' GB/s':>12}" for n in names)
+                  + ("   chorus speed-up" if compare else ""))
+            for i, (nbytes, _, _) in enumerate(got[names[0]][op]):
+                cells = " ".join(f"{got[n][op][i][1]:12.2f} {got[n][op][i][2]:12.3f}" for n in names)
+                ratio = f"   x{got['gloo'][op][i][1] / got['chorus'][op][i][1]:.1f}" if compare else ""
+                print(f"{nbytes:>10} {cells}{ratio}")
+        if args.steps:
+            print(f"# W={world}: DDP samples/s (all ranks)")
+            for model in ("toy", "mlp"):
+                print(f"{model:>10} " + " ".join(f"{n}: {got[n][model]:10.0f}" for n in got))
 
 
 if __name__ == "__main__":
