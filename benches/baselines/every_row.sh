@@ -6,13 +6,16 @@
 # TCP over loopback (CHORUS_TRANSPORT=tcp against Open MPI's tcp and Gloo): the 8-byte
 # all-reduce, the 64 MiB all-reduce and broadcast, and the barrier at W = 2 and 4, private
 # buffers. shm_ceiling and tcp_ceiling run in the same round, so each row's bound is of the
-# same minutes. Run it three times in a row and take the medians: this kind of machine drifts
-# by a third within an hour.
+# same minutes. Last, the same rows through the torch backend (torch_backend_bench.py, in
+# place as torch.distributed's calls are), under Debian's torch and, where TORCH2 names a
+# Python with torch 2.x and chorus_torch, under that one too. Run it three times in a row and
+# take the medians: this kind of machine drifts by a third within an hour.
 #
 # Usage (release tools built; Open MPI's mpirun and mpi4py, and PyTorch for Gloo, installed):
 #   cargo build --release -p chorus-tools
 #   for r in 1 2 3; do benches/baselines/every_row.sh > round-$r.txt; done
-# Environment: BIN (target/release), PYTHON (/usr/bin/python3: Debian's, with torch and mpi4py).
+# Environment: BIN (target/release), PYTHON (/usr/bin/python3: Debian's, with torch, mpi4py
+# and chorus_torch), TORCH2 (unset), PARTS (the parts to run, of "shm tcp torch": all).
 # Chorus's lines are the perf tools' columns: size, time and busbw out of place, time and busbw
 # in place; the baselines' are collective_bench.py's: call, bytes, time (us), algbw, busbw.
 # A command that fails or runs past 10 minutes is named in a "-- failed" line, and the round
@@ -23,6 +26,7 @@ BIN=${BIN:-target/release}
 PYTHON=${PYTHON:-/usr/bin/python3}
 BENCH=benches/baselines/collective_bench.py
 CALLS=(--ops allreduce,broadcast,barrier --sizes 8,64M)
+PARTS=${PARTS:-shm tcp torch}
 
 # Runs a command with a time limit; says so if it fails.
 run() { timeout 600 "$@" || echo "-- failed ($?): $*"; }
@@ -52,20 +56,41 @@ mpi() {
         "$PYTHON" "$BENCH" --backend mpi "${CALLS[@]}" | grep -v '^#'
 }
 
+shm() {
+    echo "-- shm_ceiling"
+    run "$BIN/shm_ceiling" -n 3
+    for w in 2 4; do
+        chorus shm "$w"
+        echo "-- open mpi vader W=$w"
+        mpi "$w" vader,self
+    done
+}
+
+tcp() {
+    echo "-- tcp_ceiling"
+    run "$BIN/tcp_ceiling" -np 4
+    for w in 2 4; do
+        chorus tcp "$w"
+        echo "-- open mpi tcp W=$w"
+        mpi "$w" tcp,self --mca btl_tcp_if_include lo
+        echo "-- gloo W=$w"
+        run "$PYTHON" "$BENCH" --backend gloo -np "$w" "${CALLS[@]}" | grep -v '^#'
+    done
+}
+
+# The rows through torch.distributed's chorus backend (Gloo's are in the TCP part).
+torch() {
+    for python in "$PYTHON" ${TORCH2:+"$TORCH2"}; do
+        echo "-- torch backend, torch $("$python" -c 'import torch; print(torch.__version__)')"
+        run env -u CHORUS_TRANSPORT "$python" benches/baselines/torch_backend_bench.py \
+            -np 2,4 --sizes 8,64M --steps 0 --backends chorus
+    done
+}
+
 echo "== $(date +%T), load average $(cut -d' ' -f1 /proc/loadavg)"
-echo "-- shm_ceiling"
-run "$BIN/shm_ceiling" -n 3
-for w in 2 4; do
-    chorus shm "$w"
-    echo "-- open mpi vader W=$w"
-    mpi "$w" vader,self
-done
-echo "-- tcp_ceiling"
-run "$BIN/tcp_ceiling" -np 4
-for w in 2 4; do
-    chorus tcp "$w"
-    echo "-- open mpi tcp W=$w"
-    mpi "$w" tcp,self --mca btl_tcp_if_include lo
-    echo "-- gloo W=$w"
-    run "$PYTHON" "$BENCH" --backend gloo -np "$w" "${CALLS[@]}" | grep -v '^#'
+for part in $PARTS; do
+    case $part in
+        shm | tcp | torch) "$part" ;;
+        *) echo "-- unknown part $part (PARTS takes shm, tcp and torch)" ;;
+    esac
 done
