@@ -118,13 +118,7 @@ impl Region {
     }
 
     fn word(&self, at: usize) -> &AtomicU64 {
-        assert!(
-            at % 8 == 0 && at + 8 <= self.map.len(),
-            "word outside the map"
-        );
-        // SAFETY: in bounds and 8-aligned (the map is page-aligned); the
-        // memory lives as long as `self`, and is only accessed atomically here.
-        unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(at).cast()) }
+        &self.words::<1>(at)[0]
     }
 
     /// `N` consecutive words from byte `at`, checked once.
@@ -133,7 +127,9 @@ impl Region {
             at % 8 == 0 && at + 8 * N <= self.map.len(),
             "words outside the map"
         );
-        // SAFETY: as in `word`, for `N` words in a row (an array of atomics has their layout).
+        // SAFETY: in bounds and 8-aligned (the map is page-aligned), an array of atomics
+        // laid out as `N` words in a row; the memory lives as long as `self`, and is only
+        // accessed atomically here.
         unsafe { &*self.map.as_mut_ptr().add(at).cast::<[AtomicU64; N]>() }
     }
 
@@ -142,7 +138,7 @@ impl Region {
             at % 4 == 0 && at + 4 <= self.map.len(),
             "word outside the map"
         );
-        // SAFETY: as in `word`, for a 4-byte word.
+        // SAFETY: as in `words`, for a 4-byte word.
         unsafe { AtomicU32::from_ptr(self.map.as_mut_ptr().add(at).cast()) }
     }
 
