@@ -49,6 +49,10 @@ def parse_args(argv=None):
     p.add_argument("-w", "--warmup", type=int, default=5)
     p.add_argument("--small-iters", type=int, default=1000,
                    help="iterations for sizes up to 64 KiB and for barrier")
+    p.add_argument("--warmup-seconds", type=float, default=0.0,
+                   help="sizes up to 64 KiB and barrier: after --warmup calls, go on warming "
+                        "up until rank 0 has spent this long (a job's first few hundred "
+                        "milliseconds of small calls run slower where ranks outnumber cores)")
     p.add_argument("--hugepages", action="store_true",
                    help="MPI backend: numpy's arrays on transparent huge pages (its default)")
     return p.parse_args(argv)
@@ -105,15 +109,29 @@ class Mpi:
         return self.comm.allreduce(value, op=self.MPI.SUM) / self.world
 
 
+def warm_up_for(backend, op, buf, seconds, block=100):
+    """Runs `op` in blocks of calls until rank 0 has spent `seconds`; rank 0 decides for all."""
+    start = time.perf_counter()
+    while True:
+        late = backend.rank == 0 and time.perf_counter() - start >= seconds
+        if backend.mean(0.0 if late or backend.rank else 1.0) == 0.0:
+            return
+        for _ in range(block):
+            backend.run(op, buf)
+
+
 def measure(backend, args):
     rows = []
     for op in args.ops.split(","):
         sizes = [0] if op == "barrier" else [parse_size(s) for s in args.sizes.split(",")]
         for size in sizes:
             buf = backend.buffer(size)
-            iters = args.small_iters if size <= 64 << 10 else args.iters
+            small = size <= 64 << 10
+            iters = args.small_iters if small else args.iters
             for _ in range(args.warmup):
                 backend.run(op, buf)
+            if small and args.warmup_seconds > 0:
+                warm_up_for(backend, op, buf, args.warmup_seconds)
             backend.run("barrier", buf)
             start = time.perf_counter()
             for _ in range(iters):
