@@ -93,6 +93,9 @@ torch() {
 }
 
 echo "== $(date +%T), load average $(cut -d' ' -f1 /proc/loadavg)"
+# The machine's traits beside the figures: its processor and caches here, its memory's rate
+# and a system call's cost in shm_ceiling's copy and syscall lines.
+echo "-- machine: $(nproc) cores; $(lscpu | awk -F: '/^(Model name|L1d|L2|L3)/ {gsub(/^ +/, "", $2); printf "%s %s; ", $1, $2}')"
 for part in $PARTS; do
     case $part in
         shm | tcp | torch) "$part" ;;

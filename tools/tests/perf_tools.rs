@@ -377,6 +377,11 @@ fn shm_ceiling_reports_copies_bounds_and_the_bare_barrier() {
         "{text}"
     );
     assert!(figure("meet      W=4") > 0.0, "{text}");
+    let syscalls = figures(&text, "syscall");
+    assert!(
+        matches!(syscalls[..], [getppid, sched_yield] if getppid > 0.0 && sched_yield > 0.0),
+        "{text}"
+    );
 }
 
 #[test]

@@ -25,6 +25,10 @@
 //!   under a W=4 barrier on this host, which Chorus's meeting of a single-host job makes
 //!   with the same memory traffic and more bookkeeping.
 //!
+//! - `syscall`: what entering the kernel costs here, the median of `-n` rounds of 200 000
+//!   `getppid(2)` calls (the kernel does nothing else for it) and of `sched_yield(2)` with
+//!   nothing else to run: what every message's send, receive and futex pay on top of their work.
+//!
 //! `cargo run --release -p chorus-tools --bin shm_ceiling [-- --hugepages]`
 
 use std::fs::OpenOptions;
@@ -149,7 +153,26 @@ fn main() -> io::Result<()> {
     println!(
         "meet      W={MEETING} processes, a bare barrier on one shared page: {us:.2} us per round"
     );
+    // SAFETY: getppid takes no arguments and touches no memory.
+    let getppid = median(n, || Ok(per_call(|| unsafe { libc::getppid() })))?;
+    // SAFETY: as getppid.
+    let yield_ = median(n, || Ok(per_call(|| unsafe { libc::sched_yield() })))?;
+    println!(
+        "syscall   one call into the kernel: getppid {:.0} ns, sched_yield {:.0} ns",
+        getppid * 1e9,
+        yield_ * 1e9
+    );
     Ok(())
+}
+
+/// Seconds per call of `f`, over 200 000 calls.
+fn per_call(mut f: impl FnMut() -> libc::c_int) -> f64 {
+    const CALLS: u32 = 200_000;
+    let start = Instant::now();
+    for _ in 0..CALLS {
+        std::hint::black_box(f());
+    }
+    start.elapsed().as_secs_f64() / f64::from(CALLS)
 }
 
 /// The peer process, answering this program's requests on stdin with seconds on stdout.
