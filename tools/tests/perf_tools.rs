@@ -376,6 +376,7 @@ fn shm_ceiling_reports_copies_bounds_and_the_bare_barrier() {
         (all_reduce[0] / 2.0 - all_reduce[1]).abs() <= 0.0051,
         "{text}"
     );
+    assert!(figure("meet      W=2") > 0.0, "{text}");
     assert!(figure("meet      W=4") > 0.0, "{text}");
     let syscalls = figures(&text, "syscall");
     assert!(

@@ -19,11 +19,13 @@
 //!   (at the `memcpy` rate of two cores at once). An all-reduce (ring or halving-doubling)
 //!   copies 2(W-1)/W of the buffer into each rank and sums (W-1)/W of it there. A pipeline's
 //!   chunks, found in cache, can beat these.
-//! - `meet`: a bare barrier of four processes (this one and three more), each bumping its
-//!   round counter on a page they share and polling the others' until all have caught up,
-//!   giving its core away at every poll when the processes outnumber the cores: the floor
-//!   under a W=4 barrier on this host, which Chorus's meeting of a single-host job makes
-//!   with the same memory traffic and more bookkeeping.
+//! - `meet`: a bare barrier of two and of four processes (this one and the others), each
+//!   bumping its round counter on a page they share and polling the others' until all have
+//!   caught up, giving its core away at every poll when the processes outnumber the cores:
+//!   the floor under a W=2 and a W=4 barrier on this host, which Chorus's meeting of a
+//!   single-host job makes with the same memory traffic and more bookkeeping. Two processes
+//!   time one round trip of a cache line between two cores, which depends on where the
+//!   host put this machine's cores (on one die or two) as much as on the processor.
 //!
 //! - `syscall`: what entering the kernel costs here, the median of `-n` rounds of 200 000
 //!   `getppid(2)` calls (the kernel does nothing else for it) and of `sched_yield(2)` with
@@ -63,12 +65,12 @@ struct Args {
     /// Run as rank N of the bare barrier (internal), on the page in `--meet-file`.
     #[arg(long, hide = true)]
     meet_rank: Option<usize>,
+    /// Processes in the bare barrier (internal, with `--meet-rank`).
+    #[arg(long, hide = true, default_value_t = 2)]
+    meet_processes: usize,
     #[arg(long, hide = true)]
     meet_file: Option<std::path::PathBuf>,
 }
-
-/// Processes in the bare barrier.
-const MEETING: usize = 4;
 
 /// Bytes between two processes' round counters (one cache line each).
 const LINE: usize = 64;
@@ -82,7 +84,7 @@ fn main() -> io::Result<()> {
         return peer(args.hugepages);
     }
     if let (Some(rank), Some(path)) = (args.meet_rank, &args.meet_file) {
-        println!("{}", meet(path, rank, args.meetings)?);
+        println!("{}", meet(path, rank, args.meet_processes, args.meetings)?);
         return Ok(());
     }
     if args.rounds == 0 || args.meetings == 0 {
@@ -149,10 +151,12 @@ fn main() -> io::Result<()> {
         println!("bound     W={w} all-reduce of 64 MiB on two cores: busbw <= {bound:.2} GB/s");
     }
     peer.finish()?;
-    let us = meeting(args.meetings)?;
-    println!(
-        "meet      W={MEETING} processes, a bare barrier on one shared page: {us:.2} us per round"
-    );
+    for processes in [2, 4] {
+        let us = meeting(processes, args.meetings)?;
+        println!(
+            "meet      W={processes} processes, a bare barrier on one shared page: {us:.2} us per round"
+        );
+    }
     // SAFETY: getppid takes no arguments and touches no memory.
     let getppid = median(n, || Ok(per_call(|| unsafe { libc::getppid() })))?;
     // SAFETY: as getppid.
@@ -206,7 +210,7 @@ fn peer(hugepages: bool) -> io::Result<()> {
 
 /// Microseconds per round of the bare barrier, the slowest process's: this one is rank 0,
 /// and starts the others on a fresh file in `/dev/shm`.
-fn meeting(rounds: usize) -> io::Result<f64> {
+fn meeting(processes: usize, rounds: usize) -> io::Result<f64> {
     let path = std::path::PathBuf::from(format!(
         "/dev/shm/chorus-shm-ceiling-{}",
         std::process::id()
@@ -217,8 +221,8 @@ fn meeting(rounds: usize) -> io::Result<f64> {
         .create_new(true)
         .open(&path)?;
     let outcome = file
-        .set_len((MEETING * LINE) as u64)
-        .and_then(|()| meet_all(&path, rounds));
+        .set_len((processes * LINE) as u64)
+        .and_then(|()| meet_all(&path, processes, rounds));
     // Rank 0 removed the name once all had mapped the page, unless something failed first.
     match std::fs::remove_file(&path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
@@ -228,11 +232,12 @@ fn meeting(rounds: usize) -> io::Result<f64> {
 
 /// Starts ranks 1.. of the bare barrier on the page at `path`, takes part as rank 0, and
 /// returns the slowest rank's microseconds per round.
-fn meet_all(path: &std::path::Path, rounds: usize) -> io::Result<f64> {
+fn meet_all(path: &std::path::Path, processes: usize, rounds: usize) -> io::Result<f64> {
     let mut others = Vec::new();
-    let spawned = (1..MEETING).try_for_each(|rank| {
+    let spawned = (1..processes).try_for_each(|rank| {
         let child = Command::new(std::env::current_exe()?)
             .args(["--meet-rank", &rank.to_string()])
+            .args(["--meet-processes", &processes.to_string()])
             .args(["--meetings", &rounds.to_string()])
             .arg("--meet-file")
             .arg(path)
@@ -241,7 +246,7 @@ fn meet_all(path: &std::path::Path, rounds: usize) -> io::Result<f64> {
         others.push(child);
         Ok(())
     });
-    let mine = spawned.and_then(|()| meet(path, 0, rounds));
+    let mine = spawned.and_then(|()| meet(path, 0, processes, rounds));
     let mut slowest = match mine {
         Ok(us) => us,
         Err(e) => {
@@ -266,19 +271,19 @@ fn meet_all(path: &std::path::Path, rounds: usize) -> io::Result<f64> {
 
 /// Rank `rank`'s part in `rounds` timed rounds (after as many untimed) of the bare barrier on
 /// the page in `path`; microseconds per round.
-fn meet(path: &std::path::Path, rank: usize, rounds: usize) -> io::Result<f64> {
+fn meet(path: &std::path::Path, rank: usize, processes: usize, rounds: usize) -> io::Result<f64> {
     let file = OpenOptions::new().read(true).write(true).open(path)?;
     // Raw: the page is only ever reached through pointers to atomics (below), never as bytes.
     let map = memmap2::MmapRaw::map_raw(&file)?;
-    if map.len() < MEETING * LINE {
+    if map.len() < processes * LINE {
         return Err(io::Error::other("the barrier's page is too short"));
     }
-    // SAFETY: the mapping is page-aligned, lives as long as `map` and holds MEETING lines,
+    // SAFETY: the mapping is page-aligned, lives as long as `map` and holds `processes` lines,
     // each starting with a u64 that every process changes only atomically.
     let counter = |r: usize| unsafe { &*map.as_mut_ptr().add(r * LINE).cast::<AtomicU64>() };
     // With more processes than cores, a waiter gives its core away at every look, as the
     // process it waits for may need it.
-    let crowded = MEETING > std::thread::available_parallelism().map_or(1, |n| n.get());
+    let crowded = processes > std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut start = Instant::now();
     for round in 1..=2 * rounds as u64 {
         if round == rounds as u64 + 1 {
@@ -286,7 +291,7 @@ fn meet(path: &std::path::Path, rank: usize, rounds: usize) -> io::Result<f64> {
         }
         counter(rank).store(round, Ordering::Release);
         let since = Instant::now();
-        for r in 0..MEETING {
+        for r in 0..processes {
             while counter(r).load(Ordering::Acquire) < round {
                 if since.elapsed() > PATIENCE {
                     return Err(io::Error::other(format!("barrier rank {r} did not come")));
