@@ -1,5 +1,5 @@
 //! Small calls on one host: each rank posts its bytes in its mailbox in the
-//! shared region and meets its peers once (see [`ShmTransport::meet_posting`]);
+//! shared region and meets its peers once (see [`ShmTransport::meet_posted`]);
 //! then every rank reduces, in rank order, or copies the root's bytes. One
 //! meeting replaces the rounds of messages a barrier, an all-reduce or a
 //! broadcast of up to `MAILBOX_BYTES` would take. `prepare.rs` picks this
@@ -27,13 +27,14 @@ pub(super) fn run(
     let failed = |e: TransportError| Error::transport(shm.rank(), e);
     if kind == Kind::Barrier {
         shm.meet(place, deadline, stall).map_err(failed)?;
-        shm.places(place).map_err(failed)?;
+        shm.check_places(place).map_err(failed)?;
         return Ok(());
     }
-    // Copied out before the output is written: in place, they are the same memory.
+    // Posted (copied into the mailbox) before the output is written: in place, they are the
+    // same memory.
     // SAFETY: the caller's borrow of the input lasts for the call, and only this thread
     // touches it (no request is posted); the slice ends with this statement.
-    let input = unsafe { bufs.input() }.to_vec();
+    let posted = shm.post(unsafe { bufs.input() });
     // SAFETY: the caller's borrow of the output lasts for the call, and only this thread
     // touches it (no request is posted); no other slice of it lives from here on.
     let output = unsafe {
@@ -41,7 +42,7 @@ pub(super) fn run(
         std::slice::from_raw_parts_mut(at, len)
     };
     let local_root = shm.local_ranks().iter().position(|&r| r == root);
-    shm.meet_posting(place, &input, deadline, stall, |posted| -> Result<()> {
+    shm.meet_posted(posted, place, deadline, stall, |posted| -> Result<()> {
         match kind {
             Kind::Broadcast => {
                 let root = local_root.expect("the root is a local rank");

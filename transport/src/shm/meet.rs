@@ -22,6 +22,17 @@ use crate::{LinkCost, TransportError};
 const SPINS: u32 = 2000;
 /// Longest sleep between checks for an abort or a dead peer.
 const NAP: Duration = Duration::from_millis(1);
+/// Local ranks whose posted bytes [`ShmTransport::meet_posted`] gathers without allocating.
+const ON_STACK: usize = 8;
+
+/// Bytes a rank posted for its next meeting ([`ShmTransport::post`]): which of its two
+/// mailboxes holds them, and how many.
+#[must_use = "posted bytes are read by meet_posted"]
+#[derive(Debug)]
+pub struct Posted {
+    which: usize,
+    len: usize,
+}
 
 /// When a meeting counts as stalled, and whom to tell (each meeting that
 /// outlasts `at` calls `tell` once; the meeting goes on waiting).
@@ -206,12 +217,29 @@ impl ShmTransport {
     ///
     /// Fails naming the first rank whose words are not this call's.
     pub fn places(&self, mine: &CallPlace) -> Result<Vec<CallPlace>, TransportError> {
+        let mut places = Vec::with_capacity(self.local.len());
+        self.visit_places(mine, |place| places.push(place))?;
+        Ok(places)
+    }
+
+    /// Checks that every local rank met in `mine`'s call, as [`places`](Self::places)
+    /// does, without collecting where their buffers lie.
+    pub fn check_places(&self, mine: &CallPlace) -> Result<(), TransportError> {
+        self.visit_places(mine, |_| ())
+    }
+
+    /// Hands `each` every local rank's words for the meeting this rank last passed, by
+    /// local rank; fails naming the first rank whose words are not `mine`'s call.
+    fn visit_places(
+        &self,
+        mine: &CallPlace,
+        mut each: impl FnMut(CallPlace),
+    ) -> Result<(), TransportError> {
         let region = self.shared.region();
         let epoch = region.meeting(self.own_local).epoch();
-        let mut places = Vec::with_capacity(self.local.len());
         for (local, &peer) in self.local.iter().enumerate() {
             match CallPlace::read(region.meeting(local).turn(epoch)) {
-                Some(place) if place.same_call(mine) => places.push(place),
+                Some(place) if place.same_call(mine) => each(place),
                 other => {
                     return Err(TransportError::Protocol {
                         peer,
@@ -224,22 +252,15 @@ impl ShmTransport {
                 }
             }
         }
-        Ok(places)
+        Ok(())
     }
 
-    /// Posts `data` (at most [`MAILBOX_BYTES`] bytes) in this rank's mailbox,
-    /// meets as [`meet`](Self::meet) does, and hands `read` every local
-    /// rank's posted bytes (by local rank, each as long as `data`).
+    /// Posts `data` (at most [`MAILBOX_BYTES`] bytes) in this rank's mailbox for its next
+    /// meeting, which [`meet_posted`](Self::meet_posted) holds. `data` is copied before this
+    /// returns, so it may be the memory the call then writes its result to.
     ///
     /// Panics if `data` does not fit a mailbox.
-    pub fn meet_posting<R>(
-        &self,
-        place: &CallPlace,
-        data: &[u8],
-        deadline: Instant,
-        stall: Option<Stall<'_>>,
-        read: impl FnOnce(&[&[u8]]) -> R,
-    ) -> Result<R, TransportError> {
+    pub fn post(&self, data: &[u8]) -> Posted {
         assert!(
             data.len() <= MAILBOX_BYTES,
             "{} bytes do not fit a mailbox",
@@ -250,7 +271,7 @@ impl ShmTransport {
         // this rank cannot reach the meeting after that one without it.
         let which = (region.meeting(self.own_local).epoch() as usize + 1) % 2;
         // SAFETY: the mailbox holds MAILBOX_BYTES >= data.len(); no peer reads it until the
-        // meeting below, which orders this write before their reads (release/acquire).
+        // next meeting, which orders this write before their reads (release/acquire).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 data.as_ptr(),
@@ -258,17 +279,42 @@ impl ShmTransport {
                 data.len(),
             );
         }
+        Posted {
+            which,
+            len: data.len(),
+        }
+    }
+
+    /// Meets as [`meet`](Self::meet) does, with `posted` in this rank's mailbox, and hands
+    /// `read` every local rank's posted bytes (by local rank, each as long as this rank's).
+    pub fn meet_posted<R>(
+        &self,
+        posted: Posted,
+        place: &CallPlace,
+        deadline: Instant,
+        stall: Option<Stall<'_>>,
+        read: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Result<R, TransportError> {
+        let Posted { which, len } = posted;
         self.meet(place, deadline, stall)?;
-        self.places(place)?;
-        let posted: Vec<&[u8]> = (0..self.local.len())
-            // SAFETY: in bounds (`data.len() <= MAILBOX_BYTES`); every rank posted as many
-            // bytes before the meeting (they run the same call: tags checked above) and rewrites this mailbox only after
-            // meeting again, which needs this rank, still inside `read`.
-            .map(|l| unsafe {
-                std::slice::from_raw_parts(region.mailbox(l, which).cast_const(), data.len())
-            })
-            .collect();
-        Ok(read(&posted))
+        self.check_places(place)?;
+        let region = self.shared.region();
+        // SAFETY: in bounds (`len <= MAILBOX_BYTES`); every rank posted as many bytes before
+        // the meeting (they run the same call: tags checked above) and rewrites this mailbox
+        // only after meeting again, which needs this rank, still inside `read`.
+        let mailbox = |l: usize| unsafe {
+            std::slice::from_raw_parts(region.mailbox(l, which).cast_const(), len)
+        };
+        // A small call's whole cost is a few hundred nanoseconds: no allocation for the
+        // usual few local ranks.
+        let n = self.local.len();
+        if n <= ON_STACK {
+            let all: [&[u8]; ON_STACK] =
+                std::array::from_fn(|l| if l < n { mailbox(l) } else { &[] });
+            Ok(read(&all[..n]))
+        } else {
+            Ok(read(&(0..n).map(mailbox).collect::<Vec<_>>()))
+        }
     }
 
     /// Fails if this rank aborted, or if `peer` (local rank `local`) will not

@@ -19,7 +19,7 @@ use crate::endpoint::{through_endpoint, Endpoint};
 use crate::store::Store;
 use crate::{LinkCost, TransportError};
 use engine::{PeerInfo, Shared};
-pub use meet::{CallPlace, Stall};
+pub use meet::{CallPlace, Posted, Stall};
 pub use region::MAILBOX_BYTES;
 pub use window::Window;
 
@@ -487,20 +487,35 @@ mod tests {
                 tr.meet(&place, deadline(), None).unwrap();
             }
             assert_eq!(tr.places(&place).unwrap(), vec![place; 3]);
-            // Posted bytes: every rank sees every rank's, meeting after meeting.
-            for round in 0..20u8 {
-                let mine = [rank as u8, round];
-                let seen = tr.meet_posting(&place, &mine, deadline(), None, |posted| {
-                    posted.iter().map(|p| p.to_vec()).collect::<Vec<_>>()
-                });
-                let want: Vec<Vec<u8>> = (0..3u8).map(|r| vec![r, round]).collect();
-                assert_eq!(seen.unwrap(), want);
-            }
             sum
         });
         // Each round every rank sees 3 * round + 0 + 1 + 2.
         let want: u64 = (0..50u64).map(|r| 3 * r + 3).sum();
         assert_eq!(sums, vec![want; 3]);
+    }
+
+    #[test]
+    fn every_rank_reads_every_ranks_posted_bytes_meeting_after_meeting() {
+        // Three ranks' bytes are gathered on the stack, ten ranks' in a vector.
+        for n in [3, 10] {
+            let t = pair(n);
+            let place = CallPlace {
+                tag: 5 << 32,
+                meets: true,
+                len: 2,
+                ..CallPlace::default()
+            };
+            each(&t, |rank, tr, _| {
+                for round in 0..20u8 {
+                    let posted = tr.post(&[rank as u8, round]);
+                    let seen = tr.meet_posted(posted, &place, deadline(), None, |posted| {
+                        posted.iter().map(|p| p.to_vec()).collect::<Vec<_>>()
+                    });
+                    let want: Vec<Vec<u8>> = (0..n as u8).map(|r| vec![r, round]).collect();
+                    assert_eq!(seen.unwrap(), want, "rank {rank}, round {round}");
+                }
+            });
+        }
     }
 
     #[test]
