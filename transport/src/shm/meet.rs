@@ -24,14 +24,27 @@ const SPINS: u32 = 2000;
 const NAP: Duration = Duration::from_millis(1);
 /// Local ranks whose posted bytes [`ShmTransport::meet_posted`] gathers without allocating.
 const ON_STACK: usize = 8;
+/// Words of a turn that carry a small call's posted bytes in place of window words.
+const INLINE_WORDS: usize = 4;
+/// Posted bytes that travel in the turn itself, on the line a peer polls for the rank's
+/// arrival, rather than in a mailbox, a second line fetched after it.
+const INLINE_BYTES: usize = 8 * INLINE_WORDS;
 
-/// Bytes a rank posted for its next meeting ([`ShmTransport::post`]): which of its two
-/// mailboxes holds them, and how many.
+/// Bytes a rank posted for its next meeting ([`ShmTransport::post`]): how many, and where.
 #[must_use = "posted bytes are read by meet_posted"]
 #[derive(Debug)]
 pub struct Posted {
-    which: usize,
     len: usize,
+    at: PostedAt,
+}
+
+/// Where a rank's posted bytes wait for its next meeting.
+#[derive(Debug)]
+enum PostedAt {
+    /// In its mailbox `0` or `1`.
+    Mailbox(usize),
+    /// In its turn's window words, written when it arrives.
+    Turn([u64; INLINE_WORDS]),
 }
 
 /// When a meeting counts as stalled, and whom to tell (each meeting that
@@ -64,6 +77,8 @@ pub struct CallPlace {
 impl CallPlace {
     /// The top bit of the root's word: whether the rank meets.
     const MEETS: u64 = 1 << 63;
+    /// The next bit: the window words carry posted bytes instead (no window).
+    const INLINE: u64 = 1 << 62;
 
     fn words(&self) -> [u64; 7] {
         let (iw, io) = self.input.map_or((0, 0), |(w, o)| (w + 1, o as u64));
@@ -85,21 +100,27 @@ impl CallPlace {
         if tag == 0 || words[0].load(Relaxed) != tag {
             return None;
         }
-        let place = |id: u64, off: u64| (id > 0).then(|| (id - 1, off as usize));
+        let inline = w[2] & Self::INLINE != 0;
+        let place = |id: u64, off: u64| (id > 0 && !inline).then(|| (id - 1, off as usize));
         Some(CallPlace {
             tag,
             meets: w[2] & Self::MEETS != 0,
             len: w[1] as usize,
-            root: (w[2] & !Self::MEETS) as usize,
+            root: (w[2] & !(Self::MEETS | Self::INLINE)) as usize,
             input: place(w[3], w[4]),
             output: place(w[5], w[6]),
         })
     }
 
-    /// Writes the words in `turn` (see [`read`](Self::read)).
-    fn write(&self, turn: &Turn<'_>) {
+    /// Writes the words in `turn` (see [`read`](Self::read)), with `inline` posted bytes in
+    /// the window words (the call then has no windows).
+    fn write(&self, turn: &Turn<'_>, inline: Option<&[u64; INLINE_WORDS]>) {
         let words = turn.call;
-        let values = self.words();
+        let mut values = self.words();
+        if let Some(inline) = inline {
+            values[2] |= Self::INLINE;
+            values[3..].copy_from_slice(inline);
+        }
         words[0].store(0, Relaxed);
         fence(Release);
         for (word, &value) in words.iter().zip(&values).skip(1) {
@@ -144,7 +165,7 @@ impl ShmTransport {
     pub fn announce(&self, place: &CallPlace) {
         let own = self.shared.region().meeting(self.own_local);
         // In the turn of the meeting it would be at next, where waiting peers look.
-        place.write(own.turn(own.epoch().wrapping_add(1)));
+        place.write(own.turn(own.epoch().wrapping_add(1)), None);
     }
 
     /// Arrives at the next meeting in the call `place`, then waits until every
@@ -160,11 +181,22 @@ impl ShmTransport {
         deadline: Instant,
         stall: Option<Stall<'_>>,
     ) -> Result<(), TransportError> {
+        self.meet_carrying(place, None, deadline, stall)
+    }
+
+    /// [`meet`](Self::meet), with `inline` posted bytes in the turn this rank arrives in.
+    fn meet_carrying(
+        &self,
+        place: &CallPlace,
+        inline: Option<&[u64; INLINE_WORDS]>,
+        deadline: Instant,
+        stall: Option<Stall<'_>>,
+    ) -> Result<(), TransportError> {
         let region = self.shared.region();
         let own = region.meeting(self.own_local);
         let target = own.epoch().wrapping_add(1);
         let turn = own.turn(target);
-        place.write(turn);
+        place.write(turn, inline);
         turn.epoch.store(target, SeqCst);
         if own.sleepers.load(SeqCst) > 0 {
             wake::futex_wake(turn.epoch);
@@ -266,6 +298,19 @@ impl ShmTransport {
             "{} bytes do not fit a mailbox",
             data.len()
         );
+        let len = data.len();
+        // Every rank of the call decides alike: the same length, the same local ranks.
+        if len <= INLINE_BYTES && self.local.len() <= ON_STACK {
+            let mut bytes = [0u8; INLINE_BYTES];
+            bytes[..len].copy_from_slice(data);
+            let words = std::array::from_fn(|i| {
+                u64::from_ne_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8 bytes"))
+            });
+            return Posted {
+                len,
+                at: PostedAt::Turn(words),
+            };
+        }
         let region = self.shared.region();
         // Mailboxes alternate: a peer reads this one until it meets again, and
         // this rank cannot reach the meeting after that one without it.
@@ -280,8 +325,8 @@ impl ShmTransport {
             );
         }
         Posted {
-            which,
-            len: data.len(),
+            len,
+            at: PostedAt::Mailbox(which),
         }
     }
 
@@ -295,7 +340,15 @@ impl ShmTransport {
         stall: Option<Stall<'_>>,
         read: impl FnOnce(&[&[u8]]) -> R,
     ) -> Result<R, TransportError> {
-        let Posted { which, len } = posted;
+        let Posted { len, at } = posted;
+        let which = match at {
+            PostedAt::Turn(words) => {
+                self.meet_carrying(place, Some(&words), deadline, stall)?;
+                self.check_places(place)?;
+                return Ok(self.read_turns(len, read));
+            }
+            PostedAt::Mailbox(which) => which,
+        };
         self.meet(place, deadline, stall)?;
         self.check_places(place)?;
         let region = self.shared.region();
@@ -315,6 +368,28 @@ impl ShmTransport {
         } else {
             Ok(read(&(0..n).map(mailbox).collect::<Vec<_>>()))
         }
+    }
+
+    /// Hands `read` the `len` bytes every local rank posted in its turn of the meeting this
+    /// rank last passed (at most [`ON_STACK`] ranks).
+    fn read_turns<R>(&self, len: usize, read: impl FnOnce(&[&[u8]]) -> R) -> R {
+        let region = self.shared.region();
+        let epoch = region.meeting(self.own_local).epoch();
+        let n = self.local.len();
+        // Each rank wrote its words before the epoch this rank saw (release/acquire), and
+        // rewrites this turn only two meetings on, which needs this rank.
+        let bytes: [[u8; INLINE_BYTES]; ON_STACK] = std::array::from_fn(|l| {
+            let mut bytes = [0u8; INLINE_BYTES];
+            if l < n {
+                let words = &region.meeting(l).turn(epoch).call[3..];
+                for (chunk, word) in bytes.chunks_exact_mut(8).zip(words) {
+                    chunk.copy_from_slice(&word.load(Relaxed).to_ne_bytes());
+                }
+            }
+            bytes
+        });
+        let all: [&[u8]; ON_STACK] = std::array::from_fn(|l| &bytes[l][..len]);
+        read(&all[..n])
     }
 
     /// Fails if this rank aborted, or if `peer` (local rank `local`) will not

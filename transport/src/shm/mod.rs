@@ -496,23 +496,29 @@ mod tests {
 
     #[test]
     fn every_rank_reads_every_ranks_posted_bytes_meeting_after_meeting() {
-        // Three ranks' bytes are gathered on the stack, ten ranks' in a vector.
-        for n in [3, 10] {
+        // Two bytes between three ranks ride in their turns; a hundred go through mailboxes,
+        // gathered on the stack; ten ranks' go through mailboxes gathered in a vector.
+        for (n, len) in [(3, 2), (3, 100), (10, 2)] {
             let t = pair(n);
             let place = CallPlace {
                 tag: 5 << 32,
                 meets: true,
-                len: 2,
+                len,
                 ..CallPlace::default()
+            };
+            let bytes = |rank: usize, round: u8| -> Vec<u8> {
+                (0..len).map(|i| (rank * 31 + i) as u8 ^ round).collect()
             };
             each(&t, |rank, tr, _| {
                 for round in 0..20u8 {
-                    let posted = tr.post(&[rank as u8, round]);
+                    let posted = tr.post(&bytes(rank, round));
                     let seen = tr.meet_posted(posted, &place, deadline(), None, |posted| {
                         posted.iter().map(|p| p.to_vec()).collect::<Vec<_>>()
                     });
-                    let want: Vec<Vec<u8>> = (0..n as u8).map(|r| vec![r, round]).collect();
+                    let want: Vec<Vec<u8>> = (0..n).map(|r| bytes(r, round)).collect();
                     assert_eq!(seen.unwrap(), want, "rank {rank}, round {round}");
+                    // Posted bytes leave the call's windows empty.
+                    assert_eq!(tr.places(&place).unwrap(), vec![place; n]);
                 }
             });
         }

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use memmap2::MmapRaw;
 
 /// Identifies a Chorus mapping and its layout version.
-const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM05");
+const MAGIC: u64 = u64::from_le_bytes(*b"CHRSHM06");
 /// Bytes before the first control block.
 const HEADER_BYTES: usize = 4096;
 /// Bytes per control block.
