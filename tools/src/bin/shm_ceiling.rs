@@ -26,7 +26,6 @@
 //!   single-host job makes with the same memory traffic and more bookkeeping. Two processes
 //!   time one round trip of a cache line between two cores, which depends on where the
 //!   host put this machine's cores (on one die or two) as much as on the processor.
-//!
 //! - `syscall`: what entering the kernel costs here, the median of `-n` rounds of 200 000
 //!   `getppid(2)` calls (the kernel does nothing else for it) and of `sched_yield(2)` with
 //!   nothing else to run: what every message's send, receive and futex pay on top of their work.

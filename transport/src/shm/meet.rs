@@ -30,19 +30,21 @@ const INLINE_WORDS: usize = 4;
 /// arrival, rather than in a mailbox, a second line fetched after it.
 const INLINE_BYTES: usize = 8 * INLINE_WORDS;
 
-/// Bytes a rank posted for its next meeting ([`ShmTransport::post`]): how many, and where.
+/// Bytes a rank posted for its next meeting ([`ShmTransport::post`]): how many, for which
+/// meeting (its epoch), and where.
 #[must_use = "posted bytes are read by meet_posted"]
 #[derive(Debug)]
 pub struct Posted {
     len: usize,
+    meeting: u32,
     at: PostedAt,
 }
 
 /// Where a rank's posted bytes wait for its next meeting.
 #[derive(Debug)]
 enum PostedAt {
-    /// In its mailbox `0` or `1`.
-    Mailbox(usize),
+    /// In its mailbox of the meeting's parity.
+    Mailbox,
     /// In its turn's window words, written when it arrives.
     Turn([u64; INLINE_WORDS]),
 }
@@ -299,6 +301,8 @@ impl ShmTransport {
             data.len()
         );
         let len = data.len();
+        let region = self.shared.region();
+        let meeting = region.meeting(self.own_local).epoch().wrapping_add(1);
         // Every rank of the call decides alike: the same length, the same local ranks.
         if len <= INLINE_BYTES && self.local.len() <= ON_STACK {
             let mut bytes = [0u8; INLINE_BYTES];
@@ -308,30 +312,31 @@ impl ShmTransport {
             });
             return Posted {
                 len,
+                meeting,
                 at: PostedAt::Turn(words),
             };
         }
-        let region = self.shared.region();
-        // Mailboxes alternate: a peer reads this one until it meets again, and
-        // this rank cannot reach the meeting after that one without it.
-        let which = (region.meeting(self.own_local).epoch() as usize + 1) % 2;
         // SAFETY: the mailbox holds MAILBOX_BYTES >= data.len(); no peer reads it until the
         // next meeting, which orders this write before their reads (release/acquire).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 data.as_ptr(),
-                region.mailbox(self.own_local, which),
+                region.mailbox(self.own_local, mailbox_of(meeting)),
                 data.len(),
             );
         }
         Posted {
             len,
-            at: PostedAt::Mailbox(which),
+            meeting,
+            at: PostedAt::Mailbox,
         }
     }
 
-    /// Meets as [`meet`](Self::meet) does, with `posted` in this rank's mailbox, and hands
-    /// `read` every local rank's posted bytes (by local rank, each as long as this rank's).
+    /// Meets as [`meet`](Self::meet) does, with the bytes this rank `posted` for this meeting,
+    /// and hands `read` every local rank's posted bytes (by local rank, each as long as this
+    /// rank's).
+    ///
+    /// Panics if `posted` is not for this rank's next meeting (a meeting came between).
     pub fn meet_posted<R>(
         &self,
         posted: Posted,
@@ -340,21 +345,38 @@ impl ShmTransport {
         stall: Option<Stall<'_>>,
         read: impl FnOnce(&[&[u8]]) -> R,
     ) -> Result<R, TransportError> {
-        let Posted { len, at } = posted;
-        let which = match at {
-            PostedAt::Turn(words) => {
-                self.meet_carrying(place, Some(&words), deadline, stall)?;
-                self.check_places(place)?;
-                return Ok(self.read_turns(len, read));
-            }
-            PostedAt::Mailbox(which) => which,
+        let Posted { len, meeting, at } = posted;
+        let next = self
+            .shared
+            .region()
+            .meeting(self.own_local)
+            .epoch()
+            .wrapping_add(1);
+        // Peers write the mailboxes of this meeting's parity again only two meetings on,
+        // which needs this rank: reading them after any other meeting could race.
+        assert_eq!(
+            meeting, next,
+            "bytes posted for meeting {meeting} are read by that meeting, the rank's next"
+        );
+        let inline = match &at {
+            PostedAt::Turn(words) => Some(words),
+            PostedAt::Mailbox => None,
         };
-        self.meet(place, deadline, stall)?;
+        self.meet_carrying(place, inline, deadline, stall)?;
         self.check_places(place)?;
+        Ok(match at {
+            PostedAt::Turn(_) => self.read_turns(len, read),
+            PostedAt::Mailbox => self.read_mailboxes(mailbox_of(meeting), len, read),
+        })
+    }
+
+    /// Hands `read` the `len` bytes every local rank posted in its mailbox `which` for the
+    /// meeting this rank last passed.
+    fn read_mailboxes<R>(&self, which: usize, len: usize, read: impl FnOnce(&[&[u8]]) -> R) -> R {
         let region = self.shared.region();
         // SAFETY: in bounds (`len <= MAILBOX_BYTES`); every rank posted as many bytes before
-        // the meeting (they run the same call: tags checked above) and rewrites this mailbox
-        // only after meeting again, which needs this rank, still inside `read`.
+        // the meeting (they run the same call: tags checked) and rewrites this mailbox only
+        // after meeting again, which needs this rank, still inside `read`.
         let mailbox = |l: usize| unsafe {
             std::slice::from_raw_parts(region.mailbox(l, which).cast_const(), len)
         };
@@ -364,9 +386,9 @@ impl ShmTransport {
         if n <= ON_STACK {
             let all: [&[u8]; ON_STACK] =
                 std::array::from_fn(|l| if l < n { mailbox(l) } else { &[] });
-            Ok(read(&all[..n]))
+            read(&all[..n])
         } else {
-            Ok(read(&(0..n).map(mailbox).collect::<Vec<_>>()))
+            read(&(0..n).map(mailbox).collect::<Vec<_>>())
         }
     }
 
@@ -455,6 +477,13 @@ impl ShmTransport {
         }
         Ok(())
     }
+}
+
+/// The mailbox (0 or 1) that holds bytes posted for meeting `meeting`: they alternate, so a
+/// peer reads one until it meets again, and this rank cannot reach the meeting after that
+/// one without it.
+fn mailbox_of(meeting: u32) -> usize {
+    meeting as usize % 2
 }
 
 /// Whether a rank whose epoch is `epoch` has arrived at meeting `target`: its epoch is not

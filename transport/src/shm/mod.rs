@@ -494,18 +494,23 @@ mod tests {
         assert_eq!(sums, vec![want; 3]);
     }
 
+    /// Call number `seq` of `len` bytes, met in, on no windows.
+    fn meeting_in(seq: u64, len: usize) -> CallPlace {
+        CallPlace {
+            tag: seq << 32,
+            meets: true,
+            len,
+            ..CallPlace::default()
+        }
+    }
+
     #[test]
     fn every_rank_reads_every_ranks_posted_bytes_meeting_after_meeting() {
         // Two bytes between three ranks ride in their turns; a hundred go through mailboxes,
         // gathered on the stack; ten ranks' go through mailboxes gathered in a vector.
         for (n, len) in [(3, 2), (3, 100), (10, 2)] {
             let t = pair(n);
-            let place = CallPlace {
-                tag: 5 << 32,
-                meets: true,
-                len,
-                ..CallPlace::default()
-            };
+            let place = meeting_in(5, len);
             let bytes = |rank: usize, round: u8| -> Vec<u8> {
                 (0..len).map(|i| (rank * 31 + i) as u8 ^ round).collect()
             };
@@ -525,13 +530,25 @@ mod tests {
     }
 
     #[test]
+    fn posted_bytes_cannot_be_read_after_another_meeting() {
+        let t = pair(2);
+        let place = meeting_in(6, 100);
+        each(&t, |rank, tr, _| {
+            let posted = tr.post(&[rank as u8; 100]);
+            tr.meet(&place, deadline(), None).unwrap();
+            let late = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                tr.meet_posted(posted, &place, deadline(), None, |_| ())
+            }));
+            let why = late.expect_err("a late read of posted bytes must panic");
+            let why = why.downcast_ref::<String>().expect("a formatted message");
+            assert!(why.contains("are read by that meeting"), "{why}");
+        });
+    }
+
+    #[test]
     fn a_meeting_past_its_stall_time_says_so_once_and_goes_on() {
         let t = pair(2);
-        let place = CallPlace {
-            tag: 3 << 32,
-            meets: true,
-            ..CallPlace::default()
-        };
+        let place = meeting_in(3, 0);
         let told = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|s| {
             s.spawn(|| {
