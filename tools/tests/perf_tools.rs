@@ -516,3 +516,61 @@ fn more_than_one_gpu_or_thread_per_process_is_a_clear_error() {
         assert!(stderr.contains(want), "{args:?}: {stderr}");
     }
 }
+
+/// Runs `every_row_table.py` on `rounds` (texts of `every_row.sh` rounds), returning its output.
+fn every_row_table(rounds: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!("chorus-every-row-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let paths: Vec<_> = rounds
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let path = dir.join(format!("round-{i}.txt"));
+            std::fs::write(&path, text).unwrap();
+            path
+        })
+        .collect();
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/baselines/every_row_table.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .args(&paths)
+        .output()
+        .expect("python3 runs");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn every_row_table_puts_each_row_beside_the_other_library_and_its_ceiling() {
+    let round = include_str!("../../benches/baselines/testdata/round.txt");
+    let table = every_row_table(&[round, round]);
+    for line in [
+        "- round 2: 20:01:11, load average 0.70; memcpy 64 MiB 20.7 GB/s alone, 10.3 each on two",
+        // Times: the other's over Chorus's, and the floor over Chorus's.
+        "| shm barrier W=4 (us) | 4.41 | 2.74 | x1.61 | 1.97 | 72% |",
+        "| TCP all-reduce W=2, 8 B (us) | 10.1 (Open MPI) | 7.57 / 7.37 | x1.34 / x1.38 | 6.29 | 83% / 85% |",
+        // Bandwidths: Chorus's over the other's (the better of Gloo and Open MPI) and the bound's.
+        "| shm all-reduce W=4, 64 MiB (GB/s) | 1.16 | 2.39 / 2.65 | x2.06 / x2.28 | 3.22 | 74% / 82% |",
+        "| TCP broadcast W=4, 64 MiB (GB/s) | 1.64 (Gloo) | 2 / 2.15 | x1.22 / x1.31 | 1.54 / 4.04 (cold share) | 130% / 140% |",
+        "| all-reduce W=4, 64 MiB (GB/s) | 1.16 | 3 | 3.2 | x2.58 / x2.75 |",
+    ] {
+        assert!(table.contains(line), "no {line:?} in\n{table}");
+    }
+    // A round of the shared-memory part alone: its rows stay, the TCP and torch rows go.
+    let shm_only = &round[..round.find("-- tcp_ceiling").unwrap()];
+    let table = every_row_table(&[shm_only]);
+    assert!(
+        table.contains("| shm all-reduce W=2, 8 B (us) | 0.69 | 0.26 / 0.25 |"),
+        "{table}"
+    );
+    assert!(
+        !table.contains("TCP") && !table.contains("torch"),
+        "{table}"
+    );
+}
