@@ -141,11 +141,16 @@ fn broadcast_over_tcp_from_every_root() {
 
 #[test]
 fn barrier_lets_no_rank_leave_early() {
-    for world in [1, 2, 3, 4, 5, 8] {
-        let dir =
-            std::env::temp_dir().join(format!("chorus-barrier-{}-{world}", std::process::id()));
+    // Meetings in shared memory, then messages over TCP (the exchanges of a dissemination).
+    let runs = [1, 2, 3, 4, 5, 8].map(|w| (w, "auto")).into_iter();
+    for (world, transport) in runs.chain([2, 3, 4, 5].map(|w| (w, "tcp"))) {
+        let dir = std::env::temp_dir().join(format!(
+            "chorus-barrier-{}-{world}-{transport}",
+            std::process::id()
+        ));
         std::fs::create_dir_all(&dir).unwrap();
-        let report = run(world, worker(), &["barrier", dir.to_str().unwrap()], &[]);
+        let env = [("CHORUS_TRANSPORT", transport)];
+        let report = run(world, worker(), &["barrier", dir.to_str().unwrap()], &env);
         std::fs::remove_dir_all(&dir).unwrap();
         assert_success(&report);
         assert!(report.ranks.iter().all(|r| r.stdout.contains("barrier ok")));
@@ -186,6 +191,23 @@ fn rooted_and_data_movement_collectives() {
         assert_success(&report);
         assert!(
             report.ranks.iter().all(|r| r.stdout.contains("more ok")),
+            "W={world}"
+        );
+    }
+}
+
+/// Small all-reduces by recursive doubling over TCP, which run as exchanges of a message
+/// each way (up to 216 bytes without requests; 256 bytes posted as usual), at world sizes
+/// with and without ranks folded in first.
+#[test]
+fn all_reduce_small_exchanges_over_tcp() {
+    for world in [2, 3, 4] {
+        let env = [("CHORUS_ALGO", "rd"), ("CHORUS_TRANSPORT", "tcp")];
+        let report = run(world, worker(), &["all_reduce", "0,1,7,27,54,64"], &env);
+        assert_success(&report);
+        assert_eq!(
+            assert_identical_digests(&report),
+            reduction_pairs().count() * 6 * 2,
             "W={world}"
         );
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::request::Progress;
-use crate::{Direction, Request, Transport, TransportError};
+use crate::{Direction, Exchange, Request, Transport, TransportError};
 
 /// A progress engine behind an [`Endpoint`].
 pub(crate) trait Engine: Progress + 'static {
@@ -29,6 +29,24 @@ pub(crate) trait Engine: Progress + 'static {
         buf: *mut u8,
         len: usize,
     ) -> Result<Request, TransportError>;
+
+    /// Takes a [`Transport::sendrecv`] whose bytes the engine can move at once, returning
+    /// its requests still pending (which need no progress hook yet); `None` leaves the
+    /// exchange to be posted as usual, and posts nothing.
+    ///
+    /// # Safety
+    ///
+    /// As for [`post`](Engine::post), for both buffers.
+    unsafe fn sendrecv(
+        &self,
+        _to: usize,
+        _from: usize,
+        _tag: u64,
+        _data: &[u8],
+        _buf: &mut [u8],
+    ) -> Result<Option<Exchange>, TransportError> {
+        Ok(None)
+    }
 
     /// As [`Transport::probe`].
     fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError>;
@@ -116,6 +134,28 @@ impl<E: Engine> Transport for Endpoint<E> {
         self.engine.probe(peer)
     }
 
+    unsafe fn sendrecv(
+        &self,
+        to: usize,
+        from: usize,
+        tag: u64,
+        data: &[u8],
+        buf: &mut [u8],
+    ) -> Result<Exchange, TransportError> {
+        // SAFETY: the caller's guarantee, passed on.
+        let Some(Exchange { send, recv }) =
+            (unsafe { self.engine.sendrecv(to, from, tag, data, buf)? })
+        else {
+            // SAFETY: as above.
+            return unsafe { Exchange::posted(self, to, from, tag, data, buf) };
+        };
+        let progress = |r: Request| r.with_progress(self.engine.clone());
+        Ok(Exchange {
+            send: send.map(progress),
+            recv: recv.map(progress),
+        })
+    }
+
     fn abort(&self, reason: &str) {
         self.engine.abort(reason);
     }
@@ -165,6 +205,18 @@ macro_rules! through_endpoint {
 
             fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, $crate::TransportError> {
                 self.$field.probe(peer)
+            }
+
+            unsafe fn sendrecv(
+                &self,
+                to: usize,
+                from: usize,
+                tag: u64,
+                data: &[u8],
+                buf: &mut [u8],
+            ) -> Result<$crate::Exchange, $crate::TransportError> {
+                // SAFETY: the caller's guarantee is passed on unchanged.
+                unsafe { self.$field.sendrecv(to, from, tag, data, buf) }
             }
 
             fn abort(&self, reason: &str) {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::shm::{ShmConfig, ShmTransport};
 use crate::store::{Store, StoreError};
 use crate::tcp::{TcpConfig, TcpTransport};
-use crate::{LinkCost, Request, Transport, TransportError};
+use crate::{Exchange, LinkCost, Request, Transport, TransportError};
 
 /// Which transports a job may use (`CHORUS_TRANSPORT`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -288,6 +288,24 @@ impl Transport for RoutedTransport {
 
     fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
         self.to(peer)?.probe(peer)
+    }
+
+    unsafe fn sendrecv(
+        &self,
+        to: usize,
+        from: usize,
+        tag: u64,
+        data: &[u8],
+        buf: &mut [u8],
+    ) -> Result<Exchange, TransportError> {
+        let (out, back) = (self.to(to)?, self.to(from)?);
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe {
+            match std::ptr::addr_eq(out, back) {
+                true => out.sendrecv(to, from, tag, data, buf),
+                false => Exchange::posted(self, to, from, tag, data, buf),
+            }
+        }
     }
 
     fn abort(&self, reason: &str) {

@@ -94,6 +94,63 @@ pub trait Transport: Send + Sync {
     ///
     /// When it returns, the transport no longer touches any posted buffer.
     fn abort(&self, reason: &str);
+
+    /// Posts a send of `data` to `to` and a receive of exactly `buf.len()` bytes from `from`,
+    /// both labelled `tag` and numbered as an [`isend`](Self::isend) then an
+    /// [`irecv`](Self::irecv) would be, and returns the requests still pending. A transport
+    /// may finish a small exchange here, moving its bytes straight between the sockets and
+    /// the buffers, without requests.
+    ///
+    /// # Safety
+    ///
+    /// As for `isend` and `irecv`: `data` and `buf` must stay valid (and `buf` untouched by
+    /// anyone else) until the returned requests have completed or `abort` has returned.
+    unsafe fn sendrecv(
+        &self,
+        to: usize,
+        from: usize,
+        tag: u64,
+        data: &[u8],
+        buf: &mut [u8],
+    ) -> Result<Exchange, TransportError> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { Exchange::posted(self, to, from, tag, data, buf) }
+    }
+}
+
+/// The requests of a [`Transport::sendrecv`] still pending when it returned.
+#[derive(Debug, Default)]
+pub struct Exchange {
+    /// The send, unless it had completed.
+    pub send: Option<Request>,
+    /// The receive, unless it had completed.
+    pub recv: Option<Request>,
+}
+
+impl Exchange {
+    /// Posts the exchange's send and receive through `transport`'s `isend` and `irecv`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Transport::sendrecv`].
+    pub unsafe fn posted(
+        transport: &(impl Transport + ?Sized),
+        to: usize,
+        from: usize,
+        tag: u64,
+        data: &[u8],
+        buf: &mut [u8],
+    ) -> Result<Exchange, TransportError> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe {
+            let send = transport.isend(to, tag, data)?;
+            let recv = transport.irecv(from, tag, buf)?;
+            Ok(Exchange {
+                send: send.test().is_none().then_some(send),
+                recv: Some(recv),
+            })
+        }
+    }
 }
 
 /// Waits for every request in `reqs`, in order, until `deadline`.

@@ -377,3 +377,70 @@ fn probe_shows_the_next_message_without_taking_it() {
         });
     }
 }
+
+#[test]
+fn sendrecv_numbers_its_messages_as_isend_and_irecv_do() {
+    // Around a ring, exchanges of every size (small ones may skip requests, larger ones and
+    // those whose socket is busy are posted) between plain sends and receives, on one
+    // socket per peer and on three.
+    for nsocks in [1, 3] {
+        with_ranks(3, nsocks, |t| {
+            let (rank, world) = (t.rank(), t.world_size());
+            let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
+            for (k, len) in [0usize, 1, 8, 216, 217, 5000].into_iter().enumerate() {
+                let tag = k as u64;
+                let (data, plain) = (pattern(rank, len), pattern(rank + 10, len + 1));
+                let (mut got, mut got_plain) = (vec![0u8; len], vec![0u8; len + 1]);
+                // SAFETY: every buffer outlives the waits below.
+                unsafe {
+                    // Every other time a receive posted first keeps the exchange's socket busy.
+                    let busy = k % 2 == 0;
+                    let early = t.irecv(left, tag, &mut got_plain).unwrap();
+                    let s = t.isend(right, tag, &plain).unwrap();
+                    if !busy {
+                        early.wait(deadline()).unwrap();
+                    }
+                    let pending = t.sendrecv(right, left, tag, &data, &mut got).unwrap();
+                    let reqs = [Some(early), Some(s), pending.send, pending.recv];
+                    for req in reqs.iter().flatten() {
+                        req.wait(deadline()).unwrap();
+                    }
+                }
+                assert_eq!(got, pattern(left, len), "rank {rank} len {len}");
+                assert_eq!(
+                    got_plain,
+                    pattern(left + 10, len + 1),
+                    "rank {rank} len {len}"
+                );
+            }
+        });
+    }
+}
+
+#[test]
+fn an_exchange_whose_reply_comes_later_returns_its_receive_pending() {
+    with_ranks(2, 1, |t| {
+        let mut buf = [0u8; 8];
+        if t.rank() == 1 {
+            // SAFETY: `buf` outlives the wait below.
+            let pending = unsafe { t.sendrecv(0, 0, 1, &[1; 8], &mut buf).unwrap() };
+            // Rank 0 answers only after this rank's next message, sent once the exchange
+            // has returned: its receive must still be pending.
+            let recv = pending.recv.expect("the reply cannot have come yet");
+            // SAFETY: the data is static.
+            let go = unsafe { t.isend(0, 2, &[0]).unwrap() };
+            go.wait(deadline()).unwrap();
+            recv.wait(deadline()).unwrap();
+            assert_eq!(buf, [3; 8]);
+        } else {
+            let mut go = [0u8; 1];
+            // SAFETY: both buffers outlive the waits below.
+            unsafe {
+                t.irecv(1, 1, &mut buf).unwrap().wait(deadline()).unwrap();
+                t.irecv(1, 2, &mut go).unwrap().wait(deadline()).unwrap();
+                t.isend(1, 1, &[3; 8]).unwrap().wait(deadline()).unwrap();
+            }
+            assert_eq!(buf, [1; 8]);
+        }
+    });
+}

@@ -1,12 +1,13 @@
 //! The real driver: performs the machine's actions on the caller's buffers
-//! with the transport and the kernels, waiting with the deadline and the watchdog.
+//! with the transport and the kernels, waiting with the deadline and the watchdog;
+//! programs of small exchanges, one after the other, go to the transport pair by pair.
 
 use chorus_kernels::{reduce, reduce_into, ReduceOp};
 use chorus_transport::{Request, Transport, TransportError};
 
 use super::machine::{Action, Dest, Layout, Machine, Needs, Reduce, Region};
 use super::{Buffers, Job, Watch, Workspace};
-use crate::schedule::{Buf, Step};
+use crate::schedule::{Buf, Loc, Step};
 use crate::Error;
 
 /// Runs `steps` to completion.
@@ -20,18 +21,23 @@ pub(crate) fn execute(
     work: &mut Workspace,
 ) -> Result<(), Error> {
     let elem = job.dtype.size();
-    let needs = Needs::of(steps, elem);
-    let layout = Layout {
-        elem,
-        input_len: bufs.input_len,
-        input_at: bufs.input_at,
-        output_len: bufs.output_len,
-        depth: job.depth,
-        scratch_len: needs.scratch_bytes,
-        finish: job.op == ReduceOp::Avg && job.world_size > 1,
-    };
-    work.machine.start(&layout);
-    work.reserve(job.depth, needs.slot_bytes, needs.scratch_bytes);
+    let exchanged = job.transport.is_some() && exchanges(steps, elem);
+    if exchanged {
+        work.reserve(1, EXCHANGE_BYTES, 0);
+    } else {
+        let needs = Needs::of(steps, elem);
+        let layout = Layout {
+            elem,
+            input_len: bufs.input_len,
+            input_at: bufs.input_at,
+            output_len: bufs.output_len,
+            depth: job.depth,
+            scratch_len: needs.scratch_bytes,
+            finish: job.op == ReduceOp::Avg && job.world_size > 1,
+        };
+        work.machine.start(&layout);
+        work.reserve(job.depth, needs.slot_bytes, needs.scratch_bytes);
+    }
     let mut run = Run {
         job,
         bufs,
@@ -40,8 +46,55 @@ pub(crate) fn execute(
         machine: &mut work.machine,
         warned: false,
     };
-    run.run(steps)
-        .map_err(|error| failed(error, job.watch, job.transport))
+    match exchanged {
+        true => run.exchange(steps),
+        false => run.run(steps),
+    }
+    .map_err(|error| failed(error, job.watch, job.transport))
+}
+
+/// Largest message of a program that runs as exchanges (see [`exchanges`]).
+const EXCHANGE_BYTES: usize = 256;
+
+/// Whether `steps` are only exchanges: pairs of a send and a receive (or
+/// receive-and-reduce) into the output, of at most [`EXCHANGE_BYTES`] each, where every
+/// pair but the first follows a fence or sends what the pair before received (so the
+/// machine too would run the pairs one after the other), with perhaps a finish and a fence
+/// at the end. Small all-reduces by recursive doubling and barriers are. Such a program runs
+/// pair by pair through [`Transport::sendrecv`], which may move small messages without
+/// requests.
+fn exchanges(steps: &[Step], elem: usize) -> bool {
+    let small = |loc: &Loc| loc.range.len() * elem <= EXCHANGE_BYTES && loc.buf != Buf::Scratch;
+    let mut after: Option<&Loc> = None;
+    let mut rest = steps;
+    while let Some((step, tail)) = rest.split_first() {
+        rest = tail;
+        let from = match step {
+            Step::Fence => {
+                after = None;
+                continue;
+            }
+            Step::Finish { .. } => return tail.iter().all(|s| matches!(s, Step::Fence)),
+            Step::Send { from, .. } => from,
+            _ => return false,
+        };
+        let into = match tail.first() {
+            Some(Step::Recv { into, .. }) => into,
+            Some(Step::RecvReduce { with, into, .. }) if small(with) => into,
+            _ => return false,
+        };
+        let follows = after.is_none_or(|last| {
+            last.buf == from.buf
+                && last.range.start < from.range.end
+                && from.range.start < last.range.end
+        });
+        if !(follows && small(from) && small(into) && into.buf == Buf::Output) {
+            return false;
+        }
+        after = Some(into);
+        rest = &tail[1..];
+    }
+    true
 }
 
 /// Explains a call's failure through `watch`, then aborts `transport` so no
@@ -166,6 +219,102 @@ impl Run<'_, '_> {
 }
 
 impl Run<'_, '_> {
+    /// Runs a program of exchanges (see [`exchanges`]) pair by pair: both messages of a
+    /// pair through one [`Transport::sendrecv`], the reply landing in the first staging
+    /// slot, then reduced or copied into place.
+    fn exchange(&mut self, steps: &[Step]) -> Result<(), Error> {
+        let mut rest = steps;
+        while let Some((step, tail)) = rest.split_first() {
+            rest = tail;
+            let (to, from) = match step {
+                Step::Send { peer, from } => (*peer, from),
+                Step::Finish { at } => {
+                    let (ptr, len) = self.place(at)?;
+                    if self.job.op == ReduceOp::Avg && self.job.world_size > 1 {
+                        // SAFETY: in bounds (`place`), and nothing is in flight.
+                        let out = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                        chorus_kernels::finish_avg(self.job.dtype, out, self.job.world_size)?;
+                    }
+                    continue;
+                }
+                _ => continue,
+            };
+            let (recv, tail) = tail.split_first().expect("a send's pair (`exchanges`)");
+            rest = tail;
+            let (source, into, with) = match recv {
+                Step::Recv { peer, into } => (*peer, into, None),
+                Step::RecvReduce { peer, with, into } => (*peer, into, Some(with)),
+                _ => unreachable!("a send's pair receives (`exchanges`)"),
+            };
+            let (data, data_len) = self.place(from)?;
+            let (out, len) = self.place(into)?;
+            let slot = self.slots[0].as_mut_ptr();
+            // SAFETY: `data` lies in the caller's buffers and the slot holds EXCHANGE_BYTES
+            // (`Workspace::reserve`), no more than a message here; both stay put until the
+            // requests returned are settled below, or the transport is aborted on failure.
+            let pending = unsafe {
+                let data = std::slice::from_raw_parts(data.cast_const(), data_len);
+                let reply = std::slice::from_raw_parts_mut(slot, len);
+                self.transport()?
+                    .sendrecv(to, source, self.job.tag, data, reply)
+                    .map_err(|e| Error::transport(self.job.rank, e))?
+            };
+            for req in [pending.recv, pending.send].iter().flatten() {
+                wait(self.job, &mut self.warned, req)?;
+            }
+            // SAFETY: the reply has arrived in the slot, which nothing else touches; `out`
+            // lies in the output (checked by `place`).
+            let (reply, out) = unsafe {
+                (
+                    std::slice::from_raw_parts(slot.cast_const(), len),
+                    std::slice::from_raw_parts_mut(out, len),
+                )
+            };
+            match with {
+                None => out.copy_from_slice(reply),
+                Some(with) => {
+                    let (operand, operand_len) = self.place(with)?;
+                    if operand_len != len {
+                        return Err(Error::Internal(format!(
+                            "schedule reduces {into:?} from a mismatched operand {with:?}"
+                        )));
+                    }
+                    let (a, b) = (operand as usize, out.as_ptr() as usize);
+                    if a == b {
+                        reduce(self.job.op, self.job.dtype, out, reply)?;
+                    } else if a < b + len && b < a + len {
+                        return Err(Error::Internal(format!(
+                            "schedule reduces {into:?} from an overlapping operand {with:?}"
+                        )));
+                    } else {
+                        // SAFETY: in bounds (`place`) and apart from `out` (checked above).
+                        let operand = unsafe { std::slice::from_raw_parts(operand, len) };
+                        reduce_into(self.job.op, self.job.dtype, out, operand, reply)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Where `loc` lies in the caller's buffers, and its bytes; fails if it leaves its buffer.
+    fn place(&self, loc: &Loc) -> Result<(*mut u8, usize), Error> {
+        let elem = self.job.dtype.size();
+        let (base, len) = match loc.buf {
+            Buf::Input => (self.bufs.input.cast_mut(), self.bufs.input_len),
+            Buf::Output => (self.bufs.output, self.bufs.output_len),
+            Buf::Scratch => (self.scratch, 0),
+        };
+        let (start, end) = (loc.range.start * elem, loc.range.end * elem);
+        if end > len || start > end {
+            return Err(Error::Internal(format!(
+                "schedule step {loc:?} reaches past its buffer of {len} bytes"
+            )));
+        }
+        // SAFETY: `start` lies within the buffer (checked above).
+        Ok((unsafe { base.add(start) }, end - start))
+    }
+
     /// Reduces a received chunk from its staging slot.
     fn reduce(&self, Reduce { into, with, slot }: Reduce) -> Result<(), Error> {
         let len = into.len;
@@ -203,4 +352,28 @@ fn wait(job: &Job<'_>, warned: &mut bool, req: &Request) -> Result<(), Error> {
     }
     req.wait(deadline)
         .map_err(|e| Error::transport(job.rank, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::{barrier, recursive, ring};
+
+    #[test]
+    fn small_doublings_and_barriers_run_as_exchanges_and_nothing_else_does() {
+        // Floats: 64 of them are EXCHANGE_BYTES.
+        let chunk = 1 << 20;
+        for (world, rank) in [(2, 0), (2, 1), (4, 3), (8, 5)] {
+            assert!(exchanges(&recursive::doubling(rank, world, 64, chunk), 4));
+            assert!(exchanges(&barrier::dissemination(rank, world), 4));
+            // A message too big, and chunks of one round that the machine would overlap.
+            assert!(!exchanges(&recursive::doubling(rank, world, 65, chunk), 4));
+            assert!(!exchanges(&recursive::doubling(rank, world, 64, 16), 4));
+            assert!(!exchanges(&ring::all_reduce(rank, world, 64, chunk), 4));
+        }
+        // Three ranks: rank 2 is folded into rank 0, which receives from it before any send.
+        assert!(exchanges(&recursive::doubling(2, 3, 8, chunk), 4));
+        assert!(!exchanges(&recursive::doubling(0, 3, 8, chunk), 4));
+        assert!(exchanges(&barrier::dissemination(1, 3), 4));
+    }
 }

@@ -38,10 +38,13 @@ pub struct Workspace {
 }
 
 impl Workspace {
-    /// Makes sure there are `depth` slots of `slot_bytes` and `scratch_bytes` of scratch.
+    /// Makes sure there are at least `depth` slots of `slot_bytes` and `scratch_bytes` of
+    /// scratch (what an earlier call made stays, for the next call that needs it).
     fn reserve(&mut self, depth: usize, slot_bytes: usize, scratch_bytes: usize) {
-        self.slots.resize_with(depth.max(1), Vec::new);
-        for slot in &mut self.slots {
+        if self.slots.len() < depth.max(1) {
+            self.slots.resize_with(depth.max(1), Vec::new);
+        }
+        for slot in &mut self.slots[..depth.max(1)] {
             if slot.len() < slot_bytes {
                 slot.resize(slot_bytes, 0);
             }

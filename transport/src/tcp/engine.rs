@@ -22,7 +22,7 @@ use super::poller::{Poller, Sleeper};
 use crate::matching::{self, MessageId};
 use crate::peers::Peers;
 use crate::request::{Completion, CompletionPool, Direction, Idle, Progress, Request};
-use crate::TransportError;
+use crate::{Exchange, TransportError};
 
 /// Most bytes moved on one socket before the engine turns to the next one.
 const BUDGET: usize = 4 << 20;
@@ -34,6 +34,10 @@ const SMALL: usize = 216;
 /// Longest a blocked waiter sleeps before it looks at its request again (a request can also be
 /// completed by another thread, or failed by an abort that does not shut the sockets).
 const NAP: Duration = Duration::from_millis(2);
+
+/// Longest an exchange waits for its small reply to arrive while it holds the engine, reading
+/// the socket itself, before it queues the receive like any other (as a waiter spins first).
+const DIRECT: Duration = Duration::from_micros(50);
 
 /// A stripe waiting to be written: header first, then payload.
 #[derive(Debug)]
@@ -188,6 +192,41 @@ impl crate::endpoint::Engine for Shared {
         };
         self.hand_over(&mut engine);
         req
+    }
+
+    /// A small exchange whose reply is the next frame on a socket with nothing else to read
+    /// is done under the engine's lock: the send written at once (as any post tries), the
+    /// reply read straight from the socket into `buf`, without a request, for up to
+    /// [`DIRECT`]; then the receive is queued like any other. Holding the lock keeps every
+    /// other receive queued behind this one, so no other thread reads its frame.
+    unsafe fn sendrecv(
+        &self,
+        to: usize,
+        from: usize,
+        tag: u64,
+        data: &[u8],
+        buf: &mut [u8],
+    ) -> Result<Option<Exchange>, TransportError> {
+        if data.len() > SMALL || buf.len() > SMALL {
+            return Ok(None);
+        }
+        let mut engine = self.lock();
+        let Some(idx) = engine.quiet_inbound(from, buf.len()) else {
+            return Ok(None);
+        };
+        // SAFETY: the caller keeps `data` valid until the send completes or the engine is
+        // aborted (this trait's contract).
+        let send = unsafe { engine.post_send(to, tag, data.as_ptr(), data.len()) };
+        let send = send.map(|s| s.test().is_none().then_some(s));
+        let recv = match send {
+            Ok(_) => engine.read_direct(idx, from, tag, buf),
+            Err(_) => Ok(None),
+        };
+        self.hand_over(&mut engine);
+        Ok(Some(Exchange {
+            send: send?,
+            recv: recv?,
+        }))
     }
 
     fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
@@ -427,6 +466,103 @@ impl Engine {
             self.fail_peer(peer, e.clone());
         }
         next
+    }
+
+    /// The socket that the next message from `from` (`len` bytes) arrives on whole, if it is
+    /// at most [`SMALL`] bytes, one stripe, and nothing is posted or half read on that socket:
+    /// then the frame at its front is that message's.
+    fn quiet_inbound(&mut self, from: usize, len: usize) -> Option<usize> {
+        let p = self.peers.usable(from).ok()?;
+        let (seq, socks) = (p.recv_seq(), p.link.len());
+        if len > SMALL || frame::stripes(seq, len, socks, self.min_stripe).len() != 1 {
+            return None;
+        }
+        let idx = p.link[frame::first_socket(seq, socks)];
+        let conn = &self.conns[idx];
+        let quiet = conn.recvs.is_empty() && conn.header_got == 0;
+        (quiet && conn.inbound == Inbound::Open).then_some(idx)
+    }
+
+    /// Reads the next message from `from`, `buf.len()` bytes tagged `tag`, straight from its
+    /// quiet socket `idx` into `buf`, yielding the core while nothing has arrived, for up to
+    /// [`DIRECT`]; then, or once part of its frame has been read, queues its receive as
+    /// [`post_recv`](Self::post_recv) does (with the bytes read so far) and returns that
+    /// request. A failure fails the peer.
+    ///
+    /// The caller holds the engine throughout, so nothing else reads socket `idx` meanwhile.
+    fn read_direct(
+        &mut self,
+        idx: usize,
+        from: usize,
+        tag: u64,
+        buf: &mut [u8],
+    ) -> Result<Option<Request>, TransportError> {
+        let len = buf.len();
+        let total = HEADER_LEN + len;
+        let mut frame = [0u8; HEADER_LEN + SMALL];
+        let mut until = None;
+        let got = loop {
+            match self.conns[idx].stream.read(&mut frame[..total]) {
+                Ok(0) => {
+                    self.conns[idx].inbound = Inbound::Ended;
+                    let err = TransportError::PeerClosed { peer: from };
+                    self.fail_peer(from, err.clone());
+                    return Err(err);
+                }
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let now = Instant::now();
+                    if now >= *until.get_or_insert(now + DIRECT) {
+                        break 0;
+                    }
+                    std::thread::yield_now();
+                }
+                Err(e) => {
+                    let err = io_error(from, "recv", e);
+                    self.fail_peer(from, err.clone());
+                    return Err(err);
+                }
+            }
+        };
+        let p = self.peers.usable(from)?;
+        if got == total {
+            let seq = p.next_seq(Direction::Recv);
+            let expect = FrameHeader {
+                tag,
+                seq,
+                msg_len: len as u64,
+                stripe_len: len as u64,
+            };
+            let header = frame[..HEADER_LEN].try_into().expect("a header's bytes");
+            if let Err(err) = check_header(from, header, &expect) {
+                self.fail_peer(from, err.clone());
+                return Err(err);
+            }
+            buf.copy_from_slice(&frame[HEADER_LEN..total]);
+            return Ok(None);
+        }
+        // The frame's first bytes go where `pump` would have put them.
+        let head = got.min(HEADER_LEN);
+        buf[..got - head].copy_from_slice(&frame[head..got]);
+        // SAFETY: the caller keeps `buf` valid and unaliased until the request completes or
+        // the engine is aborted (`Engine::sendrecv`'s contract).
+        let req = unsafe { self.post_recv(from, tag, buf.as_mut_ptr(), len)? };
+        if got > 0 {
+            let conn = &mut self.conns[idx];
+            conn.header[..head].copy_from_slice(&frame[..head]);
+            conn.header_got = head;
+            let piece = conn.recvs.front_mut().expect("the receive just queued");
+            piece.got = got - head;
+            if head == HEADER_LEN {
+                let checked = check_header(from, &conn.header, &piece.expect);
+                if let Err(err) = checked {
+                    self.fail_peer(from, err.clone());
+                    return Err(err);
+                }
+            }
+        }
+        Ok(Some(req))
     }
 
     /// Moves bytes on socket `idx`; a failure fails the whole peer.
@@ -872,5 +1008,106 @@ mod tests {
             reader.read_exact(&mut rest).expect("read");
             assert_eq!(rest, wire[written..], "cut at {written}");
         }
+    }
+
+    /// Rank 0's engine over one socket to rank 1, and rank 1's end of it (blocking).
+    fn engine_and_peer() -> (Arc<Shared>, StdStream) {
+        let (conn, peer) = conn_and_other_end();
+        let engine = Shared::new(0, vec![vec![], vec![conn.stream]], 4096).expect("engine");
+        (engine, peer)
+    }
+
+    /// The frame of message `seq` of rank 1 to rank 0: `payload` tagged `tag`.
+    fn frame_of(tag: u64, seq: u64, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len() as u64;
+        let header = FrameHeader {
+            tag,
+            seq,
+            msg_len: len,
+            stripe_len: len,
+        };
+        let mut wire = header.encode().to_vec();
+        wire.extend_from_slice(payload);
+        wire
+    }
+
+    /// Waits until `bytes` bytes wait on rank 0's socket.
+    fn arrived(engine: &Shared, bytes: usize) {
+        let waiting = || {
+            engine.lock().conns[0]
+                .stream
+                .peek(&mut [0u8; 64])
+                .unwrap_or(0)
+        };
+        while waiting() < bytes {
+            std::thread::yield_now();
+        }
+    }
+
+    /// Rank 0's `sendrecv` of `data` with rank 1, into `buf`.
+    fn exchange(engine: &Shared, data: &[u8], buf: &mut [u8]) -> Result<Exchange, TransportError> {
+        use crate::endpoint::Engine as _;
+        // SAFETY: the callers keep both buffers until the requests returned are settled.
+        let taken = unsafe { engine.sendrecv(1, 1, 7, data, buf) };
+        Ok(taken?.expect("a small exchange on a quiet socket is the engine's"))
+    }
+
+    #[test]
+    fn an_exchange_reads_a_frame_that_has_arrived_without_a_request() {
+        let (engine, mut peer) = engine_and_peer();
+        // The reply is on the socket before the exchange starts.
+        let wire = frame_of(7, 0, &[5; 8]);
+        peer.write_all(&wire).expect("write");
+        arrived(&engine, wire.len());
+        let mut buf = [0u8; 8];
+        let pending = exchange(&engine, &[9; 8], &mut buf).expect("exchange");
+        assert!(
+            pending.send.is_none() && pending.recv.is_none(),
+            "{pending:?}"
+        );
+        assert_eq!(buf, [5; 8]);
+        let mut sent = vec![0u8; HEADER_LEN + 8];
+        peer.read_exact(&mut sent).expect("read");
+        assert_eq!(sent, frame_of(7, 0, &[9; 8]));
+    }
+
+    #[test]
+    fn an_exchange_hands_a_late_or_partial_reply_to_a_queued_receive() {
+        // Nothing yet, part of the header, the whole header, the header and part of the payload.
+        for early in [0, 10, HEADER_LEN, HEADER_LEN + 3] {
+            let (engine, mut peer) = engine_and_peer();
+            let wire = frame_of(7, 0, &[1, 2, 3, 4, 5, 6]);
+            peer.write_all(&wire[..early]).expect("write");
+            arrived(&engine, early);
+            let mut buf = [0u8; 6];
+            let pending = exchange(&engine, &[9; 3], &mut buf).expect("exchange");
+            let recv = pending.recv.expect("the reply cannot have arrived whole");
+            assert!(recv.test().is_none(), "{early}: done too early");
+            peer.write_all(&wire[early..]).expect("write");
+            let recv = recv.with_progress(engine.clone());
+            recv.wait(Instant::now() + Duration::from_secs(10))
+                .expect("the reply");
+            assert_eq!(buf, [1, 2, 3, 4, 5, 6], "{early}");
+        }
+    }
+
+    #[test]
+    fn an_exchange_whose_reply_is_another_message_fails_the_peer() {
+        let (engine, mut peer) = engine_and_peer();
+        peer.write_all(&frame_of(8, 0, &[1; 4])).expect("write");
+        let mut buf = [0u8; 4];
+        // Read at once, or (not arrived yet) queued and failed when it arrives.
+        let err = match exchange(&engine, &[], &mut buf) {
+            Err(e) => e,
+            Ok(pending) => {
+                let recv = pending.recv.expect("pending").with_progress(engine.clone());
+                recv.wait(Instant::now() + Duration::from_secs(10))
+                    .unwrap_err()
+            }
+        };
+        assert!(
+            matches!(err, TransportError::Protocol { peer: 1, .. }),
+            "{err}"
+        );
     }
 }
