@@ -5,7 +5,7 @@
 use chorus_kernels::{reduce, reduce_into, ReduceOp};
 use chorus_transport::{Request, Transport, TransportError};
 
-use super::machine::{Action, Dest, Layout, Machine, Needs, Reduce, Region};
+use super::machine::{overlaps, Action, Dest, Layout, Machine, Needs, Reduce, Region};
 use super::{Buffers, Job, Watch, Workspace};
 use crate::schedule::{Buf, Loc, Step};
 use crate::Error;
@@ -22,22 +22,23 @@ pub(crate) fn execute(
 ) -> Result<(), Error> {
     let elem = job.dtype.size();
     let exchanged = job.transport.is_some() && exchanges(steps, elem);
-    if exchanged {
-        work.reserve(1, EXCHANGE_BYTES, 0);
-    } else {
-        let needs = Needs::of(steps, elem);
-        let layout = Layout {
-            elem,
-            input_len: bufs.input_len,
-            input_at: bufs.input_at,
-            output_len: bufs.output_len,
-            depth: job.depth,
-            scratch_len: needs.scratch_bytes,
-            finish: job.op == ReduceOp::Avg && job.world_size > 1,
-        };
-        work.machine.start(&layout);
-        work.reserve(job.depth, needs.slot_bytes, needs.scratch_bytes);
-    }
+    let needs = Needs::of(steps, elem);
+    let layout = Layout {
+        elem,
+        input_len: bufs.input_len,
+        input_at: bufs.input_at,
+        output_len: bufs.output_len,
+        depth: job.depth,
+        scratch_len: needs.scratch_bytes,
+        finish: job.op == ReduceOp::Avg && job.world_size > 1,
+    };
+    work.machine.start(&layout);
+    // An exchange's reply lands in the first slot, reduced or not.
+    let slot_bytes = match exchanged {
+        true => EXCHANGE_BYTES,
+        false => needs.slot_bytes,
+    };
+    work.reserve(job.depth, slot_bytes, needs.scratch_bytes);
     let mut run = Run {
         job,
         bufs,
@@ -83,11 +84,8 @@ fn exchanges(steps: &[Step], elem: usize) -> bool {
             Some(Step::RecvReduce { with, into, .. }) if small(with) => into,
             _ => return false,
         };
-        let follows = after.is_none_or(|last| {
-            last.buf == from.buf
-                && last.range.start < from.range.end
-                && from.range.start < last.range.end
-        });
+        let follows =
+            after.is_none_or(|last| last.buf == from.buf && overlaps(&last.range, &from.range));
         if !(follows && small(from) && small(into) && into.buf == Buf::Output) {
             return false;
         }
@@ -221,18 +219,19 @@ impl Run<'_, '_> {
 impl Run<'_, '_> {
     /// Runs a program of exchanges (see [`exchanges`]) pair by pair: both messages of a
     /// pair through one [`Transport::sendrecv`], the reply landing in the first staging
-    /// slot, then reduced or copied into place.
+    /// slot, then reduced or copied into place. Regions are checked as the machine checks
+    /// them.
     fn exchange(&mut self, steps: &[Step]) -> Result<(), Error> {
         let mut rest = steps;
         while let Some((step, tail)) = rest.split_first() {
             rest = tail;
             let (to, from) = match step {
-                Step::Send { peer, from } => (*peer, from),
+                Step::Send { peer, from } => (*peer, self.machine.resolve(from)?.0),
                 Step::Finish { at } => {
-                    let (ptr, len) = self.place(at)?;
+                    let at = self.machine.resolve_target(at)?.0;
                     if self.job.op == ReduceOp::Avg && self.job.world_size > 1 {
-                        // SAFETY: in bounds (`place`), and nothing is in flight.
-                        let out = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                        // SAFETY: in bounds (`resolve_target`), and nothing is in flight.
+                        let out = unsafe { std::slice::from_raw_parts_mut(self.ptr(at), at.len) };
                         chorus_kernels::finish_avg(self.job.dtype, out, self.job.world_size)?;
                     }
                     continue;
@@ -246,15 +245,26 @@ impl Run<'_, '_> {
                 Step::RecvReduce { peer, with, into } => (*peer, into, Some(with)),
                 _ => unreachable!("a send's pair receives (`exchanges`)"),
             };
-            let (data, data_len) = self.place(from)?;
-            let (out, len) = self.place(into)?;
+            let (into, into_mem) = self.machine.resolve_target(into)?;
+            // The operand, unless it is `into` itself (`None`): of its length, and apart.
+            let operand = match with.map(|w| self.machine.resolve(w)).transpose()? {
+                Some((with, mem))
+                    if with.len != into.len || (mem != into_mem && overlaps(&mem, &into_mem)) =>
+                {
+                    return Err(Error::Internal(format!(
+                        "schedule reduces {into:?} from a mismatched operand {with:?}"
+                    )))
+                }
+                Some((with, mem)) => (mem != into_mem).then_some(with),
+                None => None,
+            };
             let slot = self.slots[0].as_mut_ptr();
-            // SAFETY: `data` lies in the caller's buffers and the slot holds EXCHANGE_BYTES
+            // SAFETY: `from` lies in the caller's buffers and the slot holds EXCHANGE_BYTES
             // (`Workspace::reserve`), no more than a message here; both stay put until the
             // requests returned are settled below, or the transport is aborted on failure.
             let pending = unsafe {
-                let data = std::slice::from_raw_parts(data.cast_const(), data_len);
-                let reply = std::slice::from_raw_parts_mut(slot, len);
+                let data = std::slice::from_raw_parts(self.ptr(from).cast_const(), from.len);
+                let reply = std::slice::from_raw_parts_mut(slot, into.len);
                 self.transport()?
                     .sendrecv(to, source, self.job.tag, data, reply)
                     .map_err(|e| Error::transport(self.job.rank, e))?
@@ -262,57 +272,24 @@ impl Run<'_, '_> {
             for req in [pending.recv, pending.send].iter().flatten() {
                 wait(self.job, &mut self.warned, req)?;
             }
-            // SAFETY: the reply has arrived in the slot, which nothing else touches; `out`
-            // lies in the output (checked by `place`).
-            let (reply, out) = unsafe {
-                (
-                    std::slice::from_raw_parts(slot.cast_const(), len),
-                    std::slice::from_raw_parts_mut(out, len),
-                )
-            };
-            match with {
-                None => out.copy_from_slice(reply),
-                Some(with) => {
-                    let (operand, operand_len) = self.place(with)?;
-                    if operand_len != len {
-                        return Err(Error::Internal(format!(
-                            "schedule reduces {into:?} from a mismatched operand {with:?}"
-                        )));
-                    }
-                    let (a, b) = (operand as usize, out.as_ptr() as usize);
-                    if a == b {
-                        reduce(self.job.op, self.job.dtype, out, reply)?;
-                    } else if a < b + len && b < a + len {
-                        return Err(Error::Internal(format!(
-                            "schedule reduces {into:?} from an overlapping operand {with:?}"
-                        )));
-                    } else {
-                        // SAFETY: in bounds (`place`) and apart from `out` (checked above).
-                        let operand = unsafe { std::slice::from_raw_parts(operand, len) };
-                        reduce_into(self.job.op, self.job.dtype, out, operand, reply)?;
+            // SAFETY: the reply has arrived in the slot, which nothing else touches; `into`
+            // and the operand are in bounds and apart (checked above), and nothing is in
+            // flight.
+            unsafe {
+                let reply = std::slice::from_raw_parts(slot.cast_const(), into.len);
+                let out = std::slice::from_raw_parts_mut(self.ptr(into), into.len);
+                match (with, operand) {
+                    (None, _) => out.copy_from_slice(reply),
+                    (Some(_), None) => reduce(self.job.op, self.job.dtype, out, reply)?,
+                    (Some(_), Some(operand)) => {
+                        let operand =
+                            std::slice::from_raw_parts(self.ptr(operand).cast_const(), into.len);
+                        reduce_into(self.job.op, self.job.dtype, out, operand, reply)?
                     }
                 }
             }
         }
         Ok(())
-    }
-
-    /// Where `loc` lies in the caller's buffers, and its bytes; fails if it leaves its buffer.
-    fn place(&self, loc: &Loc) -> Result<(*mut u8, usize), Error> {
-        let elem = self.job.dtype.size();
-        let (base, len) = match loc.buf {
-            Buf::Input => (self.bufs.input.cast_mut(), self.bufs.input_len),
-            Buf::Output => (self.bufs.output, self.bufs.output_len),
-            Buf::Scratch => (self.scratch, 0),
-        };
-        let (start, end) = (loc.range.start * elem, loc.range.end * elem);
-        if end > len || start > end {
-            return Err(Error::Internal(format!(
-                "schedule step {loc:?} reaches past its buffer of {len} bytes"
-            )));
-        }
-        // SAFETY: `start` lies within the buffer (checked above).
-        Ok((unsafe { base.add(start) }, end - start))
     }
 
     /// Reduces a received chunk from its staging slot.

@@ -157,7 +157,7 @@ impl<R> Pending<R> {
     }
 }
 
-fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+pub(crate) fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
     a.start < b.end && b.start < a.end
 }
 
@@ -467,7 +467,7 @@ impl<R> Machine<R> {
 
     /// The region `loc` names and its addresses; fails if it leaves its buffer.
     #[inline]
-    fn resolve(&self, loc: &Loc) -> Result<(Region, Range<usize>), Error> {
+    pub fn resolve(&self, loc: &Loc) -> Result<(Region, Range<usize>), Error> {
         let b = index(loc.buf);
         let (start, end) = (loc.range.start * self.elem, loc.range.end * self.elem);
         if end > self.len[b] || start > end {
@@ -485,7 +485,7 @@ impl<R> Machine<R> {
     }
 
     /// Resolves a location a step writes; the input is never written.
-    fn resolve_target(&self, loc: &Loc) -> Result<(Region, Range<usize>), Error> {
+    pub fn resolve_target(&self, loc: &Loc) -> Result<(Region, Range<usize>), Error> {
         if loc.buf == Buf::Input {
             return Err(Error::Internal(format!(
                 "schedule writes its input at {loc:?}"

@@ -497,6 +497,21 @@ impl Engine {
         tag: u64,
         buf: &mut [u8],
     ) -> Result<Option<Request>, TransportError> {
+        let read = self.take_reply(idx, from, tag, buf);
+        if let Err(err) = &read {
+            self.fail_peer(from, err.clone());
+        }
+        read
+    }
+
+    /// [`read_direct`](Self::read_direct), but for failing the peer.
+    fn take_reply(
+        &mut self,
+        idx: usize,
+        from: usize,
+        tag: u64,
+        buf: &mut [u8],
+    ) -> Result<Option<Request>, TransportError> {
         let len = buf.len();
         let total = HEADER_LEN + len;
         let mut frame = [0u8; HEADER_LEN + SMALL];
@@ -505,9 +520,7 @@ impl Engine {
             match self.conns[idx].stream.read(&mut frame[..total]) {
                 Ok(0) => {
                     self.conns[idx].inbound = Inbound::Ended;
-                    let err = TransportError::PeerClosed { peer: from };
-                    self.fail_peer(from, err.clone());
-                    return Err(err);
+                    return Err(TransportError::PeerClosed { peer: from });
                 }
                 Ok(n) => break n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -518,11 +531,7 @@ impl Engine {
                     }
                     std::thread::yield_now();
                 }
-                Err(e) => {
-                    let err = io_error(from, "recv", e);
-                    self.fail_peer(from, err.clone());
-                    return Err(err);
-                }
+                Err(e) => return Err(io_error(from, "recv", e)),
             }
         };
         let p = self.peers.usable(from)?;
@@ -535,10 +544,7 @@ impl Engine {
                 stripe_len: len as u64,
             };
             let header = frame[..HEADER_LEN].try_into().expect("a header's bytes");
-            if let Err(err) = check_header(from, header, &expect) {
-                self.fail_peer(from, err.clone());
-                return Err(err);
-            }
+            check_header(from, header, &expect)?;
             buf.copy_from_slice(&frame[HEADER_LEN..total]);
             return Ok(None);
         }
@@ -555,11 +561,7 @@ impl Engine {
             let piece = conn.recvs.front_mut().expect("the receive just queued");
             piece.got = got - head;
             if head == HEADER_LEN {
-                let checked = check_header(from, &conn.header, &piece.expect);
-                if let Err(err) = checked {
-                    self.fail_peer(from, err.clone());
-                    return Err(err);
-                }
+                check_header(from, &conn.header, &piece.expect)?;
             }
         }
         Ok(Some(req))
