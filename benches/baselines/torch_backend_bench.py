@@ -9,6 +9,10 @@ momentum):
 
     /usr/bin/python3 benches/baselines/torch_backend_bench.py -np 2,4
     /usr/bin/python3 benches/baselines/torch_backend_bench.py -np 2,4 --sizes 8,64M --steps 0
+    python3 benches/baselines/torch_backend_bench.py -np 2 --device cuda --backends chorus,gloo
+
+With `--device cuda` the tensors and the DDP models are on the GPUs (rank r on GPU r modulo
+their number), and each timing waits for the GPU's queued work before reading the clock.
 
 Needs torch and the chorus_torch package (pip install ./python).
 """
@@ -44,20 +48,28 @@ OPS = {
 }
 
 
-def bench_op(dist, torch, world, op, args, reduces=True):
+def synchronizer(torch, device):
+    """Waits for the work queued on `device` (nothing to wait for on the CPU)."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def bench_op(dist, torch, world, op, args, device, reduces=True):
     """(bytes, us per call, busbw) for each size (one row of 0 bytes for a barrier)."""
     call, factor = OPS[op]
+    sync = synchronizer(torch, device)
     sizes = [0] if op == "barrier" else [parse_size(s) for s in args.sizes.split(",")]
     rows = []
     for nbytes in sizes:
-        t = torch.ones(max(nbytes // 4, 1))
+        t = torch.ones(max(nbytes // 4, 1), device=device)
         n = iters_for(nbytes, args)
         for _ in range(max(n // 10, 2)):
             call(dist, t)
+        sync()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(n):
             call(dist, t)
+        sync()
         took = (time.perf_counter() - start) / n
         if reduces:  # the mean over ranks (the floor's group reduces nothing: rank 0's own)
             mean = torch.tensor([took], dtype=torch.float64)
@@ -68,7 +80,7 @@ def bench_op(dist, torch, world, op, args, reduces=True):
     return rows
 
 
-def bench_ddp(dist, torch, rank, world, model_name, args):
+def bench_ddp(dist, torch, world, model_name, args, device):
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -81,8 +93,10 @@ def bench_ddp(dist, torch, rank, world, model_name, args):
         model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
         x, y, batch = torch.randn(64, 784), torch.randint(0, 10, (64,)), 64
         loss_fn = nn.CrossEntropyLoss()
-    ddp = DDP(model)
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    sync = synchronizer(torch, device)
 
     def step():
         opt.zero_grad()
@@ -91,10 +105,12 @@ def bench_ddp(dist, torch, rank, world, model_name, args):
 
     for _ in range(20):
         step()
+    sync()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
+    sync()
     dist.barrier()
     took = time.perf_counter() - start
     return args.steps * batch * world / took
@@ -120,7 +136,7 @@ def register_floor(dist, torch):
 
     create = lambda store, rank, size, timeout: Floor(rank, size)  # noqa: E731
     try:
-        dist.Backend.register_backend("floor", create, devices=["cpu"])
+        dist.Backend.register_backend("floor", create, devices=["cpu", "cuda"])
     except TypeError:  # torch before 2.1 takes no devices
         dist.Backend.register_backend("floor", create)
 
@@ -131,6 +147,10 @@ def rank_main(rank, world, port, backend, args, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if backend == "chorus":
         import chorus_torch  # noqa: F401
     if backend == "floor":
@@ -138,9 +158,9 @@ def rank_main(rank, world, port, backend, args, results):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     # The floor's group has only all_reduce (and a barrier made of it).
     ops = ["allreduce"] if backend == "floor" else args.ops.split(",")
-    out = {op: bench_op(dist, torch, world, op, args, reduces=backend != "floor") for op in ops}
+    out = {op: bench_op(dist, torch, world, op, args, device, reduces=backend != "floor") for op in ops}
     for name in ("toy", "mlp"):
-        out[name] = bench_ddp(dist, torch, rank, world, name, args) if backend != "floor" and args.steps else float("nan")
+        out[name] = bench_ddp(dist, torch, world, name, args, device) if backend != "floor" and args.steps else float("nan")
     dist.destroy_process_group()
     if rank == 0:
         results.put(out)
@@ -169,6 +189,7 @@ def main():
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("--small-iters", type=int, default=2000)
     p.add_argument("--steps", type=int, default=300, help="DDP steps timed (0: no DDP)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the tensors and models are")
     p.add_argument("--backends", default="chorus,gloo,floor",
                    help="floor: a process group that does nothing (torch's own cost per call)")
     args = p.parse_args()

@@ -4,12 +4,14 @@
     torch.distributed.init_process_group("chorus")
 
 Every process-group operation runs on Chorus over CPU tensors' own memory, with
-the GIL released while Chorus works or waits.
+the GIL released while Chorus works or waits; all-reduce, broadcast, reduce,
+all-gather and reduce-scatter also take CUDA tensors, and run on the GPU's memory
+(CUDA IPC between the ranks of one host, else through pinned host buffers).
 """
 
 import torch.distributed as _dist
 
-from ._backend import ProcessGroupChorus, create_process_group
+from ._backend import _CUDA, ProcessGroupChorus, create_process_group
 
 __all__ = ["ProcessGroupChorus", "create_process_group", "BACKEND"]
 
@@ -22,7 +24,7 @@ def _register():
         return
     try:
         # torch 2.x: say which devices the backend serves (it warns otherwise).
-        _dist.Backend.register_backend(BACKEND, create_process_group, devices=["cpu"])
+        _dist.Backend.register_backend(BACKEND, create_process_group, devices=["cpu", "cuda"] if _CUDA else ["cpu"])
     except TypeError:
         # torch 1.13: no `devices` argument.
         _dist.Backend.register_backend(BACKEND, create_process_group)

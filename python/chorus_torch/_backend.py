@@ -35,6 +35,10 @@ _OP_NAMES = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREM
 _BOOL_OPS = {_SUM: _MAX, _PRODUCT: _MIN, _MIN: _MIN, _MAX: _MAX, _BAND: _MIN, _BOR: _MAX, _BXOR: _BXOR}
 _BITWISE = (_BAND, _BOR, _BXOR)
 
+# Whether this build runs collectives on CUDA tensors (the cargo feature `cuda`).
+_CUDA = hasattr(_chorus, "DeviceComm")
+_ON_CUDA = "all_reduce, broadcast, reduce, all_gather and reduce_scatter"
+
 _BOOTSTRAP_KEY = "chorus/bootstrap"
 _JOB_ID = "torch"
 
@@ -46,9 +50,9 @@ def _dtype(tensor):
         raise TypeError(f"the chorus backend does not support tensors of {tensor.dtype}") from None
 
 
-def _check_cpu(tensor):
+def _check_cpu(tensor, what):
     if not tensor.is_cpu:
-        raise ValueError(f"the chorus backend takes CPU tensors, got one on {tensor.device}")
+        raise ValueError(f"chorus {what} takes CPU tensors (on CUDA tensors, {_ON_CUDA} run), got one on {tensor.device}")
 
 
 def _op(reduce_op, tensor):
@@ -68,11 +72,13 @@ def _op(reduce_op, tensor):
     return code
 
 
-def _one(tensors, what):
+def _one(tensors, what, cuda=False):
+    """The call's one tensor: a CPU tensor, or with `cuda` a CPU or CUDA one (checked later)."""
     if len(tensors) != 1:
         raise ValueError(f"chorus {what} takes exactly one tensor per call, got {len(tensors)}")
     tensor = tensors[0]
-    _check_cpu(tensor)
+    if not cuda:
+        _check_cpu(tensor, what)
     return tensor
 
 
@@ -148,6 +154,12 @@ def _unflatten_into(flat, tensors):
         n = t.numel()
         t.copy_(flat[offset:offset + n].view_as(t))
         offset += n
+
+
+def _overlap(a, b):
+    """Whether tensors `a` and `b` share any bytes."""
+    (pa, na), (pb, nb) = _span(a), _span(b)
+    return pa < pb + nb and pb < pa + na
 
 
 def _span(tensor):
@@ -281,6 +293,7 @@ class ProcessGroupChorus(ProcessGroup):
         self._comm = _connect(store, rank, size, timeout)
         self._barriers = 0
         self._batch = None
+        self._device = None
 
     def getBackendName(self):
         return "chorus"
@@ -309,47 +322,87 @@ class ProcessGroupChorus(ProcessGroup):
             raise ValueError(f"chorus {what}: peer {peer} is not a rank of this group of {self.size()}")
         return peer
 
+    def _on_gpu(self, kind, inp, out, op=0, root=0):
+        """Runs collective `kind` from `inp` into `out` (contiguous tensors of one dtype, each
+        rank's block `count` elements) if they are CUDA tensors, and says whether it did;
+        does nothing for CPU tensors, and refuses tensors on two devices or another kind.
+
+        The group's first call on CUDA tensors makes its device communicator, on every rank
+        (the device is the tensors'; later calls must use the same one). A call first waits
+        for the work torch queued on the device's current stream, and returns once its
+        result is in `out`, so torch's later work on any stream sees it."""
+        device = inp.device
+        if out.device != device:
+            raise ValueError(f"chorus {kind}: tensors on {device} and {out.device} cannot be mixed in one call")
+        if device.type == "cpu":
+            return False
+        if device.type != "cuda":
+            raise ValueError(f"the chorus backend takes CPU and CUDA tensors, got one on {device}")
+        if not _CUDA:
+            raise ValueError("this build of chorus_torch has no CUDA support (build it with the cargo feature cuda, "
+                             "as pip install does)")
+        if self._device is None:
+            self._device = _chorus.DeviceComm(self._comm, device.index)
+        elif self._device.ordinal != device.index:
+            raise ValueError(f"chorus {kind}: this group's CUDA calls run on cuda:{self._device.ordinal}, "
+                             f"got a tensor on {device}")
+        count = out.numel() if kind == "reduce_scatter" else inp.numel()
+        # Other than in place (and NCCL's in-place all-gather and reduce-scatter, where one
+        # is this rank's block of the other), the device call takes apart memory.
+        block = count * inp.element_size() * self.rank()
+        in_place = {"all_gather": inp.data_ptr() == out.data_ptr() + block,
+                    "reduce_scatter": out.data_ptr() == inp.data_ptr() + block}.get(kind, inp.data_ptr() == out.data_ptr())
+        if not in_place and _overlap(inp, out):
+            inp = inp.clone()
+        torch.cuda.current_stream(device).synchronize()
+        self._device.call(kind, _dtype(inp), inp.data_ptr(), out.data_ptr(), count, op, root)
+        return True
+
     # -- collectives -----------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        tensor = _one(tensors, "allreduce")
+        tensor = _one(tensors, "allreduce", cuda=True)
         op = _op(opts.reduceOp if opts is not None else _SUM, tensor)
-        if tensor.is_contiguous():
+        if tensor.is_cpu and tensor.is_contiguous():
             self._comm.all_reduce(tensor.data_ptr(), tensor.numel() * tensor.element_size(), _dtype(tensor), op)
             return _work(tensors)
-        staged = tensor.contiguous()
-        ptr, nbytes = _span(staged)
-        self._comm.all_reduce(ptr, nbytes, _dtype(tensor), op)
-        return _work(tensors, lambda: tensor.copy_(staged))
+        staged, copied = _staged(tensor)
+        self._all_reduce(staged, op)
+        return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
+
+    def _all_reduce(self, tensor, op):
+        if not self._on_gpu("all_reduce", tensor, tensor, op):
+            ptr, nbytes = _span(tensor)
+            self._comm.all_reduce(ptr, nbytes, _dtype(tensor), op)
 
     def allreduce_coalesced(self, tensors, opts=None):
         if not tensors:
             raise ValueError("chorus allreduce_coalesced needs at least one tensor")
         for t in tensors:
-            _check_cpu(t)
-            if t.dtype != tensors[0].dtype:
-                raise ValueError("chorus allreduce_coalesced needs tensors of one dtype")
+            if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
+                raise ValueError("chorus allreduce_coalesced needs tensors of one dtype on one device")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensors[0])
         flat = _flat(tensors)
-        ptr, nbytes = _span(flat)
-        self._comm.all_reduce(ptr, nbytes, _dtype(flat), op)
+        self._all_reduce(flat, op)
         return _work(tensors, lambda: _unflatten_into(flat, tensors))
 
     def broadcast(self, tensors, opts=None):
-        tensor = _one(tensors, "broadcast")
+        tensor = _one(tensors, "broadcast", cuda=True)
         root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
         staged, copied = _staged(tensor)
-        ptr, nbytes = _span(staged)
-        self._comm.broadcast(ptr, nbytes, _dtype(tensor), root)
+        if not self._on_gpu("broadcast", staged, staged, root=root):
+            ptr, nbytes = _span(staged)
+            self._comm.broadcast(ptr, nbytes, _dtype(tensor), root)
         return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
     def reduce(self, tensors, opts=None):
-        tensor = _one(tensors, "reduce")
+        tensor = _one(tensors, "reduce", cuda=True)
         root = self._root(opts.rootRank if opts is not None else 0, "reduce")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensor)
         staged, copied = _staged(tensor)
-        ptr, nbytes = _span(staged)
-        self._comm.reduce(ptr, nbytes, _dtype(tensor), op, root)
+        if not self._on_gpu("reduce", staged, staged, op, root):
+            ptr, nbytes = _span(staged)
+            self._comm.reduce(ptr, nbytes, _dtype(tensor), op, root)
         return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
     def _all_gather_flat(self, output, tensor):
@@ -360,18 +413,17 @@ class ProcessGroupChorus(ProcessGroup):
             raise ValueError(
                 f"chorus allgather: the output holds {output.numel()} elements, "
                 f"not world size {self.size()} x {tensor.numel()}")
-        self._comm.all_gather(ip, ib, op_, ob, _dtype(tensor))
+        if not self._on_gpu("all_gather", inp, output):
+            self._comm.all_gather(ip, ib, op_, ob, _dtype(tensor))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        tensor = _one(input_tensors, "allgather")
+        tensor = _one(input_tensors, "allgather", cuda=True)
         outputs = _one_list(output_tensors, self.size(), tensor, "allgather")
-        flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype)
+        flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         self._all_gather_flat(flat, tensor)
         return _work(output_tensors, lambda: _unflatten_into(flat, outputs))
 
     def _allgather_base(self, output, input, opts=None):
-        _check_cpu(input)
-        _check_cpu(output)
         _same_dtype(output, input, "all_gather_into_tensor")
         staged, copied = _staged(output)
         self._all_gather_flat(staged, input)
@@ -389,21 +441,20 @@ class ProcessGroupChorus(ProcessGroup):
                 f"chorus reduce_scatter: the input holds {flat.numel()} elements, "
                 f"not world size {self.size()} x {output.numel()}")
         staged, copied = _staged(output)
-        ip, ib = _span(flat)
-        op_, ob = _span(staged)
-        self._comm.reduce_scatter(ip, ib, op_, ob, _dtype(output), op)
+        if not self._on_gpu("reduce_scatter", flat, staged, op):
+            ip, ib = _span(flat)
+            op_, ob = _span(staged)
+            self._comm.reduce_scatter(ip, ib, op_, ob, _dtype(output), op)
         return (lambda: output.copy_(staged)) if copied else None
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        output = _one(output_tensors, "reduce_scatter")
+        output = _one(output_tensors, "reduce_scatter", cuda=True)
         inputs = _one_list(input_tensors, self.size(), output, "reduce_scatter")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
         finish = self._reduce_scatter_flat(output, _flat(inputs), op)
         return _work(output_tensors, finish)
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        _check_cpu(input)
-        _check_cpu(output)
         _same_dtype(output, input, "reduce_scatter_tensor")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
         flat, _ = _staged(input)
@@ -411,8 +462,8 @@ class ProcessGroupChorus(ProcessGroup):
         return _work([output], finish)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        _check_cpu(input)
-        _check_cpu(output)
+        _check_cpu(input, "all_to_all")
+        _check_cpu(output, "all_to_all")
         _same_dtype(output, input, "all_to_all_single")
         size = self.size()
         send = _counts(input, input_split_sizes, size, "input")
@@ -432,7 +483,7 @@ class ProcessGroupChorus(ProcessGroup):
         if len(output_tensors) != size or len(input_tensors) != size:
             raise ValueError(f"chorus alltoall needs {size} input and {size} output tensors")
         for t in list(output_tensors) + list(input_tensors):
-            _check_cpu(t)
+            _check_cpu(t, "alltoall")
             _same_dtype(t, input_tensors[0], "alltoall")
         flat_in = _flat(input_tensors)
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
@@ -516,11 +567,11 @@ class ProcessGroupChorus(ProcessGroup):
     def gather_single(self, output, tensor, opts=None):
         """`gather` into one tensor of world-size blocks on the root (torch 2.x's
         gather_into_tensor)."""
-        _check_cpu(tensor)
+        _check_cpu(tensor, "gather")
         root = self._root(opts.rootRank if opts is not None else 0, "gather")
         inp, _ = _staged(tensor)
         if self.rank() == root:
-            _check_cpu(output)
+            _check_cpu(output, "gather")
             _same_dtype(output, tensor, "gather")
             if output.numel() != self.size() * tensor.numel():
                 raise ValueError(f"chorus gather: the output holds {output.numel()} elements, "
@@ -608,7 +659,8 @@ def _one_list(lists, size, like, what):
     if len(lists) != 1 or len(lists[0]) != size:
         raise ValueError(f"chorus {what} needs one list of {size} tensors (the group's size)")
     for t in lists[0]:
-        _check_cpu(t)
+        if t.device != like.device:
+            raise ValueError(f"chorus {what}: tensors on {like.device} and {t.device} cannot be mixed in one call")
         _same_dtype(t, like, what)
         if t.numel() != like.numel():
             raise ValueError(f"chorus {what}: every tensor in the list must hold {like.numel()} elements, one holds {t.numel()}")

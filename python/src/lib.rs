@@ -10,6 +10,8 @@
 #![allow(clippy::too_many_arguments)]
 
 mod buffer;
+#[cfg(feature = "cuda")]
+mod device;
 
 use std::time::Duration;
 
@@ -455,5 +457,7 @@ impl Comm {
 fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StoreHost>()?;
     m.add_class::<Comm>()?;
+    #[cfg(feature = "cuda")]
+    m.add_class::<device::DeviceComm>()?;
     Ok(())
 }

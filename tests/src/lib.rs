@@ -217,7 +217,8 @@ pub fn torch_package(dir: &Path) {
         .expect("the test lives in <target>/<profile>/deps")
         .to_path_buf();
     let mut build = Command::new(env!("CARGO"));
-    build.args(["build", "-p", "chorus-torch", "--lib"]);
+    // With CUDA support, as pip builds it: the CUDA tests skip where there is no GPU.
+    build.args(["build", "-p", "chorus-torch", "--lib", "--features", "cuda"]);
     if profile.file_name().is_some_and(|n| n == "release") {
         build.arg("--release");
     }

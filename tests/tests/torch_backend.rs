@@ -43,7 +43,7 @@ fn torch_backend_python_suite() {
     chorus_tests::torch_package(&dir);
     let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/tests");
     let mut child = Command::new(&python)
-        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
         .arg(&tests)
         .env("PYTHONPATH", &dir)
         .env("PYTHONUNBUFFERED", "1")

@@ -1,0 +1,191 @@
+"""CUDA tensors through the chorus backend: every collective that takes them, on both device
+paths, against the same call's result computed on the CPU; DDP on the GPU; the refusals.
+
+Where there is no GPU (or the extension was built without CUDA) each test skips, saying why;
+with CHORUS_REQUIRE_CUDA=1 it fails instead."""
+
+import os
+import secrets
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import chorus_torch._backend as backend
+from harness import run
+
+
+def _need_cuda():
+    missing = None
+    if not backend._CUDA:
+        missing = "chorus_torch was built without the cargo feature cuda"
+    elif not torch.cuda.is_available():
+        missing = "torch sees no CUDA GPU"
+    if missing is None:
+        return
+    if os.environ.get("CHORUS_REQUIRE_CUDA") == "1":
+        pytest.fail(f"CHORUS_REQUIRE_CUDA=1 but {missing}")
+    pytest.skip(f"no CUDA tensors to test: {missing}")
+
+
+def _device(rank):
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def _inputs(seed, rank, world, n, dtype):
+    """Every rank's input of `n` elements (the same on every rank for a given seed), drawn at
+    random: small integers, so that sums are exact in every dtype."""
+    g = torch.Generator().manual_seed(seed)
+    ints = torch.randint(-8, 9, (world, n), generator=g)
+    if dtype == torch.bool:
+        return ints > 0
+    if not dtype.is_floating_point and not dtype.is_signed:
+        ints = ints.abs()
+    return ints.to(dtype)
+
+
+def _check(got, want, what):
+    got = got.cpu()
+    if want.dtype.is_floating_point:
+        ok = torch.allclose(got.double(), want.double(), rtol=1e-2 if want.element_size() == 2 else 1e-6, atol=1e-6)
+    else:
+        ok = torch.equal(got, want)
+    assert ok, f"{what}: got {got[:8].tolist()}..., want {want[:8].tolist()}..."
+
+
+def collectives(rank, world, seed):
+    device = _device(rank)
+    checked = []
+    for dtype, n in ((torch.float32, 1000), (torch.bfloat16, 77), (torch.int64, 3), (torch.bool, 9),
+                     (torch.float32, 5 << 20)):
+        everyone = _inputs(seed + n, rank, world, n, dtype)
+        mine = everyone[rank]
+        what = f"{dtype}, {n} elements"
+        ops = [(dist.ReduceOp.MAX, lambda x: x.max(0).values)]
+        if dtype != torch.bool:
+            ops.append((dist.ReduceOp.SUM, lambda x: x.sum(0, dtype=x.dtype)))
+        if dtype.is_floating_point:
+            ops.append((dist.ReduceOp.AVG, lambda x: x.double().mean(0)))
+        for op, reduce in ops:
+            t = mine.to(device)
+            dist.all_reduce(t, op=op)
+            _check(t, reduce(everyone), f"all_reduce {op} {what}")
+        t = mine.to(device)
+        dist.broadcast(t, src=world - 1)
+        _check(t, everyone[world - 1], f"broadcast {what}")
+        t = mine.to(device)
+        dist.reduce(t, dst=0, op=dist.ReduceOp.MAX)
+        _check(t, everyone.max(0).values if rank == 0 else mine, f"reduce {what}")
+        out = torch.empty(world * n, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(out, mine.to(device))
+        _check(out, everyone.reshape(-1), f"all_gather_into_tensor {what}")
+        # NCCL's in-place layout: the input is this rank's block of the output.
+        out = torch.zeros(world * n, dtype=dtype, device=device)
+        out[rank * n:(rank + 1) * n] = mine.to(device)
+        dist.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n])
+        _check(out, everyone.reshape(-1), f"in-place all_gather_into_tensor {what}")
+        outs = [torch.empty(n, dtype=dtype, device=device) for _ in range(world)]
+        dist.all_gather(outs, mine.to(device))
+        _check(torch.cat(outs), everyone.reshape(-1), f"all_gather {what}")
+        checked.append(what)
+    # reduce_scatter: every rank holds world blocks; rank q gets the sum of block q.
+    n = 1 << 16
+    blocks = _inputs(seed, rank, world, world * n, torch.float32).reshape(world, world, n)
+    want = blocks.sum(0)[rank]
+    out = torch.empty(n, device=device)
+    dist.reduce_scatter_tensor(out, blocks[rank].reshape(-1).to(device))
+    _check(out, want, "reduce_scatter_tensor")
+    whole = blocks[rank].reshape(-1).to(device)
+    dist.reduce_scatter_tensor(whole[rank * n:(rank + 1) * n], whole)
+    _check(whole[rank * n:(rank + 1) * n], want, "in-place reduce_scatter_tensor")
+    out = torch.empty(n, device=device)
+    dist.reduce_scatter(out, [b.to(device) for b in blocks[rank]])
+    _check(out, want, "reduce_scatter")
+    # A non-contiguous tensor, and all_reduce_coalesced-style DDP buckets.
+    everyone = _inputs(seed + 1, rank, world, 64, torch.float32).reshape(world, 8, 8)
+    t = everyone[rank].to(device).t()
+    dist.all_reduce(t)
+    _check(t, everyone.sum(0).t(), "all_reduce of a transposed tensor")
+    # The call waits for torch's work queued before it on the current stream.
+    big = torch.ones(1 << 22, device=device)
+    torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time queued ahead
+    big.mul_(rank + 1)
+    dist.all_reduce(big)
+    _check(big[:1000], torch.full((1000,), float(world * (world + 1) // 2)), "all_reduce after queued work")
+    # Asynchronous form and its future.
+    t = torch.full((1000,), float(rank), device=device)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    _check(work.get_future().wait()[0], torch.full((1000,), float(world * (world - 1) // 2)), "async all_reduce")
+    return dist.get_backend(), checked, backend_path()
+
+
+def backend_path():
+    group = dist.distributed_c10d._get_default_group()
+    pg = group if isinstance(group, backend.ProcessGroupChorus) else group._get_backend(torch.device("cuda"))
+    return pg._device.path
+
+
+@pytest.mark.parametrize("path", ["ipc", "staged"])
+def test_collectives_on_cuda_tensors(path):
+    _need_cuda()
+    seed = secrets.randbelow(1 << 30)
+    results = run(2, collectives, seed, env={"CHORUS_CUDA_PATH": path})
+    for backend_name, checked, taken in results:
+        assert backend_name == "chorus" and len(checked) == 5 and taken == path, (backend_name, checked, taken)
+
+
+def ddp(rank, world, device_type, seed):
+    device = _device(rank) if device_type == "cuda" else torch.device("cpu")
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5)).to(device)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(seed + 1 + rank)
+    for _ in range(20):
+        x, y = torch.randn(32, 20, generator=g), torch.randn(32, 5, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp_model(x.to(device)), y.to(device)).backward()
+        opt.step()
+    return [p.detach().cpu().tolist() for p in model.parameters()]
+
+
+def test_ddp_on_the_gpu_trains_like_ddp_on_the_cpu():
+    _need_cuda()
+    seed = secrets.randbelow(1 << 30)
+    gpu = run(2, ddp, "cuda", seed)
+    cpu = run(2, ddp, "cpu", seed)
+    assert gpu[0] == gpu[1]
+    for mine, theirs in zip(gpu[0], cpu[0]):
+        mine, theirs = torch.tensor(mine), torch.tensor(theirs)
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5), (mine - theirs).abs().max()
+
+
+def refusals(rank, world):
+    device = _device(rank)
+    errors = []
+    for call in (
+        lambda: dist.all_to_all_single(torch.ones(4, device=device), torch.ones(4, device=device)),
+        lambda: dist.all_gather_into_tensor(torch.ones(2 * world), torch.ones(2, device=device)),
+        lambda: dist.send(torch.ones(2, device=device), dst=1 - rank),
+    ):
+        try:
+            call()
+        except (ValueError, RuntimeError) as e:
+            errors.append(str(e))
+    # The group still works on both kinds of tensor: nothing was sent.
+    t = torch.ones(3, device=device)
+    dist.all_reduce(t)
+    c = torch.ones(3)
+    dist.all_reduce(c)
+    assert torch.all(t.cpu() == world) and torch.all(c == world)
+    return errors
+
+
+def test_calls_without_a_device_path_refuse_cuda_tensors():
+    _need_cuda()
+    for errors in run(2, refusals):
+        assert len(errors) == 3, errors
+        assert "all_to_all takes CPU tensors" in errors[0], errors
+        assert "cannot be mixed" in errors[1], errors
+        assert "send takes CPU tensors" in errors[2], errors
