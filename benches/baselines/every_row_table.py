@@ -223,6 +223,10 @@ def tcp_rows(m, w):
         cold, warm = m.probe(
             "tcp_ceiling", rf"bound +broadcast W={w} .*<= ([\d.]+) GB/s cold, ([\d.]+) warm", 2)
         ceilings, text = [cold, cold], f"{pair(map(median, (cold, warm)))} (cold share)"
+        # The bare chain in 512 KiB pieces (in place), where the round measured it.
+        chain, = m.probe("tcp_ceiling", rf"chain +broadcast W={w} .*: ([\d.]+) GB/s")
+        if median(chain) is not None:
+            ceilings, text = [chain, chain], f"bare chain {fmt(median(chain))}; {text}"
     row(f"TCP broadcast W={w}, 64 MiB (GB/s)", False, better("broadcast", 64 << 20, False),
         m.chorus(tcp + " broadcast 64 MiB"), ceilings, text)
 

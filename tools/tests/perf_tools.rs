@@ -406,6 +406,7 @@ fn tcp_ceiling_reports_floor_streams_and_bounds() {
     assert!(figure("copy      memcpy") > 0.0);
     assert!(figure("broadcast W=2 of 64 MiB in 512 KiB pieces") > 0.0);
     assert!(figure("bound     broadcast W=4") > 0.0);
+    assert!(figure("chain     broadcast W=4 of 64 MiB") > 0.0);
     // The root's copy can only lower the bound.
     let in_place = figure("bound     broadcast W=2");
     let out_of_place = figure("bound     out-of-place broadcast W=2");

@@ -24,11 +24,16 @@
 //! - `broadcast`: a bare W=2 broadcast of 64 MiB, written and read in 512 KiB pieces (the
 //!   pipeline chunk); in place, and out of place, where the root also copies each piece of
 //!   its input to its output just after writing it (so while it is still in cache).
+//! - `chain`: a bare in-place broadcast of 64 MiB along a chain of `-np` ranks (W > 2), in
+//!   512 KiB pieces, each relay with a thread that reads pieces from the rank before and
+//!   one that sends each piece on as soon as it is read, so pieces are in flight on every
+//!   link at once.
 //!
 //! `cargo run --release -p chorus-tools --bin tcp_ceiling -- -np 4`
 
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -98,6 +103,13 @@ fn main() -> io::Result<()> {
     println!(
         "broadcast W=2 of 64 MiB in 512 KiB pieces: {in_place:.2} GB/s in place, {out_of_place:.2} out of place"
     );
+    if args.world > 2 {
+        let rate = chain(args.world, 64 << 20, 512 << 10, args.streams)?;
+        println!(
+            "chain     broadcast W={} of 64 MiB in 512 KiB pieces, relays reading and sending on threads of their own: {rate:.2} GB/s",
+            args.world
+        );
+    }
     let summed = chorus_tools::reduce_rate(args.streams);
     println!("reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core");
     let copied = copy_rate(64 << 20, args.streams);
@@ -336,6 +348,91 @@ fn broadcast(len: usize, piece: usize, reps: usize, copy: bool) -> io::Result<f6
     }
     receiver.join().expect("broadcast receiver")?;
     Ok(chorus_tools::median(rates))
+}
+
+/// GB/s of a bare broadcast of `len` bytes from rank 0 along a chain of `world` ranks, in
+/// `piece`-byte parts (see [`relay`]); the last rank tells the root when it has everything.
+/// Median of `reps` broadcasts after one that warms up.
+fn chain(world: usize, len: usize, piece: usize, reps: usize) -> io::Result<f64> {
+    let (done, mut finished) = pair()?;
+    let (mut root, mut from) = pair()?;
+    let mut ranks = Vec::new();
+    for _ in 2..world {
+        let (to, next) = pair()?;
+        ranks.push(thread::spawn(move || {
+            relay(from, Link::Next(to), len, piece, reps)
+        }));
+        from = next;
+    }
+    ranks.push(thread::spawn(move || {
+        relay(from, Link::Root(done), len, piece, reps)
+    }));
+    let input = vec![7u8; len];
+    let mut rates = Vec::with_capacity(reps);
+    for rep in 0..=reps {
+        let start = Instant::now();
+        for part in input.chunks(piece) {
+            root.write_all(part)?;
+        }
+        finished.read_exact(&mut [0u8; 1])?;
+        if rep > 0 {
+            rates.push(len as f64 / start.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+    for rank in ranks {
+        rank.join().expect("chain rank")?;
+    }
+    Ok(chorus_tools::median(rates))
+}
+
+/// Where a chain rank's bytes go: on to the next rank, or (the last) a byte to the root.
+enum Link {
+    Next(TcpStream),
+    Root(TcpStream),
+}
+
+/// One non-root rank of [`chain`]: receives `reps + 1` broadcasts of `len` bytes from `from`
+/// into its own `len` bytes, part by part. A relay's sender thread writes each part to the
+/// next rank as soon as it has been read; the last rank acknowledges each broadcast.
+fn relay(mut from: TcpStream, to: Link, len: usize, piece: usize, reps: usize) -> io::Result<()> {
+    let parts = len.div_ceil(piece);
+    // The rank's buffer, as parts that go round: read, sent on, free again.
+    let (free, freed) = mpsc::channel::<Vec<u8>>();
+    for _ in 0..parts {
+        free.send(vec![0u8; piece]).expect("the pool is open");
+    }
+    let (read, sending) = mpsc::channel::<Vec<u8>>();
+    let (sender, mut done) = match to {
+        Link::Next(mut next) => {
+            let free = free.clone();
+            let sender = thread::spawn(move || -> io::Result<()> {
+                for part in sending.iter() {
+                    next.write_all(&part)?;
+                    // The reader only stops taking parts once it has failed.
+                    let _ = free.send(part);
+                }
+                Ok(())
+            });
+            (Some(sender), None)
+        }
+        Link::Root(done) => (None, Some(done)),
+    };
+    for _ in 0..=reps {
+        for _ in 0..parts {
+            let mut part = freed.recv().expect("a free part");
+            from.read_exact(&mut part)?;
+            let back = if sender.is_some() { &read } else { &free };
+            back.send(part).expect("the part's next holder runs");
+        }
+        if let Some(done) = done.as_mut() {
+            done.write_all(&[1])?;
+        }
+    }
+    drop(read);
+    match sender {
+        Some(sender) => sender.join().expect("chain sender"),
+        None => Ok(()),
+    }
 }
 
 /// CPU seconds the calling thread has used.
