@@ -4,9 +4,10 @@
     torch.distributed.init_process_group("chorus")
 
 Every process-group operation runs on Chorus over CPU tensors' own memory, with
-the GIL released while Chorus works or waits; all-reduce, broadcast, reduce,
-all-gather and reduce-scatter also take CUDA tensors, and run on the GPU's memory
-(CUDA IPC between the ranks of one host, else through pinned host buffers).
+the GIL released while Chorus works or waits. CUDA tensors work too: all-reduce,
+broadcast, reduce, all-gather and reduce-scatter run on the GPU's memory (CUDA IPC
+between the ranks of one host, else through pinned host buffers); the other calls
+copy them through host memory.
 """
 
 import torch.distributed as _dist

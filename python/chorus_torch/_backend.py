@@ -35,9 +35,8 @@ _OP_NAMES = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREM
 _BOOL_OPS = {_SUM: _MAX, _PRODUCT: _MIN, _MIN: _MIN, _MAX: _MAX, _BAND: _MIN, _BOR: _MAX, _BXOR: _BXOR}
 _BITWISE = (_BAND, _BOR, _BXOR)
 
-# Whether this build runs collectives on CUDA tensors (the cargo feature `cuda`).
+# Whether this build runs collectives on CUDA tensors' memory (the cargo feature `cuda`).
 _CUDA = hasattr(_chorus, "DeviceComm")
-_ON_CUDA = "all_reduce, broadcast, reduce, all_gather and reduce_scatter"
 
 _BOOTSTRAP_KEY = "chorus/bootstrap"
 _JOB_ID = "torch"
@@ -48,11 +47,6 @@ def _dtype(tensor):
         return _DTYPES[tensor.dtype]
     except KeyError:
         raise TypeError(f"the chorus backend does not support tensors of {tensor.dtype}") from None
-
-
-def _check_cpu(tensor, what):
-    if not tensor.is_cpu:
-        raise ValueError(f"chorus {what} takes CPU tensors (on CUDA tensors, {_ON_CUDA} run), got one on {tensor.device}")
 
 
 def _op(reduce_op, tensor):
@@ -72,14 +66,11 @@ def _op(reduce_op, tensor):
     return code
 
 
-def _one(tensors, what, cuda=False):
-    """The call's one tensor: a CPU tensor, or with `cuda` a CPU or CUDA one (checked later)."""
+def _one(tensors, what):
+    """The call's one tensor (its device is checked where its memory is taken)."""
     if len(tensors) != 1:
         raise ValueError(f"chorus {what} takes exactly one tensor per call, got {len(tensors)}")
-    tensor = tensors[0]
-    if not cuda:
-        _check_cpu(tensor, what)
-    return tensor
+    return tensors[0]
 
 
 def _seconds(timeout):
@@ -142,6 +133,20 @@ def _staged(tensor):
     if tensor.is_contiguous():
         return tensor, False
     return tensor.contiguous(), True
+
+
+def _host(tensor, output):
+    """Contiguous CPU memory for `tensor` in a call that runs on the host, and whether it is a
+    stand-in (an output's is copied back into `tensor` after the call). A CUDA tensor's
+    stand-in is a copy of its values, made once the work queued on it is done, or for an
+    output fresh memory."""
+    if tensor.is_cpu:
+        return _staged(tensor)
+    if not tensor.is_cuda:
+        raise ValueError(f"the chorus backend takes CPU and CUDA tensors, got one on {tensor.device}")
+    if output:
+        return torch.empty(tensor.shape, dtype=tensor.dtype), True
+    return tensor.cpu().contiguous(), True
 
 
 def _flat(tensors):
@@ -232,7 +237,7 @@ class _Batch:
         self.ran = False
 
     def add(self, is_send, tensor, peer, tag):
-        staged, copied = _staged(tensor)
+        staged, copied = _host(tensor, not is_send)
         ptr, nbytes = _span(staged)
         self._ops.append((is_send, ptr, nbytes, _dtype(tensor), peer, tag))
         self._held.append(staged)
@@ -361,7 +366,7 @@ class ProcessGroupChorus(ProcessGroup):
     # -- collectives -----------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        tensor = _one(tensors, "allreduce", cuda=True)
+        tensor = _one(tensors, "allreduce")
         op = _op(opts.reduceOp if opts is not None else _SUM, tensor)
         if tensor.is_cpu and tensor.is_contiguous():
             self._comm.all_reduce(tensor.data_ptr(), tensor.numel() * tensor.element_size(), _dtype(tensor), op)
@@ -387,7 +392,7 @@ class ProcessGroupChorus(ProcessGroup):
         return _work(tensors, lambda: _unflatten_into(flat, tensors))
 
     def broadcast(self, tensors, opts=None):
-        tensor = _one(tensors, "broadcast", cuda=True)
+        tensor = _one(tensors, "broadcast")
         root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
         staged, copied = _staged(tensor)
         if not self._on_gpu("broadcast", staged, staged, root=root):
@@ -396,7 +401,7 @@ class ProcessGroupChorus(ProcessGroup):
         return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
     def reduce(self, tensors, opts=None):
-        tensor = _one(tensors, "reduce", cuda=True)
+        tensor = _one(tensors, "reduce")
         root = self._root(opts.rootRank if opts is not None else 0, "reduce")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensor)
         staged, copied = _staged(tensor)
@@ -417,7 +422,7 @@ class ProcessGroupChorus(ProcessGroup):
             self._comm.all_gather(ip, ib, op_, ob, _dtype(tensor))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        tensor = _one(input_tensors, "allgather", cuda=True)
+        tensor = _one(input_tensors, "allgather")
         outputs = _one_list(output_tensors, self.size(), tensor, "allgather")
         flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         self._all_gather_flat(flat, tensor)
@@ -448,7 +453,7 @@ class ProcessGroupChorus(ProcessGroup):
         return (lambda: output.copy_(staged)) if copied else None
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        output = _one(output_tensors, "reduce_scatter", cuda=True)
+        output = _one(output_tensors, "reduce_scatter")
         inputs = _one_list(input_tensors, self.size(), output, "reduce_scatter")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
         finish = self._reduce_scatter_flat(output, _flat(inputs), op)
@@ -462,8 +467,6 @@ class ProcessGroupChorus(ProcessGroup):
         return _work([output], finish)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        _check_cpu(input, "all_to_all")
-        _check_cpu(output, "all_to_all")
         _same_dtype(output, input, "all_to_all_single")
         size = self.size()
         send = _counts(input, input_split_sizes, size, "input")
@@ -471,8 +474,8 @@ class ProcessGroupChorus(ProcessGroup):
         if (send is None) != (recv is None):
             send = send or [input.numel() // size] * size
             recv = recv or [output.numel() // size] * size
-        inp, _ = _staged(input)
-        staged, copied = _staged(output)
+        inp, _ = _host(input, False)
+        staged, copied = _host(output, True)
         ip, ib = _span(inp)
         op_, ob = _span(staged)
         self._comm.all_to_all(ip, ib, op_, ob, _dtype(output), send, recv)
@@ -483,9 +486,8 @@ class ProcessGroupChorus(ProcessGroup):
         if len(output_tensors) != size or len(input_tensors) != size:
             raise ValueError(f"chorus alltoall needs {size} input and {size} output tensors")
         for t in list(output_tensors) + list(input_tensors):
-            _check_cpu(t, "alltoall")
             _same_dtype(t, input_tensors[0], "alltoall")
-        flat_in = _flat(input_tensors)
+        flat_in, _ = _host(_flat(input_tensors), False)
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
         send = [t.numel() for t in input_tensors]
         recv = [t.numel() for t in output_tensors]
@@ -497,7 +499,7 @@ class ProcessGroupChorus(ProcessGroup):
     def gather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "gather")
         root = self._root(opts.rootRank if opts is not None else 0, "gather")
-        inp, _ = _staged(tensor)
+        inp, _ = _host(tensor, False)
         ip, ib = _span(inp)
         if self.rank() == root:
             outputs = _one_list(output_tensors, self.size(), tensor, "gather")
@@ -515,12 +517,12 @@ class ProcessGroupChorus(ProcessGroup):
         output = _one(output_tensors, "scatter")
         root = self._root(opts.rootRank if opts is not None else 0, "scatter")
         if self.rank() == root:
-            flat = _flat(_one_list(input_tensors, self.size(), output, "scatter"))
+            flat, _ = _host(_flat(_one_list(input_tensors, self.size(), output, "scatter")), False)
         else:
             if input_tensors and any(len(i) for i in input_tensors):
                 raise ValueError(f"chorus scatter: only the root (rank {root}) passes input tensors")
             flat = torch.empty(0, dtype=output.dtype)
-        staged, copied = _staged(output)
+        staged, copied = _host(output, True)
         ip, ib = _span(flat)
         op_, ob = _span(staged)
         self._comm.scatter(ip, ib, op_, ob, _dtype(output), root)
@@ -567,16 +569,14 @@ class ProcessGroupChorus(ProcessGroup):
     def gather_single(self, output, tensor, opts=None):
         """`gather` into one tensor of world-size blocks on the root (torch 2.x's
         gather_into_tensor)."""
-        _check_cpu(tensor, "gather")
         root = self._root(opts.rootRank if opts is not None else 0, "gather")
-        inp, _ = _staged(tensor)
+        inp, _ = _host(tensor, False)
         if self.rank() == root:
-            _check_cpu(output, "gather")
             _same_dtype(output, tensor, "gather")
             if output.numel() != self.size() * tensor.numel():
                 raise ValueError(f"chorus gather: the output holds {output.numel()} elements, "
                                  f"not world size {self.size()} x {tensor.numel()}")
-            staged, copied = _staged(output)
+            staged, copied = _host(output, True)
         else:
             staged, copied = torch.empty(0, dtype=tensor.dtype), False
         ip, ib = _span(inp)
@@ -626,7 +626,7 @@ class ProcessGroupChorus(ProcessGroup):
         """A receive from whichever rank sends this one a message with `tag` first; the Work
         returned names that rank (torch's `recv` and `irecv` without `src`)."""
         tensor = _one(tensors, "recv")
-        staged, copied = _staged(tensor)
+        staged, copied = _host(tensor, True)
         ptr, nbytes = _span(staged)
         source = self._comm.recv_any(ptr, nbytes, _dtype(tensor), tag)
         if copied:

@@ -161,31 +161,84 @@ def test_ddp_on_the_gpu_trains_like_ddp_on_the_cpu():
         assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5), (mine - theirs).abs().max()
 
 
-def refusals(rank, world):
+def host_staged(rank, world, seed):
+    """The calls that run on the host, on CUDA tensors (each rank's values from `seed`)."""
     device = _device(rank)
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randn(world, world, 1000, generator=g)  # data[src][dst]
+    out = torch.empty(world * 1000, device=device)
+    dist.all_to_all_single(out, data[rank].reshape(-1).to(device))
+    _check(out, data[:, rank].reshape(-1), "all_to_all_single")
+    # Uneven splits: rank r sends q + 1 rows of 3 to rank q, each row r * 100 + q.
+    rows = torch.cat([torch.full((q + 1, 3), float(rank * 100 + q)) for q in range(world)]).to(device)
+    out = torch.empty(world * (rank + 1), 3, device=device)
+    dist.all_to_all_single(out, rows, [rank + 1] * world, [q + 1 for q in range(world)])
+    want = torch.cat([torch.full((rank + 1, 3), float(r * 100 + rank)) for r in range(world)])
+    _check(out.reshape(-1), want.reshape(-1), "all_to_all_single with split sizes")
+    outs = [torch.empty(5, device=device) for _ in range(world)]
+    dist.all_to_all(outs, [torch.full((5,), float(rank * 10 + q), device=device) for q in range(world)])
+    _check(torch.cat(outs), torch.cat([torch.full((5,), float(q * 10 + rank)) for q in range(world)]), "all_to_all")
+    mine = data[rank, 0].to(device)
+    gathered = [torch.empty(1000, device=device) for _ in range(world)] if rank == 1 else None
+    dist.gather(mine, gathered, dst=1)
+    if rank == 1:
+        _check(torch.cat(gathered), data[:, 0].reshape(-1), "gather")
+    got = torch.empty(1000, device=device)
+    dist.scatter(got, [data[0, q].to(device) for q in range(world)] if rank == 0 else None, src=0)
+    _check(got, data[0, rank], "scatter")
+    # A ring of 4 MiB both ways at once, into a transposed (non-contiguous) tensor.
+    right, left = (rank + 1) % world, (rank - 1) % world
+    big = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024) + rank
+    into = torch.empty(1024, 1024, device=device).t()
+    works = [dist.isend(big.to(device), right), dist.irecv(into, left)]
+    for w in works:
+        w.wait()
+    _check(into.reshape(-1), torch.arange(1 << 20, dtype=torch.float32) + left, "isend and irecv")
+    ops = [dist.P2POp(dist.isend, data[rank, right].to(device), right),
+           dist.P2POp(dist.irecv, got, left)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    _check(got, data[left, rank], "batch_isend_irecv")
+    if rank == 0:
+        source = dist.recv(got)
+        _check(got, data[1, 0], "recv without a source")
+        return source
+    if rank == 1:
+        dist.send(data[1, 0].to(device), dst=0)
+    return None
+
+
+def test_calls_on_the_host_take_cuda_tensors():
+    _need_cuda()
+    results = run(2, host_staged, secrets.randbelow(1 << 30))
+    assert results[0] == 1, results
+
+
+def refusals(rank, world):
     errors = []
     for call in (
-        lambda: dist.all_to_all_single(torch.ones(4, device=device), torch.ones(4, device=device)),
-        lambda: dist.all_gather_into_tensor(torch.ones(2 * world), torch.ones(2, device=device)),
-        lambda: dist.send(torch.ones(2, device=device), dst=1 - rank),
+        lambda: dist.all_reduce(torch.ones(4, device="meta")),
+        lambda: dist.send(torch.ones(4, device="meta"), dst=1 - rank),
     ):
         try:
             call()
-        except (ValueError, RuntimeError) as e:
+        except ValueError as e:
             errors.append(str(e))
-    # The group still works on both kinds of tensor: nothing was sent.
-    t = torch.ones(3, device=device)
+    if torch.cuda.is_available() and backend._CUDA:
+        try:
+            dist.all_gather_into_tensor(torch.ones(2 * world), torch.ones(2, device=_device(rank)))
+        except ValueError as e:
+            errors.append(str(e))
+    # The group still works: nothing was sent.
+    t = torch.ones(3)
     dist.all_reduce(t)
-    c = torch.ones(3)
-    dist.all_reduce(c)
-    assert torch.all(t.cpu() == world) and torch.all(c == world)
+    assert torch.all(t == world)
     return errors
 
 
-def test_calls_without_a_device_path_refuse_cuda_tensors():
-    _need_cuda()
+def test_tensors_on_other_devices_are_refused():
+    # Runs without a GPU too: the meta device stands for any other device.
     for errors in run(2, refusals):
-        assert len(errors) == 3, errors
-        assert "all_to_all takes CPU tensors" in errors[0], errors
-        assert "cannot be mixed" in errors[1], errors
-        assert "send takes CPU tensors" in errors[2], errors
+        assert 2 <= len(errors) <= 3, errors
+        assert all("takes CPU and CUDA tensors, got one on meta" in e for e in errors[:2]), errors
+        assert errors[2:] == [] or "cannot be mixed" in errors[2], errors
