@@ -18,6 +18,10 @@
 #   train                 the trainer's GPU tests (--device cuda against the host trainer), and
 #                         train --bench 200 samples/s on the CPU and the GPU, -np 1 and 2 (on
 #                         Fashion-MNIST, copied from the build machine's dataset-fashion-mnist)
+#   torch backend         where the machine's python3 has torch on CUDA and pytest: the torch
+#                         backend's CUDA tests (python/tests/test_cuda.py), and under MPS its
+#                         64 MiB all-reduce on CUDA tensors against Gloo's
+#                         (torch_backend_bench.py --device cuda)
 set -uo pipefail
 
 mode=${1:-}
@@ -45,7 +49,12 @@ build() {
     cp "$tests" "$dir"/cuda-tests
     cp "$train" "$dir"/train-tests
     [ ! -d /usr/share/datasets/fashion-mnist ] || cp -r /usr/share/datasets/fashion-mnist "$dir"/
-    strip --strip-debug "$dir"/* 2>/dev/null || true
+    # The torch backend with CUDA support, laid out as an importable package.
+    cargo build --release -p chorus-torch --lib --features cuda
+    mkdir -p "$dir"/torch/chorus_torch
+    cp python/chorus_torch/*.py "$dir"/torch/chorus_torch/
+    cp target/release/lib_chorus.so "$dir"/torch/chorus_torch/_chorus.abi3.so
+    strip --strip-debug "$dir"/* "$dir"/torch/chorus_torch/_chorus.abi3.so 2>/dev/null || true
     du -sh "$dir"
 }
 
@@ -74,6 +83,11 @@ run() {
     local cache
     cache=$(mktemp -d)
     nvidia-smi -L >&2 || true
+    # The torch backend's package, where python3 has torch on CUDA and pytest to run it.
+    torch=
+    if python3 -c 'import torch, pytest; assert torch.cuda.is_available()' 2>/dev/null; then
+        torch=$(realpath "$dir"/torch)
+    fi
 
     check "kernels cold" 120 env CHORUS_CUDA_CACHE="$cache" "$dir"/kernel-tests cuda
     row "kernels cold cache" "$status" "$(grep -o 'test result.*passed;[^;]*failed' "$last_out" | tail -1) ($last_detail)"
@@ -116,6 +130,12 @@ run() {
             done
             check "allreduce_perf mps 2" 120 "$dir"/allreduce_perf --device cuda -np 2 -b 16 -e 64M -f 4
             row "allreduce_perf MPS -np 2" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
+            if [ -n "$torch" ]; then
+                check "torch bench mps" 240 env PYTHONPATH="$torch" python3 benches/baselines/torch_backend_bench.py \
+                    -np 2,4 --device cuda --backends chorus,gloo --sizes 8,64M --steps 0
+                row "torch MPS 64 MiB W=2,4" "$status" \
+                    "$(awk '/allreduce/ { on = 1 } /broadcast/ { on = 0 } on && $1 == 67108864 { printf "%s us (gloo %s us, x%s)  ", $2, $4, substr($6, 2) }' "$last_out")"
+            fi
             echo quit | nvidia-cuda-mps-control
         else
             row "MPS" "n/a" "nvidia-cuda-mps-control -d failed"
@@ -143,6 +163,14 @@ run() {
             row "train $device -np $world" "$status" "$(grep -o 'step_ms.*' "$last_out" | head -1)"
         done
     done
+
+    if [ -n "$torch" ]; then
+        check "torch cuda tests" 300 env PYTHONPATH="$torch" python3 -m pytest -q -rs -p no:cacheprovider \
+            python/tests/test_cuda.py
+        row "torch backend, CUDA" "$status" "$(grep -E '[0-9]+ passed' "$last_out" | tail -1) ($last_detail)"
+    else
+        row "torch backend, CUDA" "n/a" "no python3 with torch on CUDA and pytest here"
+    fi
 
     echo
     printf '%-24s %-6s %s\n' check status result
