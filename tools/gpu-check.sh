@@ -19,7 +19,8 @@
 #                         train --bench 200 samples/s on the CPU and the GPU, -np 1 and 2 (on
 #                         Fashion-MNIST, copied from the build machine's dataset-fashion-mnist)
 #   torch backend         where the machine's python3 has torch on CUDA and pytest: the torch
-#                         backend's CUDA tests (python/tests/test_cuda.py), and under MPS its
+#                         backend's CUDA tests (python/tests/test_cuda.py), the DDP example on
+#                         the GPU (python/examples/ddp_toy.py --device cuda), and under MPS its
 #                         64 MiB all-reduce on CUDA tensors against Gloo's
 #                         (torch_backend_bench.py --device cuda)
 set -uo pipefail
@@ -168,6 +169,9 @@ run() {
         check "torch cuda tests" 300 env PYTHONPATH="$torch" python3 -m pytest -q -rs -p no:cacheprovider \
             python/tests/test_cuda.py
         row "torch backend, CUDA" "$status" "$(grep -E '[0-9]+ passed' "$last_out" | tail -1) ($last_detail)"
+        check "torch ddp example" 120 env PYTHONPATH="$torch" "$dir"/chorusrun --standalone --nproc-per-node 2 python3 \
+            python/examples/ddp_toy.py --device cuda --steps 20
+        row "ddp_toy.py --device cuda" "$status" "$(grep -o 'rank = 0: trained.*' "$last_out" | head -1)"
     else
         row "torch backend, CUDA" "n/a" "no python3 with torch on CUDA and pytest here"
     fi

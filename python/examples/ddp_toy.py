@@ -1,8 +1,9 @@
-"""The DDP tutorial's ToyModel on CPU, on the chorus backend (or any other: --backend).
+"""The DDP tutorial's ToyModel, on the chorus backend (or any other: --backend), on CPU or
+with --device cuda on the GPUs (rank r on GPU r modulo their number, as the tutorial does).
 
 Run under any launcher that sets torchrun's variables, e.g.
     torchrun --nproc-per-node 2 python/examples/ddp_toy.py
-    chorusrun -np 2 python3 python/examples/ddp_toy.py
+    chorusrun --nproc-per-node 2 python3 python/examples/ddp_toy.py --device cuda
 """
 
 import argparse
@@ -28,35 +29,46 @@ class ToyModel(nn.Module):
         return self.net2(self.relu(self.net1(x)))
 
 
-def train(steps, seed=0):
-    """Trains a DDP ToyModel for `steps` steps on rank-dependent data; returns its parameters."""
+def train(steps, seed=0, device="cpu"):
+    """Trains a DDP ToyModel for `steps` steps on rank-dependent data on `device` ("cpu" or
+    "cuda"); returns its parameters, on the CPU."""
     rank = dist.get_rank()
     torch.manual_seed(seed)
-    model = ToyModel()
-    ddp_model = DDP(model)
+    if device == "cuda":
+        gpu = rank % torch.cuda.device_count()
+        torch.cuda.set_device(gpu)
+        model = ToyModel().to(gpu)
+        ddp_model = DDP(model, device_ids=[gpu])
+    else:
+        model = ToyModel()
+        ddp_model = DDP(model)
+    at = next(model.parameters()).device
     loss_fn = nn.MSELoss()
     optimizer = optim.SGD(ddp_model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(seed + 1000 * rank)
     for _ in range(steps):
         optimizer.zero_grad()
-        outputs = ddp_model(torch.randn(20, 10, generator=data))
-        labels = torch.randn(20, 5, generator=data)
+        outputs = ddp_model(torch.randn(20, 10, generator=data).to(at))
+        labels = torch.randn(20, 5, generator=data).to(at)
         loss_fn(outputs, labels).backward()
         optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().cpu().clone() for p in model.parameters()]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", default="chorus")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here")
     env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     print(f"[{os.getpid()}] Initializing process group with: {env}")
     dist.init_process_group(backend=args.backend)
     print(f"[{os.getpid()}] world_size = {dist.get_world_size()}, rank = {dist.get_rank()}, "
           f"backend={dist.get_backend()}")
-    params = train(args.steps)
+    params = train(args.steps, device=args.device)
     norm = sum(float(p.norm()) for p in params)
     print(f"[{os.getpid()}] rank = {dist.get_rank()}: trained {args.steps} steps, parameter norm {norm:.6f}")
     dist.destroy_process_group()
