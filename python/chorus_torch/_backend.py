@@ -135,15 +135,22 @@ def _staged(tensor):
     return tensor.contiguous(), True
 
 
+def _is_cuda(tensor):
+    """Whether `tensor` is a CUDA tensor rather than a CPU one; refuses any other device."""
+    if tensor.is_cpu:
+        return False
+    if not tensor.is_cuda:
+        raise ValueError(f"the chorus backend takes CPU and CUDA tensors, got one on {tensor.device}")
+    return True
+
+
 def _host(tensor, output):
     """Contiguous CPU memory for `tensor` in a call that runs on the host, and whether it is a
     stand-in (an output's is copied back into `tensor` after the call). A CUDA tensor's
     stand-in is a copy of its values, made once the work queued on it is done, or for an
     output fresh memory."""
-    if tensor.is_cpu:
+    if not _is_cuda(tensor):
         return _staged(tensor)
-    if not tensor.is_cuda:
-        raise ValueError(f"the chorus backend takes CPU and CUDA tensors, got one on {tensor.device}")
     if output:
         return torch.empty(tensor.shape, dtype=tensor.dtype), True
     return tensor.cpu().contiguous(), True
@@ -339,10 +346,8 @@ class ProcessGroupChorus(ProcessGroup):
         device = inp.device
         if out.device != device:
             raise ValueError(f"chorus {kind}: tensors on {device} and {out.device} cannot be mixed in one call")
-        if device.type == "cpu":
+        if not _is_cuda(inp):
             return False
-        if device.type != "cuda":
-            raise ValueError(f"the chorus backend takes CPU and CUDA tensors, got one on {device}")
         if not _CUDA:
             raise ValueError("this build of chorus_torch has no CUDA support (build it with the cargo feature cuda, "
                              "as pip install does)")

@@ -82,3 +82,15 @@ def run(world, fn, *args, backend="chorus", timeout=180, env=None, expect_errors
     if errors:
         raise AssertionError("\n".join(errors))
     return [got[r][1] for r in range(world)]
+
+
+def failures(calls, kinds=(ValueError, TypeError, RuntimeError)):
+    """The messages of the `calls` that raised one of `kinds`, in order (any other exception
+    propagates)."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+        except kinds as e:
+            errors.append(str(e))
+    return errors
