@@ -51,7 +51,7 @@ pub struct Config {
     /// hostname, boot id and namespaces if unset.
     pub host_id: Option<String>,
     /// Smallest message that shared memory moves with one copy, read straight from the
-    /// sender's memory (`CHORUS_SHM_SINGLE_COPY`, bytes; 0 turns it off).
+    /// sender's memory (`CHORUS_SHM_SINGLE_COPY`, bytes; 0, the default, turns it off).
     pub shm_single_copy: usize,
     /// Fraction of `timeout` after which a waiting collective reports which ranks hold it
     /// up (`CHORUS_WATCHDOG`; 0 turns the report off).
@@ -90,8 +90,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 pub const DEFAULT_NSOCKS: usize = 1;
 /// Default pipeline chunk in bytes.
 pub const DEFAULT_CHUNK_BYTES: usize = 512 << 10;
-/// Default smallest message moved by a single copy over shared memory.
-pub const DEFAULT_SHM_SINGLE_COPY: usize = 64 << 10;
+/// Default smallest message moved by a single copy over shared memory: none. Two copies
+/// through the ring's slots, which stay in cache, beat pinning the sender's small pages.
+pub const DEFAULT_SHM_SINGLE_COPY: usize = 0;
 /// Default fraction of the timeout after which the watchdog reports a stalled collective.
 pub const DEFAULT_WATCHDOG: f64 = 0.5;
 /// Largest world size read from the environment: rendezvous and transports keep state per

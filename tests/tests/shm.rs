@@ -1,14 +1,15 @@
 //! The shared-memory transport across real processes: hosts told apart by their identity
 //! (shared memory inside a host, TCP across), TCP still carrying every collective when asked
-//! for, shared buffers (`alloc_shared`) read and written directly by every rank, and a rank
-//! killed with SIGKILL: its peer fails naming it, and nothing is left in /dev/shm.
+//! for, single copies where asked for, shared buffers (`alloc_shared`) read and written
+//! directly by every rank, and a rank killed with SIGKILL: its peer fails naming it, and
+//! nothing is left in /dev/shm.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use chorus_launch::PortReservation;
+use chorus_launch::{LaunchReport, PortReservation};
 use chorus_tests::{
     assert_identical_digests, assert_success, reduction_pairs, run, CHORUS_TEST_RANKS_PER_HOST,
     CHORUS_TEST_SHARED,
@@ -164,6 +165,43 @@ fn leftovers(pids: &[u32]) -> Vec<String> {
         .into_iter()
         .filter(|n| pids.iter().any(|p| n.starts_with(&format!("chorus-{p}-"))))
         .collect()
+}
+
+/// Single copies are off by default; asked for, messages from 64 KiB on are read straight
+/// from the sender's memory, and every collective agrees as it does through the slots.
+#[test]
+fn single_copies_when_asked_carry_every_collective() {
+    let single_copies = |report: &LaunchReport, on: bool| {
+        let marker = format!("single_copies={on}");
+        for r in &report.ranks {
+            let line = logged(&r.stderr, "shm transport connected");
+            assert!(
+                line.as_ref().is_some_and(|l| l.contains(&marker)),
+                "expected {marker} in the log: {line:?}"
+            );
+        }
+    };
+    let log = ("CHORUS_DEBUG", "chorus_transport::shm=debug");
+    let report = run(2, worker(), &["all_reduce", "7"], &[log]);
+    assert_success(&report);
+    single_copies(&report, false);
+    let env = [log, ("CHORUS_SHM_SINGLE_COPY", "65536")];
+    for world in [2, 4] {
+        let report = run(world, worker(), &["all_reduce", "7,70001,1048579"], &env);
+        assert_success(&report);
+        single_copies(&report, true);
+        assert_eq!(
+            assert_identical_digests(&report),
+            reduction_pairs().count() * 3 * 2,
+            "W={world}"
+        );
+    }
+    let report = run(3, worker(), &["broadcast", "0,7,300007"], &env);
+    assert_success(&report);
+    assert_eq!(assert_identical_digests(&report), 3 * 4 * 3 * 2);
+    let report = run(4, worker(), &["more", "0,1,7,1000,65543"], &env);
+    assert_success(&report);
+    assert!(report.ranks.iter().all(|r| r.stdout.contains("more ok")));
 }
 
 #[test]

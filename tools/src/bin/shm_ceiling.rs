@@ -11,14 +11,17 @@
 //! - `split`: the same message copied by both cores at once, as Chorus's single-copy
 //!   messages are when the sender has nothing else to do (a broadcast's root): this process
 //!   reads the first half from the peer while the peer writes the second half into it.
+//! - `relay`: the same message through a ring of 8 slots of 128 KiB in shared memory, as
+//!   Chorus's shared-memory transport moves it: the peer copies pieces in while this process
+//!   copies them out, so each byte is copied twice, the second time from cache.
 //! - `reduce`: one core sums 512 KiB pieces into a 64 MiB float buffer with Chorus's kernel.
-//! - `bound`: from those rates, the fastest a broadcast or an all-reduce of 64 MiB could run
-//!   through single copies with every copy from memory, the two cores sharing all the work
-//!   (W ranks on two cores). A broadcast copies the message W-1 times (at the rate both cores
-//!   copy one message, `split`); out of place, the root also copies its input to its output
-//!   (at the `memcpy` rate of two cores at once). An all-reduce (ring or halving-doubling)
-//!   copies 2(W-1)/W of the buffer into each rank and sums (W-1)/W of it there. A pipeline's
-//!   chunks, found in cache, can beat these.
+//! - `bound`: from those rates, the fastest a broadcast or an all-reduce of 64 MiB could run,
+//!   each message moved the faster way (`split` or `relay`, both of which keep both cores
+//!   busy), the two cores sharing all the work (W ranks on two cores). A broadcast copies the
+//!   message W-1 times; out of place, the root also copies its input to its output (at the
+//!   `memcpy` rate of two cores at once). An all-reduce (ring or halving-doubling) copies
+//!   2(W-1)/W of the buffer into each rank and sums (W-1)/W of it there. A pipeline's chunks,
+//!   found in cache, can beat these.
 //! - `meet`: a bare barrier of two and of four processes (this one and the others), each
 //!   bumping its round counter on a page they share and polling the others' until all have
 //!   caught up, giving its core away at every poll when the processes outnumber the cores:
@@ -132,7 +135,23 @@ fn main() -> io::Result<()> {
         );
         split.push(r);
     }
-    let best = split.iter().copied().fold(0.0, f64::max);
+    let ring_path = shm_path("relay");
+    let relayed = Ring::create(&ring_path).and_then(|ring| {
+        median(n, || {
+            ring.reset();
+            peer.ask(&format!("relay {}", ring_path.display()))?;
+            let mine = ring.drain(&mut dst);
+            peer.seconds()?;
+            mine
+        })
+    });
+    std::fs::remove_file(&ring_path)?;
+    let relay = rate(relayed?);
+    println!(
+        "relay     64 MiB through {SLOTS} slots of {} KiB in shared memory, copied in and out: {relay:.2} GB/s",
+        SLOT >> 10
+    );
+    let best = split.iter().copied().fold(relay, f64::max);
     let summed = chorus_tools::reduce_rate(n);
     println!("reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core");
     // Core-seconds per byte: 2 / best for a message copied, 1 / two for a memcpy, 1 / summed
@@ -198,6 +217,10 @@ fn peer(hugepages: bool) -> io::Result<()> {
                 let second = &mut dst[half..];
                 timed_io(|| copy(parent, Way::Write, at..at + half as u64, second, piece))?
             }
+            ["relay", path] => {
+                let ring = Ring::open(std::path::Path::new(path))?;
+                timed_io(|| ring.fill(&src))?
+            }
             ["exit"] => return Ok(()),
             _ => return Err(io::Error::other(format!("unknown request {line:?}"))),
         };
@@ -210,10 +233,7 @@ fn peer(hugepages: bool) -> io::Result<()> {
 /// Microseconds per round of the bare barrier, the slowest process's: this one is rank 0,
 /// and starts the others on a fresh file in `/dev/shm`.
 fn meeting(processes: usize, rounds: usize) -> io::Result<f64> {
-    let path = std::path::PathBuf::from(format!(
-        "/dev/shm/chorus-shm-ceiling-{}",
-        std::process::id()
-    ));
+    let path = shm_path("meet");
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -307,6 +327,112 @@ fn meet(path: &std::path::Path, rank: usize, processes: usize, rounds: usize) ->
         }
     }
     Ok(start.elapsed().as_secs_f64() * 1e6 / rounds as f64)
+}
+
+/// A fresh name in `/dev/shm` for this process's `what`.
+fn shm_path(what: &str) -> std::path::PathBuf {
+    format!("/dev/shm/chorus-shm-ceiling-{what}-{}", std::process::id()).into()
+}
+
+/// Slots of the relay's ring and their bytes, as in the shared-memory transport's rings.
+const SLOTS: usize = 8;
+const SLOT: usize = 128 << 10;
+
+/// The relay's ring in a file both processes map: the writer's count of slots filled and
+/// the reader's count of slots emptied, a line each, then the slots.
+struct Ring {
+    map: memmap2::MmapRaw,
+}
+
+impl Ring {
+    const FILLED: usize = 0;
+    const EMPTIED: usize = LINE;
+    const SLOTS_AT: usize = 2 * LINE;
+
+    fn create(path: &std::path::Path) -> io::Result<Ring> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)?;
+        file.set_len((Self::SLOTS_AT + SLOTS * SLOT) as u64)?;
+        Self::open(path)
+    }
+
+    fn open(path: &std::path::Path) -> io::Result<Ring> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let map = memmap2::MmapRaw::map_raw(&file)?;
+        if map.len() < Self::SLOTS_AT + SLOTS * SLOT {
+            return Err(io::Error::other("the relay's ring is too short"));
+        }
+        Ok(Ring { map })
+    }
+
+    fn count(&self, at: usize) -> &AtomicU64 {
+        // SAFETY: `at` is one of the two counters' offsets, 8-aligned inside the page-aligned
+        // mapping `open` checked; both processes change them only atomically.
+        unsafe { &*self.map.as_mut_ptr().add(at).cast::<AtomicU64>() }
+    }
+
+    fn slot(&self, k: usize) -> *mut u8 {
+        // SAFETY: slot `k % SLOTS` lies inside the mapping (checked in `open`).
+        unsafe {
+            self.map
+                .as_mut_ptr()
+                .add(Self::SLOTS_AT + (k % SLOTS) * SLOT)
+        }
+    }
+
+    fn reset(&self) {
+        self.count(Self::FILLED).store(0, Ordering::Release);
+        self.count(Self::EMPTIED).store(0, Ordering::Release);
+    }
+
+    /// The writer: copies `src` into the slots as the reader frees them.
+    fn fill(&self, src: &[u8]) -> io::Result<()> {
+        for (k, piece) in src.chunks(SLOT).enumerate() {
+            let free =
+                || self.count(Self::EMPTIED).load(Ordering::Acquire) + SLOTS as u64 > k as u64;
+            wait_for(free, "the relay's reader")?;
+            // SAFETY: the slot holds SLOT >= piece.len() bytes and the reader is done with
+            // it (its count of emptied slots passed it); it reads it only after the store below.
+            unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), self.slot(k), piece.len()) };
+            self.count(Self::FILLED)
+                .store(k as u64 + 1, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// The reader: copies the slots out into `dst` as the writer fills them; seconds from the
+    /// first slot's arrival to the last one's copy.
+    fn drain(&self, dst: &mut [u8]) -> io::Result<f64> {
+        let mut start = None;
+        for (k, piece) in dst.chunks_mut(SLOT).enumerate() {
+            wait_for(
+                || self.count(Self::FILLED).load(Ordering::Acquire) > k as u64,
+                "the relay's writer",
+            )?;
+            start.get_or_insert_with(Instant::now);
+            // SAFETY: the writer filled the slot (its count passed it) and leaves it alone
+            // until the store below frees it.
+            unsafe { std::ptr::copy_nonoverlapping(self.slot(k), piece.as_mut_ptr(), piece.len()) };
+            self.count(Self::EMPTIED)
+                .store(k as u64 + 1, Ordering::Release);
+        }
+        Ok(start.map_or(0.0, |s| s.elapsed().as_secs_f64()))
+    }
+}
+
+/// Spins until `ready`, failing after `PATIENCE`.
+fn wait_for(ready: impl Fn() -> bool, whom: &str) -> io::Result<()> {
+    let since = Instant::now();
+    while !ready() {
+        if since.elapsed() > PATIENCE {
+            return Err(io::Error::other(format!("{whom} did not come")));
+        }
+        std::hint::spin_loop();
+    }
+    Ok(())
 }
 
 /// The peer process as this one sees it: its pid, its buffer's address, its pipes.
