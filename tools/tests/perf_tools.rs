@@ -362,6 +362,14 @@ fn shm_ceiling_reports_copies_bounds_and_the_bare_barrier() {
         panic!("shm_ceiling failed: {err}\n{text}");
     }
     let figure = |prefix: &str| figure(&text, prefix);
+    // Each message moves the faster way: the W=2 in-place broadcast's bound is at least the
+    // relay through the slots (both printed to 0.01).
+    let relay = figure("relay     64 MiB through");
+    assert!(relay > 0.0, "{text}");
+    assert!(
+        figure("bound     W=2 broadcast") >= relay - 0.0051,
+        "{text}"
+    );
     for w in [2, 4] {
         let numbers = figures(&text, &format!("bound     W={w} broadcast"));
         // The root's own copy can only lower the bound.

@@ -11,8 +11,8 @@
 //! - `split`: the same message copied by both cores at once, as Chorus's single-copy
 //!   messages are when the sender has nothing else to do (a broadcast's root): this process
 //!   reads the first half from the peer while the peer writes the second half into it.
-//! - `relay`: the same message through a ring of 8 slots of 128 KiB in shared memory, as
-//!   Chorus's shared-memory transport moves it: the peer copies pieces in while this process
+//! - `relay`: the same message through a ring in shared memory shaped as the shared-memory
+//!   transport's (8 slots of 128 KiB by default), as the transport moves it: the peer copies pieces in while this process
 //!   copies them out, so each byte is copied twice, the second time from cache.
 //! - `reduce`: one core sums 512 KiB pieces into a 64 MiB float buffer with Chorus's kernel.
 //! - `bound`: from those rates, the fastest a broadcast or an all-reduce of 64 MiB could run,
@@ -43,6 +43,7 @@ use std::time::Duration;
 use std::time::Instant;
 
 use chorus_tools::perf::buffer::advise_huge_pages;
+use chorus_transport::shm::ShmConfig;
 use clap::Parser;
 
 /// Bytes of every buffer.
@@ -149,9 +150,10 @@ fn main() -> io::Result<()> {
     let removed = std::fs::remove_file(&ring_path);
     let relay = rate(relayed?);
     removed?;
+    let (slots, slot) = Ring::shape();
     println!(
-        "relay     64 MiB through {SLOTS} slots of {} KiB in shared memory, copied in and out: {relay:.2} GB/s",
-        SLOT >> 10
+        "relay     64 MiB through {slots} slots of {} KiB in shared memory, copied in and out: {relay:.2} GB/s",
+        slot >> 10
     );
     let best = split.iter().copied().fold(relay, f64::max);
     let summed = chorus_tools::reduce_rate(n);
@@ -236,14 +238,8 @@ fn peer(hugepages: bool) -> io::Result<()> {
 /// and starts the others on a fresh file in `/dev/shm`.
 fn meeting(processes: usize, rounds: usize) -> io::Result<f64> {
     let path = shm_path("meet");
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&path)?;
-    let outcome = file
-        .set_len((processes * LINE) as u64)
-        .and_then(|()| meet_all(&path, processes, rounds));
+    let outcome =
+        create_shared(&path, processes * LINE).and_then(|_| meet_all(&path, processes, rounds));
     // Rank 0 removed the name once all had mapped the page, unless something failed first.
     match std::fs::remove_file(&path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
@@ -336,14 +332,24 @@ fn shm_path(what: &str) -> std::path::PathBuf {
     format!("/dev/shm/chorus-shm-ceiling-{what}-{}", std::process::id()).into()
 }
 
-/// Slots of the relay's ring and their bytes, as in the shared-memory transport's rings.
-const SLOTS: usize = 8;
-const SLOT: usize = 128 << 10;
+/// A new file of `len` bytes at `path` (which must not exist yet), for processes to map.
+fn create_shared(path: &std::path::Path, len: usize) -> io::Result<std::fs::File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)?;
+    file.set_len(len as u64)?;
+    Ok(file)
+}
 
-/// The relay's ring in a file both processes map: the writer's count of slots filled and
-/// the reader's count of slots emptied, a line each, then the slots.
+/// The relay's ring in a file both processes map, shaped as the shared-memory transport's
+/// rings are by default: the writer's count of slots filled and the reader's count of
+/// slots emptied, a line each, then the slots.
 struct Ring {
     map: memmap2::MmapRaw,
+    slots: usize,
+    slot: usize,
 }
 
 impl Ring {
@@ -351,23 +357,26 @@ impl Ring {
     const EMPTIED: usize = LINE;
     const SLOTS_AT: usize = 2 * LINE;
 
+    /// The transport's default ring: slots and bytes per slot.
+    fn shape() -> (usize, usize) {
+        let config = ShmConfig::default();
+        (config.slots, config.slot_bytes)
+    }
+
     fn create(path: &std::path::Path) -> io::Result<Ring> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(path)?;
-        file.set_len((Self::SLOTS_AT + SLOTS * SLOT) as u64)?;
+        let (slots, slot) = Self::shape();
+        create_shared(path, Self::SLOTS_AT + slots * slot)?;
         Self::open(path)
     }
 
     fn open(path: &std::path::Path) -> io::Result<Ring> {
+        let (slots, slot) = Self::shape();
         let file = OpenOptions::new().read(true).write(true).open(path)?;
         let map = memmap2::MmapRaw::map_raw(&file)?;
-        if map.len() < Self::SLOTS_AT + SLOTS * SLOT {
+        if map.len() < Self::SLOTS_AT + slots * slot {
             return Err(io::Error::other("the relay's ring is too short"));
         }
-        Ok(Ring { map })
+        Ok(Ring { map, slots, slot })
     }
 
     fn count(&self, at: usize) -> &AtomicU64 {
@@ -377,11 +386,11 @@ impl Ring {
     }
 
     fn slot(&self, k: usize) -> *mut u8 {
-        // SAFETY: slot `k % SLOTS` lies inside the mapping (checked in `open`).
+        // SAFETY: slot `k % slots` lies inside the mapping (checked in `open`).
         unsafe {
             self.map
                 .as_mut_ptr()
-                .add(Self::SLOTS_AT + (k % SLOTS) * SLOT)
+                .add(Self::SLOTS_AT + (k % self.slots) * self.slot)
         }
     }
 
@@ -392,11 +401,11 @@ impl Ring {
 
     /// The writer: copies `src` into the slots as the reader frees them.
     fn fill(&self, src: &[u8]) -> io::Result<()> {
-        for (k, piece) in src.chunks(SLOT).enumerate() {
+        for (k, piece) in src.chunks(self.slot).enumerate() {
             let free =
-                || self.count(Self::EMPTIED).load(Ordering::Acquire) + SLOTS as u64 > k as u64;
+                || self.count(Self::EMPTIED).load(Ordering::Acquire) + self.slots as u64 > k as u64;
             wait_for(free, "the relay's reader")?;
-            // SAFETY: the slot holds SLOT >= piece.len() bytes and the reader is done with
+            // SAFETY: the slot holds `slot` >= piece.len() bytes and the reader is done with
             // it (its count of emptied slots passed it); it reads it only after the store below.
             unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), self.slot(k), piece.len()) };
             self.count(Self::FILLED)
@@ -409,7 +418,7 @@ impl Ring {
     /// first slot's arrival to the last one's copy.
     fn drain(&self, dst: &mut [u8]) -> io::Result<f64> {
         let mut start = None;
-        for (k, piece) in dst.chunks_mut(SLOT).enumerate() {
+        for (k, piece) in dst.chunks_mut(self.slot).enumerate() {
             wait_for(
                 || self.count(Self::FILLED).load(Ordering::Acquire) > k as u64,
                 "the relay's writer",
