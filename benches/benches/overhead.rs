@@ -28,7 +28,7 @@ fn overhead(c: &mut Criterion) {
         b.iter(|| ring::all_reduce(3, 8, 2, chunk))
     });
     group.bench_function("schedule_doubling_w8", |b| {
-        b.iter(|| recursive::doubling(3, 8, 2, chunk))
+        b.iter(|| recursive::doubling(3, 8, 2, chunk, usize::MAX))
     });
     let tuner = Tuner::new(DEFAULT_ALPHA, DEFAULT_BETA, Forced::none());
     group.bench_function("tuner_decide_w8", |b| {

@@ -94,6 +94,24 @@ fn three_nodes_all_reduce() {
     );
 }
 
+/// Recursive doubling and halving-doubling across 3 nodes of 2 ranks (two folded in, as
+/// W = 6 is no power of two) on sizes whose rounds start with a handshake between hosts, with
+/// every rank's result checked (`allreduce_perf -c 1` fails on a wrong value).
+#[test]
+fn recursive_all_reduces_shake_hands_across_nodes_and_stay_correct() {
+    let Some(cluster) = cluster(3) else { return };
+    for algo in [Algorithm::RecursiveDoubling, Algorithm::HalvingDoubling] {
+        let args = ["-b", "16K", "-e", "1M", "-f", "8", "-n", "3", "-c", "1"];
+        let runs = perf_on_nodes(&cluster, 2, algo, &args);
+        assert!(
+            runs[0].stdout.contains("Out of bounds values : 0 OK"),
+            "{algo}: {}",
+            runs[0].stdout
+        );
+        assert_eq!(perf_times(&runs[0].stdout).len(), 3, "{}", runs[0].stdout);
+    }
+}
+
 #[test]
 fn a_node_that_starts_late_is_waited_for() {
     let Some(cluster) = cluster(2) else { return };
@@ -185,16 +203,30 @@ fn assert_takes_the_models_time(
 
 /// One run of `allreduce_perf` of 1 and 4 MiB with `algo` forced: rank 0's times by size.
 fn perf_run(cluster: &Cluster, per_node: usize, algo: Algorithm) -> Vec<(usize, f64)> {
+    let args = ["-b", "1M", "-e", "4M", "-f", "4", "-n", "3", "-c", "0"];
+    let runs = perf_on_nodes(cluster, per_node, algo, &args);
+    let times = perf_times(&runs[0].stdout);
+    assert_eq!(times.len(), 2, "{}", runs[0].stdout);
+    times
+}
+
+/// Every node's run of `allreduce_perf` with `args` (after `-w 2`) and `algo` forced,
+/// `per_node` ranks a node, each checked to have succeeded.
+fn perf_on_nodes(
+    cluster: &Cluster,
+    per_node: usize,
+    algo: Algorithm,
+    args: &[&str],
+) -> Vec<Finished> {
     let perf = allreduce_perf().to_str().expect("a UTF-8 path");
     let nodes = cluster.nodes.len();
     let running: Vec<Running> = (0..nodes)
         .map(|i| {
             let mut cmd = node_cmd(cluster, i, nodes, per_node);
-            cmd.args([
-                perf, "-b", "1M", "-e", "4M", "-f", "4", "-n", "3", "-w", "2", "-c", "0",
-            ])
-            .env("CHORUS_ALGO", format!("allreduce:{algo}"))
-            .env("CHORUS_TIMEOUT", "60");
+            cmd.args([perf, "-w", "2"])
+                .args(args)
+                .env("CHORUS_ALGO", format!("allreduce:{algo}"))
+                .env("CHORUS_TIMEOUT", "60");
             start(cmd)
         })
         .collect();
@@ -202,9 +234,7 @@ fn perf_run(cluster: &Cluster, per_node: usize, algo: Algorithm) -> Vec<(usize, 
     for run in &runs {
         run.assert_code(0);
     }
-    let times = perf_times(&runs[0].stdout);
-    assert_eq!(times.len(), 2, "{}", runs[0].stdout);
-    times
+    runs
 }
 
 /// Held by each test that times shaped links, so that they do not run at once: on a small

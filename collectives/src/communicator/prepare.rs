@@ -182,12 +182,15 @@ impl Inner {
             (_, Algorithm::Hierarchical, _) => {
                 hierarchical::all_reduce_on(rank, &self.hosts, info.count, chunk)
             }
-            (Some(c), a, None) => crate::cost::schedule_for(c, a, rank, w, elems, chunk, info.root)
-                .ok_or_else(|| {
-                    Error::Internal(format!(
-                        "the tuner offered {a:?}, which has no {c:?} schedule"
-                    ))
-                })?,
+            (Some(c), a, None) => {
+                let ready_above = crate::cost::ready_above(self.hosts.len(), info.dtype.size());
+                crate::cost::schedule_for(c, a, rank, w, elems, chunk, info.root, ready_above)
+                    .ok_or_else(|| {
+                        Error::Internal(format!(
+                            "the tuner offered {a:?}, which has no {c:?} schedule"
+                        ))
+                    })?
+            }
         };
         Ok(Decided::Messages(Arc::new(steps)))
     }

@@ -113,6 +113,16 @@ impl Network {
     }
 }
 
+/// The `ready_above` of [`schedule_for`] for elements of `elem` bytes on ranks spread over
+/// `hosts` hosts: between hosts, a round's message larger than what the sockets hold before
+/// its receive is posted waits for a handshake; on one host no link is shared, so none does.
+pub fn ready_above(hosts: usize, elem: usize) -> usize {
+    match hosts {
+        0 | 1 => usize::MAX,
+        _ => fabric::EAGER as usize / elem.max(1),
+    }
+}
+
 /// The schedule `rank` runs for `c` by `a`, or `None` if `a` does not implement `c`.
 ///
 /// `count` is nccl-tests' size in elements (see [`crate::tuner::Tuner::estimate`]):
@@ -120,7 +130,10 @@ impl Network {
 /// all-gather and gather, the whole input of reduce-scatter and scatter,
 /// each rank's buffer of all-to-all, of which every rank's block is
 /// `count / world_size` elements. `chunk` is the pipeline chunk in elements;
-/// `root` the root of broadcast, reduce, gather and scatter.
+/// `root` the root of broadcast, reduce, gather and scatter; rounds of recursive doubling
+/// and halving-doubling that send more than `ready_above` elements start with a handshake
+/// (see [`ready_above`]; `usize::MAX`: none).
+#[allow(clippy::too_many_arguments)]
 pub fn schedule_for(
     c: Collective,
     a: Algorithm,
@@ -129,6 +142,7 @@ pub fn schedule_for(
     count: usize,
     chunk: usize,
     root: usize,
+    ready_above: usize,
 ) -> Option<Schedule> {
     use Algorithm::*;
     use Collective::*;
@@ -136,8 +150,10 @@ pub fn schedule_for(
     Some(match (c, a) {
         (AllReduce, Ring) => ring::all_reduce(rank, w, count, chunk),
         (AllReduce, Tree) => tree::all_reduce(rank, w, count, chunk),
-        (AllReduce, RecursiveDoubling) => recursive::doubling(rank, w, count, chunk),
-        (AllReduce, HalvingDoubling) => recursive::halving_doubling(rank, w, count, chunk),
+        (AllReduce, RecursiveDoubling) => recursive::doubling(rank, w, count, chunk, ready_above),
+        (AllReduce, HalvingDoubling) => {
+            recursive::halving_doubling(rank, w, count, chunk, ready_above)
+        }
         (Broadcast, Ring) => broadcast::chain(rank, w, root, count, chunk),
         (Broadcast, Tree) => broadcast::tree(rank, w, root, count, chunk),
         (Reduce, Ring) => reduce::chain(rank, w, root, count, chunk),
@@ -152,4 +168,33 @@ pub fn schedule_for(
         (Scatter, Direct) => scatter::direct(rank, w, root, block),
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::Step;
+
+    #[test]
+    fn only_rounds_between_hosts_larger_than_the_sockets_hold_shake_hands() {
+        assert_eq!(ready_above(1, 4), usize::MAX);
+        assert_eq!(ready_above(2, 4), 16 << 10);
+        assert_eq!(ready_above(3, 8), 8 << 10);
+        let fence = |s: &Step| matches!(s, Step::Fence);
+        let rd = |hosts| {
+            schedule_for(
+                Collective::AllReduce,
+                Algorithm::RecursiveDoubling,
+                0,
+                4,
+                1 << 20,
+                1 << 17,
+                0,
+                ready_above(hosts, 4),
+            )
+            .expect("recursive doubling implements all-reduce")
+        };
+        assert!(!rd(1).iter().any(fence));
+        assert_eq!(rd(4).iter().filter(|s| fence(s)).count(), 4);
+    }
 }

@@ -944,7 +944,7 @@ mod tests {
         for c in Collective::ALL {
             for &a in Tuner::candidates(c) {
                 for r in 0..w {
-                    for step in schedule_for(c, a, r, w, w * 10, 3, 2).unwrap() {
+                    for step in schedule_for(c, a, r, w, w * 10, 3, 2, 5).unwrap() {
                         let packed = Packed::pack(&step).map(Packed::unpack);
                         assert_eq!(packed, Some(step));
                     }
@@ -1235,7 +1235,7 @@ mod tests {
                 (w * 64 + 5, 7),
             ] {
                 let e = eval(w, &m, |r| {
-                    schedule_for(c, a, r, w, count, chunk, w / 3).unwrap()
+                    schedule_for(c, a, r, w, count, chunk, w / 3, usize::MAX).unwrap()
                 });
                 let want = closed::estimate(&m, c, a, 4 * count, w, 4 * chunk).unwrap();
                 let ratio = e.time / want;
@@ -1309,7 +1309,7 @@ mod tests {
                     let count = bytes / 4;
                     let time = |a| {
                         eval(w, &m, |r| {
-                            schedule_for(c, a, r, w, count, chunk, 1).unwrap()
+                            schedule_for(c, a, r, w, count, chunk, 1, usize::MAX).unwrap()
                         })
                         .time
                     };

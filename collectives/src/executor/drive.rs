@@ -341,16 +341,31 @@ mod tests {
         // Floats: 64 of them are EXCHANGE_BYTES.
         let chunk = 1 << 20;
         for (world, rank) in [(2, 0), (2, 1), (4, 3), (8, 5)] {
-            assert!(exchanges(&recursive::doubling(rank, world, 64, chunk), 4));
+            assert!(exchanges(
+                &recursive::doubling(rank, world, 64, chunk, usize::MAX),
+                4
+            ));
             assert!(exchanges(&barrier::dissemination(rank, world), 4));
             // A message too big, and chunks of one round that the machine would overlap.
-            assert!(!exchanges(&recursive::doubling(rank, world, 65, chunk), 4));
-            assert!(!exchanges(&recursive::doubling(rank, world, 64, 16), 4));
+            assert!(!exchanges(
+                &recursive::doubling(rank, world, 65, chunk, usize::MAX),
+                4
+            ));
+            assert!(!exchanges(
+                &recursive::doubling(rank, world, 64, 16, usize::MAX),
+                4
+            ));
             assert!(!exchanges(&ring::all_reduce(rank, world, 64, chunk), 4));
         }
         // Three ranks: rank 2 is folded into rank 0, which receives from it before any send.
-        assert!(exchanges(&recursive::doubling(2, 3, 8, chunk), 4));
-        assert!(!exchanges(&recursive::doubling(0, 3, 8, chunk), 4));
+        assert!(exchanges(
+            &recursive::doubling(2, 3, 8, chunk, usize::MAX),
+            4
+        ));
+        assert!(!exchanges(
+            &recursive::doubling(0, 3, 8, chunk, usize::MAX),
+            4
+        ));
         assert!(exchanges(&barrier::dissemination(1, 3), 4));
     }
 }

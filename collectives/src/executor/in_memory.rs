@@ -392,11 +392,22 @@ mod tests {
 
     type Generator = fn(usize, usize, usize, usize) -> Schedule;
 
-    const ALL_REDUCE: [(&str, Generator); 4] = [
+    const ALL_REDUCE: [(&str, Generator); 6] = [
         ("ring", ring::all_reduce),
         ("tree", tree::all_reduce),
-        ("doubling", recursive::doubling),
-        ("halving_doubling", recursive::halving_doubling),
+        ("doubling", |r, w, c, k| {
+            recursive::doubling(r, w, c, k, usize::MAX)
+        }),
+        ("halving_doubling", |r, w, c, k| {
+            recursive::halving_doubling(r, w, c, k, usize::MAX)
+        }),
+        // Handshakes before the rounds that send more than 2 elements.
+        ("doubling, shaking hands", |r, w, c, k| {
+            recursive::doubling(r, w, c, k, 2)
+        }),
+        ("halving_doubling, shaking hands", |r, w, c, k| {
+            recursive::halving_doubling(r, w, c, k, 2)
+        }),
     ];
 
     const ORDERS: [Order; 4] = [

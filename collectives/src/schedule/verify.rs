@@ -325,8 +325,9 @@ fn large_worlds_are_correct() {
     for world in [127, 256, 1024] {
         check_all_reduce(ring::all_reduce, world, world + 3, 1 << 20);
         check_all_reduce(tree::all_reduce, world, 4, 1);
-        check_all_reduce(recursive::doubling, world, 3, 1);
-        check_all_reduce(recursive::halving_doubling, world, world + 3, 1 << 20);
+        check_all_reduce(|r, w, c, k| recursive::doubling(r, w, c, k, 1), world, 3, 1);
+        let halving = |r, w, c, k| recursive::halving_doubling(r, w, c, k, usize::MAX);
+        check_all_reduce(halving, world, world + 3, 1 << 20);
     }
 }
 
@@ -686,10 +687,20 @@ fn scatter_hands_every_rank_its_block() {
     }
 }
 
+/// Recursive doubling and halving-doubling, without handshakes, with one before every
+/// round, and with them only before rounds sending more than 3 elements (where the halves
+/// of halving-doubling differ in length, both partners must still agree on each round).
+type Recursive = fn(usize, usize, usize, usize, usize) -> Schedule;
+const RECURSIVE: [Recursive; 2] = [recursive::doubling, recursive::halving_doubling];
+const READY_ABOVE: [usize; 3] = [usize::MAX, 0, 3];
+
 #[test]
 fn recursive_all_reduces_are_correct() {
-    type Make = fn(usize, usize, usize, usize) -> Schedule;
-    for make in [recursive::doubling as Make, recursive::halving_doubling] {
+    for (make, ready) in RECURSIVE
+        .into_iter()
+        .flat_map(|m| READY_ABOVE.map(|r| (m, r)))
+    {
+        let make = |r, w, c, k| make(r, w, c, k, ready);
         for world in 1..=17 {
             for count in SIZES.into_iter().chain([world - 1, world + 1, 3 * world]) {
                 for chunk in CHUNKS {
@@ -705,11 +716,31 @@ fn recursive_all_reduces_are_correct() {
 }
 
 #[test]
+fn handshakes_start_only_the_rounds_above_the_threshold() {
+    let fences = |s: &Schedule| s.iter().filter(|s| matches!(s, Step::Fence)).count();
+    // 8 ranks, 3 rounds of 1000 elements: a fence on each side of each handshake.
+    assert_eq!(fences(&recursive::doubling(5, 8, 1000, 100, 999)), 6);
+    assert_eq!(fences(&recursive::doubling(5, 8, 1000, 100, 1000)), 0);
+    // Halving-doubling's rounds move 500, 250, 125 elements, then 125, 250, 500.
+    assert_eq!(
+        fences(&recursive::halving_doubling(5, 8, 1000, 100, 200)),
+        8
+    );
+    assert_eq!(
+        fences(&recursive::halving_doubling(5, 8, 1000, 100, usize::MAX)),
+        0
+    );
+}
+
+#[test]
 fn recursive_all_reduces_are_bit_identical_on_every_rank() {
-    type Make = fn(usize, usize, usize, usize) -> Schedule;
-    for make in [recursive::doubling as Make, recursive::halving_doubling] {
+    for (make, ready) in RECURSIVE
+        .into_iter()
+        .flat_map(|m| READY_ABOVE.map(|r| (m, r)))
+    {
         for world in [2, 3, 4, 6, 8, 13, 16] {
-            let programs: Vec<Schedule> = (0..world).map(|r| make(r, world, 20, 3)).collect();
+            let programs: Vec<Schedule> =
+                (0..world).map(|r| make(r, world, 20, 3, ready)).collect();
             let outputs = run(&programs, &all_reduce_layouts(world, 20, false));
             assert!(outputs.iter().all(|out| out
                 .iter()

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use chorus::cost::{evaluate, schedule_for, EvalConfig, LinkModel, Network};
+use chorus::cost::{evaluate, ready_above, schedule_for, EvalConfig, LinkModel, Network};
 use chorus::schedule::hierarchical;
 use chorus::tuner::{Algorithm, Collective, Forced, Path, Topology, Tuner, TIE_MARGIN};
 use chorus_tools::perf::parse_size;
@@ -300,9 +300,12 @@ fn cell(
         .step_by(args.ranks_per_host)
         .map(|first| (first..(first + args.ranks_per_host).min(w)).collect())
         .collect();
+    // As the communicator shapes them: handshakes where the ranks span hosts.
+    let ready_above = ready_above(hosts.len(), ELEM);
     let make = |r: usize| match a {
         Algorithm::Hierarchical => hierarchical::all_reduce_on(r, &hosts, count, chunk),
-        _ => schedule_for(c, a, r, w, count, chunk, args.root).expect("a candidate implements c"),
+        _ => schedule_for(c, a, r, w, count, chunk, args.root, ready_above)
+            .expect("a candidate implements c"),
     };
     let closed = || Cell {
         time: tuner.estimate(c, a, bytes, w),
