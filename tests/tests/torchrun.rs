@@ -1,14 +1,17 @@
 //! Chorus against torch itself: `TorchStore` and a Python `torch.distributed.TCPStore` reading
 //! each other's keys (libuv and classic servers), the perf tool under `torchrun --standalone`,
 //! and a `torchrun --max-restarts 1` job whose rank fails in the first attempt (the restart
-//! must not read the failed attempt's keys; torchrun's summary must show the error file), and
-//! the DDP tutorial's ToyModel on the torch backend `chorus` under `torchrun --standalone`.
+//! must not read the failed attempt's keys; torchrun's summary must show the error file),
+//! torchrun's c10d rendezvous across two network-namespace nodes, and the DDP tutorial's
+//! ToyModel on the torch backend `chorus` under `torchrun --standalone`.
 //!
 //! Needs a Python with torch 2.x: `CHORUS_TORCH_PYTHON` names it, else `python3` is tried.
-//! Without one each test prints "skipping: needs torch >= 2 ..." and passes. Every process is
+//! Without one each test prints "skipping: needs torch >= 2 ..." and passes (the c10d test
+//! also needs root and iproute2 for its nodes, and says so without them). Every process is
 //! bounded in time.
 
 mod chorusrun_support;
+mod netns_support;
 
 use std::io::Write;
 use std::process::Command;
@@ -17,8 +20,9 @@ use std::time::Duration;
 use chorus_launch::PortReservation;
 use chorus_transport::store::{Store, StoreError, TorchStore};
 use chorusrun_support::{
-    allreduce_perf, clean_env, start, wait_for_files, Finished, Scratch, PROBE,
+    allreduce_perf, clean_env, start, wait_for_files, Finished, Running, Scratch, PROBE,
 };
+use netns_support::{cluster, Cluster};
 
 /// Bound on one Python or torchrun run.
 const LIMIT: Duration = Duration::from_secs(120);
@@ -160,6 +164,63 @@ fn the_perf_tool_runs_under_torchrun_standalone() {
     assert_ne!(run.status.code(), Some(0), "{run:?}");
     run.assert_stderr_has("error_file")
         .assert_stderr_has("traceback : allreduce_perf: -n and -m must be at least 1");
+}
+
+/// torchrun's dynamic rendezvous (`--rdzv-backend c10d`) over two network-namespace nodes of
+/// two ranks each, running the perf tool with every result checked. The namespaces share this
+/// machine's name, which resolves to 127.0.0.1: the endpoint's node is told it hosts the
+/// rendezvous (`is_host`), and without `--local-addr` the agents name `localhost` for the
+/// store, which the second node's ranks cannot reach; they fail saying to set it.
+#[test]
+fn torchrun_c10d_rendezvous_spans_two_namespace_nodes() {
+    let Some(python) = torch_python() else {
+        return;
+    };
+    let Some(cluster) = cluster(2) else { return };
+    let perf = allreduce_perf().to_str().expect("a UTF-8 path");
+    let endpoint = format!("{}:29400", Cluster::addr(0));
+    let job = |local_addr: bool, timeout: &str| -> Vec<Finished> {
+        let running: Vec<Running> = (0..2)
+            .map(|i| {
+                let mut cmd = Command::new("ip");
+                clean_env(&mut cmd);
+                cmd.args(["netns", "exec", &cluster.nodes[i], &python])
+                    .args(["-m", "torch.distributed.run", "--nnodes", "2"])
+                    .args(["--nproc-per-node", "2", "--rdzv-backend", "c10d"])
+                    .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "c10d-test"])
+                    .args([
+                        "--rdzv-conf",
+                        if i == 0 { "is_host=1" } else { "is_host=0" },
+                    ]);
+                if local_addr {
+                    cmd.args(["--local-addr", &Cluster::addr(i)]);
+                }
+                cmd.args(["--no-python", perf, "-b", "8", "-e", "256K", "-f", "32"])
+                    .args(["-n", "2", "-w", "1", "-c", "1"])
+                    .env("CHORUS_TIMEOUT", timeout)
+                    .env("PYTHONUNBUFFERED", "1");
+                start(cmd)
+            })
+            .collect();
+        running.into_iter().map(|r| r.wait(LIMIT)).collect()
+    };
+
+    let runs = job(true, &STORE_TIMEOUT.as_secs().to_string());
+    for run in &runs {
+        run.assert_code(0);
+    }
+    assert!(
+        runs[0].stdout.contains("# Out of bounds values : 0 OK")
+            && runs[0].stdout.contains("#  Rank  3 "),
+        "{:?}",
+        runs[0]
+    );
+
+    let runs = job(false, "10");
+    assert_ne!(runs[1].status.code(), Some(0), "{:?}", runs[1]);
+    runs[1]
+        .assert_stderr_has("MASTER_ADDR=\"localhost\"")
+        .assert_stderr_has("start torchrun with --local-addr");
 }
 
 #[test]

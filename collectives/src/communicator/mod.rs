@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use chorus_kernels::{DType, ReduceOp};
 use chorus_transport::shm::{ShmConfig, ShmTransport};
-use chorus_transport::store::{PrefixStore, Store, StoreServer, TcpStore, TorchStore};
+use chorus_transport::store::{PrefixStore, Store, StoreError, StoreServer, TcpStore, TorchStore};
 use chorus_transport::tcp::TcpConfig;
 use chorus_transport::Transport;
 use chorus_transport::{RouteConfig, RoutedTransport};
@@ -34,7 +34,7 @@ use crate::algorithm::Path;
 use crate::config::MAX_WORLD_SIZE;
 use crate::executor::{self, Job, Watch, Workspace, PIPELINE_DEPTH};
 use crate::tuner::{Topology, Tuner};
-use crate::{Config, Error, Result, StoreKind};
+use crate::{env, Config, Error, Result, StoreKind};
 
 pub(crate) use monitor::CallInfo;
 use monitor::{Lineage, Monitor, Watcher};
@@ -620,8 +620,33 @@ fn connect_store(config: &Config, timeout: Duration) -> Result<Arc<dyn Store>> {
             timeout,
             config.auth.clone(),
         )?),
-        StoreKind::TorchAgent { .. } => Arc::new(TorchStore::connect(host, port, timeout)?),
+        StoreKind::TorchAgent { .. } => match TorchStore::connect(host, port, timeout) {
+            Ok(store) => Arc::new(store),
+            Err(e @ StoreError::Connect { .. })
+                if loopback(host) && config.world_size > config.local_world_size =>
+            {
+                return Err(Error::Config {
+                    var: env::MASTER_ADDR,
+                    value: host.to_string(),
+                    reason: format!(
+                        "{e}. The job spans nodes ({} ranks, {} on this one), but torchrun's \
+                         agents named a loopback address for the store on the first node, \
+                         as they do where that node's name resolves to 127.0.0.1: start \
+                         torchrun with --local-addr set to an address of its node that the \
+                         others reach, on every node",
+                        config.world_size, config.local_world_size
+                    ),
+                });
+            }
+            Err(e) => return Err(e.into()),
+        },
     })
+}
+
+/// Whether `host` names this machine's loopback interface.
+fn loopback(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Fails unless `config`'s rank is below its world size, and the world size within bounds.
