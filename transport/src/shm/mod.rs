@@ -41,14 +41,12 @@ pub struct ShmConfig {
     pub dir: PathBuf,
     /// Bound on set-up: waiting for the other local ranks to map the file.
     pub timeout: Duration,
-    /// Whether receivers may read messages of `single_copy_min` bytes or
-    /// more straight from the sender's memory (`process_vm_readv`), where
-    /// every local rank is allowed to. Off by default: on the small pages most
-    /// buffers have, two copies through the slots (which stay in cache) beat
-    /// one that pins the sender's pages.
-    pub single_copy: bool,
-    /// Smallest message moved by a single copy.
-    pub single_copy_min: usize,
+    /// Where receivers read messages of at least this many bytes straight from
+    /// the sender's memory (`process_vm_readv`), if every local rank is allowed
+    /// to. `None` by default: on the small pages most buffers have, two copies
+    /// through the slots (which stay in cache) beat one that pins the sender's
+    /// pages.
+    pub single_copy: Option<usize>,
 }
 
 impl Default for ShmConfig {
@@ -58,8 +56,7 @@ impl Default for ShmConfig {
             slot_bytes: 128 << 10,
             dir: PathBuf::from("/dev/shm"),
             timeout: Duration::from_secs(300),
-            single_copy: false,
-            single_copy_min: 64 << 10,
+            single_copy: None,
         }
     }
 }
@@ -127,7 +124,7 @@ impl ShmTransport {
             region,
             own_local,
             &peers,
-            config.single_copy_min,
+            config.single_copy.unwrap_or(usize::MAX),
         ));
         let endpoint = Endpoint::start(rank, world_size, "shm", shared.clone())?;
         let single_copies = peers.iter().any(|p| p.single_copy);
@@ -167,8 +164,7 @@ mod tests {
             slot_bytes: 256,
             timeout: Duration::from_secs(20),
             dir,
-            single_copy: true,
-            single_copy_min: 1000,
+            single_copy: Some(1000),
         };
         let local: Vec<usize> = (0..n).collect();
         let threads: Vec<_> = (0..n)

@@ -70,7 +70,7 @@ pub(crate) fn join(
         let (pid, probe) = text.split_once(' ').ok_or_else(bad)?;
         let pid: u32 = pid.parse().map_err(|_| bad())?;
         let probe: u64 = probe.parse().map_err(|_| bad())?;
-        readable &= config.single_copy && (r == rank || cma::can_read(pid, probe));
+        readable &= config.single_copy.is_some() && (r == rank || cma::can_read(pid, probe));
         pids.push(pid);
     }
     store.set(&key("cma", rank), if readable { b"1" } else { b"0" })?;
@@ -234,7 +234,7 @@ mod tests {
         let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let port = server.local_addr().port();
         let config = ShmConfig {
-            single_copy,
+            single_copy: single_copy.then_some(64 << 10),
             timeout: Duration::from_secs(20),
             ..ShmConfig::default()
         };
