@@ -103,6 +103,9 @@ pub struct RoutedTransport {
     routes: Vec<Route>,
     /// Each rank's host, numbered in the order of each host's lowest rank.
     hosts: Vec<usize>,
+    /// Distinct machines the ranks run on (ranks that take TCP only are each a host of
+    /// their own, but one machine may hold several of them).
+    machines: usize,
     shm: Option<ShmTransport>,
     tcp: Option<TcpTransport>,
 }
@@ -143,14 +146,24 @@ impl RoutedTransport {
                 "rank {rank} is not below the world size {world_size}"
             )));
         }
-        // A rank that wants TCP only publishes an identity nobody else has,
-        // so every rank agrees on who talks shared memory to whom.
+        // A rank that wants TCP only publishes a host identity nobody else has,
+        // so every rank agrees on who talks shared memory to whom; its machine's
+        // is published apart (first, so that it is there once the host is).
+        let machine = config.host_id.clone().unwrap_or_else(host_identity);
         let host = match config.kind {
             TransportKind::Tcp => format!("tcp-only rank {rank}"),
-            _ => config.host_id.clone().unwrap_or_else(host_identity),
+            _ => machine.clone(),
         };
+        store.set(&format!("machine/{rank}"), machine.as_bytes())?;
         store.set(&format!("host/{rank}"), host.as_bytes())?;
         wait_for_ranks(store, world_size, config.tcp.timeout)?;
+        let mut machines: Vec<Vec<u8>> = Vec::new();
+        for r in 0..world_size {
+            let id = store.get(&format!("machine/{r}"))?;
+            if !machines.contains(&id) {
+                machines.push(id);
+            }
+        }
         let mut ids: Vec<Vec<u8>> = Vec::with_capacity(world_size);
         let mut hosts = Vec::with_capacity(world_size);
         for r in 0..world_size {
@@ -207,6 +220,7 @@ impl RoutedTransport {
             world_size,
             routes,
             hosts,
+            machines: machines.len(),
             shm,
             tcp,
         })
@@ -244,6 +258,12 @@ impl RoutedTransport {
     /// Every rank gets the same list.
     pub fn hosts(&self) -> &[usize] {
         &self.hosts
+    }
+
+    /// How many machines the ranks run on: as many as [`hosts`](Self::hosts) has, but for
+    /// ranks that take TCP only, of which one machine may hold several.
+    pub fn machines(&self) -> usize {
+        self.machines
     }
 
     /// The shared-memory transport to this host's ranks, if there are others.
@@ -329,6 +349,47 @@ mod tests {
         }
         assert_eq!(" SHM ".parse::<TransportKind>(), Ok(TransportKind::Shm));
         assert!("ib".parse::<TransportKind>().unwrap_err().contains("'ib'"));
+    }
+
+    /// What two ranks (threads here) of `kind`, with host identities `ids`, find: each
+    /// one's hosts and machines.
+    fn found(kind: TransportKind, ids: [&str; 2]) -> Vec<(Vec<usize>, usize)> {
+        use crate::store::{StoreServer, TcpStore};
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = server.local_addr().port();
+        let timeout = Duration::from_secs(20);
+        let threads: Vec<_> = (0..2)
+            .map(|rank| {
+                let config = RouteConfig {
+                    kind,
+                    host_id: Some(ids[rank].to_string()),
+                    tcp: TcpConfig {
+                        timeout,
+                        ..TcpConfig::default()
+                    },
+                    shm: ShmConfig {
+                        timeout,
+                        ..ShmConfig::default()
+                    },
+                };
+                std::thread::spawn(move || {
+                    let store = TcpStore::connect("127.0.0.1", port, timeout).unwrap();
+                    let t = RoutedTransport::connect(rank, 2, &store, &config).unwrap();
+                    (t.hosts().to_vec(), t.machines())
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn ranks_that_take_tcp_only_are_hosts_of_their_own_on_one_machine() {
+        let one = found(TransportKind::Tcp, ["here", "here"]);
+        assert_eq!(one, vec![(vec![0, 1], 1); 2]);
+        let two = found(TransportKind::Tcp, ["here", "there"]);
+        assert_eq!(two, vec![(vec![0, 1], 2); 2]);
+        let auto = found(TransportKind::Auto, ["here", "there"]);
+        assert_eq!(auto, vec![(vec![0, 1], 2); 2]);
     }
 
     #[test]

@@ -114,10 +114,11 @@ impl Network {
 }
 
 /// The `ready_above` of [`schedule_for`] for elements of `elem` bytes on ranks spread over
-/// `hosts` hosts: between hosts, a round's message larger than what the sockets hold before
-/// its receive is posted waits for a handshake; on one host no link is shared, so none does.
-pub fn ready_above(hosts: usize, elem: usize) -> usize {
-    match hosts {
+/// `machines` machines: between machines, a round's message larger than what the sockets
+/// hold before its receive is posted waits for a handshake; on one machine (over shared
+/// memory or loopback TCP) no link is shared, so none does.
+pub fn ready_above(machines: usize, elem: usize) -> usize {
+    match machines {
         0 | 1 => usize::MAX,
         _ => fabric::EAGER as usize / elem.max(1),
     }
