@@ -110,6 +110,23 @@ pub struct RoutedTransport {
     tcp: Option<TcpTransport>,
 }
 
+/// The host identity that `rank`, taking TCP only, publishes: no other rank's.
+fn tcp_only(rank: usize) -> String {
+    format!("tcp-only rank {rank}")
+}
+
+/// The number of `id` among `seen` (ids numbered in the order they first come), adding it if
+/// it is new.
+fn number(seen: &mut Vec<Vec<u8>>, id: Vec<u8>) -> usize {
+    match seen.iter().position(|i| *i == id) {
+        Some(k) => k,
+        None => {
+            seen.push(id);
+            seen.len() - 1
+        }
+    }
+}
+
 /// Waits until every rank has published its host, naming the ranks that never did.
 fn wait_for_ranks(
     store: &dyn Store,
@@ -146,32 +163,30 @@ impl RoutedTransport {
                 "rank {rank} is not below the world size {world_size}"
             )));
         }
-        // A rank that wants TCP only publishes a host identity nobody else has,
-        // so every rank agrees on who talks shared memory to whom; its machine's
-        // is published apart (first, so that it is there once the host is).
+        // A rank that wants TCP only publishes a host identity nobody else has, so every
+        // rank agrees on who talks shared memory to whom, and its machine's apart (first, so
+        // that it is there once the host is).
         let machine = config.host_id.clone().unwrap_or_else(host_identity);
         let host = match config.kind {
-            TransportKind::Tcp => format!("tcp-only rank {rank}"),
-            _ => machine.clone(),
+            TransportKind::Tcp => {
+                store.set(&format!("machine/{rank}"), machine.as_bytes())?;
+                tcp_only(rank)
+            }
+            _ => machine,
         };
-        store.set(&format!("machine/{rank}"), machine.as_bytes())?;
         store.set(&format!("host/{rank}"), host.as_bytes())?;
         wait_for_ranks(store, world_size, config.tcp.timeout)?;
-        let mut machines: Vec<Vec<u8>> = Vec::new();
-        for r in 0..world_size {
-            let id = store.get(&format!("machine/{r}"))?;
-            if !machines.contains(&id) {
-                machines.push(id);
-            }
-        }
-        let mut ids: Vec<Vec<u8>> = Vec::with_capacity(world_size);
+        let (mut host_ids, mut machine_ids) = (Vec::new(), Vec::new());
         let mut hosts = Vec::with_capacity(world_size);
         for r in 0..world_size {
             let id = store.get(&format!("host/{r}"))?;
-            hosts.push(ids.iter().position(|i| *i == id).unwrap_or(ids.len()));
-            if !ids.contains(&id) {
-                ids.push(id);
-            }
+            let machine = if id == tcp_only(r).as_bytes() {
+                store.get(&format!("machine/{r}"))?
+            } else {
+                id.clone()
+            };
+            number(&mut machine_ids, machine);
+            hosts.push(number(&mut host_ids, id));
         }
         let local: Vec<usize> = (0..world_size)
             .filter(|&r| hosts[r] == hosts[rank])
@@ -220,7 +235,7 @@ impl RoutedTransport {
             world_size,
             routes,
             hosts,
-            machines: machines.len(),
+            machines: machine_ids.len(),
             shm,
             tcp,
         })

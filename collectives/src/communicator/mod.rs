@@ -120,9 +120,6 @@ pub(crate) struct Inner {
     tuner: Tuner,
     /// Each host's ranks, as the transport found them (one host without a transport).
     hosts: Vec<Vec<usize>>,
-    /// The machines the ranks run on (one without a transport; ranks that take TCP only on
-    /// one machine are hosts of their own but share it).
-    machines: usize,
     /// The last pick per kind of call, to log changes.
     picks: Mutex<HashMap<Kind, Path>>,
     /// Decisions and schedules of recent calls, reused by calls like them.
@@ -344,7 +341,6 @@ impl Communicator {
             }
             None => vec![(0..config.world_size).collect()],
         };
-        let machines = transport.as_ref().map_or(1, |t| t.machines());
         let topology = Topology {
             hosts: hosts.len(),
             most_local: hosts.iter().map(Vec::len).max().unwrap_or(1),
@@ -364,7 +360,6 @@ impl Communicator {
             Inner {
                 tuner,
                 hosts,
-                machines,
                 picks: Mutex::new(HashMap::new()),
                 decisions: prepare::Decisions::default(),
                 config,

@@ -183,7 +183,9 @@ impl Inner {
                 hierarchical::all_reduce_on(rank, &self.hosts, info.count, chunk)
             }
             (Some(c), a, None) => {
-                let ready_above = crate::cost::ready_above(self.machines, info.dtype.size());
+                // One machine without a transport.
+                let machines = self.transport.as_ref().map_or(1, |t| t.machines());
+                let ready_above = crate::cost::ready_above(machines, info.dtype.size());
                 crate::cost::schedule_for(c, a, rank, w, elems, chunk, info.root, ready_above)
                     .ok_or_else(|| {
                         Error::Internal(format!(
