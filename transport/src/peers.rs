@@ -39,6 +39,11 @@ impl<L> Peer<L> {
         *counter - 1
     }
 
+    /// The number the next send posted to this peer will get.
+    pub fn send_seq(&self) -> u64 {
+        self.send_seq
+    }
+
     /// The number the next receive posted for this peer will get.
     pub fn recv_seq(&self) -> u64 {
         self.recv_seq

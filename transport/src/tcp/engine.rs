@@ -195,10 +195,11 @@ impl crate::endpoint::Engine for Shared {
     }
 
     /// A small exchange whose reply is the next frame on a socket with nothing else to read
-    /// is done under the engine's lock: the send written at once (as any post tries), the
-    /// reply read straight from the socket into `buf`, without a request, for up to
-    /// [`DIRECT`]; then the receive is queued like any other. Holding the lock keeps every
-    /// other receive queued behind this one, so no other thread reads its frame.
+    /// is done under the engine's lock: the send written at once (without a request, where
+    /// the socket takes it whole), the reply read straight from the socket into `buf`,
+    /// without a request, for up to [`DIRECT`]; then the receive is queued like any other.
+    /// Holding the lock keeps every other receive queued behind this one, so no other thread
+    /// reads its frame.
     unsafe fn sendrecv(
         &self,
         to: usize,
@@ -216,8 +217,7 @@ impl crate::endpoint::Engine for Shared {
         };
         // SAFETY: the caller keeps `data` valid until the send completes or the engine is
         // aborted (this trait's contract).
-        let send = unsafe { engine.post_send(to, tag, data.as_ptr(), data.len()) };
-        let send = send.map(|s| s.test().is_none().then_some(s));
+        let send = unsafe { engine.send_now(to, tag, data) };
         let recv = match send {
             Ok(_) => engine.read_direct(idx, from, tag, buf),
             Err(_) => Ok(None),
@@ -406,6 +406,67 @@ impl Engine {
         Ok(req)
     }
 
+    /// Sends `data` (at most [`SMALL`] bytes, one stripe) straight from the caller, without a
+    /// request, when nothing is queued on its socket and the socket takes its whole frame at
+    /// once: `None`. Otherwise queues it as [`post_send`](Self::post_send) does, with what the
+    /// socket took counted as written, and returns that request. A failure fails the peer.
+    ///
+    /// # Safety
+    ///
+    /// As for [`post_send`](Self::post_send): `data` must stay valid until a returned request
+    /// completes or the engine is aborted.
+    unsafe fn send_now(
+        &mut self,
+        to: usize,
+        tag: u64,
+        data: &[u8],
+    ) -> Result<Option<Request>, TransportError> {
+        let len = data.len();
+        let p = self.peers.usable(to)?;
+        let idle = small_socket(&p.link, p.send_seq(), len, self.min_stripe)
+            .filter(|&idx| self.conns[idx].sends.is_empty());
+        let Some(idx) = idle else {
+            // SAFETY: the caller's guarantee, passed on.
+            return unsafe { self.post_send(to, tag, data.as_ptr(), len) }.map(Some);
+        };
+        let header = FrameHeader {
+            tag,
+            seq: p.next_seq(Direction::Send),
+            msg_len: len as u64,
+            stripe_len: len as u64,
+        }
+        .encode();
+        let conn = &mut self.conns[idx];
+        let written = loop {
+            match send_frame(&mut conn.stream, &header, data) {
+                Ok(0) => break Err(TransportError::PeerClosed { peer: to }),
+                Ok(n) => break Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break Ok(0),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(io_error(to, "send", e)),
+            }
+        };
+        let written = match written {
+            Ok(n) if n == HEADER_LEN + len => return Ok(None),
+            Ok(n) => n,
+            Err(err) => {
+                self.fail_peer(to, err.clone());
+                return Err(err);
+            }
+        };
+        let (req, done) = Request::pooled(&mut self.completions, to, Direction::Send, len, 1);
+        conn.sends.push_back(SendPiece {
+            header,
+            data: data.as_ptr(),
+            len,
+            written,
+            done,
+        });
+        // The rest is the background thread's, which must look at this socket.
+        self.kick = true;
+        Ok(Some(req))
+    }
+
     /// Queues a receive; its waiter reads it (a read now would mostly find nothing yet, and cost
     /// a syscall on every small message).
     ///
@@ -473,11 +534,7 @@ impl Engine {
     /// then the frame at its front is that message's.
     fn quiet_inbound(&mut self, from: usize, len: usize) -> Option<usize> {
         let p = self.peers.usable(from).ok()?;
-        let (seq, socks) = (p.recv_seq(), p.link.len());
-        if len > SMALL || frame::stripes(seq, len, socks, self.min_stripe).len() != 1 {
-            return None;
-        }
-        let idx = p.link[frame::first_socket(seq, socks)];
+        let idx = small_socket(&p.link, p.recv_seq(), len, self.min_stripe)?;
         let conn = &self.conns[idx];
         let quiet = conn.recvs.is_empty() && conn.header_got == 0;
         (quiet && conn.inbound == Inbound::Open).then_some(idx)
@@ -666,10 +723,7 @@ impl Conn {
             // SAFETY: `data..data+len` is valid for reads per `post_send`'s contract.
             let body = unsafe { std::slice::from_raw_parts(piece.data, piece.len) };
             let sent = if piece.written == 0 && piece.len <= SMALL {
-                let mut frame = [0u8; HEADER_LEN + SMALL];
-                frame[..HEADER_LEN].copy_from_slice(&piece.header);
-                frame[HEADER_LEN..total].copy_from_slice(body);
-                self.stream.write(&frame[..total])
+                send_frame(&mut self.stream, &piece.header, body)
             } else {
                 let (head, body_from) = if piece.written < HEADER_LEN {
                     (&piece.header[piece.written..], 0)
@@ -807,6 +861,23 @@ impl Conn {
 }
 
 /// Checks an arrived header against what the posted receive expects.
+/// Writes a frame of at most [`SMALL`] payload bytes with one send(2), header and payload
+/// copied together on the stack (cheaper for the kernel than writev(2) of the two).
+fn send_frame(stream: &mut TcpStream, header: &[u8; HEADER_LEN], body: &[u8]) -> io::Result<usize> {
+    let total = HEADER_LEN + body.len();
+    let mut frame = [0u8; HEADER_LEN + SMALL];
+    frame[..HEADER_LEN].copy_from_slice(header);
+    frame[HEADER_LEN..total].copy_from_slice(body);
+    stream.write(&frame[..total])
+}
+
+/// The socket of `link` that message `seq` of `len` bytes travels on whole, if it is at most
+/// [`SMALL`] bytes and one stripe.
+fn small_socket(link: &[usize], seq: u64, len: usize, min_stripe: usize) -> Option<usize> {
+    let one = len <= SMALL && frame::stripes(seq, len, link.len(), min_stripe).len() == 1;
+    one.then(|| link[frame::first_socket(seq, link.len())])
+}
+
 fn check_header(
     peer: usize,
     bytes: &[u8; HEADER_LEN],
@@ -1071,6 +1142,34 @@ mod tests {
         let mut sent = vec![0u8; HEADER_LEN + 8];
         peer.read_exact(&mut sent).expect("read");
         assert_eq!(sent, frame_of(7, 0, &[9; 8]));
+    }
+
+    #[test]
+    fn an_exchange_whose_send_the_socket_cannot_take_queues_it() {
+        let (engine, mut peer) = engine_and_peer();
+        // Bytes ahead of the exchange's frame fill the socket.
+        let mut ahead = 0;
+        loop {
+            match engine.lock().conns[0].stream.write(&[3; 65536]) {
+                Ok(n) => ahead += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling the socket: {e}"),
+            }
+        }
+        let mut buf = [0u8; 8];
+        let pending = exchange(&engine, &[9; 8], &mut buf).expect("exchange");
+        let send = pending.send.expect("a full socket cannot take the frame");
+        let reader = std::thread::spawn(move || {
+            let mut wire = vec![0u8; ahead + HEADER_LEN + 8];
+            peer.read_exact(&mut wire).expect("read");
+            (peer, wire)
+        });
+        send.with_progress(engine.clone())
+            .wait(Instant::now() + Duration::from_secs(10))
+            .expect("the send, once the peer reads");
+        let (_peer, wire) = reader.join().expect("reader");
+        assert!(wire[..ahead].iter().all(|&b| b == 3));
+        assert_eq!(wire[ahead..], frame_of(7, 0, &[9; 8]));
     }
 
     #[test]
