@@ -860,7 +860,6 @@ impl Conn {
     }
 }
 
-/// Checks an arrived header against what the posted receive expects.
 /// Writes a frame of at most [`SMALL`] payload bytes with one send(2), header and payload
 /// copied together on the stack (cheaper for the kernel than writev(2) of the two).
 fn send_frame(stream: &mut TcpStream, header: &[u8; HEADER_LEN], body: &[u8]) -> io::Result<usize> {
@@ -878,6 +877,7 @@ fn small_socket(link: &[usize], seq: u64, len: usize, min_stripe: usize) -> Opti
     one.then(|| link[frame::first_socket(seq, link.len())])
 }
 
+/// Checks an arrived header against what the posted receive expects.
 fn check_header(
     peer: usize,
     bytes: &[u8; HEADER_LEN],
