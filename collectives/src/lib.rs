@@ -44,7 +44,7 @@ pub mod zero;
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
 pub use chorus_transport::auth::Auth;
 pub use chorus_transport::TransportKind;
-pub use communicator::{Communicator, Group, SharedBuffer, Work};
+pub use communicator::{Communicator, Group, Messages, SharedBuffer, Work};
 pub use config::{
     hostname, Config, StoreKind, DEFAULT_CHUNK_BYTES, DEFAULT_MASTER_ADDR, DEFAULT_NSOCKS,
     DEFAULT_TIMEOUT,

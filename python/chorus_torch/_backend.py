@@ -3,8 +3,11 @@
 import datetime
 import functools
 import os
+import queue
+import re
 import secrets
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -13,6 +16,16 @@ from torch._C._distributed_c10d import ProcessGroup, Work, _create_work_from_fut
 from . import _chorus
 
 _Future = torch._C.Future
+
+# From torch 2.7 on (PyWorkHolder), torch's C++ side (DDP's reducer, functional collectives)
+# keeps a Python Work alive for as long as it holds it, so calls can run in the background
+# and return such a Work, and the backend registers as a `Backend` under torch's
+# ProcessGroup. On older torch, 1.13 included, a Python Work handed to C++ can be freed under
+# it: there calls run to completion before they return, and the group is a ProcessGroup
+# subclass.
+ASYNC = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups()) >= (2, 7)
+if ASYNC:
+    from torch._C._distributed_c10d import Backend
 
 # Chorus's data type codes: the index in chorus::DType::ALL. Bool travels as u8.
 _DTYPES = {
@@ -85,15 +98,108 @@ def _work(result, finish=None):
     """torch's Work for a finished Chorus call whose outputs are `result`, after `finish` (a
     copy out of staging tensors) has run.
 
-    Calls run to completion before they return (a failure raises there, with Chorus's
-    message), so the Work is complete: `wait()` returns at once and `get_future()` holds the
-    outputs. It is torch's own Work around a torch Future, so C++ callers such as DDP's
-    reducer never call back into a Python object that may be gone by then."""
+    `wait()` returns at once and `get_future()` holds the outputs. It is torch's own Work
+    around a torch Future, so C++ callers such as DDP's reducer never call back into a Python
+    object that may be gone by then."""
     if finish is not None:
         finish()
     future = _Future([])  # torch.futures.Future's C++ base: the same future, without its Python __init__
     future.set_result(result)
     return _create_work_from_future(future)
+
+
+class _Completions:
+    """A group's completion thread: completes the futures of its calls in issue order, once
+    Chorus's worker has finished each (it never runs a call itself), and runs the callbacks
+    chained on them with the GIL, so a slow callback (DDP's hooks) never holds up the next
+    call."""
+
+    def __init__(self):
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def add(self, work):
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="chorus-completions", daemon=True)
+                self._thread.start()
+        self._queue.put(work)
+
+    def _run(self):
+        while True:
+            self._queue.get()._complete()
+
+
+class _ChorusWork(Work):
+    """A call running in the background (torch 2.7 and later; see ASYNC).
+
+    `wait()` returns once the call is done and its outputs are in place (running the call on
+    the waiting thread if Chorus's worker has not started it), and raises the call's error as
+    RuntimeError, every time; `get_future()` is completed with the outputs, or the error, by
+    the group's completion thread (or by `wait()`, whichever comes first). The tensors stay
+    alive until the call is done, whatever becomes of this object."""
+
+    def __init__(self, pending, result, finish, completions):
+        super().__init__()
+        self._pending = pending
+        self._result = result
+        self._finish = finish
+        self._completions = completions
+        self._future = None
+        self._lock = threading.Lock()
+
+    def _finished(self):
+        """Copies the outputs out of staging tensors, once, after the call."""
+        with self._lock:
+            if self._finish is not None:
+                self._finish()
+                self._finish = None
+
+    def _settle(self, error=None):
+        """Completes the future, if one was asked for and is not complete yet."""
+        with self._lock:
+            future = self._future
+            if future is None or future.done():
+                return
+            if error is None:
+                future.set_result(self._result)
+            else:
+                future.set_exception(error)
+
+    def wait(self, timeout=None):
+        try:
+            self._pending.wait()
+        except RuntimeError as e:
+            self._settle(e)
+            raise
+        self._finished()
+        self._settle()
+        return True
+
+    def is_completed(self):
+        return self._pending.is_completed()
+
+    def get_future(self):
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            self._future = torch.futures.Future()
+        if self._pending.is_completed():
+            self._complete()
+        else:
+            self._completions.add(self)
+        return self._future
+
+    def _complete(self):
+        """Waits for the worker (never running the call here), then completes the future."""
+        try:
+            self._pending.join()
+            self._finished()
+        except RuntimeError as e:
+            self._settle(e)
+        else:
+            self._settle()
 
 
 class _ReceivedWork(Work):
@@ -103,7 +209,8 @@ class _ReceivedWork(Work):
     torch's future-wrapping Work (see `_work`) cannot say who sent, so this one is a Python
     Work. The torch 1.13 trap `_work` avoids (a C++ waiter holding a Python Work whose Python
     object is gone) does not arise: on torch 1.13 and 2.x alike, `dist.recv` and `dist.irecv`
-    call this process group's `recv_anysource` from Python and use its result there."""
+    call `recv_anysource` from Python and use its result there. Its future holds the
+    received tensors and the sender's rank (see `_patch_work`)."""
 
     def __init__(self, tensors, source):
         super().__init__()
@@ -124,8 +231,51 @@ class _ReceivedWork(Work):
 
     def get_future(self):
         future = torch.futures.Future()
-        future.set_result(self._tensors)
+        future.set_result((self._tensors, _SENDER, self._source))
         return future
+
+
+# The mark of a receive's future that carries its sender (see `_patch_work`).
+_SENDER = "chorus:sender"
+
+
+def _patch_work():
+    """Lets torch's handle on a Python Work answer `is_completed()` and `_source_rank()`.
+
+    A Work a Python backend returns reaches the caller through torch's ProcessGroup as torch's
+    own handle, which passes `wait()` and `get_future()` on to the Python object but answers
+    `is_completed()` and `_source_rank()` from C++ state the Python object cannot set. The
+    handle's methods are wrapped here to ask the future when torch's own answer is no: done
+    when the call is, and, for a receive from any source, carrying the sender. Works of other
+    backends answer as before."""
+    if getattr(Work, "_chorus_patched", False):
+        return
+    completed, source_rank = Work.is_completed, Work._source_rank
+
+    def future_of(work):
+        try:
+            return work.get_future()
+        except RuntimeError:  # a Work without a future
+            return None
+
+    def is_completed(self):
+        if completed(self):
+            return True
+        future = future_of(self)
+        return future is not None and future.done()
+
+    def _source_rank(self):
+        future = future_of(self)
+        if future is not None and future.done():
+            value = future.value()
+            if isinstance(value, tuple) and len(value) == 3 and value[1] == _SENDER:
+                return value[2]
+        return source_rank(self)
+
+    Work.is_completed = is_completed
+    Work._source_rank = _source_rank
+    Work.source_rank = _source_rank
+    Work._chorus_patched = True
 
 
 def _staged(tensor):
@@ -154,6 +304,11 @@ def _host(tensor, output):
     if output:
         return torch.empty(tensor.shape, dtype=tensor.dtype), True
     return tensor.cpu().contiguous(), True
+
+
+def _bytes(tensor):
+    """A contiguous tensor's bytes, as a flat uint8 tensor (bool's too)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _flat(tensors):
@@ -229,18 +384,20 @@ def _connect(store, rank, size, timeout):
 
 
 class _Batch:
-    """Point-to-point calls posted and not yet run. They run together, as one Chorus group
-    (every send and receive posted before any is waited for), when one of their Works is
-    waited on or before the group's next other call: torch's `isend`/`irecv` and
+    """Point-to-point calls posted and not yet started. They start together, as one Chorus
+    group (every send and receive posted before any is waited for), when one of their Works
+    is waited on or before the group's next other call: torch's `isend`/`irecv` and
     `batch_isend_irecv` then cannot wait on each other, even with large messages both ways.
-    The tensors are held until the batch has run."""
+    Chorus holds the tensors until the batch is done."""
 
     def __init__(self, comm):
         self._comm = comm
         self._ops = []
         self._held = []
         self._copies = []
+        self._pending = None
         self._error = None
+        self._lock = threading.Lock()
         self.ran = False
 
     def add(self, is_send, tensor, peer, tag):
@@ -251,61 +408,88 @@ class _Batch:
         if copied and not is_send:
             self._copies.append((tensor, staged))
 
-    def run(self):
-        """Runs the batch once; raises its failure, on this and every later call."""
+    def start(self):
+        """Starts the batch once; memory Chorus refuses is an error its every wait raises."""
         if not self.ran:
             self.ran = True
             try:
-                self._comm.exchange(self._ops)
-                for tensor, staged in self._copies:
-                    tensor.copy_(staged)
+                self._pending = self._comm.exchange(self._ops, tuple(self._held))
             except (RuntimeError, ValueError) as e:
                 self._error = e
-            self._ops = self._held = self._copies = None
+            self._ops = self._held = None
+
+    def wait(self, join=False):
+        """Starts the batch if it has not started and waits for it (with `join`, leaving it to
+        Chorus's worker); raises its failure, on this and every later call."""
+        self.start()
         if self._error is not None:
             raise self._error
+        if join:
+            self._pending.join()
+        else:
+            self._pending.wait()
+        with self._lock:
+            for tensor, staged in self._copies:
+                tensor.copy_(staged)
+            self._copies = []
+
+    def is_completed(self):
+        self.start()
+        return self._error is not None or self._pending.is_completed()
 
 
 class _PointToPointWork(Work):
-    """The Work of a send or receive in a `_Batch`: waiting on it runs the batch.
+    """The Work of a send or receive in a `_Batch`: waiting on it, or asking for its future,
+    starts the batch.
 
     Like `_ReceivedWork`, a Python Work: torch's `send`, `recv`, `isend`, `irecv` and
     `batch_isend_irecv` hand it to Python callers only, never to a C++ waiter."""
 
-    def __init__(self, batch, tensors):
+    def __init__(self, batch, tensors, completions):
         super().__init__()
         self._batch = batch
         self._tensors = tensors
+        self._completions = completions
+        self._future = None
 
     def wait(self, timeout=None):
-        self._batch.run()
+        self._batch.wait()
         return True
 
     def is_completed(self):
-        try:
-            self._batch.run()
-        except (RuntimeError, ValueError):
-            pass
-        return True
+        return self._batch.is_completed()
 
     def get_future(self):
-        self._batch.run()
-        future = torch.futures.Future()
-        future.set_result(self._tensors)
-        return future
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._batch.start()
+            if self._batch.is_completed():
+                self._complete()
+            else:
+                self._completions.add(self)
+        return self._future
+
+    def _complete(self):
+        try:
+            self._batch.wait(join=True)
+        except (RuntimeError, ValueError) as e:
+            self._future.set_exception(e)
+        else:
+            self._future.set_result(self._tensors)
 
 
-class ProcessGroupChorus(ProcessGroup):
-    """A torch.distributed process group whose operations run on Chorus."""
+class _Calls:
+    """torch's process-group calls on Chorus: what the group (torch before 2.7) and the
+    backend (torch 2.7 and later) share. Each starts one Chorus call and returns its Work."""
 
-    def __init__(self, store, rank, size, timeout):
-        super().__init__(rank, size)
+    def _setup(self, store, timeout):
         self._store = store
         self._timeout = timeout
-        self._comm = _connect(store, rank, size, timeout)
+        self._comm = _connect(store, self.rank(), self.size(), timeout)
         self._barriers = 0
         self._batch = None
         self._device = None
+        self._completions = _Completions()
 
     def getBackendName(self):
         return "chorus"
@@ -316,13 +500,33 @@ class ProcessGroupChorus(ProcessGroup):
     def _get_backend_name(self):
         return "chorus"
 
-    def _get_backend(self, device=None):
-        """The backend serving `device`'s tensors: this group itself (torch 2.x's
-        `batch_isend_irecv` asks it whether it coalesces; it does not, so torch posts the
-        calls one by one and `_Batch` runs them together)."""
-        return self
-
     # -- helpers ---------------------------------------------------------------------------
+
+    def _issue(self, pending, result, finish=None, sync=False):
+        """torch's Work for the started Chorus call `pending` whose outputs are `result`, once
+        `finish` (a copy out of staging tensors) has run after it.
+
+        In the background where torch allows it (see ASYNC), unless `sync`: calls that copy
+        CUDA tensors through host memory finish before they return, so that their copies
+        back run on the caller's stream."""
+        if ASYNC and not sync:
+            return _ChorusWork(pending, result, finish, self._completions)
+        pending.wait()
+        return _work(result, finish)
+
+    def _together(self, works, result):
+        """One Work for `works`, issued in order: done when the last is, each one's outputs
+        then in place."""
+        if not all(isinstance(w, _ChorusWork) for w in works):
+            for w in works:
+                w.wait()
+            return _work(result)
+
+        def finish():
+            for w in works:
+                w._finished()
+
+        return _ChorusWork(works[-1]._pending, result, finish, self._completions)
 
     def _root(self, root, what):
         if not 0 <= root < self.size():
@@ -374,16 +578,17 @@ class ProcessGroupChorus(ProcessGroup):
         tensor = _one(tensors, "allreduce")
         op = _op(opts.reduceOp if opts is not None else _SUM, tensor)
         if tensor.is_cpu and tensor.is_contiguous():
-            self._comm.all_reduce(tensor.data_ptr(), tensor.numel() * tensor.element_size(), _dtype(tensor), op)
-            return _work(tensors)
+            pending = self._comm.all_reduce(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                                            _dtype(tensor), op, tensor)
+            return self._issue(pending, tensors)
         staged, copied = _staged(tensor)
-        self._all_reduce(staged, op)
-        return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
+        return self._all_reduce(staged, op, tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
-    def _all_reduce(self, tensor, op):
-        if not self._on_gpu("all_reduce", tensor, tensor, op):
-            ptr, nbytes = _span(tensor)
-            self._comm.all_reduce(ptr, nbytes, _dtype(tensor), op)
+    def _all_reduce(self, tensor, op, result, finish):
+        if self._on_gpu("all_reduce", tensor, tensor, op):
+            return _work(result, finish)
+        ptr, nbytes = _span(tensor)
+        return self._issue(self._comm.all_reduce(ptr, nbytes, _dtype(tensor), op, tensor), result, finish)
 
     def allreduce_coalesced(self, tensors, opts=None):
         if not tensors:
@@ -393,29 +598,30 @@ class ProcessGroupChorus(ProcessGroup):
                 raise ValueError("chorus allreduce_coalesced needs tensors of one dtype on one device")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensors[0])
         flat = _flat(tensors)
-        self._all_reduce(flat, op)
-        return _work(tensors, lambda: _unflatten_into(flat, tensors))
+        return self._all_reduce(flat, op, tensors, lambda: _unflatten_into(flat, tensors))
 
     def broadcast(self, tensors, opts=None):
         tensor = _one(tensors, "broadcast")
         root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
         staged, copied = _staged(tensor)
-        if not self._on_gpu("broadcast", staged, staged, root=root):
-            ptr, nbytes = _span(staged)
-            self._comm.broadcast(ptr, nbytes, _dtype(tensor), root)
-        return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
+        finish = (lambda: tensor.copy_(staged)) if copied else None
+        if self._on_gpu("broadcast", staged, staged, root=root):
+            return _work(tensors, finish)
+        ptr, nbytes = _span(staged)
+        return self._issue(self._comm.broadcast(ptr, nbytes, _dtype(tensor), root, staged), tensors, finish)
 
     def reduce(self, tensors, opts=None):
         tensor = _one(tensors, "reduce")
         root = self._root(opts.rootRank if opts is not None else 0, "reduce")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensor)
         staged, copied = _staged(tensor)
-        if not self._on_gpu("reduce", staged, staged, op, root):
-            ptr, nbytes = _span(staged)
-            self._comm.reduce(ptr, nbytes, _dtype(tensor), op, root)
-        return _work(tensors, (lambda: tensor.copy_(staged)) if copied else None)
+        finish = (lambda: tensor.copy_(staged)) if copied else None
+        if self._on_gpu("reduce", staged, staged, op, root):
+            return _work(tensors, finish)
+        ptr, nbytes = _span(staged)
+        return self._issue(self._comm.reduce(ptr, nbytes, _dtype(tensor), op, root, staged), tensors, finish)
 
-    def _all_gather_flat(self, output, tensor):
+    def _all_gather_flat(self, output, tensor, result, finish):
         inp, _ = _staged(tensor)
         ip, ib = _span(inp)
         op_, ob = _span(output)
@@ -423,53 +629,75 @@ class ProcessGroupChorus(ProcessGroup):
             raise ValueError(
                 f"chorus allgather: the output holds {output.numel()} elements, "
                 f"not world size {self.size()} x {tensor.numel()}")
-        if not self._on_gpu("all_gather", inp, output):
-            self._comm.all_gather(ip, ib, op_, ob, _dtype(tensor))
+        if self._on_gpu("all_gather", inp, output):
+            return _work(result, finish)
+        return self._issue(self._comm.all_gather(ip, ib, op_, ob, _dtype(tensor), (inp, output)), result, finish)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "allgather")
         outputs = _one_list(output_tensors, self.size(), tensor, "allgather")
         flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        self._all_gather_flat(flat, tensor)
-        return _work(output_tensors, lambda: _unflatten_into(flat, outputs))
+        return self._all_gather_flat(flat, tensor, output_tensors, lambda: _unflatten_into(flat, outputs))
 
     def _allgather_base(self, output, input, opts=None):
         _same_dtype(output, input, "all_gather_into_tensor")
         staged, copied = _staged(output)
-        self._all_gather_flat(staged, input)
-        return _work([output], (lambda: output.copy_(staged)) if copied else None)
+        return self._all_gather_flat(staged, input, [output], (lambda: output.copy_(staged)) if copied else None)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        if len(output_lists) != len(input_list):
-            raise ValueError("chorus allgather_coalesced needs one output list per input tensor")
-        works = [self.allgather([outs], [t]) for outs, t in zip(output_lists, input_list)]
-        return works[-1] if works else self.barrier()
+        """Every rank's `input_list` into `output_lists[rank]`, as one all-gather of their
+        bytes."""
+        size = self.size()
+        if len(output_lists) != size or any(len(outs) != len(input_list) for outs in output_lists):
+            raise ValueError(f"chorus allgather_coalesced needs {size} output lists (the group's size) "
+                             f"of {len(input_list)} tensors each (one per input tensor)")
+        for outs in output_lists:
+            for out, t in zip(outs, input_list):
+                _same_dtype(out, t, "allgather_coalesced")
+                if out.numel() != t.numel() or out.device != t.device:
+                    raise ValueError(f"chorus allgather_coalesced: an output of {out.numel()} elements on "
+                                     f"{out.device} for an input of {t.numel()} on {t.device}")
+        if not input_list:
+            return self.barrier()
+        flat = _flat([_bytes(t) for t in input_list])
+        gathered = torch.empty(size * flat.numel(), dtype=torch.uint8, device=flat.device)
 
-    def _reduce_scatter_flat(self, output, flat, op):
+        def finish():
+            for outs, block in zip(output_lists, gathered.chunk(size)):
+                offset = 0
+                for out in outs:
+                    n = out.numel() * out.element_size()
+                    out.copy_(block[offset:offset + n].clone().view(out.dtype).view_as(out))
+                    offset += n
+
+        return self._all_gather_flat(gathered, flat, output_lists, finish)
+
+    def _reduce_scatter_flat(self, output, flat, op, result, finish=None):
         if flat.numel() != output.numel() * self.size():
             raise ValueError(
                 f"chorus reduce_scatter: the input holds {flat.numel()} elements, "
                 f"not world size {self.size()} x {output.numel()}")
         staged, copied = _staged(output)
-        if not self._on_gpu("reduce_scatter", flat, staged, op):
-            ip, ib = _span(flat)
-            op_, ob = _span(staged)
-            self._comm.reduce_scatter(ip, ib, op_, ob, _dtype(output), op)
-        return (lambda: output.copy_(staged)) if copied else None
+        if copied:
+            finish = (lambda: output.copy_(staged))
+        if self._on_gpu("reduce_scatter", flat, staged, op):
+            return _work(result, finish)
+        ip, ib = _span(flat)
+        op_, ob = _span(staged)
+        pending = self._comm.reduce_scatter(ip, ib, op_, ob, _dtype(output), op, (flat, staged))
+        return self._issue(pending, result, finish)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         output = _one(output_tensors, "reduce_scatter")
         inputs = _one_list(input_tensors, self.size(), output, "reduce_scatter")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
-        finish = self._reduce_scatter_flat(output, _flat(inputs), op)
-        return _work(output_tensors, finish)
+        return self._reduce_scatter_flat(output, _flat(inputs), op, output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         _same_dtype(output, input, "reduce_scatter_tensor")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
         flat, _ = _staged(input)
-        finish = self._reduce_scatter_flat(output, flat, op)
-        return _work([output], finish)
+        return self._reduce_scatter_flat(output, flat, op, [output])
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         _same_dtype(output, input, "all_to_all_single")
@@ -483,8 +711,9 @@ class ProcessGroupChorus(ProcessGroup):
         staged, copied = _host(output, True)
         ip, ib = _span(inp)
         op_, ob = _span(staged)
-        self._comm.all_to_all(ip, ib, op_, ob, _dtype(output), send, recv)
-        return _work([output], (lambda: output.copy_(staged)) if copied else None)
+        pending = self._comm.all_to_all(ip, ib, op_, ob, _dtype(output), send, recv, (inp, staged))
+        return self._issue(pending, [output], (lambda: output.copy_(staged)) if copied else None,
+                           sync=_is_cuda(output) or _is_cuda(input))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         size = self.size()
@@ -498,8 +727,9 @@ class ProcessGroupChorus(ProcessGroup):
         recv = [t.numel() for t in output_tensors]
         ip, ib = _span(flat_in)
         op_, ob = _span(flat_out)
-        self._comm.all_to_all(ip, ib, op_, ob, _dtype(flat_in), send, recv)
-        return _work(output_tensors, lambda: _unflatten_into(flat_out, output_tensors))
+        pending = self._comm.all_to_all(ip, ib, op_, ob, _dtype(flat_in), send, recv, (flat_in, flat_out))
+        return self._issue(pending, output_tensors, lambda: _unflatten_into(flat_out, output_tensors),
+                           sync=any(_is_cuda(t) for t in output_tensors))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "gather")
@@ -515,8 +745,8 @@ class ProcessGroupChorus(ProcessGroup):
                 raise ValueError(f"chorus gather: only the root (rank {root}) passes output tensors")
             flat, finish = torch.empty(0, dtype=tensor.dtype), None
         op_, ob = _span(flat)
-        self._comm.gather(ip, ib, op_, ob, _dtype(tensor), root)
-        return _work(output_tensors, finish)
+        pending = self._comm.gather(ip, ib, op_, ob, _dtype(tensor), root, (inp, flat))
+        return self._issue(pending, output_tensors, finish, sync=_is_cuda(tensor))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         output = _one(output_tensors, "scatter")
@@ -530,12 +760,12 @@ class ProcessGroupChorus(ProcessGroup):
         staged, copied = _host(output, True)
         ip, ib = _span(flat)
         op_, ob = _span(staged)
-        self._comm.scatter(ip, ib, op_, ob, _dtype(output), root)
-        return _work(output_tensors, (lambda: output.copy_(staged)) if copied else None)
+        pending = self._comm.scatter(ip, ib, op_, ob, _dtype(output), root, (flat, staged))
+        return self._issue(pending, output_tensors, (lambda: output.copy_(staged)) if copied else None,
+                           sync=_is_cuda(output))
 
     def barrier(self, opts=None):
-        self._comm.barrier()
-        return _work([])
+        return self._issue(self._comm.barrier(), [])
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         """A barrier through torch's store that names the ranks that did not arrive in time
@@ -552,7 +782,7 @@ class ProcessGroupChorus(ProcessGroup):
                 self._store.wait([key("released", 0)], datetime.timedelta(seconds=seconds))
             except RuntimeError as e:
                 raise RuntimeError(f"chorus monitored_barrier: rank 0 did not release rank {rank} within {seconds} s ({e})") from None
-            self._comm.barrier()
+            self._comm.barrier().wait()
             return _work([])
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=seconds)
         missing = []
@@ -568,7 +798,7 @@ class ProcessGroupChorus(ProcessGroup):
             which = ", ".join(str(r) for r in missing)
             raise RuntimeError(f"chorus monitored_barrier: rank{'s' if len(missing) > 1 else ''} {which} did not arrive within {seconds} s")
         self._store.set(key("released", 0), b"1")
-        self._comm.barrier()
+        self._comm.barrier().wait()
         return _work([])
 
     def gather_single(self, output, tensor, opts=None):
@@ -586,18 +816,17 @@ class ProcessGroupChorus(ProcessGroup):
             staged, copied = torch.empty(0, dtype=tensor.dtype), False
         ip, ib = _span(inp)
         op_, ob = _span(staged)
-        self._comm.gather(ip, ib, op_, ob, _dtype(tensor), root)
-        return _work([output], (lambda: output.copy_(staged)) if copied else None)
+        pending = self._comm.gather(ip, ib, op_, ob, _dtype(tensor), root, (inp, staged))
+        return self._issue(pending, [output], (lambda: output.copy_(staged)) if copied else None,
+                           sync=_is_cuda(tensor))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        for output, tensor in zip(outputs, inputs):
-            self._allgather_base(output, tensor, opts)
-        return _work(outputs)
+        works = [self._allgather_base(output, tensor, opts) for output, tensor in zip(outputs, inputs)]
+        return self._together(works, outputs) if works else self.barrier()
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        for output, tensor in zip(outputs, inputs):
-            self._reduce_scatter_base(output, tensor, opts)
-        return _work(outputs)
+        works = [self._reduce_scatter_base(output, tensor, opts) for output, tensor in zip(outputs, inputs)]
+        return self._together(works, outputs) if works else self.barrier()
 
     # torch 2.x's names for the single-tensor forms.
     all_gather_single = _allgather_base
@@ -620,12 +849,12 @@ class ProcessGroupChorus(ProcessGroup):
         if self._batch is None or self._batch.ran:
             self._batch = _Batch(self._comm)
         self._batch.add(is_send, tensor, peer, tag)
-        return _PointToPointWork(self._batch, tensors)
+        return _PointToPointWork(self._batch, tensors, self._completions)
 
-    def _run_batch(self):
+    def _start_batch(self):
         batch, self._batch = self._batch, None
-        if batch is not None and not batch.ran:
-            batch.run()
+        if batch is not None:
+            batch.start()
 
     def recv_anysource(self, tensors, tag):
         """A receive from whichever rank sends this one a message with `tag` first; the Work
@@ -639,25 +868,63 @@ class ProcessGroupChorus(ProcessGroup):
         return _ReceivedWork(tensors, source)
 
 
+class ProcessGroupChorus(_Calls, ProcessGroup):
+    """A torch.distributed process group whose operations run on Chorus (torch before 2.7:
+    see ASYNC)."""
+
+    def __init__(self, store, rank, size, timeout):
+        ProcessGroup.__init__(self, rank, size)
+        self._setup(store, timeout)
+
+    def _get_backend(self, device=None):
+        """The backend serving `device`'s tensors: this group itself (torch 2.x's
+        `batch_isend_irecv` asks it whether it coalesces; it does not, so torch posts the
+        calls one by one and `_Batch` runs them together)."""
+        return self
+
+
+if ASYNC:
+
+    class BackendChorus(_Calls, Backend):
+        """The torch.distributed backend whose operations run on Chorus in the background,
+        registered under torch's ProcessGroup as Gloo's and NCCL's are (torch 2.7 and later:
+        see ASYNC)."""
+
+        def __init__(self, store, rank, size, timeout):
+            Backend.__init__(self, rank, size)
+            self._setup(store, timeout)
+
+        # torch reads these as attributes of a Python backend (its C++ base would call back
+        # into Python for them, and recurse).
+        @property
+        def supports_coalescing(self):
+            return False
+
+        @property
+        def supports_splitting(self):
+            return False
+
+    _patch_work()
+
+
 def _after_batch(method):
-    """`method`, called once the point-to-point calls posted before it have run."""
+    """`method`, called once the point-to-point calls posted before it have started."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         if self._batch is not None:
-            self._run_batch()
+            self._start_batch()
         return method(self, *args, **kwargs)
 
     return run
 
 
-# Every operation but the point-to-point ones (and the helpers) first runs the batch they
-# posted, so calls run in the order they were made.
-_NOT_AFTER_BATCH = {"getBackendName", "name", "_get_backend_name", "_get_backend", "_root", "_peer", "send", "recv", "_post",
-                    "_run_batch"}
-for _name, _method in list(vars(ProcessGroupChorus).items()):
-    if callable(_method) and not _name.startswith("__") and _name not in _NOT_AFTER_BATCH:
-        setattr(ProcessGroupChorus, _name, _after_batch(_method))
+# Every call but the point-to-point ones first starts the batch they posted, so calls run in
+# the order they were made.
+for _name, _method in list(vars(_Calls).items()):
+    if callable(_method) and (not _name.startswith("_") or _name in ("_allgather_base", "_reduce_scatter_base")) \
+            and _name not in ("getBackendName", "name", "send", "recv"):
+        setattr(_Calls, _name, _after_batch(_method))
 
 
 def _one_list(lists, size, like, what):
@@ -693,5 +960,9 @@ def _counts(tensor, splits, size, which):
 
 
 def create_process_group(store, rank, size, timeout):
-    """The backend's creator, as torch.distributed.Backend.register_backend calls it."""
+    """The backend's creator, as torch.distributed.Backend.register_backend calls it: a
+    `BackendChorus` where torch runs calls in the background (see ASYNC), else a
+    `ProcessGroupChorus`."""
+    if ASYNC:
+        return BackendChorus(store, rank, size, timeout)
     return ProcessGroupChorus(store, rank, size, timeout)

@@ -1,10 +1,11 @@
 //! `chorus_torch._chorus`: a Chorus communicator driven from Python over tensors' own memory.
 //!
 //! The Python package (`chorus_torch`) turns torch's process-group calls into calls of
-//! [`Comm`] with each tensor's address and length in bytes; this module runs them on the
-//! tensors' memory with the GIL released. It is private to that package: the addresses it
-//! is given must be those of live tensors of the given type and length, which the package
-//! holds for the length of the call.
+//! [`Comm`] with each tensor's address and length in bytes and the Python objects that own
+//! them; this module starts them on the tensors' memory and hands back a [`Pending`] call,
+//! which holds those objects until the call is done. It is private to that package: the
+//! addresses it is given must be those of live tensors of the given type and length, owned
+//! by the objects passed with them and left untouched until the call is done.
 
 // The Python-facing calls take one argument per field of torch's call.
 #![allow(clippy::too_many_arguments)]
@@ -12,6 +13,7 @@
 mod buffer;
 #[cfg(feature = "cuda")]
 mod device;
+mod pending;
 
 use std::time::Duration;
 
@@ -20,7 +22,8 @@ use chorus_transport::store::StoreServer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use buffer::Raw;
+use buffer::{held_apart, Held, Raw};
+use pending::Pending;
 
 /// Runs `$body` with `$t` standing for the Rust element type of `$dtype`.
 macro_rules! typed {
@@ -126,7 +129,8 @@ impl StoreHost {
     }
 }
 
-/// One Chorus communicator; every call runs on the calling thread with the GIL released.
+/// One Chorus communicator. A collective returns a [`Pending`] call at once; the call runs
+/// in issue order on Chorus's worker, or on the thread that first waits for it.
 #[pyclass(frozen, module = "chorus_torch._chorus")]
 struct Comm {
     comm: Communicator,
@@ -198,112 +202,115 @@ impl Comm {
         self.comm.abort();
     }
 
-    /// In-place all-reduce of `bytes` bytes at `ptr`.
+    /// Starts an in-place all-reduce of `bytes` bytes at `ptr`, which `keep` owns.
     fn all_reduce(
         &self,
-        py: Python<'_>,
         ptr: usize,
         bytes: usize,
         dtype_code: usize,
         op_code: u32,
-    ) -> PyResult<()> {
+        keep: Py<PyAny>,
+    ) -> PyResult<Pending> {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
         let buf = Raw::new(ptr, bytes, dtype)?;
-        self.run(py, move |c| {
-            // SAFETY: the package passes a live tensor of this type and length, held for the call.
-            typed!(dtype, T => c.all_reduce(unsafe { buf.slice::<T>() }, op))
-        })
+        let c = &self.comm;
+        // SAFETY: the package passes a live tensor of this type and length, owned by `keep`
+        // and not touched until the call is done.
+        Ok(
+            typed!(dtype, T => Pending::new(c.all_reduce_async::<T, _>(unsafe { Held::new(buf, Some(keep)) }, op))),
+        )
     }
 
-    /// In-place broadcast from `root`.
+    /// Starts an in-place broadcast from `root`.
     fn broadcast(
         &self,
-        py: Python<'_>,
         ptr: usize,
         bytes: usize,
         dtype_code: usize,
         root: usize,
-    ) -> PyResult<()> {
+        keep: Py<PyAny>,
+    ) -> PyResult<Pending> {
         let dtype = dtype(dtype_code)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
-        self.run(py, move |c| {
-            // SAFETY: as in `all_reduce`.
-            typed!(dtype, T => c.broadcast(unsafe { buf.slice::<T>() }, root))
-        })
+        let c = &self.comm;
+        // SAFETY: as in `all_reduce`.
+        Ok(
+            typed!(dtype, T => Pending::new(c.broadcast_async::<T, _>(unsafe { Held::new(buf, Some(keep)) }, root))),
+        )
     }
 
-    /// In-place reduce to `root` (other ranks' buffers become scratch).
+    /// Starts an in-place reduce to `root` (other ranks' buffers become scratch).
     fn reduce(
         &self,
-        py: Python<'_>,
         ptr: usize,
         bytes: usize,
         dtype_code: usize,
         op_code: u32,
         root: usize,
-    ) -> PyResult<()> {
+        keep: Py<PyAny>,
+    ) -> PyResult<Pending> {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
         let buf = Raw::new(ptr, bytes, dtype)?;
-        self.run(py, move |c| {
-            // SAFETY: as in `all_reduce`.
-            typed!(dtype, T => c.reduce(unsafe { buf.slice::<T>() }, op, root))
-        })
+        let c = &self.comm;
+        // SAFETY: as in `all_reduce`.
+        Ok(
+            typed!(dtype, T => Pending::new(c.reduce_async::<T, _>(unsafe { Held::new(buf, Some(keep)) }, op, root))),
+        )
     }
 
-    /// All-gather of `input` into `output` (world-size blocks); `input` may be `output`'s
-    /// own block of this rank (in place).
+    /// Starts an all-gather of `input` into `output` (world-size blocks); `input` may be
+    /// `output`'s own block of this rank (in place).
     fn all_gather(
         &self,
-        py: Python<'_>,
         input: usize,
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
         dtype_code: usize,
-    ) -> PyResult<()> {
+        keep: Py<PyAny>,
+    ) -> PyResult<Pending> {
         let dtype = dtype(dtype_code)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        let rank = self.rank();
-        self.run(py, move |c| {
-            if output.block(rank, input.bytes) == Some(input) {
-                // SAFETY: as in `all_reduce`; only the output is referenced.
-                return typed!(dtype, T => c.all_gather_in_place(unsafe { output.slice::<T>() }));
-            }
-            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
-            // the call.
-            let input = unsafe { input.apart_from(output) };
-            // SAFETY: as in `all_reduce`; `apart_from` copies an input that overlaps the output.
-            typed!(dtype, T => c.all_gather(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }))
-        })
+        let c = &self.comm;
+        if output.block(c.rank(), input.bytes) == Some(input) {
+            // SAFETY: as in `all_reduce`; only the output is referenced.
+            return Ok(
+                typed!(dtype, T => Pending::new(c.all_gather_in_place_async::<T, _>(unsafe { Held::new(output, Some(keep)) }))),
+            );
+        }
+        Ok(typed!(dtype, T => {
+            // SAFETY: the package passes live tensors of these lengths, owned by `keep` and
+            // not touched until the call is done; an input that overlaps the output is copied.
+            let (i, o) = unsafe { held_apart(input, output, keep) };
+            Pending::new(c.all_gather_async::<T, _, _>(i, o))
+        }))
     }
 
-    /// Reduce-scatter of `input` (world-size blocks) into `output`.
+    /// Starts a reduce-scatter of `input` (world-size blocks) into `output`.
     fn reduce_scatter(
         &self,
-        py: Python<'_>,
         input: usize,
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
         dtype_code: usize,
         op_code: u32,
-    ) -> PyResult<()> {
+        keep: Py<PyAny>,
+    ) -> PyResult<Pending> {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        self.run(py, move |c| {
-            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
-            // the call.
-            let input = unsafe { input.apart_from(output) };
+        let c = &self.comm;
+        Ok(typed!(dtype, T => {
             // SAFETY: as in `all_gather`.
-            typed!(dtype, T => c.reduce_scatter(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, op))
-        })
+            let (i, o) = unsafe { held_apart(input, output, keep) };
+            Pending::new(c.reduce_scatter_async::<T, _, _>(i, o, op))
+        }))
     }
 
-    /// All-to-all; with counts (elements per peer) when given, else equal blocks.
-    #[pyo3(signature = (input, input_bytes, output, output_bytes, dtype_code, send_counts, recv_counts))]
+    /// Starts an all-to-all; with counts (elements per peer) when given, else equal blocks.
+    #[pyo3(signature = (input, input_bytes, output, output_bytes, dtype_code, send_counts, recv_counts, keep))]
     fn all_to_all(
         &self,
-        py: Python<'_>,
         input: usize,
         input_bytes: usize,
         output: usize,
@@ -311,87 +318,80 @@ impl Comm {
         dtype_code: usize,
         send_counts: Option<Vec<usize>>,
         recv_counts: Option<Vec<usize>>,
-    ) -> PyResult<()> {
+        keep: Py<PyAny>,
+    ) -> PyResult<Pending> {
         let dtype = dtype(dtype_code)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        self.run(py, move |c| {
-            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
-            // the call.
-            let input = unsafe { input.apart_from(output) };
-            typed!(dtype, T => {
-                // SAFETY: as in `all_gather`.
-                let (i, o) = unsafe { (input.as_ref().slice::<T>(), output.slice::<T>()) };
-                match (&send_counts, &recv_counts) {
-                    (Some(s), Some(r)) => c.all_to_all_v(i, s, o, r),
-                    _ => c.all_to_all(i, o),
-                }
+        let c = &self.comm;
+        Ok(typed!(dtype, T => {
+            // SAFETY: as in `all_gather`.
+            let (i, o) = unsafe { held_apart(input, output, keep) };
+            Pending::new(match (send_counts, recv_counts) {
+                (Some(s), Some(r)) => c.all_to_all_v_async::<T, _, _>(i, s, o, r),
+                _ => c.all_to_all_async::<T, _, _>(i, o),
             })
-        })
+        }))
     }
 
-    /// Gather of every rank's `input` into `root`'s `output` (ignored elsewhere).
+    /// Starts a gather of every rank's `input` into `root`'s `output` (ignored elsewhere).
     fn gather(
         &self,
-        py: Python<'_>,
         input: usize,
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
         dtype_code: usize,
         root: usize,
-    ) -> PyResult<()> {
+        keep: Py<PyAny>,
+    ) -> PyResult<Pending> {
         let dtype = dtype(dtype_code)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        self.run(py, move |c| {
-            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
-            // the call.
-            let input = unsafe { input.apart_from(output) };
+        let c = &self.comm;
+        Ok(typed!(dtype, T => {
             // SAFETY: as in `all_gather`.
-            typed!(dtype, T => c.gather(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, root))
-        })
+            let (i, o) = unsafe { held_apart(input, output, keep) };
+            Pending::new(c.gather_async::<T, _, _>(i, o, root))
+        }))
     }
 
-    /// Scatter of `root`'s `input` (ignored elsewhere) into every rank's `output`.
+    /// Starts a scatter of `root`'s `input` (ignored elsewhere) into every rank's `output`.
     fn scatter(
         &self,
-        py: Python<'_>,
         input: usize,
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
         dtype_code: usize,
         root: usize,
-    ) -> PyResult<()> {
+        keep: Py<PyAny>,
+    ) -> PyResult<Pending> {
         let dtype = dtype(dtype_code)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        self.run(py, move |c| {
-            // SAFETY: the package passes a live input tensor of `input.bytes` bytes, held for
-            // the call.
-            let input = unsafe { input.apart_from(output) };
+        let c = &self.comm;
+        Ok(typed!(dtype, T => {
             // SAFETY: as in `all_gather`.
-            typed!(dtype, T => c.scatter(unsafe { input.as_ref().slice::<T>() }, unsafe { output.slice::<T>() }, root))
-        })
+            let (i, o) = unsafe { held_apart(input, output, keep) };
+            Pending::new(c.scatter_async::<T, _, _>(i, o, root))
+        }))
     }
 
-    /// Posts every send and receive of `ops` together and waits for all of them (torch's
-    /// `isend`/`irecv` batched, so two ranks exchanging large messages both ways cannot wait
-    /// on each other). Each op is `(is_send, ptr, bytes, dtype_code, peer, tag)`.
+    /// Starts every send and receive of `ops` together (torch's `isend`/`irecv` batched, so
+    /// two ranks exchanging large messages both ways cannot wait on each other). Each op is
+    /// `(is_send, ptr, bytes, dtype_code, peer, tag)`; `keep` owns their memory.
     ///
     /// A receive's memory may overlap no other op's: that is a `ValueError` before anything
     /// is sent.
     fn exchange(
         &self,
-        py: Python<'_>,
         ops: Vec<(bool, usize, usize, usize, usize, u32)>,
-    ) -> PyResult<()> {
-        let mut checked = Vec::with_capacity(ops.len());
+        keep: Py<PyAny>,
+    ) -> PyResult<Pending> {
+        let mut checked: Vec<(bool, Raw)> = Vec::with_capacity(ops.len());
         for (i, &(is_send, ptr, bytes, code, peer, tag)) in ops.iter().enumerate() {
             let raw = Raw::new(ptr, bytes, dtype(code)?)?;
             if let Some(j) = checked
                 .iter()
-                .position(|&(other_send, other): &(bool, Raw)| {
-                    (!is_send || !other_send) && raw.overlaps(other)
-                })
+                .position(|&(other_send, other)| (!is_send || !other_send) && raw.overlaps(other))
             {
                 return Err(PyValueError::new_err(format!(
                     "point-to-point call {i} (to or from rank {peer}, tag {tag}) shares memory with call {j} of the same batch, and one of them receives into it"
@@ -399,20 +399,20 @@ impl Comm {
             }
             checked.push((is_send, raw));
         }
-        self.run(py, move |c| {
-            c.group(|g| {
-                for (&(is_send, raw), &(_, _, _, _, peer, tag)) in checked.iter().zip(&ops) {
-                    if is_send {
-                        // SAFETY: the package passes live tensors of these lengths, held until
-                        // the batch has run; no receive writes this memory (checked above).
-                        g.send(unsafe { raw.bytes() }, peer, tag);
-                    } else {
-                        // SAFETY: as above; no other op of the batch touches this memory.
-                        g.recv(unsafe { raw.slice::<u8>() }, peer, tag);
-                    }
-                }
-            })
-        })
+        let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+        let mut keep = Some(keep);
+        for (&(is_send, raw), &(_, _, _, _, peer, tag)) in checked.iter().zip(&ops) {
+            // SAFETY: the package passes live tensors of these lengths, owned by `keep` (held
+            // by the first buffer) and not touched until the batch is done; no receive shares
+            // memory with another op (checked above).
+            let held = unsafe { Held::<u8>::new(raw, keep.take()) };
+            if is_send {
+                sends.push((held, peer, tag));
+            } else {
+                recvs.push((held, peer, tag));
+            }
+        }
+        Ok(Pending::new(self.comm.group_async(sends, recvs)))
     }
 
     /// Receives exactly the buffer's length from whichever rank sends a message with `tag`
@@ -427,28 +427,18 @@ impl Comm {
     ) -> PyResult<usize> {
         let dtype = dtype(dtype_code)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
-        self.run(py, move |c| {
-            // SAFETY: as in `all_reduce`.
-            typed!(dtype, T => c.recv_any(unsafe { buf.slice::<T>() }, tag))
-        })
-    }
-
-    /// Returns once every rank has entered the barrier.
-    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        self.run(py, |c| c.barrier())
-    }
-}
-
-impl Comm {
-    /// Runs `job` on this thread with the GIL released; a failure raises RuntimeError with
-    /// Chorus's message.
-    fn run<R: Send>(
-        &self,
-        py: Python<'_>,
-        job: impl FnOnce(&Communicator) -> chorus::Result<R> + Send,
-    ) -> PyResult<R> {
         let comm = &self.comm;
-        py.detach(|| job(comm)).map_err(failed)
+        py.detach(|| {
+            // SAFETY: the package passes a live tensor of this type and length, held for the
+            // call.
+            typed!(dtype, T => comm.recv_any(unsafe { buf.slice::<T>() }, tag))
+        })
+        .map_err(failed)
+    }
+
+    /// Starts a barrier.
+    fn barrier(&self) -> Pending {
+        Pending::new(self.comm.barrier_async())
     }
 }
 
@@ -457,6 +447,7 @@ impl Comm {
 fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StoreHost>()?;
     m.add_class::<Comm>()?;
+    m.add_class::<Pending>()?;
     #[cfg(feature = "cuda")]
     m.add_class::<device::DeviceComm>()?;
     Ok(())

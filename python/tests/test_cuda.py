@@ -230,7 +230,12 @@ def refusals(rank, world):
 
 
 def test_tensors_on_other_devices_are_refused():
-    # Runs without a GPU too: the meta device stands for any other device.
+    # Runs without a GPU too: the meta device stands for any other device. Where the backend
+    # registers under torch's ProcessGroup for CPU and CUDA (torch 2.7 on), torch's own meta
+    # kernels take meta tensors, and they never reach it.
+    if backend.ASYNC:
+        assert run(2, refusals) == [[], []]
+        return
     for errors in run(2, refusals):
         assert 2 <= len(errors) <= 3, errors
         assert all("takes CPU and CUDA tensors, got one on meta" in e for e in errors[:2]), errors

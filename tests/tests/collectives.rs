@@ -175,6 +175,16 @@ fn async_work_completes_in_issue_order() {
 }
 
 #[test]
+fn every_async_call_matches_its_blocking_form() {
+    scenario("async_every", &[1, 2, 3, 4]);
+}
+
+#[test]
+fn calls_in_flight_fail_naming_a_rank_that_left() {
+    scenario("async_vanish", &[2, 3, 4]);
+}
+
+#[test]
 fn split_and_dup_run_beside_the_parent() {
     scenario("split", &[1, 2, 3, 5]);
 }

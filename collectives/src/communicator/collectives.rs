@@ -102,19 +102,16 @@ impl Communicator {
     ///
     /// Fails on a transport error or timeout.
     pub fn barrier(&self) -> Result<()> {
-        let info = CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0)?;
-        self.run_now(self.inner.prepare(info, Buffers::new(None, &mut []))?)
+        self.run_now(self.inner.barrier_call()?)
     }
+
     /// Reduces every rank's `buf` into `root`'s `buf`.
     ///
     /// Other ranks' buffers serve as scratch: their contents afterwards are
     /// unspecified. Fails as [`all_reduce`](Self::all_reduce) does, or if `root` is not a rank.
     pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
         let output = bytemuck::cast_slice_mut(buf);
-        let count = output.len() / T::DTYPE.size();
-        let info = CallInfo::new(Kind::Reduce, T::DTYPE, op, root, count)?;
-        self.inner.check_root(root)?;
-        self.run_typed(info, Buffers::new(None, output))
+        self.run_now(self.inner.reduce_call(None, output, T::DTYPE, op, root)?)
     }
 
     /// Reduces every rank's `input` into `root`'s `output` (same length as `input`).
@@ -131,44 +128,29 @@ impl Communicator {
             bytemuck::cast_slice(input),
             bytemuck::cast_slice_mut(output),
         );
-        let count = input.len() / T::DTYPE.size();
-        let info = CallInfo::new(Kind::Reduce, T::DTYPE, op, root, count)?;
-        self.inner.check_root(root)?;
-        self.run_typed(info, Buffers::same_len(Some(input), output)?)
+        self.run_now(
+            self.inner
+                .reduce_call(Some(input), output, T::DTYPE, op, root)?,
+        )
     }
 
     /// Gathers every rank's `input` into every rank's `output`, block `q` from rank `q`.
     ///
     /// Fails unless `output.len() == world_size * input.len()`, or as other collectives do.
     pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        let n = self
-            .inner
-            .blocks("all_gather", "output", output.len(), input.len())?;
-        self.run_apart(
-            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n)?,
-            input,
-            output,
-        )
+        let (input, output) = (
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+        );
+        self.run_now(self.inner.all_gather_call(input, output, T::DTYPE)?)
     }
 
     /// All-gather in place: this rank's block already sits at `buf[rank * n..(rank + 1) * n]`.
     ///
     /// Fails unless `buf.len()` is a multiple of the world size, or as other collectives do.
     pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        let w = self.world_size();
-        let n = self
-            .inner
-            .blocks("all_gather_in_place", "buffer", buf.len(), buf.len() / w)?;
-        let size = std::mem::size_of::<T>();
-        let bufs = Buffers::inside(
-            bytemuck::cast_slice_mut(buf),
-            self.rank() * n * size,
-            n * size,
-        );
-        self.run_typed(
-            CallInfo::new(Kind::AllGather, T::DTYPE, ReduceOp::Sum, 0, n)?,
-            bufs,
-        )
+        let buf = bytemuck::cast_slice_mut(buf);
+        self.run_now(self.inner.all_gather_in_place_call(buf, T::DTYPE)?)
     }
 
     /// Reduces `input` (world_size blocks) across ranks; `output` receives block `rank` of the result.
@@ -192,15 +174,7 @@ impl Communicator {
     ///
     /// Both buffers hold world_size equal blocks; fails otherwise, or as other collectives do.
     pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        let w = self.world_size();
-        if input.len() != output.len() || input.len() % w != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "all_to_all needs input and output of equal length divisible by the world size {w}; got {} and {}",
-                input.len(),
-                output.len()
-            )));
-        }
-        let counts = vec![input.len() / w; w];
+        let counts = self.inner.equal_blocks(input.len(), output.len())?;
         self.all_to_all_v(input, &counts, output, &counts)
     }
 
@@ -216,59 +190,37 @@ impl Communicator {
         output: &mut [T],
         recv_counts: &[usize],
     ) -> Result<()> {
-        let (rank, w) = (self.rank(), self.world_size());
-        all_to_all::validate(rank, w, send_counts, recv_counts).map_err(Error::InvalidArgument)?;
-        let (sent, received): (usize, usize) = (send_counts.iter().sum(), recv_counts.iter().sum());
-        if sent != input.len() || received != output.len() {
-            return Err(Error::InvalidArgument(format!(
-                "all_to_all_v counts add up to {sent} to send and {received} to receive, but the buffers hold {} and {}",
-                input.len(),
-                output.len()
-            )));
-        }
-        // Counts may differ between ranks; each message's length is checked instead.
-        let info = CallInfo::new(Kind::AllToAll, T::DTYPE, ReduceOp::Sum, 0, 0)?;
-        let bufs = Buffers::new(
-            Some(bytemuck::cast_slice(input)),
+        let (input, output) = (
+            bytemuck::cast_slice(input),
             bytemuck::cast_slice_mut(output),
         );
-        let counts = Some((send_counts, recv_counts));
-        self.run_now(self.inner.prepare_with(info, bufs, counts)?)
+        let counts = (send_counts, recv_counts);
+        self.run_now(
+            self.inner
+                .all_to_all_call(input, output, T::DTYPE, counts)?,
+        )
     }
 
     /// Gathers every rank's `input` into `root`'s `output` (world_size blocks); other outputs are untouched.
     ///
     /// Fails unless the root's `output.len() == world_size * input.len()`, or as other collectives do.
     pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
-        self.inner.check_root(root)?;
-        if self.rank() == root {
-            self.inner
-                .blocks("gather", "output", output.len(), input.len())?;
-        }
-        let info = CallInfo::new(Kind::Gather, T::DTYPE, ReduceOp::Sum, root, input.len())?;
-        self.run_apart(info, input, output)
+        let (input, output) = (
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+        );
+        self.run_now(self.inner.gather_call(input, output, T::DTYPE, root)?)
     }
 
     /// Sends block `q` of `root`'s `input` (world_size blocks) to rank `q`'s `output`.
     ///
     /// Fails unless the root's `input.len() == world_size * output.len()`, or as other collectives do.
     pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
-        self.inner.check_root(root)?;
-        if self.rank() == root {
-            self.inner
-                .blocks("scatter", "input", input.len(), output.len())?;
-        }
-        let info = CallInfo::new(Kind::Scatter, T::DTYPE, ReduceOp::Sum, root, output.len())?;
-        self.run_apart(info, input, output)
-    }
-
-    /// Runs call `info` from `input` into a separate `output`.
-    fn run_apart<T: Element>(&self, info: CallInfo, input: &[T], output: &mut [T]) -> Result<()> {
-        let bufs = Buffers::new(
-            Some(bytemuck::cast_slice(input)),
+        let (input, output) = (
+            bytemuck::cast_slice(input),
             bytemuck::cast_slice_mut(output),
         );
-        self.run_typed(info, bufs)
+        self.run_now(self.inner.scatter_call(input, output, T::DTYPE, root)?)
     }
 
     /// Runs a collective of `kind` on raw bytes of `dtype` now (the device paths' host
@@ -283,12 +235,7 @@ impl Communicator {
         let (kind, dtype, op, root, count) = info;
         self.inner.check_root(root)?;
         let info = CallInfo::new(kind, dtype, op, root, count)?;
-        self.run_typed(info, Buffers::new(input, output))
-    }
-
-    /// Prepares call `info` on `bufs` and runs it now.
-    fn run_typed(&self, info: CallInfo, bufs: Buffers<'_>) -> Result<()> {
-        self.run_now(self.inner.prepare(info, bufs)?)
+        self.run_now(self.inner.prepare(info, Buffers::new(input, output))?)
     }
 }
 
@@ -334,6 +281,125 @@ impl Inner {
         self.check_root(root)?;
         let info = CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count)?;
         self.prepare(info, Buffers::same_len(input, output)?)
+    }
+
+    pub(super) fn barrier_call(&self) -> Result<Call<'static>> {
+        let info = CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0)?;
+        self.prepare(info, Buffers::new(None, &mut []))
+    }
+
+    pub(super) fn reduce_call<'a>(
+        &self,
+        input: Option<&'a [u8]>,
+        output: &'a mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<Call<'a>> {
+        let count = elements(input.map_or(output.len(), <[u8]>::len), dtype)?;
+        let info = CallInfo::new(Kind::Reduce, dtype, op, root, count)?;
+        self.check_root(root)?;
+        self.prepare(info, Buffers::same_len(input, output)?)
+    }
+
+    pub(super) fn all_gather_call<'a>(
+        &self,
+        input: &'a [u8],
+        output: &'a mut [u8],
+        dtype: DType,
+    ) -> Result<Call<'a>> {
+        let (whole, block) = (
+            elements(output.len(), dtype)?,
+            elements(input.len(), dtype)?,
+        );
+        let n = self.blocks("all_gather", "output", whole, block)?;
+        let info = CallInfo::new(Kind::AllGather, dtype, ReduceOp::Sum, 0, n)?;
+        self.prepare(info, Buffers::new(Some(input), output))
+    }
+
+    pub(super) fn all_gather_in_place_call<'a>(
+        &self,
+        buf: &'a mut [u8],
+        dtype: DType,
+    ) -> Result<Call<'a>> {
+        let whole = elements(buf.len(), dtype)?;
+        let w = self.config.world_size;
+        let n = self.blocks("all_gather_in_place", "buffer", whole, whole / w)?;
+        let info = CallInfo::new(Kind::AllGather, dtype, ReduceOp::Sum, 0, n)?;
+        let block = n * dtype.size();
+        let bufs = Buffers::inside(buf, self.config.rank * block, block);
+        self.prepare(info, bufs)
+    }
+
+    /// Equal all-to-all blocks for buffers of `input` and `output` elements.
+    pub(super) fn equal_blocks(&self, input: usize, output: usize) -> Result<Vec<usize>> {
+        let w = self.config.world_size;
+        if input != output || input % w != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "all_to_all needs input and output of equal length divisible by the world size {w}; got {input} and {output}"
+            )));
+        }
+        Ok(vec![input / w; w])
+    }
+
+    /// An all-to-all with `counts` (elements to send to, and receive from, each rank).
+    pub(super) fn all_to_all_call<'a>(
+        &self,
+        input: &'a [u8],
+        output: &'a mut [u8],
+        dtype: DType,
+        counts: (&[usize], &[usize]),
+    ) -> Result<Call<'a>> {
+        let (rank, w) = (self.config.rank, self.config.world_size);
+        let (send_counts, recv_counts) = counts;
+        all_to_all::validate(rank, w, send_counts, recv_counts).map_err(Error::InvalidArgument)?;
+        let (sent, received): (usize, usize) = (send_counts.iter().sum(), recv_counts.iter().sum());
+        let (input_len, output_len) = (
+            elements(input.len(), dtype)?,
+            elements(output.len(), dtype)?,
+        );
+        if sent != input_len || received != output_len {
+            return Err(Error::InvalidArgument(format!(
+                "all_to_all_v counts add up to {sent} to send and {received} to receive, but the buffers hold {input_len} and {output_len}"
+            )));
+        }
+        // Counts may differ between ranks; each message's length is checked instead.
+        let info = CallInfo::new(Kind::AllToAll, dtype, ReduceOp::Sum, 0, 0)?;
+        self.prepare_with(info, Buffers::new(Some(input), output), Some(counts))
+    }
+
+    pub(super) fn gather_call<'a>(
+        &self,
+        input: &'a [u8],
+        output: &'a mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<Call<'a>> {
+        self.check_root(root)?;
+        let block = elements(input.len(), dtype)?;
+        if self.config.rank == root {
+            let whole = elements(output.len(), dtype)?;
+            self.blocks("gather", "output", whole, block)?;
+        }
+        let info = CallInfo::new(Kind::Gather, dtype, ReduceOp::Sum, root, block)?;
+        self.prepare(info, Buffers::new(Some(input), output))
+    }
+
+    pub(super) fn scatter_call<'a>(
+        &self,
+        input: &'a [u8],
+        output: &'a mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<Call<'a>> {
+        self.check_root(root)?;
+        let block = elements(output.len(), dtype)?;
+        if self.config.rank == root {
+            let whole = elements(input.len(), dtype)?;
+            self.blocks("scatter", "input", whole, block)?;
+        }
+        let info = CallInfo::new(Kind::Scatter, dtype, ReduceOp::Sum, root, block)?;
+        self.prepare(info, Buffers::new(Some(input), output))
     }
 
     /// Checks that `whole` holds world_size blocks of `block` elements; returns `block`.

@@ -14,6 +14,7 @@ mod prepare;
 mod roll_call;
 mod shared;
 mod split;
+mod started;
 mod work;
 
 use std::collections::HashMap;
@@ -38,7 +39,7 @@ use crate::{env, Config, Error, Result, StoreKind};
 
 pub(crate) use monitor::CallInfo;
 use monitor::{Lineage, Monitor, Watcher};
-pub use p2p::Group;
+pub use p2p::{Group, Messages};
 use prepare::{Call, Route};
 pub use shared::SharedBuffer;
 use shared::Windows;
@@ -494,16 +495,18 @@ impl Inner {
         ticket: u64,
         f: impl FnOnce(&Inner, &mut State) -> Result<()>,
     ) -> Result<()> {
-        self.run_then(ticket, f, || {})
+        self.run_then(ticket, (), |inner, state, ()| f(inner, state), |r, ()| r)
     }
 
-    /// Like `run_with`, calling `done` after `f` and before the next ticket's turn.
-    pub(crate) fn run_then(
+    /// Like `run_with` on `payload`, handing the outcome and the payload to `done` before the
+    /// next ticket's turn.
+    pub(crate) fn run_then<P, R>(
         &self,
         ticket: u64,
-        f: impl FnOnce(&Inner, &mut State) -> Result<()>,
-        done: impl FnOnce(),
-    ) -> Result<()> {
+        mut payload: P,
+        f: impl FnOnce(&Inner, &mut State, &mut P) -> Result<()>,
+        done: impl FnOnce(Result<()>, P) -> R,
+    ) -> R {
         let mut state = lock(&self.state);
         while state.serving != ticket {
             state.waiting += 1;
@@ -514,21 +517,24 @@ impl Inner {
         let result = match fault {
             Some(Fault::Failed(why)) => Err(Error::Broken(why)),
             Some(Fault::Aborted(why)) => Err(Error::Aborted(why)),
-            None => f(self, &mut state),
+            None => f(self, &mut state, &mut payload),
         };
-        if let Err(e) = &result {
-            let fault = match e {
-                Error::Aborted(why) => Fault::Aborted(why.clone()),
-                other => Fault::Failed(other.to_string()),
-            };
+        // Arguments refused before anything moved (an asynchronous call's, checked in its
+        // turn) leave the communicator as it was.
+        let fault = match &result {
+            Ok(()) | Err(Error::InvalidArgument(_)) => None,
+            Err(Error::Aborted(why)) => Some(Fault::Aborted(why.clone())),
+            Err(other) => Some(Fault::Failed(other.to_string())),
+        };
+        if let Some(fault) = fault {
             lock(&self.fault).get_or_insert(fault);
         }
-        done();
+        let out = done(result, payload);
         state.serving += 1;
         if state.waiting > 0 {
             self.turn.notify_all();
         }
-        result
+        out
     }
 
     /// Fails every operation in flight and every later one; the first reason stays.

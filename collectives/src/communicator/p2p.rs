@@ -14,7 +14,7 @@ use chorus_kernels::Element;
 use chorus_transport::{Request, Transport, TransportError};
 
 use super::monitor::ranks;
-use super::{Communicator, Inner, Kind};
+use super::{Communicator, Inner, Kind, Work};
 use crate::{Error, Result};
 
 /// Rounds over the peers `recv_any` makes back to back, yielding the core between them,
@@ -99,7 +99,36 @@ impl Communicator {
         self.inner
             .run_with(ticket, |inner, _| inner.exchange(group))
     }
+
+    /// Starts the point-to-point messages of a group on owned buffers and returns at once:
+    /// each send's bytes go to its rank with its tag, each receive takes exactly its
+    /// buffer's length from its rank, all posted together as in [`group`](Self::group).
+    ///
+    /// The buffers come back from [`Work::wait`], sends first; errors surface there.
+    pub fn group_async<S, R>(
+        &self,
+        sends: Vec<(S, usize, u32)>,
+        recvs: Vec<(R, usize, u32)>,
+    ) -> Work<Messages<S, R>>
+    where
+        S: AsRef<[u8]> + Send + 'static,
+        R: AsMut<[u8]> + Send + 'static,
+    {
+        self.submit((sends, recvs), |inner, _, (sends, recvs)| {
+            let mut group = Group::default();
+            for (data, peer, tag) in sends.iter() {
+                group.send(data.as_ref(), *peer, *tag);
+            }
+            for (buf, peer, tag) in recvs.iter_mut() {
+                group.recv(buf.as_mut(), *peer, *tag);
+            }
+            inner.exchange(group)
+        })
+    }
 }
+
+/// A group's sends and receives on owned buffers, each with its peer and tag.
+pub type Messages<S, R> = (Vec<(S, usize, u32)>, Vec<(R, usize, u32)>);
 
 impl Inner {
     fn exchange(&self, group: Group<'_>) -> Result<()> {

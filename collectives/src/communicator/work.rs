@@ -1,25 +1,97 @@
-//! Asynchronous operations: a per-communicator worker thread and the
-//! [`Work`] handles it completes.
+//! Asynchronous operations: [`Work`] handles and the per-communicator worker thread that
+//! runs them in issue order.
 //!
-//! An asynchronous call takes ownership of its buffer and gives it back
-//! through the handle, so the buffer cannot be touched or freed while the
-//! operation runs: the type system, not a comment, rules out use-after-free.
+//! Every call takes a ticket when it is issued. A blocking call runs on the calling thread
+//! when its ticket's turn comes; an asynchronous one is queued for the worker and returns a
+//! [`Work`] at once. Whoever gets to a queued operation first runs it: the worker, or a
+//! thread that waits on its handle before the worker has started it (so a call waited on
+//! at once costs no hand-over between threads). Either way it runs in its ticket's turn.
+//!
+//! An asynchronous call takes ownership of its buffers and gives them back through the
+//! handle, so they cannot be touched or freed while the operation runs: the type system,
+//! not a comment, rules out use-after-free. Dropping a handle does not cancel or wait for
+//! its operation: it still runs in its turn, in the background, and its buffers are
+//! dropped when it is done (a dropped communicator gives queued operations a short grace,
+//! then fails them).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
 
 use super::{lock, Call, Communicator, Inner, State};
-use crate::{Element, Error, ReduceOp, Result};
+use crate::{Error, Result};
 
-type Task = Box<dyn FnOnce() + Send>;
+/// An operation's body: runs it and hands its outcome and its buffers to the [`Finish`].
+type Body<B> = Box<dyn FnOnce(Finish<'_, B>) + Send>;
+
+/// Where an operation's body records its outcome.
+struct Finish<'a, B>(&'a Slot<B>);
+
+impl<B> Finish<'_, B> {
+    /// Makes the operation finished, its outcome and buffers ready for the handle.
+    fn finish(self, result: Result<()>, buf: B) {
+        *lock(&self.0.stage) = Stage::Finished(result, buf);
+        self.0.finished.notify_all();
+    }
+}
+
+/// What the worker runs: an operation that may already have been taken by a waiter.
+trait Task: Send + Sync {
+    /// Runs the operation unless someone already has.
+    fn run(&self);
+}
+
+/// Where an operation is.
+enum Stage<B> {
+    /// Not started: the worker or a waiter takes it from here.
+    Queued(Body<B>),
+    /// Running on some thread.
+    Running,
+    /// Finished; the outcome waits for the handle.
+    Finished(Result<()>, B),
+    /// The handle took the outcome.
+    Collected,
+}
+
+/// An operation shared between the queue and its handle.
+struct Slot<B> {
+    stage: Mutex<Stage<B>>,
+    /// Signalled when the operation finishes.
+    finished: Condvar,
+}
+
+impl<B> Slot<B> {
+    /// Takes the operation's body if nobody has started it.
+    fn take(&self) -> Option<Body<B>> {
+        let mut stage = lock(&self.stage);
+        match std::mem::replace(&mut *stage, Stage::Running) {
+            Stage::Queued(body) => Some(body),
+            other => {
+                *stage = other;
+                None
+            }
+        }
+    }
+
+    /// Runs `body` here.
+    fn run_body(&self, body: Body<B>) {
+        body(Finish(self));
+    }
+}
+
+impl<B: Send> Task for Slot<B> {
+    fn run(&self) {
+        if let Some(body) = self.take() {
+            self.run_body(body);
+        }
+    }
+}
 
 /// The thread that runs a communicator's asynchronous operations in issue order.
 pub(super) struct Worker {
-    tasks: Option<Sender<Task>>,
+    tasks: Option<Sender<Arc<dyn Task>>>,
     thread: Option<JoinHandle<()>>,
     /// Disconnects when the thread ends.
     ended: Receiver<()>,
@@ -27,13 +99,13 @@ pub(super) struct Worker {
 
 impl Worker {
     fn start(rank: usize) -> Result<Worker> {
-        let (tasks, queue) = channel::unbounded::<Task>();
+        let (tasks, queue) = channel::unbounded::<Arc<dyn Task>>();
         let (alive, ended) = channel::bounded::<()>(0);
         let thread = std::thread::Builder::new()
             .name(format!("chorus-work-{rank}"))
             .spawn(move || {
                 let _alive = alive;
-                queue.into_iter().for_each(|task| task());
+                queue.into_iter().for_each(|task| task.run());
             })
             .map_err(|source| Error::Resource {
                 what: "cannot start the worker thread",
@@ -65,12 +137,33 @@ impl Drop for Worker {
     }
 }
 
+/// Queues `body` on `worker` (started on first use) and returns its handle. If no worker
+/// can run it, the handle's [`Work::wait`] runs it instead.
+fn queue<B: Send + 'static>(worker: &mut Option<Worker>, rank: usize, body: Body<B>) -> Work<B> {
+    let slot = Arc::new(Slot {
+        stage: Mutex::new(Stage::Queued(body)),
+        finished: Condvar::new(),
+    });
+    let task: Arc<dyn Task> = slot.clone();
+    if worker.is_none() {
+        match Worker::start(rank) {
+            Ok(started) => *worker = Some(started),
+            Err(e) => tracing::warn!(rank, "{e}: the operation runs when it is waited on"),
+        }
+    }
+    if let Some(tasks) = worker.as_ref().and_then(|w| w.tasks.as_ref()) {
+        // Only fails once the thread has ended; `wait` runs the operation then.
+        let _ = tasks.send(task);
+    }
+    Work { slot }
+}
+
 /// An ordered queue of operations run by a worker thread started on first use: what the
 /// device collectives' asynchronous calls run on.
 #[cfg(feature = "cuda")]
 pub(crate) struct Queue {
     rank: usize,
-    worker: std::sync::Mutex<Option<Worker>>,
+    worker: Mutex<Option<Worker>>,
 }
 
 #[cfg(feature = "cuda")]
@@ -78,7 +171,7 @@ impl Queue {
     pub(crate) fn new(rank: usize) -> Queue {
         Queue {
             rank,
-            worker: std::sync::Mutex::new(None),
+            worker: Mutex::new(None),
         }
     }
 
@@ -89,46 +182,22 @@ impl Queue {
         B: Send + 'static,
         F: FnOnce() -> (Result<()>, B) + Send + 'static,
     {
-        let (work, done) = Work::pending();
-        let task: Task = Box::new(move || {
+        let body: Body<B> = Box::new(move |finish| {
             let (result, buf) = op();
-            done.mark();
-            done.deliver(result, buf);
+            finish.finish(result, buf);
         });
-        if let Err(e) = send(&mut lock(&self.worker), self.rank, task) {
-            // The handle reports the worker as stopped.
-            tracing::error!("cannot queue an asynchronous operation: {e}");
-        }
-        work
+        queue(&mut lock(&self.worker), self.rank, body)
     }
 
     /// Waits until every operation queued so far has run; at once if none ever was.
     pub(crate) fn drain(&self) {
         if lock(&self.worker).is_some() {
-            let _ = self.submit(|| (Ok(()), ())).wait();
+            let _ = self.submit(|| (Ok(()), ())).wait_in_turn();
         }
     }
 }
 
-/// The queued side of a [`Work`]: marks the operation finished and hands its outcome back.
-struct Done<B> {
-    outcome: Sender<(Result<()>, B)>,
-    flag: Arc<AtomicBool>,
-}
-
-impl<B> Done<B> {
-    /// Makes the operation show as finished ([`Work::is_completed`]).
-    fn mark(&self) {
-        self.flag.store(true, Ordering::Release);
-    }
-
-    /// Hands the outcome and the buffer to the handle (dropped if the handle is gone).
-    fn deliver(self, result: Result<()>, buf: B) {
-        let _ = self.outcome.send((result, buf));
-    }
-}
-
-/// A handle to an operation in flight; gives its buffer back when it completes.
+/// A handle to an operation in flight; gives its buffers back when it completes.
 ///
 /// The operation owns its buffer meanwhile:
 ///
@@ -153,137 +222,110 @@ impl<B> Done<B> {
 /// work.wait()?;
 /// # Ok::<(), chorus::Error>(())
 /// ```
-#[derive(Debug)]
+///
+/// Dropping a handle leaves its operation to finish in the background (see the
+/// [module documentation](self)).
 #[must_use = "an operation's result is only seen through its handle"]
 pub struct Work<B> {
-    done: Receiver<(Result<()>, B)>,
-    finished: Arc<AtomicBool>,
+    slot: Arc<Slot<B>>,
+}
+
+impl<B> std::fmt::Debug for Work<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work")
+            .field("completed", &self.is_completed())
+            .finish()
+    }
 }
 
 impl<B> Work<B> {
-    /// A handle for an operation about to be queued, and the other end, which completes it.
-    fn pending() -> (Work<B>, Done<B>) {
-        let (outcome, done) = channel::bounded(1);
-        let finished = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&finished);
-        (Work { done, finished }, Done { outcome, flag })
-    }
-
     /// Whether the operation has finished (successfully or not).
     pub fn is_completed(&self) -> bool {
-        self.finished.load(Ordering::Acquire) || !self.done.is_empty()
+        matches!(*lock(&self.slot.stage), Stage::Finished(..))
     }
 
-    /// Waits for the operation and returns the buffer.
+    /// Waits for the operation and returns its buffers; if the worker has not started it
+    /// yet, runs it on this thread (in its turn).
     ///
-    /// Fails with the operation's error (the buffer's contents are then unspecified and it is dropped).
+    /// Fails with the operation's error (the buffers' contents are then unspecified and
+    /// they are dropped).
     pub fn wait(self) -> Result<B> {
-        match self.done.recv() {
-            Ok((result, buf)) => result.map(|()| buf),
-            Err(_) => Err(Error::Broken(
-                "the worker stopped before the operation finished".into(),
-            )),
+        if let Some(body) = self.slot.take() {
+            self.slot.run_body(body);
+        }
+        self.wait_in_turn()
+    }
+
+    /// Waits for the worker to finish the operation, without running it on this thread.
+    fn wait_in_turn(self) -> Result<B> {
+        let mut stage = lock(&self.slot.stage);
+        loop {
+            match std::mem::replace(&mut *stage, Stage::Collected) {
+                Stage::Finished(result, buf) => return result.map(|()| buf),
+                other => *stage = other,
+            }
+            stage = self
+                .slot
+                .finished
+                .wait(stage)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 
-    /// Waits at most `timeout`: the outcome if the operation finished, else the handle back.
+    /// Waits at most `timeout` for another thread (the worker) to finish the operation:
+    /// the outcome if it finished, else the handle back. Never runs the operation here.
     pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<B>, Work<B>> {
-        match self.done.recv_timeout(timeout) {
-            Ok((result, buf)) => Ok(result.map(|()| buf)),
-            Err(RecvTimeoutError::Timeout) => Err(self),
-            Err(RecvTimeoutError::Disconnected) => Ok(Err(Error::Broken(
-                "the worker stopped before the operation finished".into(),
-            ))),
+        let deadline = Instant::now() + timeout;
+        let mut stage = lock(&self.slot.stage);
+        loop {
+            match std::mem::replace(&mut *stage, Stage::Collected) {
+                Stage::Finished(result, buf) => return Ok(result.map(|()| buf)),
+                other => *stage = other,
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                drop(stage);
+                return Err(self);
+            }
+            stage = self
+                .slot
+                .finished
+                .wait_timeout(stage, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
 
 impl Communicator {
-    /// Queues `build(buf)` to run after every operation issued before it; returns at once.
-    ///
-    /// `build` turns the owned buffer's bytes into a call; errors it returns
-    /// (bad arguments) surface through the handle.
-    pub(super) fn submit<B, F>(&self, mut buf: B, build: F) -> Work<B>
+    /// Queues `run(inner, state, buf)` to run in the turn of a ticket taken now; returns at
+    /// once. The buffers come back through the handle with the outcome.
+    pub(super) fn submit<B, F>(&self, buf: B, run: F) -> Work<B>
     where
         B: Send + 'static,
-        F: for<'a> FnOnce(&Inner, &'a mut B) -> Result<Call<'a>> + Send + 'static,
+        F: FnOnce(&Inner, &mut State, &mut B) -> Result<()> + Send + 'static,
     {
-        let (work, done) = Work::pending();
         let inner = Arc::clone(&self.inner);
         let mut issue = lock(&self.inner.issue);
         let ticket = issue.next;
         issue.next += 1;
-        let task: Task = Box::new(move || {
-            // Completion is visible before the next operation's turn begins.
-            let run =
-                |inner: &Inner, state: &mut State| inner.execute(state, build(inner, &mut buf)?);
-            let result = inner.run_then(ticket, run, || done.mark());
-            done.deliver(result, buf);
+        // The outcome is recorded in the operation's turn, so operations show as completed
+        // in issue order.
+        let body: Body<B> = Box::new(move |finish| {
+            inner.run_then(ticket, buf, run, |result, buf| finish.finish(result, buf));
         });
-        if let Err(e) = send(&mut issue.worker, self.rank(), task) {
-            // The handle reports the worker as stopped.
-            tracing::error!("cannot queue an asynchronous operation: {e}");
-        }
-        work
+        queue(&mut issue.worker, self.rank(), body)
     }
 
-    /// Starts an in-place all-reduce of `buf` and returns at once.
-    ///
-    /// The buffer comes back from [`Work::wait`]; errors surface there.
-    pub fn all_reduce_async<T, B>(&self, buf: B, op: ReduceOp) -> Work<B>
+    /// Queues the collective that `build` describes on `buf` (see [`submit`](Self::submit)).
+    /// Arguments `build` refuses fail the handle and leave the communicator usable.
+    pub(super) fn submit_call<B, F>(&self, buf: B, build: F) -> Work<B>
     where
-        T: Element,
-        B: AsMut<[T]> + Send + 'static,
+        B: Send + 'static,
+        F: for<'a> FnOnce(&Inner, &'a mut B) -> Result<Call<'a>> + Send + 'static,
     {
-        self.submit(buf, move |inner, buf| {
-            inner.all_reduce_call(None, bytemuck::cast_slice_mut(buf.as_mut()), T::DTYPE, op)
+        self.submit(buf, move |inner, state, buf| {
+            inner.execute(state, build(inner, buf)?)
         })
     }
-
-    /// Starts a reduce-scatter of `input` (world size blocks of `output`'s length)
-    /// into `output` and returns at once.
-    ///
-    /// Both buffers come back from [`Work::wait`], `input` first; errors (lengths
-    /// that do not fit included) surface there.
-    pub fn reduce_scatter_async<T, B>(&self, input: B, output: B, op: ReduceOp) -> Work<(B, B)>
-    where
-        T: Element,
-        B: AsRef<[T]> + AsMut<[T]> + Send + 'static,
-    {
-        self.submit((input, output), move |inner, (input, output)| {
-            inner.reduce_scatter_call(
-                bytemuck::cast_slice(AsRef::<[T]>::as_ref(&*input)),
-                bytemuck::cast_slice_mut(AsMut::<[T]>::as_mut(&mut *output)),
-                T::DTYPE,
-                op,
-            )
-        })
-    }
-
-    /// Starts an in-place broadcast of `root`'s `buf` and returns at once.
-    ///
-    /// The buffer comes back from [`Work::wait`]; errors surface there.
-    pub fn broadcast_async<T, B>(&self, buf: B, root: usize) -> Work<B>
-    where
-        T: Element,
-        B: AsMut<[T]> + Send + 'static,
-    {
-        self.submit(buf, move |inner, buf| {
-            inner.broadcast_call(None, bytemuck::cast_slice_mut(buf.as_mut()), T::DTYPE, root)
-        })
-    }
-}
-
-/// Queues `task` on `worker`, starting the thread on first use.
-fn send(worker: &mut Option<Worker>, rank: usize, task: Task) -> Result<()> {
-    if worker.is_none() {
-        *worker = Some(Worker::start(rank)?);
-    }
-    let tasks = worker
-        .as_ref()
-        .and_then(|w| w.tasks.as_ref())
-        .expect("worker running");
-    tasks
-        .send(task)
-        .map_err(|_| Error::Broken("the worker thread has stopped".into()))
 }

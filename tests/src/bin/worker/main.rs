@@ -4,6 +4,8 @@
 //! output (so the harness can check that all ranks hold identical bytes),
 //! and exits non-zero with a message on the first mismatch or error.
 
+mod started;
+
 use std::process::ExitCode;
 
 use chorus::check::{digest, Value};
@@ -39,6 +41,8 @@ fn run(args: &[String]) -> Result<(), String> {
         "mismatched_length" => mismatched_length(&connect()?),
         "bitwise_floats" => bitwise_on_floats(&connect()?),
         "async" => async_in_order(&connect()?),
+        "async_every" => started::every_call(&connect()?),
+        "async_vanish" => started::rank_leaves(&connect()?),
         "more" => more_collectives(&connect()?, &counts()?),
         "split" => split_and_dup(&connect()?),
         "p2p" => point_to_point(&connect()?),

@@ -1,0 +1,114 @@
+//! A call in flight, as Python sees it: Chorus's [`Work`](chorus::Work) without its buffers'
+//! type, waited on with the GIL released.
+
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+
+use crate::failed;
+
+/// The slices a wait that leaves the call to the worker is made of.
+const JOIN_SLICE: Duration = Duration::from_secs(1);
+
+/// A [`chorus::Work`] of any buffers: what [`Pending`] needs of it.
+trait Outcome: Send {
+    /// Waits, running the call here if the worker has not started it.
+    fn wait(self: Box<Self>) -> chorus::Result<()>;
+    /// Waits at most `timeout` for the worker to finish the call.
+    fn wait_for(self: Box<Self>, timeout: Duration)
+        -> Result<chorus::Result<()>, Box<dyn Outcome>>;
+    /// Whether the call has finished.
+    fn is_completed(&self) -> bool;
+}
+
+impl<B: Send + 'static> Outcome for chorus::Work<B> {
+    fn wait(self: Box<Self>) -> chorus::Result<()> {
+        (*self).wait().map(drop)
+    }
+
+    fn wait_for(
+        self: Box<Self>,
+        timeout: Duration,
+    ) -> Result<chorus::Result<()>, Box<dyn Outcome>> {
+        match (*self).wait_timeout(timeout) {
+            Ok(result) => Ok(result.map(drop)),
+            Err(work) => Err(Box::new(work)),
+        }
+    }
+
+    fn is_completed(&self) -> bool {
+        chorus::Work::is_completed(self)
+    }
+}
+
+/// A Chorus call in flight on tensors' memory, which it holds until it is done (even if this
+/// object goes first). Waiting on it raises the call's error, every time.
+#[pyclass(frozen, module = "chorus_torch._chorus")]
+pub(crate) struct Pending {
+    /// The handle, until a waiter takes it (held locked while that waiter waits).
+    work: Mutex<Option<Box<dyn Outcome>>>,
+    /// The call's outcome, once a waiter has seen it.
+    outcome: OnceLock<Result<(), String>>,
+}
+
+impl Pending {
+    pub(crate) fn new<B: Send + 'static>(work: chorus::Work<B>) -> Pending {
+        Pending {
+            work: Mutex::new(Some(Box::new(work))),
+            outcome: OnceLock::new(),
+        }
+    }
+
+    /// Settles the outcome with `wait` unless another waiter has; raises it if it failed.
+    fn settle(
+        &self,
+        py: Python<'_>,
+        wait: impl FnOnce(Box<dyn Outcome>) -> chorus::Result<()> + Send,
+    ) -> PyResult<()> {
+        let outcome = py.detach(|| {
+            let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(work) = work.take() {
+                let _ = self.outcome.set(wait(work).map_err(|e| e.to_string()));
+            }
+            self.outcome.get().cloned()
+        });
+        match outcome {
+            Some(Ok(())) => Ok(()),
+            Some(Err(why)) => Err(failed(why)),
+            None => Err(failed("internal error: a call's outcome was lost")),
+        }
+    }
+}
+
+#[pymethods]
+impl Pending {
+    /// Waits for the call, running it on this thread if Chorus's worker has not started it;
+    /// raises RuntimeError with Chorus's message if it failed.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        self.settle(py, |work| work.wait())
+    }
+
+    /// Waits for Chorus's worker to finish the call, never running it on this thread (a
+    /// completion thread's wait); raises as `wait` does.
+    fn join(&self, py: Python<'_>) -> PyResult<()> {
+        self.settle(py, |mut work| loop {
+            match work.wait_for(JOIN_SLICE) {
+                Ok(result) => return result,
+                Err(again) => work = again,
+            }
+        })
+    }
+
+    /// Whether the call has finished, successfully or not.
+    fn is_completed(&self) -> bool {
+        if self.outcome.get().is_some() {
+            return true;
+        }
+        match self.work.try_lock() {
+            Ok(work) => work.as_ref().is_none_or(|w| w.is_completed()),
+            // A waiter holds it: finished only once that waiter has seen the outcome.
+            Err(_) => false,
+        }
+    }
+}
