@@ -214,11 +214,12 @@ impl Comm {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
         let buf = Raw::new(ptr, bytes, dtype)?;
         let c = &self.comm;
-        // SAFETY: the package passes a live tensor of this type and length, owned by `keep`
-        // and not touched until the call is done.
-        Ok(
-            typed!(dtype, T => Pending::new(c.all_reduce_async::<T, _>(unsafe { Held::new(buf, Some(keep)) }, op))),
-        )
+        Ok(typed!(dtype, T => {
+            // SAFETY: the package passes a live tensor of this type and length, owned by
+            // `keep` and not touched until the call is done.
+            let buf = unsafe { Held::<T>::new(buf, Some(keep)) };
+            Pending::new(c.all_reduce_async(buf, op))
+        }))
     }
 
     /// Starts an in-place broadcast from `root`.
@@ -233,10 +234,11 @@ impl Comm {
         let dtype = dtype(dtype_code)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
         let c = &self.comm;
-        // SAFETY: as in `all_reduce`.
-        Ok(
-            typed!(dtype, T => Pending::new(c.broadcast_async::<T, _>(unsafe { Held::new(buf, Some(keep)) }, root))),
-        )
+        Ok(typed!(dtype, T => {
+            // SAFETY: as in `all_reduce`.
+            let buf = unsafe { Held::<T>::new(buf, Some(keep)) };
+            Pending::new(c.broadcast_async(buf, root))
+        }))
     }
 
     /// Starts an in-place reduce to `root` (other ranks' buffers become scratch).
@@ -252,10 +254,11 @@ impl Comm {
         let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
         let buf = Raw::new(ptr, bytes, dtype)?;
         let c = &self.comm;
-        // SAFETY: as in `all_reduce`.
-        Ok(
-            typed!(dtype, T => Pending::new(c.reduce_async::<T, _>(unsafe { Held::new(buf, Some(keep)) }, op, root))),
-        )
+        Ok(typed!(dtype, T => {
+            // SAFETY: as in `all_reduce`.
+            let buf = unsafe { Held::<T>::new(buf, Some(keep)) };
+            Pending::new(c.reduce_async(buf, op, root))
+        }))
     }
 
     /// Starts an all-gather of `input` into `output` (world-size blocks); `input` may be
@@ -273,10 +276,11 @@ impl Comm {
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         let c = &self.comm;
         if output.block(c.rank(), input.bytes) == Some(input) {
-            // SAFETY: as in `all_reduce`; only the output is referenced.
-            return Ok(
-                typed!(dtype, T => Pending::new(c.all_gather_in_place_async::<T, _>(unsafe { Held::new(output, Some(keep)) }))),
-            );
+            return Ok(typed!(dtype, T => {
+                // SAFETY: as in `all_reduce`; only the output is referenced.
+                let buf = unsafe { Held::<T>::new(output, Some(keep)) };
+                Pending::new(c.all_gather_in_place_async(buf))
+            }));
         }
         Ok(typed!(dtype, T => {
             // SAFETY: the package passes live tensors of these lengths, owned by `keep` and
