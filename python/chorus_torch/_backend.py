@@ -131,6 +131,39 @@ class _Completions:
             self._queue.get()._complete()
 
 
+class _Failed:
+    """A failed call's error, as the value of a `_Promise`'s inner future."""
+
+    def __init__(self, error):
+        self.error = error
+
+
+def _unwrap(future):
+    value = future.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+class _Promise:
+    """A torch future for a call's outcome. Its error survives torch's C++ (which knows
+    nothing of the Python-level error `torch.futures.Future.set_exception` sets): a callback
+    raises it, and torch records that as the future's own error."""
+
+    def __init__(self):
+        self._inner = torch.futures.Future()
+        self.future = self._inner.then(_unwrap)
+
+    def done(self):
+        return self._inner.done()
+
+    def set_result(self, value):
+        self._inner.set_result(value)
+
+    def set_exception(self, error):
+        self._inner.set_result(_Failed(error))
+
+
 class _ChorusWork(Work):
     """A call running in the background (torch 2.7 and later; see ASYNC).
 
@@ -146,7 +179,7 @@ class _ChorusWork(Work):
         self._result = result
         self._finish = finish
         self._completions = completions
-        self._future = None
+        self._promise = None
         self._lock = threading.Lock()
 
     def _finished(self):
@@ -159,13 +192,13 @@ class _ChorusWork(Work):
     def _settle(self, error=None):
         """Completes the future, if one was asked for and is not complete yet."""
         with self._lock:
-            future = self._future
-            if future is None or future.done():
+            promise = self._promise
+            if promise is None or promise.done():
                 return
             if error is None:
-                future.set_result(self._result)
+                promise.set_result(self._result)
             else:
-                future.set_exception(error)
+                promise.set_exception(error)
 
     def wait(self, timeout=None):
         try:
@@ -182,14 +215,14 @@ class _ChorusWork(Work):
 
     def get_future(self):
         with self._lock:
-            if self._future is not None:
-                return self._future
-            self._future = torch.futures.Future()
+            if self._promise is not None:
+                return self._promise.future
+            self._promise = _Promise()
         if self._pending.is_completed():
             self._complete()
         else:
             self._completions.add(self)
-        return self._future
+        return self._promise.future
 
     def _complete(self):
         """Waits for the worker (never running the call here), then completes the future."""
@@ -267,7 +300,10 @@ def _patch_work():
     def _source_rank(self):
         future = future_of(self)
         if future is not None and future.done():
-            value = future.value()
+            try:
+                value = future.value()
+            except RuntimeError:  # a failed call's future
+                value = None
             if isinstance(value, tuple) and len(value) == 3 and value[1] == _SENDER:
                 return value[2]
         return source_rank(self)
@@ -450,7 +486,7 @@ class _PointToPointWork(Work):
         self._batch = batch
         self._tensors = tensors
         self._completions = completions
-        self._future = None
+        self._promise = None
 
     def wait(self, timeout=None):
         self._batch.wait()
@@ -460,22 +496,22 @@ class _PointToPointWork(Work):
         return self._batch.is_completed()
 
     def get_future(self):
-        if self._future is None:
-            self._future = torch.futures.Future()
+        if self._promise is None:
+            self._promise = _Promise()
             self._batch.start()
             if self._batch.is_completed():
                 self._complete()
             else:
                 self._completions.add(self)
-        return self._future
+        return self._promise.future
 
     def _complete(self):
         try:
             self._batch.wait(join=True)
         except (RuntimeError, ValueError) as e:
-            self._future.set_exception(e)
+            self._promise.set_exception(e)
         else:
-            self._future.set_result(self._tensors)
+            self._promise.set_result(self._tensors)
 
 
 class _Calls:

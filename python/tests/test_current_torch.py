@@ -1,0 +1,159 @@
+"""What needs the backend registered under torch's ProcessGroup and its calls in the
+background (torch 2.7 and later): errors and futures of Works in flight, communication hooks,
+DDP with several buckets, FSDP2 over a CPU DeviceMesh, tensor parallelism through DTensor,
+functional collectives, and destroying groups. Each runs with chorus and with gloo, and ends
+identical to gloo."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import chorus_torch._backend as backend
+from harness import run
+
+pytestmark = pytest.mark.skipif(
+    not backend.ASYNC, reason=f"torch {torch.__version__} runs chorus's calls synchronously (torch 2.7 and later run them "
+                              "in the background)")
+
+
+def overlapped(rank, world):
+    """An all-reduce runs while this thread computes; its Work and future say when it is done."""
+    t = torch.full((1 << 22,), float(rank + 1))
+    work = dist.all_reduce(t, async_op=True)
+    future = work.get_future()
+    chained = future.then(lambda f: f.value()[0][:4] * 2)
+    busy = torch.randn(256, 256)
+    for _ in range(20):
+        busy = busy @ busy.T / 256
+    work.wait()
+    total = world * (world + 1) / 2
+    assert torch.all(t == total)
+    assert work.is_completed() and future.done()
+    return chained.wait().tolist() == [2 * total] * 4
+
+
+def test_a_call_overlaps_the_callers_work():
+    assert run(2, overlapped) == [True, True]
+
+
+def failing(rank, world):
+    """A call that fails (a peer gone) raises from wait(), every time, and through its future."""
+    import os
+    import signal
+
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1 << 16)
+    work = dist.all_reduce(t, async_op=True)
+    future = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+    errors = []
+    for _ in range(2):
+        try:
+            work.wait()
+        except RuntimeError as e:
+            errors.append(str(e))
+    try:
+        future.wait()
+    except RuntimeError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_wait_and_future_raise_chorus_errors():
+    results = run(2, failing, expect_errors=True, env={"CHORUS_TIMEOUT": "60"}, timeout=120)
+    status, errors = results[0]
+    assert status == "ok", results
+    assert len(errors) == 3, errors
+    assert all("rank 1" in e for e in errors), errors
+
+
+def hooked_ddp(rank, world):
+    """DDP with several buckets and a communication hook chained on the futures."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.3)
+    ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    torch.manual_seed(1 + rank)
+    for _ in range(5):
+        ddp(torch.randn(16, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().tolist() for p in model.parameters()]
+
+
+def _same(a, b):
+    """Whether two lists of tensors (as nested lists: tensors do not cross the harness's queue)
+    hold the same values."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_with_buckets_and_a_hook_ends_as_with_gloo():
+    chorus = run(2, hooked_ddp)
+    gloo = run(2, hooked_ddp, backend="gloo")
+    _same(chorus[0], chorus[1])
+    _same(chorus[0], gloo[0])
+
+
+def sharded(rank, world):
+    """FSDP2 (`fully_shard`) over a CPU DeviceMesh, then a tensor-parallel pair of layers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1 + rank)
+    for _ in range(3):
+        model(torch.randn(8, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    fsdp = [p.full_tensor().tolist() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    tp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    torch.manual_seed(7)
+    tp(torch.randn(8, 16)).square().sum().backward()
+    grads = [p.grad.full_tensor().tolist() for p in tp.parameters()]
+    return fsdp, grads
+
+
+def test_fsdp2_and_tensor_parallelism_end_as_with_gloo():
+    chorus = run(2, sharded)
+    gloo = run(2, sharded, backend="gloo")
+    for mine, theirs in zip(chorus, gloo):
+        _same(mine[0], theirs[0])
+        _same(mine[1], theirs[1])
+
+
+def functional_and_groups(rank, world):
+    """Functional collectives on a sub-group, and groups destroyed one by one."""
+    import torch.distributed._functional_collectives as fc
+
+    group = dist.new_group(list(range(world)))
+    reduced = fc.all_reduce(torch.full((4,), float(rank)), "sum", group)
+    gathered = fc.all_gather_tensor(torch.tensor([rank]), 0, group)
+    out = (reduced.tolist(), gathered.tolist(), dist.get_backend(group))
+    dist.destroy_process_group(group)
+    other = dist.new_group(list(range(world)))
+    t = torch.ones(2)
+    dist.all_reduce(t, group=other)
+    dist.destroy_process_group(other)
+    return out, t.tolist()
+
+
+def test_functional_collectives_and_destroyed_groups():
+    total = float(sum(range(2)))
+    assert run(2, functional_and_groups) == [(([total] * 4, [0, 1], "chorus"), [2.0, 2.0])] * 2
