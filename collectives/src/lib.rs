@@ -2,8 +2,10 @@
 //!
 //! A [`Communicator`] joins a job of `world_size` processes (read from
 //! torchrun's environment contract with [`Communicator::from_env`], or from
-//! a [`Config`]) and runs collectives over TCP: [`all_reduce`], [`broadcast`]
-//! and [`barrier`], on any [`Element`] type.
+//! a [`Config`]) and runs collectives among them, over shared memory within a
+//! host and TCP between hosts: [`all_reduce`], [`broadcast`], [`barrier`] and
+//! every other collective and point-to-point call, on any [`Element`] type,
+//! blocking or returning a [`Work`] at once.
 //!
 //! ```no_run
 //! use chorus::{Communicator, ReduceOp};
@@ -40,6 +42,13 @@ pub mod schedule;
 pub mod torchrun;
 pub mod tuner;
 pub mod zero;
+
+/// The guides in `docs/`, whose Rust examples compile as doctests.
+#[cfg(doctest)]
+mod guides {
+    #[doc = include_str!("../../docs/async.md")]
+    struct Async;
+}
 
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
 pub use chorus_transport::auth::Auth;

@@ -223,8 +223,8 @@ impl Queue {
 /// # Ok::<(), chorus::Error>(())
 /// ```
 ///
-/// Dropping a handle leaves its operation to finish in the background (see the
-/// [module documentation](self)).
+/// Dropping a handle neither cancels nor waits for its operation: it still runs in its
+/// turn, and its buffers are dropped when it is done.
 #[must_use = "an operation's result is only seen through its handle"]
 pub struct Work<B> {
     slot: Arc<Slot<B>>,

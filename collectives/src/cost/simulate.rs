@@ -7,7 +7,7 @@
 //!   link at once, from when it is posted. Each ordered pair of ranks is a
 //!   connection that carries its messages in order; the connections with a
 //!   message on a link share it equally; a message whose receive is not
-//!   posted stops after what the sockets hold (see [`super::fabric`]). Alone
+//!   posted stops after what the sockets hold (see the `fabric` module). Alone
 //!   on its links a message takes `alpha + bytes/beta`. The send completes,
 //!   and the message arrives, when it has crossed. Between hosts the links
 //!   are the hosts' (shared by their ranks), within one host each rank's own
