@@ -166,13 +166,16 @@ def rank_main(rank, world, port, backend, args, results):
         results.put(out)
 
 
-def run(world, backend, args):
+def run(world, backend, args, target=None):
+    """`target(rank, world, port, backend, args, results)` (this file's `rank_main` unless
+    given) on `world` spawned processes; what rank 0 puts in `results`."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     env = {"GLOO_SOCKET_IFNAME": "lo"}
     os.environ.update(env)
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, backend, args, results)) for r in range(world)]
+    procs = [ctx.Process(target=target or rank_main, args=(r, world, port, backend, args, results))
+             for r in range(world)]
     for p in procs:
         p.start()
     out = results.get(timeout=1800)

@@ -15,19 +15,13 @@ Needs torch and the chorus_torch package (pip install ./python).
 """
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 
+from torch_backend_bench import run
+
 LAYERS, WIDTH = 4, 1024
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median_time(fn, iters):
@@ -122,20 +116,6 @@ def rank_main(rank, world, port, backend, args, results):
         results.put(out)
 
 
-def run(world, backend, args):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, backend, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = results.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=60)
-    return out
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-np", default="2", help="comma-separated world sizes")
@@ -148,7 +128,7 @@ def main():
         got = {b: [] for b in args.backends.split(",")}
         for _ in range(args.rounds):
             for b in got:
-                got[b].append(run(world, b, args))
+                got[b].append(run(world, b, args, rank_main))
         print(f"# W={world}, torch {__import__('torch').__version__}, {args.rounds} round(s), medians of {args.iters}")
         print("(a) 16 MiB all_reduce(async_op=True) with T = its time of sleep")
         print(f"{'backend':>8} {'t_ar ms':>8} {'pair ms':>8} {'hidden':>7}")

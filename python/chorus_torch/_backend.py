@@ -164,30 +164,21 @@ class _Promise:
         self._inner.set_result(_Failed(error))
 
 
-class _ChorusWork(Work):
-    """A call running in the background (torch 2.7 and later; see ASYNC).
+class _PromisedWork(Work):
+    """A Work whose future is completed when its call is done: at once if it is by the time the
+    future is asked for, else by the group's completion thread (or by `wait()`, whichever
+    comes first). Subclasses say how to wait (`_join`, never running the call here) and
+    whether the call is done (`is_completed`)."""
 
-    `wait()` returns once the call is done and its outputs are in place (running the call on
-    the waiting thread if Chorus's worker has not started it), and raises the call's error as
-    RuntimeError, every time; `get_future()` is completed with the outputs, or the error, by
-    the group's completion thread (or by `wait()`, whichever comes first). The tensors stay
-    alive until the call is done, whatever becomes of this object."""
-
-    def __init__(self, pending, result, finish, completions):
+    def __init__(self, result, completions):
         super().__init__()
-        self._pending = pending
         self._result = result
-        self._finish = finish
         self._completions = completions
         self._promise = None
         self._lock = threading.Lock()
 
-    def _finished(self):
-        """Copies the outputs out of staging tensors, once, after the call."""
-        with self._lock:
-            if self._finish is not None:
-                self._finish()
-                self._finish = None
+    def _start(self):
+        """Starts the call, if it waits for something to start it."""
 
     def _settle(self, error=None):
         """Completes the future, if one was asked for and is not complete yet."""
@@ -199,6 +190,48 @@ class _ChorusWork(Work):
                 promise.set_result(self._result)
             else:
                 promise.set_exception(error)
+
+    def get_future(self):
+        with self._lock:
+            if self._promise is not None:
+                return self._promise.future
+            self._promise = _Promise()
+        self._start()
+        if self.is_completed():
+            self._complete()
+        else:
+            self._completions.add(self)
+        return self._promise.future
+
+    def _complete(self):
+        """Waits for the call, then completes the future with its outcome."""
+        try:
+            self._join()
+        except (RuntimeError, ValueError) as e:
+            self._settle(e)
+        else:
+            self._settle()
+
+
+class _ChorusWork(_PromisedWork):
+    """A call running in the background (torch 2.7 and later; see ASYNC).
+
+    `wait()` returns once the call is done and its outputs are in place (running the call on
+    the waiting thread if Chorus's worker has not started it), and raises the call's error as
+    RuntimeError, every time; `get_future()` completes with the outputs, or the error. The
+    tensors stay alive until the call is done, whatever becomes of this object."""
+
+    def __init__(self, pending, result, finish, completions):
+        super().__init__(result, completions)
+        self._pending = pending
+        self._finish = finish
+
+    def _finished(self):
+        """Copies the outputs out of staging tensors, once, after the call."""
+        with self._lock:
+            if self._finish is not None:
+                self._finish()
+                self._finish = None
 
     def wait(self, timeout=None):
         try:
@@ -213,26 +246,9 @@ class _ChorusWork(Work):
     def is_completed(self):
         return self._pending.is_completed()
 
-    def get_future(self):
-        with self._lock:
-            if self._promise is not None:
-                return self._promise.future
-            self._promise = _Promise()
-        if self._pending.is_completed():
-            self._complete()
-        else:
-            self._completions.add(self)
-        return self._promise.future
-
-    def _complete(self):
-        """Waits for the worker (never running the call here), then completes the future."""
-        try:
-            self._pending.join()
-            self._finished()
-        except RuntimeError as e:
-            self._settle(e)
-        else:
-            self._settle()
+    def _join(self):
+        self._pending.join()
+        self._finished()
 
 
 class _ReceivedWork(Work):
@@ -474,7 +490,7 @@ class _Batch:
         return self._error is not None or self._pending.is_completed()
 
 
-class _PointToPointWork(Work):
+class _PointToPointWork(_PromisedWork):
     """The Work of a send or receive in a `_Batch`: waiting on it, or asking for its future,
     starts the batch.
 
@@ -482,36 +498,26 @@ class _PointToPointWork(Work):
     `batch_isend_irecv` hand it to Python callers only, never to a C++ waiter."""
 
     def __init__(self, batch, tensors, completions):
-        super().__init__()
+        super().__init__(tensors, completions)
         self._batch = batch
-        self._tensors = tensors
-        self._completions = completions
-        self._promise = None
 
     def wait(self, timeout=None):
-        self._batch.wait()
+        try:
+            self._batch.wait()
+        except (RuntimeError, ValueError) as e:
+            self._settle(e)
+            raise
+        self._settle()
         return True
 
     def is_completed(self):
         return self._batch.is_completed()
 
-    def get_future(self):
-        if self._promise is None:
-            self._promise = _Promise()
-            self._batch.start()
-            if self._batch.is_completed():
-                self._complete()
-            else:
-                self._completions.add(self)
-        return self._promise.future
+    def _start(self):
+        self._batch.start()
 
-    def _complete(self):
-        try:
-            self._batch.wait(join=True)
-        except (RuntimeError, ValueError) as e:
-            self._promise.set_exception(e)
-        else:
-            self._promise.set_result(self._tensors)
+    def _join(self):
+        self._batch.wait(join=True)
 
 
 class _Calls:

@@ -209,7 +209,10 @@ impl Communicator {
             bytemuck::cast_slice(input),
             bytemuck::cast_slice_mut(output),
         );
-        self.run_now(self.inner.gather_call(input, output, T::DTYPE, root)?)
+        self.run_now(
+            self.inner
+                .rooted_call(Kind::Gather, input, output, T::DTYPE, root)?,
+        )
     }
 
     /// Sends block `q` of `root`'s `input` (world_size blocks) to rank `q`'s `output`.
@@ -220,7 +223,10 @@ impl Communicator {
             bytemuck::cast_slice(input),
             bytemuck::cast_slice_mut(output),
         );
-        self.run_now(self.inner.scatter_call(input, output, T::DTYPE, root)?)
+        self.run_now(
+            self.inner
+                .rooted_call(Kind::Scatter, input, output, T::DTYPE, root)?,
+        )
     }
 
     /// Runs a collective of `kind` on raw bytes of `dtype` now (the device paths' host
@@ -368,37 +374,26 @@ impl Inner {
         self.prepare_with(info, Buffers::new(Some(input), output), Some(counts))
     }
 
-    pub(super) fn gather_call<'a>(
+    /// A gather (`kind` [`Kind::Gather`]: world size blocks into the root's `output`) or a
+    /// scatter ([`Kind::Scatter`]: the root's `input` of world size blocks out to every rank).
+    pub(super) fn rooted_call<'a>(
         &self,
+        kind: Kind,
         input: &'a [u8],
         output: &'a mut [u8],
         dtype: DType,
         root: usize,
     ) -> Result<Call<'a>> {
         self.check_root(root)?;
-        let block = elements(input.len(), dtype)?;
+        let (name, whole, block) = match kind {
+            Kind::Gather => ("output", output.len(), input.len()),
+            _ => ("input", input.len(), output.len()),
+        };
+        let block = elements(block, dtype)?;
         if self.config.rank == root {
-            let whole = elements(output.len(), dtype)?;
-            self.blocks("gather", "output", whole, block)?;
+            self.blocks(kind.name(), name, elements(whole, dtype)?, block)?;
         }
-        let info = CallInfo::new(Kind::Gather, dtype, ReduceOp::Sum, root, block)?;
-        self.prepare(info, Buffers::new(Some(input), output))
-    }
-
-    pub(super) fn scatter_call<'a>(
-        &self,
-        input: &'a [u8],
-        output: &'a mut [u8],
-        dtype: DType,
-        root: usize,
-    ) -> Result<Call<'a>> {
-        self.check_root(root)?;
-        let block = elements(output.len(), dtype)?;
-        if self.config.rank == root {
-            let whole = elements(input.len(), dtype)?;
-            self.blocks("scatter", "input", whole, block)?;
-        }
-        let info = CallInfo::new(Kind::Scatter, dtype, ReduceOp::Sum, root, block)?;
+        let info = CallInfo::new(kind, dtype, ReduceOp::Sum, root, block)?;
         self.prepare(info, Buffers::new(Some(input), output))
     }
 

@@ -6,7 +6,7 @@
 
 use chorus_kernels::{Element, ReduceOp};
 
-use super::{Call, Communicator, Inner, Work};
+use super::{Call, Communicator, Inner, Kind, Work};
 
 /// An owned buffer's elements as bytes.
 fn bytes<T: Element>(buf: &impl AsRef<[T]>) -> &[u8] {
@@ -171,7 +171,7 @@ impl Communicator {
         O: AsMut<[T]> + Send + 'static,
     {
         self.start_apart(input, output, move |inner, input, output| {
-            inner.gather_call(input, output, T::DTYPE, root)
+            inner.rooted_call(Kind::Gather, input, output, T::DTYPE, root)
         })
     }
 
@@ -183,7 +183,7 @@ impl Communicator {
         O: AsMut<[T]> + Send + 'static,
     {
         self.start_apart(input, output, move |inner, input, output| {
-            inner.scatter_call(input, output, T::DTYPE, root)
+            inner.rooted_call(Kind::Scatter, input, output, T::DTYPE, root)
         })
     }
 
