@@ -22,7 +22,8 @@
 #                         backend's CUDA tests (python/tests/test_cuda.py), the DDP example on
 #                         the GPU (python/examples/ddp_toy.py --device cuda), and under MPS its
 #                         64 MiB all-reduce on CUDA tensors against Gloo's
-#                         (torch_backend_bench.py --device cuda)
+#                         (torch_backend_bench.py --device cuda), and the overlap of background
+#                         calls on CPU tensors against Gloo's (torch_overlap_bench.py)
 set -uo pipefail
 
 mode=${1:-}
@@ -172,6 +173,9 @@ run() {
         check "torch ddp example" 120 env PYTHONPATH="$torch" "$dir"/chorusrun --standalone --nproc-per-node 2 python3 \
             python/examples/ddp_toy.py --device cuda --steps 20
         row "ddp_toy.py --device cuda" "$status" "$(grep -o 'rank = 0: trained.*' "$last_out" | head -1)"
+        # Background calls on CPU tensors (torch 2.7 and later), on a machine with a core per rank.
+        check "torch overlap" 300 env PYTHONPATH="$torch" python3 benches/baselines/torch_overlap_bench.py -np 2
+        row "torch overlap (CPU)" "$status" "$(awk '$1 == "chorus" || $1 == "gloo" { printf "%s %s  ", $1, $NF }' "$last_out")"
     else
         row "torch backend, CUDA" "n/a" "no python3 with torch on CUDA and pytest here"
     fi

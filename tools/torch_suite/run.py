@@ -1,12 +1,14 @@
 """Runs torch's own distributed suite (`DistributedTest._DistTestBase`, shipped with torch)
 against one backend and writes each test's outcome to a JSON file.
 
-    python tools/torch_suite/run.py --backend chorus --out chorus.json [-k PATTERN]
+    python tools/torch_suite/run.py --backend chorus --out chorus.json [-k PATTERN] [--features ddp,subgroup]
     python tools/torch_suite/run.py --backend gloo --out gloo.json
     python tools/torch_suite/compare.py gloo.json chorus.json
 
 The chorus backend is imported from `chorus_torch` (installed, or on PYTHONPATH). Each test
-spawns WORLD_SIZE processes, as torch's own test_distributed_spawn.py does.
+spawns WORLD_SIZE processes, as torch's own test_distributed_spawn.py does. torch's feature
+sets name only its own backends; `--features` declares the backend in those it implements
+(DDP and sub-groups by default), so their tests run instead of skipping.
 """
 
 import argparse
@@ -23,6 +25,9 @@ def _arguments():
     parser.add_argument("--out", required=True)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("-k", dest="pattern", default=None, help="run only tests whose name holds this")
+    parser.add_argument("--features", default="ddp,subgroup",
+                        help="the suite's feature sets to declare the backend in (torch lists only its own "
+                             "backends there), comma-separated; empty for none")
     return parser.parse_args()
 
 
@@ -31,14 +36,20 @@ def _arguments():
 if __name__ == "__main__":
     _ARGS = _arguments()
     os.environ["BACKEND"] = _ARGS.backend
+    os.environ["CHORUS_SUITE_FEATURES"] = _ARGS.features
     os.environ["WORLD_SIZE"] = str(_ARGS.world_size)
     os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="chorus-torch-suite-"))
     os.makedirs(os.path.join(os.environ["TEMP_DIR"], "barrier"), exist_ok=True)
 
 import torch  # noqa: E402
+from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 
 if os.environ.get("BACKEND") == "chorus":
     import chorus_torch  # noqa: F401,E402  (registers the backend, in every rank)
+
+# What the backend implements, declared before the suite's skip conditions are evaluated.
+for _feature in filter(None, os.environ.get("CHORUS_SUITE_FEATURES", "").split(",")):
+    DistTestCases.backend_feature[_feature].add(os.environ["BACKEND"])
 
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
