@@ -489,6 +489,10 @@ class _Batch:
         self.start()
         return self._error is not None or self._pending.is_completed()
 
+    def copies_back(self):
+        """Whether a receive lands in a CUDA tensor through a host copy."""
+        return bool(self._copies)
+
 
 class _PointToPointWork(_PromisedWork):
     """The Work of a send or receive in a `_Batch`: waiting on it, or asking for its future,
@@ -515,6 +519,13 @@ class _PointToPointWork(_PromisedWork):
 
     def _start(self):
         self._batch.start()
+        if self._batch.copies_back():
+            # CUDA tensors' copies back run on the caller's stream: here, not on the
+            # completion thread (which then hands the outcome, or the error, to the future).
+            try:
+                self._batch.wait()
+            except (RuntimeError, ValueError):
+                pass
 
     def _join(self):
         self._batch.wait(join=True)
