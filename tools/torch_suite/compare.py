@@ -14,7 +14,8 @@ import sys
 def main(reference, candidate):
     ref, cand = (json.load(open(p)) for p in (reference, candidate))
     name = ref["backend"]
-    gated = re.compile(rf"(only|not|supported).*{name}|{name}.*(only|supported)", re.IGNORECASE)
+    # A skip whose reason names the reference backend is torch gating the test to it by name.
+    gated = re.compile(re.escape(name), re.IGNORECASE)
     missing, skipped_by_name = [], []
     for test, outcome in sorted(ref["outcomes"].items()):
         if outcome != "pass":
