@@ -4,7 +4,9 @@
     torch.distributed.init_process_group("chorus")
 
 Every process-group operation runs on Chorus over CPU tensors' own memory, with
-the GIL released while Chorus works or waits. CUDA tensors work too: all-reduce,
+the GIL released while Chorus works or waits: in the background on torch 2.7 and
+later (the backend registered under torch's ProcessGroup), to completion before
+the call returns on earlier torch. CUDA tensors work too: all-reduce,
 broadcast, reduce, all-gather and reduce-scatter run on the GPU's memory (CUDA IPC
 between the ranks of one host, else through pinned host buffers); the other calls
 copy them through host memory.
