@@ -3,6 +3,8 @@
 
 use chorus::{Communicator, Error, ReduceOp};
 
+use super::check;
+
 /// Elements in each rank's block.
 const BLOCK: usize = 1000;
 
@@ -189,14 +191,4 @@ pub fn rank_leaves(comm: &Communicator) -> Result<(), String> {
     }
     println!("async_vanish ok");
     Ok(())
-}
-
-fn check<T: PartialEq + std::fmt::Debug>(what: &str, got: T, want: T) -> Result<(), String> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(format!(
-            "{what}: the result differs from the blocking call's"
-        ))
-    }
 }
