@@ -167,8 +167,9 @@ class _Promise:
 class _PromisedWork(Work):
     """A Work whose future is completed when its call is done: at once if it is by the time the
     future is asked for, else by the group's completion thread (or by `wait()`, whichever
-    comes first). Subclasses say how to wait (`_join`, never running the call here) and
-    whether the call is done (`is_completed`)."""
+    comes first; `wait()` raises a failed call's error). Subclasses say how to wait (`_wait`,
+    and `_join`, which never runs the call here) and whether the call is done
+    (`is_completed`)."""
 
     def __init__(self, result, completions):
         super().__init__()
@@ -179,6 +180,15 @@ class _PromisedWork(Work):
 
     def _start(self):
         """Starts the call, if it waits for something to start it."""
+
+    def wait(self, timeout=None):
+        try:
+            self._wait()
+        except (RuntimeError, ValueError) as e:
+            self._settle(e)
+            raise
+        self._settle()
+        return True
 
     def _settle(self, error=None):
         """Completes the future, if one was asked for and is not complete yet."""
@@ -233,15 +243,9 @@ class _ChorusWork(_PromisedWork):
                 self._finish()
                 self._finish = None
 
-    def wait(self, timeout=None):
-        try:
-            self._pending.wait()
-        except RuntimeError as e:
-            self._settle(e)
-            raise
+    def _wait(self):
+        self._pending.wait()
         self._finished()
-        self._settle()
-        return True
 
     def is_completed(self):
         return self._pending.is_completed()
@@ -505,14 +509,8 @@ class _PointToPointWork(_PromisedWork):
         super().__init__(tensors, completions)
         self._batch = batch
 
-    def wait(self, timeout=None):
-        try:
-            self._batch.wait()
-        except (RuntimeError, ValueError) as e:
-            self._settle(e)
-            raise
-        self._settle()
-        return True
+    def _wait(self):
+        self._batch.wait()
 
     def is_completed(self):
         return self._batch.is_completed()

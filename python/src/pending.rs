@@ -2,22 +2,17 @@
 //! type, waited on with the GIL released.
 
 use std::sync::{Mutex, OnceLock};
-use std::time::Duration;
 
 use pyo3::prelude::*;
 
 use crate::failed;
 
-/// The slices a wait that leaves the call to the worker is made of.
-const JOIN_SLICE: Duration = Duration::from_secs(1);
-
 /// A [`chorus::Work`] of any buffers: what [`Pending`] needs of it.
 trait Outcome: Send {
     /// Waits, running the call here if the worker has not started it.
     fn wait(self: Box<Self>) -> chorus::Result<()>;
-    /// Waits at most `timeout` for the worker to finish the call.
-    fn wait_for(self: Box<Self>, timeout: Duration)
-        -> Result<chorus::Result<()>, Box<dyn Outcome>>;
+    /// Waits for the worker to finish the call, never running it here.
+    fn join(self: Box<Self>) -> chorus::Result<()>;
     /// Whether the call has finished.
     fn is_completed(&self) -> bool;
 }
@@ -27,14 +22,8 @@ impl<B: Send + 'static> Outcome for chorus::Work<B> {
         (*self).wait().map(drop)
     }
 
-    fn wait_for(
-        self: Box<Self>,
-        timeout: Duration,
-    ) -> Result<chorus::Result<()>, Box<dyn Outcome>> {
-        match (*self).wait_timeout(timeout) {
-            Ok(result) => Ok(result.map(drop)),
-            Err(work) => Err(Box::new(work)),
-        }
+    fn join(self: Box<Self>) -> chorus::Result<()> {
+        (*self).join().map(drop)
     }
 
     fn is_completed(&self) -> bool {
@@ -92,12 +81,7 @@ impl Pending {
     /// Waits for Chorus's worker to finish the call, never running it on this thread (a
     /// completion thread's wait); raises as `wait` does.
     fn join(&self, py: Python<'_>) -> PyResult<()> {
-        self.settle(py, |mut work| loop {
-            match work.wait_for(JOIN_SLICE) {
-                Ok(result) => return result,
-                Err(again) => work = again,
-            }
-        })
+        self.settle(py, |work| work.join())
     }
 
     /// Whether the call has finished, successfully or not.

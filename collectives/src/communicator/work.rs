@@ -55,6 +55,20 @@ enum Stage<B> {
     Collected,
 }
 
+impl<B> Stage<B> {
+    /// Takes a finished operation's outcome and buffers, leaving `Collected`; `None` (and
+    /// the stage as it was) while the operation is queued or running.
+    fn collect(&mut self) -> Option<Result<B>> {
+        match std::mem::replace(self, Stage::Collected) {
+            Stage::Finished(result, buf) => Some(result.map(|()| buf)),
+            other => {
+                *self = other;
+                None
+            }
+        }
+    }
+}
+
 /// An operation shared between the queue and its handle.
 struct Slot<B> {
     stage: Mutex<Stage<B>>,
@@ -192,7 +206,7 @@ impl Queue {
     /// Waits until every operation queued so far has run; at once if none ever was.
     pub(crate) fn drain(&self) {
         if lock(&self.worker).is_some() {
-            let _ = self.submit(|| (Ok(()), ())).wait_in_turn();
+            let _ = self.submit(|| (Ok(()), ())).join();
         }
     }
 }
@@ -253,16 +267,17 @@ impl<B> Work<B> {
         if let Some(body) = self.slot.take() {
             self.slot.run_body(body);
         }
-        self.wait_in_turn()
+        self.join()
     }
 
-    /// Waits for the worker to finish the operation, without running it on this thread.
-    fn wait_in_turn(self) -> Result<B> {
+    /// Waits for another thread (the worker) to finish the operation and returns its
+    /// buffers; never runs the operation here (a completion thread's wait, which must not
+    /// hold up the calls behind it). Fails as [`wait`](Self::wait) does.
+    pub fn join(self) -> Result<B> {
         let mut stage = lock(&self.slot.stage);
         loop {
-            match std::mem::replace(&mut *stage, Stage::Collected) {
-                Stage::Finished(result, buf) => return result.map(|()| buf),
-                other => *stage = other,
+            if let Some(outcome) = stage.collect() {
+                return outcome;
             }
             stage = self
                 .slot
@@ -278,9 +293,8 @@ impl<B> Work<B> {
         let deadline = Instant::now() + timeout;
         let mut stage = lock(&self.slot.stage);
         loop {
-            match std::mem::replace(&mut *stage, Stage::Collected) {
-                Stage::Finished(result, buf) => return Ok(result.map(|()| buf)),
-                other => *stage = other,
+            if let Some(outcome) = stage.collect() {
+                return Ok(outcome);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
