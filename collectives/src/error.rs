@@ -1,13 +1,16 @@
 //! The library's error type.
 
 use std::io;
+use std::sync::Arc;
 
 use chorus_kernels::KernelError;
 use chorus_transport::store::StoreError;
 use chorus_transport::TransportError;
 
+use crate::{Cause, Fault};
+
 /// Everything that can go wrong in a Chorus call.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A configuration value (usually an environment variable) is missing or invalid.
@@ -49,41 +52,55 @@ pub enum Error {
         /// What was being done (`cannot start the worker thread`).
         what: &'static str,
         /// The OS error.
-        source: io::Error,
+        source: Arc<io::Error>,
     },
     /// A broken invariant inside Chorus (a malformed schedule, an executor bug): a bug
     /// to report, not a misuse.
     #[error("internal error: {0}")]
     Internal(String),
-    /// An earlier operation failed; the communicator cannot be used.
+    /// An earlier call failed with the error held here; the communicator cannot be used.
     #[error("communicator unusable after an earlier failure: {0}")]
-    Broken(String),
-    /// The operation was aborted: by [`abort`](crate::Communicator::abort), or because a rank
-    /// found a fault (the text names it: a dead rank, a mismatched call, a stall).
+    Broken(Arc<Error>),
+    /// The call was stopped by a fault: a peer that died or whose connection failed (found
+    /// here or by another rank), a fault another rank found (its timeout or mismatch), or
+    /// [`abort`](crate::Communicator::abort). The fault names its culprit.
     #[error("aborted: {0}")]
-    Aborted(String),
-    /// A collective did not finish within `CHORUS_TIMEOUT`; says which ranks held it up.
-    #[error("rank {rank}: {detail}")]
-    Timeout {
-        /// This process's rank.
-        rank: usize,
-        /// The call, how long it waited, and what the other ranks were doing.
-        detail: String,
-    },
-    /// Ranks called different collectives (or the same one with different arguments).
-    #[error("rank {rank}: mismatched collectives: {detail}")]
-    Mismatch {
-        /// This process's rank.
-        rank: usize,
-        /// What each side called.
-        detail: String,
-    },
+    Aborted(Box<Fault>),
+    /// This rank's call did not finish within `CHORUS_TIMEOUT`; the fault says which ranks
+    /// held it up.
+    #[error("rank {}: {}", .0.found_by, .0)]
+    Timeout(Box<Fault>),
+    /// This rank found that ranks called different collectives (or the same one with
+    /// different arguments); the fault says what each side called.
+    #[error("rank {}: mismatched collectives: {}", .0.found_by, .0)]
+    Mismatch(Box<Fault>),
 }
 
 impl Error {
     /// The transport's error `source`, seen by `rank` (this process's rank).
     pub fn transport(rank: usize, source: TransportError) -> Error {
         Error::Transport { rank, source }
+    }
+
+    /// The fault that stopped the call, where a fault did (also behind [`Error::Broken`]).
+    pub fn fault(&self) -> Option<&Fault> {
+        match self {
+            Error::Aborted(fault) | Error::Timeout(fault) | Error::Mismatch(fault) => Some(fault),
+            Error::Broken(earlier) => earlier.fault(),
+            _ => None,
+        }
+    }
+}
+
+impl From<Fault> for Error {
+    /// The error of the call in which `fault` was found: [`Error::Timeout`] and
+    /// [`Error::Mismatch`] for those causes, [`Error::Aborted`] for the others.
+    fn from(fault: Fault) -> Error {
+        match fault.cause {
+            Cause::Timeout => Error::Timeout(Box::new(fault)),
+            Cause::Mismatch => Error::Mismatch(Box::new(fault)),
+            _ => Error::Aborted(Box::new(fault)),
+        }
     }
 }
 
@@ -93,7 +110,6 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[cfg(test)]
 mod tests {
     use std::error::Error as _;
-    use std::sync::Arc;
 
     use super::*;
 
@@ -123,13 +139,13 @@ mod tests {
 
         let err = Error::Resource {
             what: "cannot start the worker thread",
-            source: io::Error::from(io::ErrorKind::OutOfMemory),
+            source: io::Error::from(io::ErrorKind::OutOfMemory).into(),
         };
         assert!(err
             .to_string()
             .starts_with("cannot start the worker thread: "));
         let os = err.source().expect("the OS error");
-        let os = os.downcast_ref::<io::Error>().expect("an io::Error");
+        let os = os.downcast_ref::<Arc<io::Error>>().expect("an io::Error");
         assert_eq!(os.kind(), io::ErrorKind::OutOfMemory);
     }
 }

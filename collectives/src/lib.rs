@@ -25,6 +25,7 @@
 //! [`barrier`]: Communicator::barrier
 
 mod algorithm;
+mod call;
 pub mod check;
 mod communicator;
 mod config;
@@ -35,6 +36,7 @@ pub mod ddp;
 pub mod env;
 mod error;
 mod executor;
+mod fault;
 mod launcher;
 pub mod pipeline;
 mod pmi;
@@ -48,8 +50,11 @@ pub mod zero;
 mod guides {
     #[doc = include_str!("../../docs/async.md")]
     struct Async;
+    #[doc = include_str!("../../docs/errors.md")]
+    struct Errors;
 }
 
+pub use call::{CallInfo, CallKind};
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
 pub use chorus_transport::auth::Auth;
 pub use chorus_transport::TransportKind;
@@ -59,3 +64,4 @@ pub use config::{
     DEFAULT_TIMEOUT,
 };
 pub use error::{Error, Result};
+pub use fault::{Cause, Fault};

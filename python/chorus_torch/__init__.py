@@ -10,13 +10,17 @@ the call returns on earlier torch. CUDA tensors work too: all-reduce,
 broadcast, reduce, all-gather and reduce-scatter run on the GPU's memory (CUDA IPC
 between the ranks of one host, else through pinned host buffers); the other calls
 copy them through host memory.
+
+A failed call raises `ChorusError`, a RuntimeError whose `cause`, `culprit` and
+`found_by` say what stopped it and which rank is to blame.
 """
 
 import torch.distributed as _dist
 
 from ._backend import _CUDA, ProcessGroupChorus, create_process_group
+from ._chorus import ChorusError
 
-__all__ = ["ProcessGroupChorus", "create_process_group", "BACKEND"]
+__all__ = ["ChorusError", "ProcessGroupChorus", "create_process_group", "BACKEND"]
 
 #: The name to pass to ``torch.distributed.init_process_group``.
 BACKEND = "chorus"

@@ -7,7 +7,7 @@ use chorus::cuda::{CudaCommunicator, CudaStream, Device, DeviceCall, DevicePath}
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::{dtype, failed, reduce_op, Comm};
+use crate::{chorus_failed, dtype, reduce_op, Comm};
 
 /// A communicator for one GPU's tensors, over a duplicate of a host [`Comm`].
 #[pyclass(frozen, module = "chorus_torch._chorus")]
@@ -29,7 +29,7 @@ impl DeviceComm {
                 let stream = device.new_stream()?;
                 Ok((CudaCommunicator::new(&host.comm, device)?, stream))
             })
-            .map_err(failed)?;
+            .map_err(chorus_failed)?;
         Ok(DeviceComm { comm, stream })
     }
 
@@ -86,6 +86,6 @@ impl DeviceComm {
             self.comm
                 .call_raw(call, dtype, (input, output), count, &self.stream)
         })
-        .map_err(failed)
+        .map_err(chorus_failed)
     }
 }

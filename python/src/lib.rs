@@ -1,8 +1,8 @@
 //! `chorus_torch._chorus`: a Chorus communicator driven from Python over tensors' own memory.
 //!
 //! The Python package (`chorus_torch`) turns torch's process-group calls into calls of
-//! [`Comm`] with each tensor's address and length in bytes and the Python objects that own
-//! them; this module starts them on the tensors' memory and hands back a [`Pending`] call,
+//! `Comm` with each tensor's address and length in bytes and the Python objects that own
+//! them; this module starts them on the tensors' memory and hands back a `Pending` call,
 //! which holds those objects until the call is done. It is private to that package: the
 //! addresses it is given must be those of live tensors of the given type and length, owned
 //! by the objects passed with them and left untouched until the call is done.
@@ -13,6 +13,7 @@
 mod buffer;
 #[cfg(feature = "cuda")]
 mod device;
+mod error;
 mod pending;
 
 use std::time::Duration;
@@ -23,6 +24,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use buffer::{held_apart, Held, Raw};
+use error::{raised, ChorusError};
 use pending::Pending;
 
 /// Runs `$body` with `$t` standing for the Rust element type of `$dtype`.
@@ -100,6 +102,11 @@ fn reduce_op(code: u32) -> PyResult<ReduceOp> {
 
 fn failed(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
+}
+
+/// A Chorus call's error, raised as a [`ChorusError`].
+fn chorus_failed(e: chorus::Error) -> PyErr {
+    raised(&e)
 }
 
 /// Rank 0's rendezvous store for one communicator, listening on a free port.
@@ -181,7 +188,7 @@ impl Comm {
         };
         let comm = py
             .detach(|| Communicator::with_store_server(config, server, "torch"))
-            .map_err(failed)?;
+            .map_err(chorus_failed)?;
         Ok(Comm { comm })
     }
 
@@ -437,7 +444,7 @@ impl Comm {
             // call.
             typed!(dtype, T => comm.recv_any(unsafe { buf.slice::<T>() }, tag))
         })
-        .map_err(failed)
+        .map_err(chorus_failed)
     }
 
     /// Starts a barrier.
@@ -452,6 +459,7 @@ fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StoreHost>()?;
     m.add_class::<Comm>()?;
     m.add_class::<Pending>()?;
+    m.add("ChorusError", m.py().get_type::<ChorusError>())?;
     #[cfg(feature = "cuda")]
     m.add_class::<device::DeviceComm>()?;
     Ok(())

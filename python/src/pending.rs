@@ -5,7 +5,7 @@ use std::sync::{Mutex, OnceLock};
 
 use pyo3::prelude::*;
 
-use crate::failed;
+use crate::error::raised;
 
 /// A [`chorus::Work`] of any buffers: what [`Pending`] needs of it.
 trait Outcome: Send {
@@ -38,7 +38,7 @@ pub(crate) struct Pending {
     /// The handle, until a waiter takes it (held locked while that waiter waits).
     work: Mutex<Option<Box<dyn Outcome>>>,
     /// The call's outcome, once a waiter has seen it.
-    outcome: OnceLock<Result<(), String>>,
+    outcome: OnceLock<chorus::Result<()>>,
 }
 
 impl Pending {
@@ -58,14 +58,16 @@ impl Pending {
         let outcome = py.detach(|| {
             let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(work) = work.take() {
-                let _ = self.outcome.set(wait(work).map_err(|e| e.to_string()));
+                let _ = self.outcome.set(wait(work));
             }
             self.outcome.get().cloned()
         });
         match outcome {
             Some(Ok(())) => Ok(()),
-            Some(Err(why)) => Err(failed(why)),
-            None => Err(failed("internal error: a call's outcome was lost")),
+            Some(Err(e)) => Err(raised(&e)),
+            None => Err(raised(&chorus::Error::Internal(
+                "a call's outcome was lost".to_string(),
+            ))),
         }
     }
 }
@@ -73,7 +75,7 @@ impl Pending {
 #[pymethods]
 impl Pending {
     /// Waits for the call, running it on this thread if Chorus's worker has not started it;
-    /// raises RuntimeError with Chorus's message if it failed.
+    /// raises ChorusError (a RuntimeError) if it failed.
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
         self.settle(py, |work| work.wait())
     }

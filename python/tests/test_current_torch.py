@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import chorus_torch
 import chorus_torch._backend as backend
 from harness import run
 
@@ -52,12 +53,12 @@ def failing(rank, world):
     for _ in range(2):
         try:
             work.wait()
-        except RuntimeError as e:
-            errors.append(str(e))
+        except chorus_torch.ChorusError as e:
+            errors.append((str(e), e.cause, e.culprit, e.found_by))
     try:
         future.wait()
     except RuntimeError as e:
-        errors.append(str(e))
+        errors.append((str(e), None, None, None))
     return errors
 
 
@@ -66,7 +67,10 @@ def test_wait_and_future_raise_chorus_errors():
     status, errors = results[0]
     assert status == "ok", results
     assert len(errors) == 3, errors
-    assert all("rank 1" in e for e in errors), errors
+    assert all("rank 1" in message for message, *_ in errors), errors
+    # wait() raises Chorus's own error, with the fault's fields.
+    for _, cause, culprit, found_by in errors[:2]:
+        assert (cause, culprit, found_by) == ("PeerClosed", 1, 0), errors
 
 
 def hooked_ddp(rank, world):

@@ -66,6 +66,25 @@ fn error_of(report: &LaunchReport, rank: usize) -> String {
         .to_string()
 }
 
+/// The fault rank `rank` failed with, as the chaos worker prints it: its cause, its culprit
+/// (`None` where it names none) and the rank that found it.
+fn fault_of(report: &LaunchReport, rank: usize) -> (String, Option<usize>, usize) {
+    let line = report.ranks[rank]
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("fault: "))
+        .unwrap_or_else(|| panic!("rank {rank} printed no fault:\n{}", dump(report)));
+    let fields: Vec<&str> = line.split(' ').collect();
+    let [cause, culprit, found_by] = fields[..] else {
+        panic!("rank {rank}: malformed fault line {line:?}");
+    };
+    (
+        cause.to_string(),
+        culprit.parse().ok(),
+        found_by.parse().expect("the finder's rank"),
+    )
+}
+
 /// A rank killed with SIGKILL at a random moment during 200 all-reduces: every
 /// survivor fails at once (not by timing out) with an error naming it.
 #[test]
@@ -79,6 +98,19 @@ fn a_killed_rank_is_named_by_every_survivor() {
             let error = error_of(&report, rank);
             assert!(
                 error.contains(&format!("rank {victim} ")),
+                "rank {rank}: {error}\n{}",
+                ctx()
+            );
+            // Rank 0 takes the rendezvous store it hosts with it.
+            let expected = if victim == 0 {
+                "StoreHostGone"
+            } else {
+                "PeerClosed"
+            };
+            let (cause, culprit, _) = fault_of(&report, rank);
+            assert_eq!(
+                (cause.as_str(), culprit),
+                (expected, Some(victim)),
                 "rank {rank}: {error}\n{}",
                 ctx()
             );
@@ -104,6 +136,8 @@ fn rank_0_killed_is_named_first_by_every_survivor() {
                 "rank {rank}: {error}\n{}",
                 dump(&report)
             );
+            let (cause, culprit, _) = fault_of(&report, rank);
+            assert_eq!((cause.as_str(), culprit), ("StoreHostGone", Some(0)));
         }
     }
 }
@@ -123,6 +157,8 @@ fn a_stopped_rank_is_named_and_fails_when_continued() {
             "rank {rank}: {error}\n{}",
             dump(&report)
         );
+        let (cause, culprit, _) = fault_of(&report, rank);
+        assert_eq!((cause.as_str(), culprit), ("Timeout", Some(victim)));
         // The watchdog warned before the timeout (half of it, by default).
         assert!(
             report.ranks[rank].stderr.contains("has waited"),
@@ -138,6 +174,9 @@ fn a_stopped_rank_is_named_and_fails_when_continued() {
         "the victim: {error}\n{}",
         dump(&report)
     );
+    let (cause, culprit, found_by) = fault_of(&report, victim);
+    assert_eq!((cause.as_str(), culprit), ("Unresponsive", Some(victim)));
+    assert_ne!(found_by, victim, "the victim found its own stall");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -154,6 +193,9 @@ fn mismatched_calls_fail_everywhere_saying_what_each_called() {
             ] {
                 assert!(error.contains(needle), "W={world} rank {rank}: {error}");
             }
+            let (cause, culprit, _) = fault_of(&report, rank);
+            assert_eq!(cause, "Mismatch", "W={world} rank {rank}: {error}");
+            assert!(culprit.is_some(), "W={world} rank {rank} names no culprit");
         }
     }
     let report = chaos(2, &["mismatch", "count"], "30");
@@ -173,20 +215,28 @@ fn mismatched_calls_fail_everywhere_saying_what_each_called() {
 #[test]
 fn abort_fails_in_flight_and_later_calls() {
     let report = chaos(2, &["abort"], "30");
-    assert_rank_0_left_and_was_named(&report);
+    assert_rank_0_left_and_was_named(&report, "Abort");
 }
 
-/// Rank 0 (which gave up on the job) exited cleanly, and rank 1 failed naming it.
-fn assert_rank_0_left_and_was_named(report: &LaunchReport) {
+/// Rank 0 (which gave up on the job) exited cleanly, and rank 1 failed naming it, with a
+/// fault of `cause`.
+fn assert_rank_0_left_and_was_named(report: &LaunchReport, cause: &str) {
     assert_eq!(report.ranks[0].status, Exit::Code(0), "{}", dump(report));
     assert!(error_of(report, 1).contains("rank 0 "), "{}", dump(report));
+    let (found, culprit, _) = fault_of(report, 1);
+    assert_eq!(
+        (found.as_str(), culprit),
+        (cause, Some(0)),
+        "{}",
+        dump(report)
+    );
 }
 
 /// Dropping a communicator with queued work it cannot finish returns after a short grace.
 #[test]
 fn drop_with_queued_work_returns_promptly() {
     let report = chaos(2, &["drop"], "60");
-    assert_rank_0_left_and_was_named(&report);
+    assert_rank_0_left_and_was_named(&report, "Dropped");
     let dropped = report.ranks[0]
         .stderr
         .lines()

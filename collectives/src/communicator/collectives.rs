@@ -4,7 +4,7 @@
 
 use chorus_kernels::{DType, Element, ReduceOp};
 
-use super::{elements, Call, CallInfo, Communicator, Inner, Kind};
+use super::{elements, Call, CallInfo, CallKind, Communicator, Inner};
 use crate::executor::Buffers;
 use crate::schedule::all_to_all;
 use crate::{Error, Result};
@@ -211,7 +211,7 @@ impl Communicator {
         );
         self.run_now(
             self.inner
-                .rooted_call(Kind::Gather, input, output, T::DTYPE, root)?,
+                .rooted_call(CallKind::Gather, input, output, T::DTYPE, root)?,
         )
     }
 
@@ -225,7 +225,7 @@ impl Communicator {
         );
         self.run_now(
             self.inner
-                .rooted_call(Kind::Scatter, input, output, T::DTYPE, root)?,
+                .rooted_call(CallKind::Scatter, input, output, T::DTYPE, root)?,
         )
     }
 
@@ -234,7 +234,7 @@ impl Communicator {
     #[cfg(feature = "cuda")]
     pub(crate) fn run_bytes(
         &self,
-        info: (Kind, DType, ReduceOp, usize, usize),
+        info: (CallKind, DType, ReduceOp, usize, usize),
         input: Option<&[u8]>,
         output: &mut [u8],
     ) -> Result<()> {
@@ -254,7 +254,7 @@ impl Inner {
         op: ReduceOp,
     ) -> Result<Call<'a>> {
         let count = elements(output.len(), dtype)?;
-        let info = CallInfo::new(Kind::AllReduce, dtype, op, 0, count)?;
+        let info = CallInfo::new(CallKind::AllReduce, dtype, op, 0, count)?;
         self.prepare(info, Buffers::same_len(input, output)?)
     }
 
@@ -272,7 +272,7 @@ impl Inner {
             whole,
             elements(output.len(), dtype)?,
         )?;
-        let info = CallInfo::new(Kind::ReduceScatter, dtype, op, 0, n)?;
+        let info = CallInfo::new(CallKind::ReduceScatter, dtype, op, 0, n)?;
         self.prepare(info, Buffers::new(Some(input), output))
     }
 
@@ -285,12 +285,12 @@ impl Inner {
     ) -> Result<Call<'a>> {
         let count = elements(output.len(), dtype)?;
         self.check_root(root)?;
-        let info = CallInfo::new(Kind::Broadcast, dtype, ReduceOp::Sum, root, count)?;
+        let info = CallInfo::new(CallKind::Broadcast, dtype, ReduceOp::Sum, root, count)?;
         self.prepare(info, Buffers::same_len(input, output)?)
     }
 
     pub(super) fn barrier_call(&self) -> Result<Call<'static>> {
-        let info = CallInfo::new(Kind::Barrier, DType::U8, ReduceOp::Sum, 0, 0)?;
+        let info = CallInfo::new(CallKind::Barrier, DType::U8, ReduceOp::Sum, 0, 0)?;
         self.prepare(info, Buffers::new(None, &mut []))
     }
 
@@ -303,7 +303,7 @@ impl Inner {
         root: usize,
     ) -> Result<Call<'a>> {
         let count = elements(input.map_or(output.len(), <[u8]>::len), dtype)?;
-        let info = CallInfo::new(Kind::Reduce, dtype, op, root, count)?;
+        let info = CallInfo::new(CallKind::Reduce, dtype, op, root, count)?;
         self.check_root(root)?;
         self.prepare(info, Buffers::same_len(input, output)?)
     }
@@ -319,7 +319,7 @@ impl Inner {
             elements(input.len(), dtype)?,
         );
         let n = self.blocks("all_gather", "output", whole, block)?;
-        let info = CallInfo::new(Kind::AllGather, dtype, ReduceOp::Sum, 0, n)?;
+        let info = CallInfo::new(CallKind::AllGather, dtype, ReduceOp::Sum, 0, n)?;
         self.prepare(info, Buffers::new(Some(input), output))
     }
 
@@ -331,7 +331,7 @@ impl Inner {
         let whole = elements(buf.len(), dtype)?;
         let w = self.config.world_size;
         let n = self.blocks("all_gather_in_place", "buffer", whole, whole / w)?;
-        let info = CallInfo::new(Kind::AllGather, dtype, ReduceOp::Sum, 0, n)?;
+        let info = CallInfo::new(CallKind::AllGather, dtype, ReduceOp::Sum, 0, n)?;
         let block = n * dtype.size();
         let bufs = Buffers::inside(buf, self.config.rank * block, block);
         self.prepare(info, bufs)
@@ -370,15 +370,15 @@ impl Inner {
             )));
         }
         // Counts may differ between ranks; each message's length is checked instead.
-        let info = CallInfo::new(Kind::AllToAll, dtype, ReduceOp::Sum, 0, 0)?;
+        let info = CallInfo::new(CallKind::AllToAll, dtype, ReduceOp::Sum, 0, 0)?;
         self.prepare_with(info, Buffers::new(Some(input), output), Some(counts))
     }
 
-    /// A gather (`kind` [`Kind::Gather`]: world size blocks into the root's `output`) or a
-    /// scatter ([`Kind::Scatter`]: the root's `input` of world size blocks out to every rank).
+    /// A gather (`kind` [`CallKind::Gather`]: world size blocks into the root's `output`) or a
+    /// scatter ([`CallKind::Scatter`]: the root's `input` of world size blocks out to every rank).
     pub(super) fn rooted_call<'a>(
         &self,
-        kind: Kind,
+        kind: CallKind,
         input: &'a [u8],
         output: &'a mut [u8],
         dtype: DType,
@@ -386,7 +386,7 @@ impl Inner {
     ) -> Result<Call<'a>> {
         self.check_root(root)?;
         let (name, whole, block) = match kind {
-            Kind::Gather => ("output", output.len(), input.len()),
+            CallKind::Gather => ("output", output.len(), input.len()),
             _ => ("input", input.len(), output.len()),
         };
         let block = elements(block, dtype)?;

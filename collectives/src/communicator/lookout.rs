@@ -1,10 +1,10 @@
 //! Set-up failures reach every rank at once, instead of as a timeout.
 //!
 //! While a rank sets up, it holds a key in the store that the store sets if the rank's
-//! connection closes (its process died or exited), and a rank that fails posts its own error
-//! under the same key; the first text stays. A thread on every rank waits for that key and,
-//! when it comes, closes the rank's set-up client, so the set-up's waits fail at once and the
-//! rank reports the text instead.
+//! connection closes (its process died or exited), and a rank that fails posts its own
+//! [`Fault`] under the same key; the first stays. A thread on every rank waits for that key
+//! and, when it comes, closes the rank's set-up client, so the set-up's waits fail at once and
+//! the rank reports that fault instead.
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use chorus_transport::store::{PrefixStore, Presence, Store};
 
 use super::{connect_store, lock};
-use crate::{Config, Error, Result};
+use crate::{Cause, Config, Error, Fault, Result};
 
 /// The key that names the first rank to fail or leave during set-up.
 const LEFT: &str = "setup/left";
@@ -27,17 +27,14 @@ pub(super) struct Lookout {
     own: Arc<dyn Store>,
     /// Set once this rank's set-up is over: the thread no longer closes the set-up client.
     over: Arc<Mutex<bool>>,
-    thread: Option<JoinHandle<Option<String>>>,
+    thread: Option<JoinHandle<Option<Fault>>>,
 }
 
 impl Lookout {
     /// Starts watching the set-up under `prefix`, whose waits go through `setup`.
     pub fn start(config: &Config, prefix: &str, setup: &Arc<dyn Store>) -> Result<Lookout> {
         let rank = config.rank;
-        let left = format!(
-            "rank {rank} left during set-up: its connection to the rendezvous store closed \
-             (the process died or exited)"
-        );
+        let left = Fault::new(Cause::LeftDuringSetUp, Some(rank), rank).encode();
         let presence = PrefixStore::new(prefix, setup.clone()).presence(LEFT, left.as_bytes())?;
         let own = connect_store(config, config.timeout)?;
         let watched = PrefixStore::new(prefix, own.clone());
@@ -50,11 +47,11 @@ impl Lookout {
                 if !*lock(&done) {
                     setup.shutdown();
                 }
-                Some(text)
+                Fault::decode(&text)
             })
             .map_err(|source| Error::Resource {
                 what: "cannot start the set-up lookout thread",
-                source,
+                source: source.into(),
             })?;
         Ok(Lookout {
             rank,
@@ -82,15 +79,13 @@ impl Lookout {
             }
             Err(err) => err,
         };
-        let mine = format!("rank {} ", self.rank);
-        if let Some(text) = heard.filter(|text| !text.starts_with(&mine)) {
-            return Err(Error::Aborted(text));
+        if let Some(fault) = heard.filter(|fault| fault.culprit != Some(self.rank)) {
+            return Err(Error::Aborted(Box::new(fault)));
         }
+        let failed =
+            Fault::new(Cause::SetUpFailed, Some(self.rank), self.rank).saying(err.to_string());
         let posted = store.add(FAILED, 1).and_then(|n| match n {
-            1 => store.set(
-                LEFT,
-                format!("rank {} failed during set-up: {err}", self.rank).as_bytes(),
-            ),
+            1 => store.set(LEFT, failed.encode().as_bytes()),
             _ => Ok(()),
         });
         if let Err(e) = posted {
@@ -99,8 +94,8 @@ impl Lookout {
         Err(err)
     }
 
-    /// Stops the thread; returns the text it read, if any.
-    fn stop(&mut self) -> Option<String> {
+    /// Stops the thread; returns the fault it read, if any.
+    fn stop(&mut self) -> Option<Fault> {
         self.own.shutdown();
         self.thread.take()?.join().ok().flatten()
     }

@@ -11,7 +11,7 @@ use chorus_transport::shm::{CallPlace, ShmTransport, Stall};
 use chorus_transport::{Transport, TransportError};
 
 use super::shared::reduce_all;
-use super::{CallInfo, Kind};
+use super::{CallInfo, CallKind};
 use crate::executor::Buffers;
 use crate::{Error, Result};
 
@@ -25,7 +25,7 @@ pub(super) fn run(
 ) -> Result<()> {
     let (kind, root, dtype, op) = (info.kind, info.root, info.dtype, info.op);
     let failed = |e: TransportError| Error::transport(shm.rank(), e);
-    if kind == Kind::Barrier {
+    if kind == CallKind::Barrier {
         shm.meet(place, deadline, stall).map_err(failed)?;
         shm.check_places(place).map_err(failed)?;
         return Ok(());
@@ -44,7 +44,7 @@ pub(super) fn run(
     let local_root = shm.local_ranks().iter().position(|&r| r == root);
     shm.meet_posted(posted, place, deadline, stall, |posted| -> Result<()> {
         match kind {
-            Kind::Broadcast => {
+            CallKind::Broadcast => {
                 let root = local_root.expect("the root is a local rank");
                 output.copy_from_slice(posted[root]);
             }

@@ -27,17 +27,17 @@ use chorus_kernels::{DType, ReduceOp};
 use chorus_transport::shm::{ShmConfig, ShmTransport};
 use chorus_transport::store::{PrefixStore, Store, StoreError, StoreServer, TcpStore, TorchStore};
 use chorus_transport::tcp::TcpConfig;
-use chorus_transport::Transport;
 use chorus_transport::{RouteConfig, RoutedTransport};
+use chorus_transport::{Transport, TransportError};
 
 use self::lookout::Lookout;
 use crate::algorithm::Path;
 use crate::config::MAX_WORLD_SIZE;
 use crate::executor::{self, Job, Watch, Workspace, PIPELINE_DEPTH};
 use crate::tuner::{Topology, Tuner};
-use crate::{env, Config, Error, Result, StoreKind};
+use crate::{env, Cause, Config, Error, Fault, Result, StoreKind};
 
-pub(crate) use monitor::CallInfo;
+pub(crate) use crate::call::{CallInfo, CallKind};
 use monitor::{Lineage, Monitor, Watcher};
 pub use p2p::{Group, Messages};
 use prepare::{Call, Route};
@@ -55,39 +55,6 @@ const DROP_GRACE: Duration = Duration::from_secs(2);
 
 /// Communicators created from scratch by this process, so each gets its own store keys.
 static CREATED: AtomicU64 = AtomicU64::new(0);
-
-/// The kinds of operation, as carried in message tags.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Kind {
-    AllReduce = 1,
-    Broadcast = 2,
-    Barrier = 3,
-    Reduce = 4,
-    AllGather = 5,
-    ReduceScatter = 6,
-    AllToAll = 7,
-    Gather = 8,
-    Scatter = 9,
-    PointToPoint = 10,
-}
-
-impl Kind {
-    /// The operation's name, as users call it.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Kind::AllReduce => "all_reduce",
-            Kind::Broadcast => "broadcast",
-            Kind::Barrier => "barrier",
-            Kind::Reduce => "reduce",
-            Kind::AllGather => "all_gather",
-            Kind::ReduceScatter => "reduce_scatter",
-            Kind::AllToAll => "all_to_all",
-            Kind::Gather => "gather",
-            Kind::Scatter => "scatter",
-            Kind::PointToPoint => "send/recv",
-        }
-    }
-}
 
 /// A group of ranks that run collectives together, like an NCCL communicator
 /// or a torch.distributed process group.
@@ -122,11 +89,12 @@ pub(crate) struct Inner {
     /// Each host's ranks, as the transport found them (one host without a transport).
     hosts: Vec<Vec<usize>>,
     /// The last pick per kind of call, to log changes.
-    picks: Mutex<HashMap<Kind, Path>>,
+    picks: Mutex<HashMap<CallKind, Path>>,
     /// Decisions and schedules of recent calls, reused by calls like them.
     decisions: prepare::Decisions,
-    /// Why the communicator can no longer be used, once it cannot.
-    fault: Mutex<Option<Fault>>,
+    /// Why the communicator can no longer be used, once it cannot: the first call's error,
+    /// or the fault that aborted it.
+    fault: Mutex<Option<Arc<Error>>>,
     /// The watchdog and fault reports (absent for one rank).
     monitor: Option<Arc<Monitor>>,
     /// Shared buffers allocated on this communicator.
@@ -135,15 +103,6 @@ pub(crate) struct Inner {
     has_windows: AtomicBool,
     /// The communicators split from this one, which an alarm heard here fails too.
     children: Mutex<Vec<Weak<Inner>>>,
-}
-
-/// Why a communicator can no longer be used.
-#[derive(Debug, Clone)]
-enum Fault {
-    /// An operation failed.
-    Failed(String),
-    /// The communicator was aborted, here or because a rank found a fault.
-    Aborted(String),
 }
 
 pub(crate) struct State {
@@ -412,11 +371,11 @@ impl Communicator {
     ///
     /// Callable from any thread; peers see this rank's connections close.
     pub fn abort(&self) {
-        let reason = format!("rank {} aborted its communicator", self.rank());
-        self.inner.fail(&reason, true);
+        let fault = self.inner.own_fault(Cause::Abort);
+        self.inner.fail(&fault);
         if let Some(monitor) = self.inner.monitor.clone() {
             // Tell the other ranks why this one's connections closed, without waiting for the store.
-            std::thread::spawn(move || monitor.raise(&reason).ok());
+            std::thread::spawn(move || monitor.raise(&fault).ok());
         }
     }
 
@@ -433,15 +392,12 @@ impl Drop for Communicator {
         let worker = lock(&self.inner.issue).worker.take();
         if let Some(worker) = worker {
             worker.finish(DROP_GRACE, || {
-                let reason = format!(
-                    "rank {} dropped its communicator with operations in flight",
-                    self.rank()
-                );
-                self.inner.fail(&reason, true);
+                let fault = self.inner.own_fault(Cause::Dropped);
+                self.inner.fail(&fault);
                 // Peers waiting for those operations learn why (over TCP, bytes this rank
                 // already sent could otherwise complete a peer's call after it left).
                 if let Some(monitor) = &self.inner.monitor {
-                    if let Err(e) = monitor.raise(&reason) {
+                    if let Err(e) = monitor.raise(&fault) {
                         tracing::debug!(rank = self.rank(), "cannot tell the other ranks: {e}");
                     }
                 }
@@ -513,22 +469,21 @@ impl Inner {
             state = self.turn.wait(state).unwrap_or_else(|p| p.into_inner());
             state.waiting -= 1;
         }
-        let fault = lock(&self.fault).clone();
-        let result = match fault {
-            Some(Fault::Failed(why)) => Err(Error::Broken(why)),
-            Some(Fault::Aborted(why)) => Err(Error::Aborted(why)),
+        let earlier = lock(&self.fault).clone();
+        let result = match earlier {
+            // An aborted communicator's calls say why it was aborted.
+            Some(earlier) => Err(match &*earlier {
+                Error::Aborted(fault) => Error::Aborted(fault.clone()),
+                _ => Error::Broken(earlier),
+            }),
             None => f(self, &mut state, &mut payload),
         };
-        // Arguments refused before anything moved (an asynchronous call's, checked in its
-        // turn) leave the communicator as it was.
-        let fault = match &result {
-            Ok(()) | Err(Error::InvalidArgument(_)) => None,
-            Err(Error::Aborted(why)) => Some(Fault::Aborted(why.clone())),
-            Err(other) => Some(Fault::Failed(other.to_string())),
+        let result = match result {
+            // Arguments refused before anything moved (an asynchronous call's, checked in its
+            // turn) leave the communicator as it was.
+            Ok(()) | Err(Error::InvalidArgument(_)) => result,
+            Err(error) => Err(self.record(error)),
         };
-        if let Some(fault) = fault {
-            lock(&self.fault).get_or_insert(fault);
-        }
         let out = done(result, payload);
         state.serving += 1;
         if state.waiting > 0 {
@@ -537,30 +492,51 @@ impl Inner {
         out
     }
 
-    /// Fails every operation in flight and every later one; the first reason stays.
-    fn fail(&self, reason: &str, aborted: bool) {
-        if let Some(t) = &self.transport {
-            t.abort(reason);
+    /// Records `error`, a call's, as what broke the communicator, unless something broke
+    /// it first; returns the error the call reports. A call that failed because
+    /// [`fail`](Self::fail) aborted the transport reports the fault that did.
+    fn record(&self, error: Error) -> Error {
+        let mut recorded = lock(&self.fault);
+        match &*recorded {
+            Some(earlier) if is_abort(&error) => (**earlier).clone(),
+            Some(_) => error,
+            None => {
+                *recorded = Some(Arc::new(error.clone()));
+                error
+            }
         }
-        let reason = reason.to_string();
-        let fault = if aborted {
-            Fault::Aborted(reason)
-        } else {
-            Fault::Failed(reason)
-        };
-        lock(&self.fault).get_or_insert(fault);
+    }
+
+    /// Fails every operation in flight, and every later one, with `fault` (unless the
+    /// communicator was broken already: the first error stays).
+    fn fail(&self, fault: &Fault) {
+        lock(&self.fault).get_or_insert_with(|| Arc::new(Error::Aborted(Box::new(fault.clone()))));
+        if let Some(t) = &self.transport {
+            t.abort(&fault.to_string());
+        }
     }
 
     /// Fails this communicator and those split from it, as an alarm does.
-    fn fail_family(&self, reason: &str) {
-        self.fail(reason, true);
+    fn fail_family(&self, fault: &Fault) {
+        self.fail(fault);
         let children: Vec<Arc<Inner>> = lock(&self.children)
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
         for child in children {
-            child.fail_family(reason);
+            child.fail_family(fault);
         }
+    }
+
+    /// This rank's rank in the job (`RANK`), as faults name it.
+    pub(crate) fn job_rank(&self) -> usize {
+        let rank = self.config.rank;
+        self.monitor.as_ref().map_or(rank, |m| m.job_ranks()[rank])
+    }
+
+    /// A fault this rank causes itself (aborting, dropping its communicator).
+    fn own_fault(&self, cause: Cause) -> Fault {
+        Fault::new(cause, Some(self.job_rank()), self.job_rank())
     }
 
     pub(crate) fn execute(&self, state: &mut State, call: Call<'_>) -> Result<()> {
@@ -698,6 +674,17 @@ fn tag(seq: u64, call: &CallInfo) -> u64 {
     (seq << 32) | (call.kind as u64) << 28 | dtype << 24 | op << 20 | call.fingerprint()
 }
 
+/// Whether `error` is the transport's report that this communicator was aborted.
+fn is_abort(error: &Error) -> bool {
+    matches!(
+        error,
+        Error::Transport {
+            source: TransportError::Aborted(_),
+            ..
+        }
+    )
+}
+
 /// The address other ranks reach this one at: configured, or the local end
 /// of the route to MASTER_ADDR (no packet is sent).
 fn advertised_addr(config: &Config) -> Result<IpAddr> {
@@ -730,7 +717,7 @@ mod tests {
     }
 
     fn call(dtype: DType, op: ReduceOp) -> CallInfo {
-        CallInfo::new(Kind::AllReduce, dtype, op, 0, 1000).unwrap()
+        CallInfo::new(CallKind::AllReduce, dtype, op, 0, 1000).unwrap()
     }
 
     #[test]
@@ -756,7 +743,7 @@ mod tests {
     fn bitwise_operators_on_floats_are_invalid_arguments() {
         for dtype in DType::ALL {
             for op in ReduceOp::BITWISE {
-                let info = CallInfo::new(Kind::ReduceScatter, dtype, op, 0, 8);
+                let info = CallInfo::new(CallKind::ReduceScatter, dtype, op, 0, 8);
                 if !dtype.is_float() {
                     assert_eq!(info.unwrap().op, op);
                     continue;

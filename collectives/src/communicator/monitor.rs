@@ -3,29 +3,28 @@
 //! Every communicator with peers runs a listener thread on the rendezvous
 //! store. Ranks post numbered events under the communicator's key prefix:
 //!
-//! - an *alarm*: a rank found a fault (a dead peer, a mismatched call, a
-//!   stall). Every listener aborts its transport with the alarm's text, so
-//!   all ranks fail promptly and name the same culprit. The first alarm wins
-//!   and stays readable, so a rank that only saw the fallout (a neighbour
-//!   closing its sockets as it gave up) reports the cause instead.
+//! - an *alarm*: a rank found a [`Fault`] (a dead peer, a mismatched call, a
+//!   stall). Every listener fails its communicator with it, so all ranks
+//!   fail promptly and name the same culprit. The first alarm wins and stays
+//!   readable, so a rank that only saw the fallout (a neighbour closing its
+//!   sockets as it gave up) reports the cause instead.
 //! - a *question*: every listener answers with what its rank is doing, so a
 //!   waiting rank can say which ranks have not joined its call.
 //!
 //! Nothing touches the store on the hot path: a collective only records its
 //! [`Activity`] under an uncontended mutex.
 
-use std::fmt;
+use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use chorus_kernels::{DType, ReduceOp};
 use chorus_transport::store::{PrefixStore, Store, StoreError};
 use chorus_transport::TransportError;
 
-use super::{connect_store, lock, Inner, Kind};
+use super::{connect_store, lock, CallInfo, Inner};
 use crate::executor::Watch;
-use crate::{Config, Error, StoreKind};
+use crate::{Cause, Config, Error, Fault, StoreKind};
 
 /// How long one wait for the next event lasts before the listener looks around.
 const LISTEN_TICK: Duration = Duration::from_secs(5);
@@ -35,70 +34,9 @@ const RANK_0_WAIT: Duration = Duration::from_millis(200);
 /// What a rank learns after rank 0's connection closed.
 enum Rank0 {
     /// Rank 0 raised this alarm before it left.
-    Alarm(String),
+    Alarm(Fault),
     /// The store rank 0 hosted is gone too: rank 0 died.
     Gone,
-}
-
-/// What one collective call is, as ranks compare and report it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct CallInfo {
-    pub kind: Kind,
-    pub dtype: DType,
-    pub op: ReduceOp,
-    pub root: usize,
-    /// Elements per rank as every rank must agree on it (0 where counts may differ).
-    pub count: usize,
-}
-
-impl CallInfo {
-    /// The description of a call. Every collective makes one before anything else, so this is
-    /// where an operator that is not defined on the data type (a bitwise one on a float
-    /// type) fails, with [`Error::InvalidArgument`] naming both, before anything is sent.
-    pub fn new(
-        kind: Kind,
-        dtype: DType,
-        op: ReduceOp,
-        root: usize,
-        count: usize,
-    ) -> Result<CallInfo, Error> {
-        op.check(dtype)
-            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        Ok(CallInfo {
-            kind,
-            dtype,
-            op,
-            root,
-            count,
-        })
-    }
-
-    /// 20 bits standing for the root and the count in the message tag.
-    pub fn fingerprint(&self) -> u64 {
-        // splitmix64's finaliser spreads both numbers over all the bits.
-        let mut z = (self.root as u64) ^ (self.count as u64).rotate_left(24);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        (z ^ (z >> 31)) & 0xF_FFFF
-    }
-}
-
-impl fmt::Display for CallInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (name, dtype, op, n) = (self.kind.name(), self.dtype, self.op, self.count);
-        match self.kind {
-            Kind::Barrier => write!(f, "{name}"),
-            Kind::AllToAll | Kind::PointToPoint => write!(f, "{name}({dtype})"),
-            Kind::AllReduce | Kind::ReduceScatter => {
-                write!(f, "{name}({dtype} {op}, {n} elements)")
-            }
-            Kind::Reduce => write!(f, "{name}({dtype} {op}, {n} elements, root {})", self.root),
-            Kind::AllGather => write!(f, "{name}({dtype}, {n} elements per rank)"),
-            Kind::Broadcast | Kind::Gather | Kind::Scatter => {
-                write!(f, "{name}({dtype}, {n} elements, root {})", self.root)
-            }
-        }
-    }
 }
 
 /// What this rank is doing: its latest collective and whether it is still in it.
@@ -190,7 +128,7 @@ pub(crate) struct Monitor {
     warn_after: Option<Duration>,
     pub activity: Activity,
     /// The alarm the listener received, kept for when the store is gone.
-    heard: Mutex<Option<String>>,
+    heard: Mutex<Option<Fault>>,
     /// Whether rank 0 hosts the store (so the store's loss means rank 0's).
     store_on_rank_0: bool,
     /// Set when the listener lost the store while the communicator was in use.
@@ -235,7 +173,7 @@ impl Monitor {
             .spawn(move || listener.listen(&inner))
             .map_err(|source| Error::Resource {
                 what: "cannot start the monitor thread",
-                source,
+                source: source.into(),
             })?;
         Ok(monitor)
     }
@@ -302,12 +240,12 @@ impl Monitor {
             {
                 tracing::debug!(rank = self.rank, error = %e, "monitor: cannot answer");
             }
-        } else if let Some(reason) = event.strip_prefix("alarm ") {
-            let reason = self.own_part(reason.to_string());
-            lock(&self.heard).get_or_insert_with(|| reason.clone());
+        } else if let Some(alarm) = event.strip_prefix("alarm ") {
+            let fault = self.own_part(self.read_fault(alarm));
+            lock(&self.heard).get_or_insert_with(|| fault.clone());
             if let Some(inner) = inner.upgrade() {
-                tracing::error!(rank = self.rank, "{reason}");
-                inner.fail_family(&reason);
+                tracing::error!(rank = self.rank, "{fault}");
+                inner.fail_family(&fault);
             }
         }
     }
@@ -320,31 +258,32 @@ impl Monitor {
         Ok(number)
     }
 
-    /// Tells every rank to fail with `reason`, unless another alarm came first; returns the
+    /// Tells every rank to fail with `fault`, unless another alarm came first; returns the
     /// alarm that stands (this one or the earlier one).
-    pub fn raise(&self, reason: &str) -> Result<String, StoreError> {
+    pub fn raise(&self, fault: &Fault) -> Result<Fault, StoreError> {
         if self.store.add("alarms", 1)? > 1 {
-            return Ok(self.alarm()?.unwrap_or_else(|| reason.to_string()));
+            return Ok(self.alarm()?.unwrap_or_else(|| fault.clone()));
         }
-        // The alarm's text is readable before anyone is woken by it.
-        self.store.set("alarm", reason.as_bytes())?;
-        self.post(&format!("alarm {reason}"))?;
-        Ok(reason.to_string())
+        // The alarm is readable before anyone is woken by it.
+        let alarm = fault.encode();
+        self.store.set("alarm", alarm.as_bytes())?;
+        self.post(&format!("alarm {alarm}"))?;
+        Ok(fault.clone())
     }
 
-    /// Raises `reason` here and, where it is the alarm that stands here, on the
+    /// Raises `fault` here and, where it is the alarm that stands here, on the
     /// communicators this one was split from; returns the alarm that stands.
-    fn raise_up(&self, reason: &str) -> Result<String, StoreError> {
-        let standing = self.raise(reason)?;
+    fn raise_up(&self, fault: &Fault) -> Result<Fault, StoreError> {
+        let standing = self.raise(fault)?;
         match &self.parent {
             // A parent already dropped (its store client shut) has no one left to tell.
-            Some(parent) if standing == reason => Ok(parent.raise_up(reason).unwrap_or(standing)),
+            Some(parent) if standing == *fault => Ok(parent.raise_up(fault).unwrap_or(standing)),
             _ => Ok(standing),
         }
     }
 
     /// The alarm raised so far on this communicator or, failing that, on one it was split from.
-    fn family_alarm(&self) -> Result<Option<String>, StoreError> {
+    fn family_alarm(&self) -> Result<Option<Fault>, StoreError> {
         match (self.alarm()?, &self.parent) {
             (None, Some(parent)) => Ok(parent.family_alarm().unwrap_or(None)),
             (own, _) => Ok(own),
@@ -356,22 +295,57 @@ impl Monitor {
         &self.job_ranks
     }
 
-    /// `text`, which names ranks of this communicator, with the job's ranks they are where
-    /// the two differ.
-    fn in_job_terms(&self, text: &str) -> String {
-        if self.job_ranks.iter().enumerate().all(|(i, &r)| i == r) {
-            return text.to_string();
-        }
-        let here: Vec<usize> = (0..self.job_ranks.len()).collect();
-        format!(
-            "{text} (on a communicator split from the job's, whose {} are {} of the job)",
-            ranks(&here),
-            ranks(&self.job_ranks)
-        )
+    /// The job's rank of this communicator's `rank`.
+    fn job_rank(&self, rank: usize) -> usize {
+        self.job_ranks.get(rank).copied().unwrap_or(rank)
     }
 
-    /// The alarm raised so far, if any (waiting briefly for its text if it is being written).
-    fn alarm(&self) -> Result<Option<String>, StoreError> {
+    /// A fault this rank found through the transport's error `source`, outside any call: its
+    /// cause, the peer it names as the culprit, and the transport's words.
+    fn finding(&self, source: &TransportError) -> Fault {
+        let reset = |e: &io::Error| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+            )
+        };
+        let cause = match source {
+            TransportError::PeerClosed { .. } => Cause::PeerClosed,
+            TransportError::Io { source, .. } if reset(source) => Cause::PeerClosed,
+            TransportError::Timeout { .. } => Cause::Timeout,
+            TransportError::Protocol { .. } => Cause::Mismatch,
+            _ => Cause::Transport,
+        };
+        let culprit = source.peer().map(|peer| self.job_rank(peer));
+        Fault::new(cause, culprit, self.job_rank(self.rank)).saying(source.to_string())
+    }
+
+    /// `fault`, whose words name ranks of this communicator, saying which of the job's ranks
+    /// they are, where the two differ.
+    fn in_job_terms(&self, fault: Fault) -> Fault {
+        if self.job_ranks.iter().enumerate().all(|(i, &r)| i == r) {
+            return fault;
+        }
+        let here: Vec<usize> = (0..self.job_ranks.len()).collect();
+        let detail = format!(
+            "{} (on a communicator split from the job's, whose {} are {} of the job)",
+            fault.detail,
+            ranks(&here),
+            ranks(&self.job_ranks)
+        );
+        fault.saying(detail)
+    }
+
+    /// The fault in an alarm's text. Ranks of one job run one version of Chorus, so the text
+    /// is always one; anything else is kept as the detail of a fault of unknown origin.
+    fn read_fault(&self, text: &str) -> Fault {
+        Fault::decode(text).unwrap_or_else(|| {
+            Fault::new(Cause::Transport, None, self.job_rank(self.rank)).saying(text)
+        })
+    }
+
+    /// The alarm raised so far, if any (waiting briefly for it if it is being written).
+    fn alarm(&self) -> Result<Option<Fault>, StoreError> {
         if let Some(heard) = self.heard() {
             return Ok(Some(heard));
         }
@@ -380,7 +354,7 @@ impl Monitor {
         }
         self.store.wait(&["alarm"], self.grace)?;
         let text = self.store.get("alarm")?;
-        Ok(Some(String::from_utf8_lossy(&text).into_owned()))
+        Ok(Some(self.read_fault(&String::from_utf8_lossy(&text))))
     }
 
     /// After rank 0's connection closed, on a rank of a job whose store rank 0 hosts: waits
@@ -407,7 +381,7 @@ impl Monitor {
     }
 
     /// The alarm the listener has received, if any.
-    fn heard(&self) -> Option<String> {
+    fn heard(&self) -> Option<Fault> {
         lock(&self.heard).clone()
     }
 
@@ -429,14 +403,18 @@ impl Monitor {
             .collect())
     }
 
-    /// Explains what the other ranks are doing while this one waits in call `seq`; also
-    /// returns the ranks that did not answer.
-    fn survey(&self, seq: u64, call: &CallInfo) -> (String, Vec<usize>) {
+    /// Explains what the other ranks are doing while this one waits in call `seq`.
+    fn survey(&self, seq: u64, call: &CallInfo) -> Survey {
         let statuses = match self.ask() {
             Ok(s) => s,
-            Err(e) => return (format!("cannot ask the other ranks ({e})"), Vec::new()),
+            Err(e) => {
+                return Survey {
+                    text: format!("cannot ask the other ranks ({e})"),
+                    ..Survey::default()
+                }
+            }
         };
-        let mut silent = Vec::new();
+        let mut survey = Survey::default();
         let mut waiting = Vec::new();
         let mut notes = Vec::new();
         let mine = call.to_string();
@@ -445,20 +423,23 @@ impl Monitor {
                 continue;
             }
             let Some(s) = status else {
-                silent.push(rank);
+                survey.silent.push(rank);
                 continue;
             };
             let secs = s.elapsed.as_secs_f64();
             if s.seq == seq && s.running && s.call == mine {
                 waiting.push(rank);
             } else if s.seq == seq && s.call != mine {
+                survey.differs.get_or_insert(rank);
                 notes.push(format!("rank {rank} called {} as #{seq}", s.call));
             } else if s.seq < seq && !s.running {
+                survey.behind.get_or_insert(rank);
                 notes.push(format!(
                     "rank {rank} has not joined it (last finished #{} {}, {secs:.1} s ago)",
                     s.seq, s.call
                 ));
             } else if s.seq < seq {
+                survey.behind.get_or_insert(rank);
                 notes.push(format!(
                     "rank {rank} is still in #{} {} ({secs:.1} s)",
                     s.seq, s.call
@@ -472,17 +453,18 @@ impl Monitor {
                 ));
             }
         }
-        if !silent.is_empty() {
+        if !survey.silent.is_empty() {
             notes.push(format!(
                 "{} did not answer within {:.1} s (stopped, or hung outside Chorus?)",
-                ranks(&silent),
+                ranks(&survey.silent),
                 self.grace.as_secs_f64()
             ));
         }
         if !waiting.is_empty() {
             notes.push(format!("{} waiting in the same call", ranks(&waiting)));
         }
-        (notes.join("; "), silent)
+        survey.text = notes.join("; ");
+        survey
     }
 
     /// Marks `silent` as ranks a timed-out call gave up on, for them to read if they resume.
@@ -494,20 +476,42 @@ impl Monitor {
         }
     }
 
-    /// `cause`, the alarm this rank fails with, told from this rank's side where it is the
+    /// `fault`, the alarm this rank fails with, told from this rank's side where it is the
     /// rank the others gave up on (it was stopped, and resumed too late).
-    fn own_part(&self, cause: String) -> String {
-        let told = format!("rank {} stopped answering", self.rank);
-        if cause.starts_with(&told) {
-            return cause;
+    fn own_part(&self, fault: Fault) -> Fault {
+        let me = self.job_rank(self.rank);
+        if fault.cause == Cause::Unresponsive && fault.culprit == Some(me) {
+            return fault;
         }
         match self.store.add(&format!("silent/{}", self.rank), 0) {
-            Ok(marks) if marks > 0 => format!(
-                "{told} while the other ranks waited for it (stopped by a signal or a \
-                 debugger, or hung outside Chorus), and they gave up on it: {cause}"
-            ),
-            _ => cause,
+            Ok(marks) if marks > 0 => Fault {
+                cause: Cause::Unresponsive,
+                culprit: Some(me),
+                detail: fault.to_string(),
+                ..fault
+            },
+            _ => fault,
         }
+    }
+}
+
+/// What the other ranks were doing while this one waited in a call.
+#[derive(Default)]
+struct Survey {
+    /// Their answers, in words.
+    text: String,
+    /// The ranks that did not answer.
+    silent: Vec<usize>,
+    /// The first rank that called something else in this call's place.
+    differs: Option<usize>,
+    /// The first rank that had not reached this call.
+    behind: Option<usize>,
+}
+
+impl Survey {
+    /// The rank that held the call up: the first silent one, else the first one behind.
+    fn holder(&self) -> Option<usize> {
+        self.silent.first().copied().or(self.behind)
     }
 }
 
@@ -536,13 +540,16 @@ impl Watch for Watcher<'_> {
     fn stalled(&self) {
         let (rank, seq, call) = (self.monitor.rank, self.seq, self.call);
         let waited = self.started.elapsed().as_secs_f64();
-        let (survey, _) = self.monitor.survey(seq, &call);
-        tracing::warn!("rank {rank}: {call} #{seq} has waited {waited:.1} s: {survey}");
+        let survey = self.monitor.survey(seq, &call);
+        tracing::warn!(
+            "rank {rank}: {call} #{seq} has waited {waited:.1} s: {}",
+            survey.text
+        );
     }
 
     fn failed(&self, error: Error) -> Error {
         match self.explain(error) {
-            Error::Aborted(cause) => Error::Aborted(self.monitor.own_part(cause)),
+            Error::Aborted(fault) => Error::Aborted(Box::new(self.monitor.own_part(*fault))),
             other => other,
         }
     }
@@ -552,32 +559,38 @@ impl Watcher<'_> {
     /// The error a failed call reports: the alarm that explains it, or this rank's own
     /// finding, raised as the alarm for the others.
     fn explain(&self, error: Error) -> Error {
-        let (rank, seq, call) = (self.monitor.rank, self.seq, self.call);
+        let (monitor, seq, call) = (self.monitor, self.seq, self.call);
         let Error::Transport { source, .. } = &error else {
             return error;
         };
-        let noticed = format!("rank {rank} noticed in {call} #{seq}");
-        if let Some(cause) = self.monitor.cause(source, &noticed) {
-            return cause;
+        let found = monitor.finding(source).in_call(call, seq);
+        if let Some(explained) = monitor.cause(source, &found) {
+            return explained;
         }
-        let (detail, error) = match source {
-            TransportError::Timeout { .. } => {
+        let fault = match found.cause {
+            Cause::Timeout => {
                 let waited = self.started.elapsed().as_secs_f64();
-                let (survey, silent) = self.monitor.survey(seq, &call);
-                self.monitor.mark_silent(&silent);
-                let detail =
-                    format!("{call} #{seq} on rank {rank} timed out after {waited:.1} s: {survey}");
-                (detail.clone(), Error::Timeout { rank, detail })
+                let survey = monitor.survey(seq, &call);
+                monitor.mark_silent(&survey.silent);
+                Fault {
+                    culprit: survey.holder().map(|r| monitor.job_rank(r)),
+                    ..found
+                }
+                .saying(format!("timed out after {waited:.1} s: {}", survey.text))
             }
-            TransportError::Protocol { .. } => {
-                let (survey, _) = self.monitor.survey(seq, &call);
-                let detail =
-                    format!("rank {rank} called {call} as #{seq}, but {survey} ({source})");
-                (detail.clone(), Error::Mismatch { rank, detail })
+            Cause::Mismatch => {
+                let survey = monitor.survey(seq, &call);
+                let culprit = survey.differs.map(|r| monitor.job_rank(r));
+                let detail = format!("{} ({source})", survey.text);
+                Fault {
+                    culprit: culprit.or(found.culprit),
+                    ..found
+                }
+                .saying(detail)
             }
-            _ => (format!("{source}; {noticed}"), error),
+            _ => found,
         };
-        self.monitor.alert(&detail, error)
+        monitor.alert(fault)
     }
 }
 
@@ -591,74 +604,81 @@ impl Monitor {
         let Error::Transport { source, .. } = &error else {
             return error;
         };
-        let noticed = format!("rank {} noticed in send/recv", self.rank);
-        if let Some(cause) = self.cause(source, &noticed) {
-            return cause;
+        let found = self.finding(source);
+        if let Some(explained) = self.cause(source, &found) {
+            return explained;
         }
-        if let TransportError::Timeout { .. } = source {
-            return error;
+        if found.cause == Cause::Timeout {
+            return found.into();
         }
-        self.alert(&format!("{source}; {noticed}"), error)
+        self.alert(found)
     }
 
-    /// What explains the transport failure `source` that this rank `noticed`, if
-    /// not this rank's own finding: an abort, rank 0's alarm or death, another
-    /// rank's alarm, or the store's loss.
-    fn cause(&self, source: &TransportError, noticed: &str) -> Option<Error> {
-        if let TransportError::Aborted(reason) = source {
-            return Some(Error::Aborted(reason.clone()));
+    /// What explains the transport failure `source` that this rank `found`, if not this
+    /// rank's own finding: an abort (the error as it is, for the communicator to report
+    /// the abort's cause), rank 0's alarm or death, another rank's alarm, or the store's loss.
+    fn cause(&self, source: &TransportError, found: &Fault) -> Option<Error> {
+        if let TransportError::Aborted(_) = source {
+            return Some(Error::transport(self.rank, source.clone()));
         }
+        let store_host_gone = |detail: String| {
+            let fault = Fault {
+                cause: Cause::StoreHostGone,
+                culprit: Some(0),
+                ..found.clone()
+            };
+            Error::Aborted(Box::new(fault.saying(detail)))
+        };
         let peer_is_rank_0 = matches!(source, TransportError::PeerClosed { peer } if self.job_ranks.get(*peer) == Some(&0));
         if peer_is_rank_0 {
             match self.after_rank_0_closed() {
-                Some(Rank0::Alarm(cause)) => return Some(Error::Aborted(cause)),
-                Some(Rank0::Gone) => {
-                    return Some(Error::Aborted(format!(
-                        "rank 0 is gone, and the rendezvous store it hosted with it: {source}; {noticed}"
-                    )))
-                }
+                Some(Rank0::Alarm(fault)) => return Some(Error::Aborted(Box::new(fault))),
+                Some(Rank0::Gone) => return Some(store_host_gone(source.to_string())),
                 None => {}
             }
         }
         // A rank that found the fault first has explained it; this one may only see its fallout.
         match self.family_alarm() {
-            Ok(Some(cause)) => Some(Error::Aborted(cause)),
+            Ok(Some(fault)) => Some(Error::Aborted(Box::new(fault))),
             Ok(None) => None,
             Err(e) => {
                 // The listener may have read the alarm while the store was still up.
-                if let Some(cause) = self.heard() {
-                    return Some(Error::Aborted(cause));
+                if let Some(fault) = self.heard() {
+                    return Some(Error::Aborted(Box::new(fault)));
                 }
-                Some(Error::Aborted(if self.store_on_rank_0 {
-                    format!(
-                        "rank 0 is gone, and the rendezvous store it hosted with it ({e}): {source}; {noticed}"
-                    )
+                Some(if self.store_on_rank_0 {
+                    store_host_gone(format!("{source} (and the store: {e})"))
                 } else {
-                    format!("{source}; {noticed}; the rendezvous store is unreachable too ({e})")
-                }))
+                    let detail = format!("{source}; the rendezvous store is unreachable too ({e})");
+                    let fault = Fault {
+                        cause: Cause::StoreLost,
+                        ..found.clone()
+                    };
+                    Error::Aborted(Box::new(fault.saying(detail)))
+                })
             }
         }
     }
 
-    /// Raises `detail`, told in the job's ranks, as the alarm here and on the communicators
-    /// this one was split from, and returns `error`, unless an alarm came first: then returns
-    /// that one.
-    fn alert(&self, detail: &str, error: Error) -> Error {
+    /// Raises `fault`, told in the job's ranks, as the alarm here and on the communicators
+    /// this one was split from, and returns its error, unless an alarm came first: then
+    /// returns that one.
+    fn alert(&self, fault: Fault) -> Error {
         // An alarm heard while surveying came first (its rank may be gone by now,
         // and the store with it).
-        if let Some(cause) = self.heard() {
-            return Error::Aborted(cause);
+        if let Some(heard) = self.heard() {
+            return Error::Aborted(Box::new(heard));
         }
-        let detail = self.in_job_terms(detail);
-        match self.raise_up(&detail) {
-            Ok(cause) if cause != detail => Error::Aborted(cause),
-            Ok(_) => error,
+        let fault = self.in_job_terms(fault);
+        match self.raise_up(&fault) {
+            Ok(standing) if standing != fault => Error::Aborted(Box::new(standing)),
+            Ok(_) => fault.into(),
             Err(e) => {
-                if let Some(cause) = self.heard() {
-                    return Error::Aborted(cause);
+                if let Some(heard) = self.heard() {
+                    return Error::Aborted(Box::new(heard));
                 }
                 tracing::warn!(rank = self.rank, "cannot tell the other ranks: {e}");
-                error
+                fault.into()
             }
         }
     }
@@ -667,49 +687,13 @@ impl Monitor {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn call(kind: Kind, root: usize, count: usize) -> CallInfo {
-        CallInfo::new(kind, DType::F32, ReduceOp::Sum, root, count).unwrap()
-    }
-
-    #[test]
-    fn fingerprints_tell_roots_and_counts_apart() {
-        let base = call(Kind::AllReduce, 0, 1024).fingerprint();
-        assert_eq!(base, call(Kind::AllReduce, 0, 1024).fingerprint());
-        assert!(base < 1 << 20);
-        for count in [0, 1, 1023, 1025, 2048, 1 << 30] {
-            assert_ne!(
-                base,
-                call(Kind::AllReduce, 0, count).fingerprint(),
-                "count {count}"
-            );
-        }
-        for root in 1..64 {
-            assert_ne!(
-                base,
-                call(Kind::AllReduce, root, 1024).fingerprint(),
-                "root {root}"
-            );
-        }
-    }
-
-    #[test]
-    fn calls_read_as_users_write_them() {
-        assert_eq!(
-            call(Kind::AllReduce, 0, 8).to_string(),
-            "all_reduce(float sum, 8 elements)"
-        );
-        assert_eq!(
-            call(Kind::Broadcast, 2, 8).to_string(),
-            "broadcast(float, 8 elements, root 2)"
-        );
-        assert_eq!(call(Kind::Barrier, 0, 0).to_string(), "barrier");
-    }
+    use crate::{CallKind, DType, ReduceOp};
 
     #[test]
     fn status_lines_round_trip() {
         let activity = Activity::default();
-        activity.begin(17, call(Kind::Reduce, 1, 5), Instant::now());
+        let reduce = CallInfo::new(CallKind::Reduce, DType::F32, ReduceOp::Sum, 1, 5).unwrap();
+        activity.begin(17, reduce, Instant::now());
         let status = Status::decode(&activity.encode()).expect("decodes");
         assert_eq!((status.seq, status.running), (17, true));
         assert_eq!(status.call, "reduce(float sum, 5 elements, root 1)");

@@ -14,8 +14,8 @@ use chorus_kernels::Element;
 use chorus_transport::{Request, Transport, TransportError};
 
 use super::monitor::ranks;
-use super::{Communicator, Inner, Kind, Work};
-use crate::{Error, Result};
+use super::{CallKind, Communicator, Inner, Work};
+use crate::{Cause, Error, Fault, Result};
 
 /// Rounds over the peers `recv_any` makes back to back, yielding the core between them,
 /// before it starts to sleep.
@@ -263,7 +263,8 @@ impl Inner {
             if now >= deadline {
                 let detail = no_sender(rank, tag, self.config.timeout, &left, &instead);
                 transport.abort("recv_any timed out");
-                return Err(Error::Timeout { rank, detail });
+                let fault = Fault::new(Cause::Timeout, None, self.job_rank());
+                return Err(fault.saying(detail).into());
             }
             if round < ANY_SPINS {
                 std::thread::yield_now();
@@ -278,7 +279,7 @@ impl Inner {
 
 /// The transport tag of point-to-point messages labelled `t`.
 fn p2p_tag(t: u32) -> u64 {
-    (t as u64) << 32 | (Kind::PointToPoint as u64) << 28
+    (t as u64) << 32 | (CallKind::PointToPoint as u64) << 28
 }
 
 /// The text of `recv_any`'s timeout: rank `rank` waited `timeout` for a message with `tag`;

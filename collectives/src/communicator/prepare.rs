@@ -24,9 +24,9 @@ use std::sync::{Arc, Mutex};
 
 use chorus_kernels::DType;
 
-use super::monitor::CallInfo;
 use super::shared::WindowCall;
-use super::{lock, Inner, Kind};
+use super::CallInfo;
+use super::{lock, CallKind, Inner};
 use crate::algorithm::{Algorithm, Collective, Path};
 use crate::executor::Buffers;
 use crate::schedule::{all_to_all, barrier, hierarchical, Schedule};
@@ -56,7 +56,7 @@ pub(crate) enum Route {
 /// What a kept decision depends on, besides the communicator itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Key {
-    kind: Kind,
+    kind: CallKind,
     dtype: DType,
     count: usize,
     root: usize,
@@ -92,17 +92,17 @@ impl Decisions {
 }
 
 /// The tuner's name for the collective `kind` is (`None`: a barrier).
-fn collective(kind: Kind) -> Option<Collective> {
+fn collective(kind: CallKind) -> Option<Collective> {
     match kind {
-        Kind::AllReduce => Some(Collective::AllReduce),
-        Kind::Broadcast => Some(Collective::Broadcast),
-        Kind::Reduce => Some(Collective::Reduce),
-        Kind::AllGather => Some(Collective::AllGather),
-        Kind::ReduceScatter => Some(Collective::ReduceScatter),
-        Kind::AllToAll => Some(Collective::AllToAll),
-        Kind::Gather => Some(Collective::Gather),
-        Kind::Scatter => Some(Collective::Scatter),
-        Kind::Barrier | Kind::PointToPoint => None,
+        CallKind::AllReduce => Some(Collective::AllReduce),
+        CallKind::Broadcast => Some(Collective::Broadcast),
+        CallKind::Reduce => Some(Collective::Reduce),
+        CallKind::AllGather => Some(Collective::AllGather),
+        CallKind::ReduceScatter => Some(Collective::ReduceScatter),
+        CallKind::AllToAll => Some(Collective::AllToAll),
+        CallKind::Gather => Some(Collective::Gather),
+        CallKind::Scatter => Some(Collective::Scatter),
+        CallKind::Barrier | CallKind::PointToPoint => None,
     }
 }
 
@@ -161,7 +161,10 @@ impl Inner {
         // of the other collectives' blocks.
         let elems = match (info.kind, counts) {
             (_, Some((send, _))) => send.iter().sum(),
-            (Kind::AllReduce | Kind::Broadcast | Kind::Reduce | Kind::Barrier, _) => info.count,
+            (
+                CallKind::AllReduce | CallKind::Broadcast | CallKind::Reduce | CallKind::Barrier,
+                _,
+            ) => info.count,
             _ => info.count * w,
         };
         let bytes = elems * info.dtype.size();
@@ -198,7 +201,7 @@ impl Inner {
     }
 
     /// Logs `plan` for a call of `kind`: `table` at `info` when the pick for `kind` changed.
-    fn log_pick(&self, kind: Kind, plan: &Plan, table: impl FnOnce() -> String) {
+    fn log_pick(&self, kind: CallKind, plan: &Plan, table: impl FnOnce() -> String) {
         let rank = self.config.rank;
         if lock(&self.picks).insert(kind, plan.path) != Some(plan.path) {
             tracing::info!(rank, "{}", table());
@@ -233,7 +236,7 @@ mod tests {
 
     fn key(count: usize) -> Key {
         Key {
-            kind: Kind::AllReduce,
+            kind: CallKind::AllReduce,
             dtype: DType::F32,
             count,
             root: 0,
@@ -311,20 +314,14 @@ mod tests {
 
     #[test]
     fn every_collective_has_the_tuners_name_but_barriers_and_send_recv() {
-        for kind in [
-            Kind::AllReduce,
-            Kind::Broadcast,
-            Kind::Reduce,
-            Kind::AllGather,
-            Kind::ReduceScatter,
-            Kind::AllToAll,
-            Kind::Gather,
-            Kind::Scatter,
-        ] {
-            let c = collective(kind).expect("a collective");
-            assert_eq!(c.name(), kind.name().replace('_', ""));
+        for kind in CallKind::ALL {
+            match kind {
+                CallKind::Barrier | CallKind::PointToPoint => assert_eq!(collective(kind), None),
+                _ => {
+                    let c = collective(kind).expect("a collective");
+                    assert_eq!(c.name(), kind.name().replace('_', ""));
+                }
+            }
         }
-        assert_eq!(collective(Kind::Barrier), None);
-        assert_eq!(collective(Kind::PointToPoint), None);
     }
 }

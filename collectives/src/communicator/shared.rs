@@ -23,7 +23,7 @@ use chorus_transport::shm::{CallPlace, ShmTransport, Stall, Window};
 use chorus_transport::store::PrefixStore;
 use chorus_transport::TransportError;
 
-use super::{lock, CallInfo, Communicator, Inner, Kind};
+use super::{lock, CallInfo, CallKind, Communicator, Inner};
 use crate::executor::Buffers;
 use crate::{Error, Result};
 
@@ -211,7 +211,7 @@ impl Inner {
     /// How to run `call` on `bufs` directly, if it is an all-reduce or broadcast, every
     /// rank shares memory, and they lie in this communicator's shared buffers.
     pub(super) fn window_call(&self, call: &CallInfo, bufs: &Buffers<'_>) -> Option<WindowCall> {
-        if !matches!(call.kind, Kind::AllReduce | Kind::Broadcast)
+        if !matches!(call.kind, CallKind::AllReduce | CallKind::Broadcast)
             || !self.has_windows.load(Ordering::Relaxed)
         {
             return None;
@@ -227,7 +227,9 @@ impl Inner {
         // Only the root's input is read by a broadcast.
         let input = match windows.find(&input) {
             Some(input) => input,
-            None if call.kind == Kind::Broadcast && call.root != self.config.rank => output.clone(),
+            None if call.kind == CallKind::Broadcast && call.root != self.config.rank => {
+                output.clone()
+            }
             None => return None,
         };
         let same_window = Arc::ptr_eq(&input.0, &output.0);
@@ -252,7 +254,7 @@ impl Inner {
         let places = shm.places(place).map_err(failed)?;
         let peers = self.resolve(shm, &places, len)?;
         match info.kind {
-            Kind::Broadcast => {
+            CallKind::Broadcast => {
                 broadcast(&peers, self.config.rank, info.root, len);
                 shm.meet(place, deadline, stall).map_err(failed)?;
             }

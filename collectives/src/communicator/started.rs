@@ -6,7 +6,7 @@
 
 use chorus_kernels::{Element, ReduceOp};
 
-use super::{Call, Communicator, Inner, Kind, Work};
+use super::{Call, CallKind, Communicator, Inner, Work};
 
 /// An owned buffer's elements as bytes.
 fn bytes<T: Element>(buf: &impl AsRef<[T]>) -> &[u8] {
@@ -171,7 +171,7 @@ impl Communicator {
         O: AsMut<[T]> + Send + 'static,
     {
         self.start_apart(input, output, move |inner, input, output| {
-            inner.rooted_call(Kind::Gather, input, output, T::DTYPE, root)
+            inner.rooted_call(CallKind::Gather, input, output, T::DTYPE, root)
         })
     }
 
@@ -183,7 +183,7 @@ impl Communicator {
         O: AsMut<[T]> + Send + 'static,
     {
         self.start_apart(input, output, move |inner, input, output| {
-            inner.rooted_call(Kind::Scatter, input, output, T::DTYPE, root)
+            inner.rooted_call(CallKind::Scatter, input, output, T::DTYPE, root)
         })
     }
 

@@ -123,7 +123,7 @@ impl Worker {
             })
             .map_err(|source| Error::Resource {
                 what: "cannot start the worker thread",
-                source,
+                source: source.into(),
             })?;
         Ok(Worker {
             tasks: Some(tasks),

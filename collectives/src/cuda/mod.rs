@@ -1,7 +1,7 @@
 //! Collectives on CUDA device buffers (cargo feature `cuda`).
 //!
 //! A [`CudaCommunicator`] runs all-reduce, broadcast, reduce, all-gather and
-//! reduce-scatter on device memory: cudarc's [`CudaSlice`](chorus_kernels::cuda::CudaSlice)
+//! reduce-scatter on device memory: cudarc's [`CudaSlice`]
 //! and views (what candle's CUDA tensors hold), or raw device pointers through
 //! [`CudaCommunicator::call_raw`] for bindings. Reductions run on the GPU with the NVRTC
 //! kernels of [`chorus_kernels::cuda`] or on the host with Chorus's host kernels, as the
@@ -44,7 +44,7 @@ pub use chorus_kernels::cuda::{
 use chorus_kernels::cuda::{DevicePtr, DevicePtrMut};
 use chorus_kernels::{DType, Element, ReduceOp};
 
-use crate::communicator::{Kind, Queue};
+use crate::communicator::{CallKind, Queue};
 use crate::env::CHORUS_CUDA_PATH;
 use crate::{Communicator, Error, Result, Work};
 
@@ -103,13 +103,13 @@ impl DeviceCall {
     }
 
     /// The host collective's description: kind, operator and root.
-    fn host(self) -> (Kind, ReduceOp, usize) {
+    fn host(self) -> (CallKind, ReduceOp, usize) {
         match self {
-            DeviceCall::AllReduce(op) => (Kind::AllReduce, op, 0),
-            DeviceCall::Broadcast { root } => (Kind::Broadcast, ReduceOp::Sum, root),
-            DeviceCall::Reduce { op, root } => (Kind::Reduce, op, root),
-            DeviceCall::AllGather => (Kind::AllGather, ReduceOp::Sum, 0),
-            DeviceCall::ReduceScatter(op) => (Kind::ReduceScatter, op, 0),
+            DeviceCall::AllReduce(op) => (CallKind::AllReduce, op, 0),
+            DeviceCall::Broadcast { root } => (CallKind::Broadcast, ReduceOp::Sum, root),
+            DeviceCall::Reduce { op, root } => (CallKind::Reduce, op, root),
+            DeviceCall::AllGather => (CallKind::AllGather, ReduceOp::Sum, 0),
+            DeviceCall::ReduceScatter(op) => (CallKind::ReduceScatter, op, 0),
         }
     }
 }

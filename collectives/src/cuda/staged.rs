@@ -25,7 +25,7 @@ use chorus_kernels::cuda::{CudaError, CudaStream, Device};
 use chorus_kernels::ReduceOp;
 
 use super::{agree, slice, slice_width, DeviceCall, Job};
-use crate::communicator::Kind;
+use crate::communicator::CallKind;
 use crate::{Communicator, Result};
 
 /// Bytes of each pinned buffer (two slots, an input and an output buffer each).
@@ -351,15 +351,15 @@ impl Slot {
         let width = slice_width(ring.chunk.len, job.dtype, ring.world);
         let count = width / job.dtype.size();
         let (kind, root, mine) = match job.call {
-            DeviceCall::Reduce { root, .. } => (Kind::Gather, root, None),
-            _ => (Kind::AllGather, 0, Some(ring.rank)),
+            DeviceCall::Reduce { root, .. } => (CallKind::Gather, root, None),
+            _ => (CallKind::AllGather, 0, Some(ring.rank)),
         };
         comm.run_bytes(
             (kind, job.dtype, ReduceOp::Sum, root, count),
             Some(self.input.bytes(width)),
             self.output.bytes_mut(ring.world * width),
         )?;
-        if kind == Kind::Gather && ring.rank != root {
+        if kind == CallKind::Gather && ring.rank != root {
             return Ok(());
         }
         for q in (0..ring.world).filter(|&q| Some(q) != mine) {

@@ -11,7 +11,7 @@ use chorus_kernels::{finish_avg, reduce, reduce_into, DType, ReduceOp};
 
 use super::machine::{Action, Dest, Layout, Machine, Needs, Reduce, Region};
 use crate::schedule::{Buf, Schedule};
-use crate::Error;
+use crate::{Cause, Error, Fault};
 
 /// Which enabled move the scheduler takes.
 #[derive(Debug, Clone, Copy)]
@@ -251,12 +251,18 @@ impl World<'_> {
         self.delivered.push((src, send.id));
     }
 
+    /// What rank `r` reports when it finds that the rank that failed has gone.
+    fn peer_failed(&self, r: usize) -> Error {
+        let culprit = self.fail_at.map(|(failed, _)| failed);
+        Fault::new(Cause::PeerClosed, culprit, r).into()
+    }
+
     /// Rank `r`'s next action, or the end of its wait.
     fn step(&mut self, r: usize) -> Result<(), Error> {
         let call = self.call;
         if let State::Blocked(id) = self.ranks[r].state {
             if self.aborted {
-                return Err(Error::Aborted("a peer failed".into()));
+                return Err(self.peer_failed(r));
             }
             let rank = &mut self.ranks[r];
             rank.state = State::Runnable;
@@ -273,11 +279,11 @@ impl World<'_> {
             .next(call.steps[r].as_slice(), |&id| completed[id as usize])?;
         rank.actions += 1;
         if self.fail_at == Some((r, rank.actions - 1)) {
-            return Err(Error::Broken(format!("failure injected into {action:?}")));
+            return Err(Error::Internal(format!("failure injected into {action:?}")));
         }
         let needs_peers = matches!(action, Action::Send { .. } | Action::Recv { .. });
         if self.aborted && needs_peers {
-            return Err(Error::Aborted("a peer failed".into()));
+            return Err(self.peer_failed(r));
         }
         match action {
             Action::Send { id, peer, from } => {
@@ -521,9 +527,16 @@ mod tests {
                         assert!(outcome.results[r].is_err(), "{what}: no error");
                         // Every other rank has ended (the run returned), and no rank that
                         // still needed the failed one claims success with wrong data.
+                        // Those that failed name the failed rank.
                         for (q, result) in outcome.results.iter().enumerate() {
-                            if let Ok(out) = result {
-                                assert!(*out == sum(w, 13), "{what}: rank {q} wrong");
+                            match result {
+                                Ok(out) => assert!(*out == sum(w, 13), "{what}: rank {q} wrong"),
+                                Err(Error::Aborted(fault)) => assert_eq!(
+                                    (fault.cause, fault.culprit, fault.found_by),
+                                    (Cause::PeerClosed, Some(r), q),
+                                    "{what}"
+                                ),
+                                Err(e) => assert!(q == r, "{what}: rank {q} failed with {e}"),
                             }
                         }
                     }

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chorus::{env, Communicator, Error, ReduceOp};
+use chorus::{env, Cause, Communicator, Error, ReduceOp};
 use nix::sys::signal::{kill, raise, Signal};
 use nix::unistd::Pid;
 
@@ -146,8 +146,13 @@ enum Outcome {
     Wrong(String),
 }
 
+/// Prints the error and, where a fault caused it, the fault's fields for the tests to read.
 fn failed(e: &Error) -> ExitCode {
     eprintln!("failed: {e}");
+    if let Some(fault) = e.fault() {
+        let culprit = fault.culprit.map_or("none".to_string(), |r| r.to_string());
+        eprintln!("fault: {:?} {culprit} {}", fault.cause, fault.found_by);
+    }
     ExitCode::FAILURE
 }
 
@@ -292,7 +297,11 @@ fn aborted(comm: Communicator) -> Outcome {
     let later = comm.barrier();
     for (what, result) in [("in flight", in_flight), ("later", later)] {
         match result {
-            Err(Error::Aborted(why)) => eprintln!("{what}: aborted: {why}"),
+            Err(Error::Aborted(fault))
+                if (fault.cause, fault.culprit) == (Cause::Abort, Some(0)) =>
+            {
+                eprintln!("{what}: aborted: {fault}")
+            }
             other => return Outcome::Wrong(format!("{what}: {other:?} instead of Aborted")),
         }
     }
@@ -309,8 +318,8 @@ fn dropped(comm: Communicator) -> Outcome {
     drop(comm);
     eprintln!("dropped in {:.1} s", start.elapsed().as_secs_f64());
     match work.wait() {
-        Err(Error::Aborted(why)) => {
-            eprintln!("queued work: aborted: {why}");
+        Err(Error::Aborted(fault)) if (fault.cause, fault.culprit) == (Cause::Dropped, Some(0)) => {
+            eprintln!("queued work: aborted: {fault}");
             Outcome::Done
         }
         other => Outcome::Wrong(format!("queued work after drop: {other:?}")),

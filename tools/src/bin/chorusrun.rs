@@ -81,7 +81,7 @@ struct Args {
     #[arg(long = "run-id", alias = "run_id", default_value = DEFAULT_RUN_ID)]
     run_id: String,
 
-    /// Also write each rank's output to <DIR>/attempt_<n>/rank<RANK>.{stdout,stderr}.log.
+    /// Also write each rank's output to DIR/attempt_N/rankR.{stdout,stderr}.log (attempt N, rank R).
     #[arg(long = "log-dir", alias = "log_dir", value_name = "DIR")]
     log_dir: Option<PathBuf>,
 

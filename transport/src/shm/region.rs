@@ -37,7 +37,7 @@ const CONTROL_BYTES: usize = 512;
 /// Distance between the counters of a ring, so that producer and consumer
 /// never share a cache line (nor its prefetch pair).
 const LINE: usize = 128;
-/// Bytes a rank can post with a meeting (see [`Region::mailbox`]).
+/// Bytes a rank can post with a meeting (see `Region::mailbox`).
 pub const MAILBOX_BYTES: usize = 4096;
 /// Bytes of a slot's header.
 pub(crate) const SLOT_HEADER: usize = 64;

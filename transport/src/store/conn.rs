@@ -294,7 +294,7 @@ fn connect_with_retry(
             return Err(StoreError::Connect {
                 addr: format!("{host}:{port}"),
                 waited: start.elapsed(),
-                source: error,
+                source: error.into(),
             });
         }
         trace!(host, port, error = %error, "rendezvous store not reachable yet; retrying");

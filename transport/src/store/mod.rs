@@ -59,7 +59,7 @@ pub trait Store: Send + Sync {
 }
 
 /// Errors of the rendezvous store.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
     /// The server could not listen on its address.
@@ -71,7 +71,7 @@ pub enum StoreError {
         /// The address that could not be bound.
         addr: SocketAddr,
         /// Why.
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
     /// The client could not reach the server before its timeout.
     #[error(
@@ -84,7 +84,7 @@ pub enum StoreError {
         /// How long the client kept trying.
         waited: Duration,
         /// The last failure.
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
     /// Keys were still unset when the timeout passed.
     #[error("timed out after {waited:?} waiting for store keys {keys:?}")]
@@ -100,7 +100,7 @@ pub enum StoreError {
         /// What was being done.
         context: String,
         /// The error.
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
     /// A malformed or oversized frame, an unknown opcode, or a refused request.
     #[error("rendezvous store protocol error: {0}")]
@@ -118,7 +118,7 @@ impl StoreError {
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         StoreError::Io {
             context: context.into(),
-            source,
+            source: source.into(),
         }
     }
 }

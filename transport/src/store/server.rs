@@ -97,7 +97,10 @@ impl StoreServer {
         auth: Auth,
         limits: StoreLimits,
     ) -> Result<StoreServer, StoreError> {
-        let listener = listen(addr).map_err(|source| StoreError::Bind { addr, source })?;
+        let listener = listen(addr).map_err(|source| StoreError::Bind {
+            addr,
+            source: source.into(),
+        })?;
         let local_addr = listener
             .local_addr()
             .map_err(|e| StoreError::io("reading the store server's address", e))?;

@@ -1,7 +1,7 @@
 //! Scenarios of the asynchronous forms: each against its blocking form, and calls in flight
 //! when a rank goes.
 
-use chorus::{Communicator, Error, ReduceOp};
+use chorus::{Cause, Communicator, Error, ReduceOp};
 
 use super::check;
 
@@ -178,15 +178,22 @@ pub fn rank_leaves(comm: &Communicator) -> Result<(), String> {
     let works: Vec<_> = (0..4)
         .map(|_| comm.all_reduce_async(vec![1.0f32; 1 << 20], ReduceOp::Sum))
         .collect();
+    // The first call fails with the fault; the later ones fail as aborted by it, or as
+    // broken by the first one's error.
     for (i, work) in works.into_iter().enumerate() {
-        match work.wait() {
+        let fault = match work.wait() {
             Ok(_) => return Err(format!("call {i} succeeded without rank {gone}")),
-            Err(e @ (Error::Transport { .. } | Error::Aborted(_) | Error::Broken(_))) => {
-                if !e.to_string().contains(&format!("rank {gone}")) {
-                    return Err(format!("call {i} failed without naming rank {gone}: {e}"));
-                }
-            }
+            Err(Error::Aborted(fault)) => *fault,
+            Err(Error::Broken(first)) if i > 0 => match first.fault() {
+                Some(fault) => fault.clone(),
+                None => return Err(format!("call {i} broken by {first:?}")),
+            },
             Err(other) => return Err(format!("call {i} failed as {other:?}")),
+        };
+        if fault.cause != Cause::PeerClosed || fault.culprit != Some(gone) {
+            return Err(format!(
+                "call {i} failed without naming rank {gone}: {fault:?}"
+            ));
         }
     }
     println!("async_vanish ok");
