@@ -258,6 +258,23 @@ impl<B> Work<B> {
         matches!(*lock(&self.slot.stage), Stage::Finished(..))
     }
 
+    /// Blocks until the operation has finished, leaving its outcome for the handle; runs it
+    /// here (in its turn) if the worker has not started it, as [`wait`](Self::wait) does.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn finished(&self) {
+        if let Some(body) = self.slot.take() {
+            self.slot.run_body(body);
+        }
+        let mut stage = lock(&self.slot.stage);
+        while matches!(*stage, Stage::Queued(_) | Stage::Running) {
+            stage = self
+                .slot
+                .finished
+                .wait(stage)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
     /// Waits for the operation and returns its buffers; if the worker has not started it
     /// yet, runs it on this thread (in its turn).
     ///

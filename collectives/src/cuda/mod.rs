@@ -24,27 +24,46 @@
 //!
 //! # Ordering and completion
 //!
-//! Calls are blocking, on a CUDA stream the caller gives (on the buffers' device). A call
-//! first waits for the work queued on that stream before it (and, through cudarc's event
-//! tracking, for pending writes to the buffers), enqueues its copies and kernels on the
-//! stream, and returns only when they are complete: when it returns `Ok`, the result is in
-//! the output buffer and visible to every stream; work queued on the stream afterwards runs
-//! after it. Every rank must make the same calls in the same order, as with the host
-//! collectives.
+//! Every call names a CUDA stream of the caller's (on the buffers' device). Every rank must
+//! make the same calls in the same order, as with the host collectives.
+//!
+//! A blocking call (`all_reduce`, ...) first waits for the work queued on that stream
+//! before it (and, through cudarc's event tracking, for pending writes to the buffers),
+//! enqueues its copies and kernels on the stream, and returns only when they are complete:
+//! when it returns `Ok`, the result is in the output buffer and visible to every stream.
+//!
+//! An asynchronous call (`all_reduce_async`, ...) takes its buffers by value and returns a
+//! [`DeviceWork`] once it is enqueued, as NCCL's calls do. Its input is read after the work
+//! queued on the stream before the call (an event recorded at the call), and the stream
+//! waits for the call's completion, so work queued on it afterwards comes after the call.
+//! The call itself runs on Chorus's thread and Chorus's own work stream; its completion is
+//! signalled by a stream wait on a counter in mapped host memory that Chorus's thread
+//! advances when the call ends, failed or not, so no stream waits forever on a failed call
+//! (its error comes from [`DeviceWork::wait`]). [`DeviceWork::wait_on`] orders another
+//! stream after the call without blocking the host. Where the device cannot make streams
+//! wait on memory (`CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` is 0), the caller's
+//! stream is not ordered after the call (the buffers, which the call owns until `wait`
+//! gives them back, are safe by ownership) and `wait_on` blocks the host until the call has
+//! ended. A call on a stream that is being captured into a CUDA graph fails with
+//! [`Error::InvalidArgument`]: the call is driven from the host, so a graph could not
+//! replay it.
 
 mod ipc;
 mod local;
+mod order;
 mod staged;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use chorus_kernels::cuda::cudarc::driver::CudaEvent;
+use chorus_kernels::cuda::order::{is_capturing, stream_waits_supported, MappedCounter};
 pub use chorus_kernels::cuda::{
     cudarc, CudaError, CudaSlice, CudaStream, CudaView, CudaViewMut, Device,
 };
 use chorus_kernels::cuda::{DevicePtr, DevicePtrMut};
 use chorus_kernels::{DType, Element, ReduceOp};
 
-use crate::communicator::{CallKind, Queue};
+use crate::communicator::{lock, CallKind, Queue};
 use crate::env::CHORUS_CUDA_PATH;
 use crate::{Communicator, Error, Result, Work};
 
@@ -130,6 +149,8 @@ struct Job {
 pub struct CudaCommunicator {
     /// Dropped first: the queued operations finish before the path closes.
     queue: Queue,
+    /// Dropped second: releases the streams still waiting on calls that never ran.
+    order: Order,
     shared: Arc<Shared>,
 }
 
@@ -138,6 +159,19 @@ struct Shared {
     comm: Communicator,
     device: Device,
     path: Mutex<Path>,
+    /// Where asynchronous calls run their copies and kernels (Chorus's own stream).
+    work: Arc<CudaStream>,
+}
+
+/// The stream order of asynchronous calls (see the `order` module).
+struct Order {
+    completions: Arc<order::Completions<MappedCounter>>,
+    /// Where each call's completion event is recorded, behind a wait on the counter; `None`
+    /// where the device cannot make streams wait on memory.
+    stream: Option<Arc<CudaStream>>,
+    /// Held while a call is issued, so that counter values, completion events and the
+    /// queue agree on the order of calls.
+    issuing: Mutex<()>,
 }
 
 enum Path {
@@ -177,10 +211,25 @@ impl CudaCommunicator {
             Some(peers) => Path::Ipc(peers),
             None => Path::Staged(staged::Staging::new(&device, comm.world_size())?),
         };
+        let completions = order::Completions::new(MappedCounter::new(device.context())?);
+        let waits = stream_waits_supported(device.context());
+        if !waits {
+            tracing::info!(
+                rank = comm.rank(),
+                "the device cannot make streams wait on memory: DeviceWork::wait_on blocks \
+                 the host until the call is done"
+            );
+        }
         Ok(CudaCommunicator {
             queue: Queue::new(comm.rank()),
+            order: Order {
+                completions,
+                stream: waits.then(|| device.new_stream()).transpose()?,
+                issuing: Mutex::new(()),
+            },
             shared: Arc::new(Shared {
                 comm,
+                work: device.new_stream()?,
                 device,
                 path: Mutex::new(path),
             }),
@@ -216,25 +265,29 @@ impl CudaCommunicator {
         call(&self.shared)
     }
 
-    /// Queues `call` in place on the owned `buf`; it comes back through the handle.
+    /// Starts `call` in place on the owned `buf`; it comes back through the handle.
     fn later_in_place<T, B>(
         &self,
         call: DeviceCall,
         mut buf: B,
         stream: &Arc<CudaStream>,
-    ) -> Work<B>
+    ) -> DeviceWork<B>
     where
         T: Element,
         B: DevicePtrMut<T> + Send + 'static,
     {
-        let (shared, stream) = (Arc::clone(&self.shared), Arc::clone(stream));
-        self.queue.submit(move || {
-            let result = shared.in_place::<T, B>(call, &mut buf, &stream);
-            (result, buf)
-        })
+        let job = self.shared.check_issue(stream).and_then(|()| {
+            self.shared.check_buffer("buffer", buf.stream())?;
+            let count = buf.len();
+            // The caller's stream waits for the buffer's pending work (cudarc's tracking)
+            // before the call's start is recorded on it.
+            let (ptr, _write) = buf.device_ptr_mut(stream);
+            self.shared.job(call, T::DTYPE, count, (ptr, ptr))
+        });
+        self.start(job, buf, stream)
     }
 
-    /// Queues `call` from the owned `input` into the owned `output`; both come back
+    /// Starts `call` from the owned `input` into the owned `output`; both come back
     /// through the handle.
     fn later_apart<T, I, O>(
         &self,
@@ -242,17 +295,44 @@ impl CudaCommunicator {
         input: I,
         mut output: O,
         stream: &Arc<CudaStream>,
-    ) -> Work<(I, O)>
+    ) -> DeviceWork<(I, O)>
     where
         T: Element,
         I: DevicePtr<T> + Send + 'static,
         O: DevicePtrMut<T> + Send + 'static,
     {
-        let (shared, stream) = (Arc::clone(&self.shared), Arc::clone(stream));
-        self.queue.submit(move || {
-            let result = shared.apart::<T, I, O>(call, &input, &mut output, &stream);
-            (result, (input, output))
-        })
+        let job = self
+            .shared
+            .check_issue(stream)
+            .and_then(|()| self.shared.apart_job(call, &input, &mut output, stream));
+        self.start(job, (input, output), stream)
+    }
+
+    /// Issues the call `job` describes (or fails its handle with `job`'s error): records
+    /// its start on `stream`, takes its place in the completion order, makes `stream` wait
+    /// for its completion (NCCL's rule: work queued on the stream afterwards comes after the
+    /// call), and queues it for Chorus's thread, which runs it on Chorus's work stream once
+    /// the start has passed.
+    fn start<B: Send + 'static>(
+        &self,
+        job: Result<Job>,
+        buffers: B,
+        stream: &Arc<CudaStream>,
+    ) -> DeviceWork<B> {
+        let _issuing = lock(&self.order.issuing);
+        let completion = self.order.completions.issue();
+        let (begun, done) = match self.order.arm(completion.value()) {
+            Ok(done) => (job.and_then(|job| begin(job, stream, done.as_ref())), done),
+            Err(e) => (Err(e), None),
+        };
+        let shared = Arc::clone(&self.shared);
+        let work = self.queue.submit(move || {
+            // Ends the call's place in the completion order however the call ends.
+            let _completion = completion;
+            let result = begun.and_then(|(job, start)| shared.run_after(job, &start));
+            (result, buffers)
+        });
+        DeviceWork { work, done }
     }
 
     /// Reduces `buf` across all ranks in place; every rank ends with the result.
@@ -343,12 +423,18 @@ impl CudaCommunicator {
         self.now(|s| s.apart::<T, I, O>(DeviceCall::ReduceScatter(op), input, output, stream))
     }
 
-    /// Starts [`all_reduce`](Self::all_reduce) on an owned buffer and returns at once; the
-    /// buffer comes back from [`Work::wait`], once the result is in it.
+    /// Starts [`all_reduce`](Self::all_reduce) on an owned buffer and returns once it is
+    /// enqueued; the buffer comes back from [`DeviceWork::wait`], once the result is in it.
     ///
-    /// Asynchronous calls run in issue order on a worker thread, and blocking calls wait for
-    /// them first; the stream orders the device work as for a blocking call.
-    pub fn all_reduce_async<T, B>(&self, buf: B, op: ReduceOp, stream: &Arc<CudaStream>) -> Work<B>
+    /// Asynchronous calls run in issue order on Chorus's thread, and blocking calls wait for
+    /// them first; `stream` is ordered around the call as the
+    /// [module documentation](self#ordering-and-completion) says.
+    pub fn all_reduce_async<T, B>(
+        &self,
+        buf: B,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> DeviceWork<B>
     where
         T: Element,
         B: DevicePtrMut<T> + Send + 'static,
@@ -358,7 +444,12 @@ impl CudaCommunicator {
 
     /// Starts [`broadcast`](Self::broadcast) on an owned buffer (see
     /// [`all_reduce_async`](Self::all_reduce_async)).
-    pub fn broadcast_async<T, B>(&self, buf: B, root: usize, stream: &Arc<CudaStream>) -> Work<B>
+    pub fn broadcast_async<T, B>(
+        &self,
+        buf: B,
+        root: usize,
+        stream: &Arc<CudaStream>,
+    ) -> DeviceWork<B>
     where
         T: Element,
         B: DevicePtrMut<T> + Send + 'static,
@@ -374,7 +465,7 @@ impl CudaCommunicator {
         op: ReduceOp,
         root: usize,
         stream: &Arc<CudaStream>,
-    ) -> Work<B>
+    ) -> DeviceWork<B>
     where
         T: Element,
         B: DevicePtrMut<T> + Send + 'static,
@@ -389,7 +480,7 @@ impl CudaCommunicator {
         input: I,
         output: O,
         stream: &Arc<CudaStream>,
-    ) -> Work<(I, O)>
+    ) -> DeviceWork<(I, O)>
     where
         T: Element,
         I: DevicePtr<T> + Send + 'static,
@@ -406,7 +497,7 @@ impl CudaCommunicator {
         output: O,
         op: ReduceOp,
         stream: &Arc<CudaStream>,
-    ) -> Work<(I, O)>
+    ) -> DeviceWork<(I, O)>
     where
         T: Element,
         I: DevicePtr<T> + Send + 'static,
@@ -465,6 +556,19 @@ impl Shared {
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
         self.check_stream(stream)?;
+        let job = self.apart_job(call, input, output, stream)?;
+        self.run(job, stream)
+    }
+
+    /// Checks the buffers of a call from `input` into `output` and describes it; `stream`
+    /// waits for the buffers' pending work (cudarc's tracking).
+    fn apart_job<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        call: DeviceCall,
+        input: &I,
+        output: &mut O,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Job> {
         self.check_buffer("input buffer", input.stream())?;
         self.check_buffer("output buffer", output.stream())?;
         let world = self.comm.world_size();
@@ -485,8 +589,7 @@ impl Shared {
         }
         let (pi, _read) = input.device_ptr(stream);
         let (po, _write) = output.device_ptr_mut(stream);
-        let job = self.job(call, T::DTYPE, count, (pi, po))?;
-        self.run(job, stream)
+        self.job(call, T::DTYPE, count, (pi, po))
     }
 
     /// Checks a call's arguments and describes it.
@@ -539,6 +642,29 @@ impl Shared {
         }
     }
 
+    /// Runs an asynchronous call on Chorus's work stream once `start` has passed.
+    fn run_after(&self, job: Job, start: &CudaEvent) -> Result<()> {
+        self.work.wait(start).map_err(CudaError::driver(
+            "ordering the work stream after the call's start",
+        ))?;
+        self.run(job, &self.work)
+    }
+
+    /// Checks a stream an asynchronous call is issued on: on this device, and not being
+    /// captured into a CUDA graph (the call is driven from the host, so a graph could not
+    /// replay it).
+    fn check_issue(&self, stream: &CudaStream) -> Result<()> {
+        self.check_stream(stream)?;
+        if is_capturing(stream)? {
+            return Err(Error::InvalidArgument(
+                "the stream is being captured into a CUDA graph: Chorus's device calls are \
+                 driven from the host and cannot be captured; make the call outside the capture"
+                    .to_string(),
+            ));
+        }
+        Ok(())
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Path> {
         self.path.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -566,6 +692,107 @@ impl Drop for Shared {
         if let Path::Ipc(peers) = &mut *self.lock() {
             peers.close(&self.comm);
         }
+    }
+}
+
+/// Records `job`'s start on the caller's `stream`, then makes `stream` wait for `done`,
+/// the call's completion, where there is one.
+fn begin(job: Job, stream: &CudaStream, done: Option<&CudaEvent>) -> Result<(Job, CudaEvent)> {
+    let start = stream
+        .record_event(None)
+        .map_err(CudaError::driver("recording the call's start"))?;
+    if let Some(done) = done {
+        stream
+            .wait(done)
+            .map_err(CudaError::driver("ordering the stream after the call"))?;
+    }
+    Ok((job, start))
+}
+
+impl Order {
+    /// Records, on the completion stream, an event that fires once the counter reaches
+    /// `value`; `None` where the device cannot make streams wait on memory.
+    fn arm(&self, value: u64) -> Result<Option<CudaEvent>> {
+        let Some(stream) = &self.stream else {
+            return Ok(None);
+        };
+        self.completions.memory().wait_at_least(stream, value)?;
+        let done = stream
+            .record_event(None)
+            .map_err(CudaError::driver("recording the call's completion"))?;
+        Ok(Some(done))
+    }
+}
+
+impl Drop for Order {
+    fn drop(&mut self) {
+        // Calls whose handles outlive the communicator never run: release every stream
+        // that waits on them before the counter's memory can go.
+        self.completions.release_all();
+        if let Some(stream) = &self.stream {
+            if let Err(err) = stream.synchronize() {
+                tracing::warn!(%err, "waiting for the completion stream failed");
+            }
+        }
+    }
+}
+
+/// A device call in flight: Chorus's [`Work`] for it, and its completion event.
+///
+/// The call was ordered after the work queued on the caller's stream before it; it runs
+/// on Chorus's own stream. [`wait_on`](Self::wait_on) orders another stream after it
+/// without blocking the host; [`wait`](Self::wait) blocks the host and gives the buffers
+/// back.
+#[must_use = "a device call's result is only seen through its handle"]
+pub struct DeviceWork<B> {
+    work: Work<B>,
+    /// Fires once this call and every earlier one have ended (`None` where streams cannot
+    /// wait on memory).
+    done: Option<CudaEvent>,
+}
+
+impl<B> std::fmt::Debug for DeviceWork<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceWork")
+            .field("completed", &self.is_completed())
+            .field("stream_ordered", &self.done.is_some())
+            .finish()
+    }
+}
+
+impl<B> DeviceWork<B> {
+    /// Whether the call has ended (its result is in place, or it failed).
+    pub fn is_completed(&self) -> bool {
+        self.work.is_completed()
+    }
+
+    /// Whether the call is ordered on streams: the caller's stream waits for it, and
+    /// [`wait_on`](Self::wait_on) orders others without blocking the host. False where the
+    /// device cannot make streams wait on memory (the buffers, owned by the call, are then
+    /// protected by ownership alone, and `wait_on` blocks the host).
+    pub fn stream_ordered(&self) -> bool {
+        self.done.is_some()
+    }
+
+    /// Makes `stream` wait for the call without blocking the host: work queued on it
+    /// afterwards sees the result. A call that fails still releases the stream; its error
+    /// comes from [`wait`](Self::wait). Where the device cannot make streams wait on memory,
+    /// this blocks the host until the call has ended instead.
+    pub fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        match &self.done {
+            Some(done) => stream
+                .wait(done)
+                .map_err(|e| CudaError::driver("ordering a stream after the call")(e).into()),
+            None => {
+                self.work.finished();
+                Ok(())
+            }
+        }
+    }
+
+    /// Blocks until the call has ended and gives the buffers back, or its error.
+    pub fn wait(self) -> Result<B> {
+        self.work.wait()
     }
 }
 

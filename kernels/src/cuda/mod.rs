@@ -52,6 +52,7 @@ mod device;
 mod error;
 mod load;
 pub mod memory;
+pub mod order;
 mod source;
 #[cfg(test)]
 mod tests;

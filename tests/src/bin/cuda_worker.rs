@@ -122,6 +122,7 @@ fn check(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
         check_type::<i32>(dev, stream, count, &[ReduceOp::Sum, ReduceOp::BXor])?;
     }
     check_async(dev, stream)?;
+    check_stream_order(dev)?;
     check_local(dev, stream)?;
     if dev.world_size() > 1 {
         // Ranks passing different sizes fail, every one of them, rather than hang or corrupt.
@@ -248,6 +249,118 @@ fn check_async(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
         &input(0),
         "broadcast after asynchronous calls",
     )
+}
+
+/// Stream order of asynchronous calls: a call returns before long work queued ahead of it
+/// on its stream has ended, and reads its input after that work; work queued on the stream
+/// after the call sees its result; a failed call releases the stream; a call on a stream
+/// being captured into a graph fails clearly.
+fn check_stream_order(dev: &CudaCommunicator) -> Outcome {
+    use chorus::cuda::cudarc::driver::{sys, DevicePtr, DevicePtrMut};
+    let text = |e: &dyn std::fmt::Display| e.to_string();
+    let stream = dev.device().new_stream().map_err(|e| text(&e))?;
+    let (w, me, count) = (dev.world_size(), dev.rank(), 1 << 20);
+    let sum: Vec<f32> = (0..count)
+        .map(|i| reduce(ReduceOp::Sum, w, |r| value(r, i)) as f32)
+        .collect();
+    // Long work ahead: copies through 1 GiB, then the input written last, on the stream.
+    let big = stream.alloc_zeros::<u8>(1 << 30).map_err(|e| text(&e))?;
+    let mut copy = stream.alloc_zeros::<u8>(1 << 30).map_err(|e| text(&e))?;
+    let mut buf = stream.alloc_zeros::<f32>(count).map_err(|e| text(&e))?;
+    let mut after = stream.alloc_zeros::<f32>(count).map_err(|e| text(&e))?;
+    let mine: Vec<f32> = (0..count).map(|i| value(me, i) as f32).collect();
+    let staged = stream.clone_htod(&mine).map_err(|e| text(&e))?;
+    stream.synchronize().map_err(|e| text(&e))?;
+    for _ in 0..200 {
+        stream.memcpy_dtod(&big, &mut copy).map_err(|e| text(&e))?;
+    }
+    stream
+        .memcpy_dtod(&staged, &mut buf)
+        .map_err(|e| text(&e))?;
+    let ahead = stream.record_event(None).map_err(|e| text(&e))?;
+    let address = buf.device_ptr(&stream).0;
+    let issued = Instant::now();
+    let work = dev.all_reduce_async(buf, ReduceOp::Sum, &stream);
+    let returned = issued.elapsed();
+    let still_running = !ahead.is_complete();
+    println!(
+        "stream order: all_reduce_async returned in {} us, the work ahead {}",
+        returned.as_micros(),
+        if still_running {
+            "still running"
+        } else {
+            "already done"
+        }
+    );
+    if !still_running {
+        return Err("WRONG: the asynchronous call waited for the work queued ahead of it".into());
+    }
+    // Work queued after the call on its stream sees the result (where streams can wait on
+    // memory; elsewhere only the handle orders it).
+    let ordered = work.stream_ordered();
+    if ordered {
+        let (dst, _write) = after.device_ptr_mut(&stream);
+        // SAFETY: both addresses are live allocations of `count` f32 on this stream's
+        // device (`address` is the call's buffer, which the handle holds until `wait`).
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, address, count * 4, stream.cu_stream()) }
+            .result()
+            .map_err(|e| text(&e))?;
+    } else {
+        println!("stream order: streams cannot wait on memory here; the stream is not ordered after the call");
+    }
+    let result = work.wait().map_err(|e| text(&e))?;
+    let got = stream.clone_dtoh(&result).map_err(|e| text(&e))?;
+    same(&got, &sum, "all_reduce_async behind long work")?;
+    if ordered {
+        let seen = stream.clone_dtoh(&after).map_err(|e| text(&e))?;
+        same(&seen, &sum, "work queued after the call on its stream")?;
+    }
+    // A call that fails (its root is no rank) releases the stream that waits on it.
+    let zeros = stream.alloc_zeros::<f32>(4).map_err(|e| text(&e))?;
+    let failing = dev.broadcast_async(zeros, w, &stream);
+    let released = stream.record_event(None).map_err(|e| text(&e))?;
+    let waited = Instant::now();
+    while !released.is_complete() {
+        if waited.elapsed().as_secs() > 30 {
+            return Err("WRONG: a failed call left its stream waiting".into());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    match failing.wait() {
+        Err(chorus::Error::InvalidArgument(why)) => {
+            println!("stream order: a failed call released its stream ({why})")
+        }
+        other => return Err(format!("WRONG: a broadcast from root {w} gave {other:?}")),
+    }
+    // A call on a stream being captured into a graph fails, saying so.
+    let capturing = dev.device().new_stream().map_err(|e| text(&e))?;
+    let zeros = capturing.alloc_zeros::<f32>(4).map_err(|e| text(&e))?;
+    capturing.synchronize().map_err(|e| text(&e))?;
+    let relaxed = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: a live stream, captured until `cuStreamEndCapture` below.
+    unsafe { sys::cuStreamBeginCapture_v2(capturing.cu_stream(), relaxed) }
+        .result()
+        .map_err(|e| text(&e))?;
+    let captured = dev
+        .all_reduce_async(zeros, ReduceOp::Sum, &capturing)
+        .wait();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above; the (empty) graph is destroyed at once.
+    unsafe {
+        sys::cuStreamEndCapture(capturing.cu_stream(), &mut graph)
+            .result()
+            .map_err(|e| text(&e))?;
+        if !graph.is_null() {
+            sys::cuGraphDestroy(graph).result().map_err(|e| text(&e))?;
+        }
+    }
+    match captured {
+        Err(chorus::Error::InvalidArgument(why)) if why.contains("captured") => {
+            println!("stream order: a call under graph capture refused ({why})");
+            Ok(())
+        }
+        other => Err(format!("WRONG: a call under graph capture gave {other:?}")),
+    }
 }
 
 /// Calls over two buffers per process (on the next GPU where there is one, else both on
