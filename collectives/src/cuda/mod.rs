@@ -284,7 +284,7 @@ impl CudaCommunicator {
             let (ptr, _write) = buf.device_ptr_mut(stream);
             self.shared.job(call, T::DTYPE, count, (ptr, ptr))
         });
-        self.start(job, buf, stream)
+        self.start(job, buf, stream, CallerStream::Ordered)
     }
 
     /// Starts `call` from the owned `input` into the owned `output`; both come back
@@ -305,24 +305,27 @@ impl CudaCommunicator {
             .shared
             .check_issue(stream)
             .and_then(|()| self.shared.apart_job(call, &input, &mut output, stream));
-        self.start(job, (input, output), stream)
+        self.start(job, (input, output), stream, CallerStream::Ordered)
     }
 
     /// Issues the call `job` describes (or fails its handle with `job`'s error): records
     /// its start on `stream`, takes its place in the completion order, makes `stream` wait
-    /// for its completion (NCCL's rule: work queued on the stream afterwards comes after the
-    /// call), and queues it for Chorus's thread, which runs it on Chorus's work stream once
-    /// the start has passed.
+    /// for its completion where `caller` says so, and queues it for Chorus's thread, which
+    /// runs it on Chorus's work stream once the start has passed.
     fn start<B: Send + 'static>(
         &self,
         job: Result<Job>,
         buffers: B,
         stream: &Arc<CudaStream>,
+        caller: CallerStream,
     ) -> DeviceWork<B> {
         let _issuing = lock(&self.order.issuing);
         let completion = self.order.completions.issue();
         let (begun, done) = match self.order.arm(completion.value()) {
-            Ok(done) => (job.and_then(|job| begin(job, stream, done.as_ref())), done),
+            Ok(done) => {
+                let wait = done.as_ref().filter(|_| caller == CallerStream::Ordered);
+                (job.and_then(|job| begin(job, stream, wait)), done)
+            }
             Err(e) => (Err(e), None),
         };
         let shared = Arc::clone(&self.shared);
@@ -531,6 +534,42 @@ impl CudaCommunicator {
             s.run(job, stream)
         })
     }
+
+    /// Starts `call` on raw device pointers, as [`call_raw`](Self::call_raw) describes them,
+    /// and returns once it is enqueued: its input is read after the work queued on `stream`
+    /// before the call. With [`CallerStream::Ordered`], `stream` waits for the call (NCCL's
+    /// rule); with [`CallerStream::Free`] it runs on, and the caller orders streams after the
+    /// call with [`DeviceWork::wait_on`] (torch's `Work.wait()`).
+    ///
+    /// # Safety
+    /// As for [`call_raw`](Self::call_raw), until the call has ended: until
+    /// [`DeviceWork::wait`] returns, or a stream ordered after the call has passed it.
+    pub unsafe fn start_raw(
+        &self,
+        call: DeviceCall,
+        dtype: DType,
+        (input, output): (u64, u64),
+        count: usize,
+        stream: &Arc<CudaStream>,
+        caller: CallerStream,
+    ) -> DeviceWork<()> {
+        let job = self
+            .shared
+            .check_issue(stream)
+            .and_then(|()| self.shared.job(call, dtype, count, (input, output)));
+        self.start(job, (), stream, caller)
+    }
+}
+
+/// Whether an asynchronous call's stream waits for the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallerStream {
+    /// The stream waits for the call: work queued on it afterwards comes after the call, as
+    /// with NCCL.
+    Ordered,
+    /// The stream runs on; streams are ordered after the call through
+    /// [`DeviceWork::wait_on`], as torch's `Work.wait()` does.
+    Free,
 }
 
 impl Shared {
