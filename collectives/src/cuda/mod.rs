@@ -541,23 +541,26 @@ impl CudaCommunicator {
     /// rule); with [`CallerStream::Free`] it runs on, and the caller orders streams after the
     /// call with [`DeviceWork::wait_on`] (torch's `Work.wait()`).
     ///
+    /// The call holds `keep` (what owns the memory, say) until it ends, and gives it back
+    /// through the handle.
+    ///
     /// # Safety
     /// As for [`call_raw`](Self::call_raw), until the call has ended: until
     /// [`DeviceWork::wait`] returns, or a stream ordered after the call has passed it.
-    pub unsafe fn start_raw(
+    pub unsafe fn start_raw<K: Send + 'static>(
         &self,
         call: DeviceCall,
         dtype: DType,
         (input, output): (u64, u64),
         count: usize,
-        stream: &Arc<CudaStream>,
-        caller: CallerStream,
-    ) -> DeviceWork<()> {
+        (stream, caller): (&Arc<CudaStream>, CallerStream),
+        keep: K,
+    ) -> DeviceWork<K> {
         let job = self
             .shared
             .check_issue(stream)
             .and_then(|()| self.shared.job(call, dtype, count, (input, output)));
-        self.start(job, (), stream, caller)
+        self.start(job, keep, stream, caller)
     }
 }
 
@@ -832,6 +835,12 @@ impl<B> DeviceWork<B> {
     /// Blocks until the call has ended and gives the buffers back, or its error.
     pub fn wait(self) -> Result<B> {
         self.work.wait()
+    }
+
+    /// Like [`wait`](Self::wait), but never runs the call on this thread (a completion
+    /// thread's wait): see [`Work::join`].
+    pub fn join(self) -> Result<B> {
+        self.work.join()
     }
 }
 
