@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import chorus_torch
+
 from harness import failures, run
 
 
@@ -174,13 +176,21 @@ def test_bad_arguments_fail_before_anything_is_sent():
 
 def mismatch(rank, world):
     t = torch.ones(4 if rank == 0 else 6)
-    dist.all_reduce(t)
+    try:
+        dist.all_reduce(t)
+    except chorus_torch.ChorusError as e:
+        return e.cause, e.culprit, str(e)
+    return None
 
 
 def test_mismatched_calls_fail_on_every_rank():
-    results = run(2, mismatch, expect_errors=True, env={"CHORUS_TIMEOUT": "20"})
-    for status, text in results:
-        assert status == "error" and "RuntimeError" in text, text
+    """Every rank raises ChorusError for the one fault, naming what each called."""
+    results = run(2, mismatch, env={"CHORUS_TIMEOUT": "20"})
+    for result in results:
+        assert result is not None, results
+        cause, culprit, text = result
+        assert cause == "Mismatch" and culprit in (0, 1), result
+        assert "4 elements" in text and "6 elements" in text, text
 
 
 def killed(rank, world):
