@@ -276,14 +276,12 @@ impl CudaCommunicator {
         T: Element,
         B: DevicePtrMut<T> + Send + 'static,
     {
-        let job = self.shared.check_issue(stream).and_then(|()| {
-            self.shared.check_buffer("buffer", buf.stream())?;
-            let count = buf.len();
-            // The caller's stream waits for the buffer's pending work (cudarc's tracking)
-            // before the call's start is recorded on it.
-            let (ptr, _write) = buf.device_ptr_mut(stream);
-            self.shared.job(call, T::DTYPE, count, (ptr, ptr))
-        });
+        // The caller's stream waits for the buffer's pending work before the call's start
+        // is recorded on it.
+        let job = self
+            .shared
+            .check_issue(stream)
+            .and_then(|()| self.shared.in_place_job(call, &mut buf, stream));
         self.start(job, buf, stream, CallerStream::Ordered)
     }
 
@@ -583,11 +581,22 @@ impl Shared {
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
         self.check_stream(stream)?;
+        let job = self.in_place_job(call, buf, stream)?;
+        self.run(job, stream)
+    }
+
+    /// Checks the buffer of a call in place on `buf` and describes it; `stream` waits for
+    /// the buffer's pending work (cudarc's tracking).
+    fn in_place_job<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        call: DeviceCall,
+        buf: &mut B,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Job> {
         self.check_buffer("buffer", buf.stream())?;
         let count = buf.len();
         let (ptr, _write) = buf.device_ptr_mut(stream);
-        let job = self.job(call, T::DTYPE, count, (ptr, ptr))?;
-        self.run(job, stream)
+        self.job(call, T::DTYPE, count, (ptr, ptr))
     }
 
     fn apart<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
