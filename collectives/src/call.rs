@@ -116,18 +116,19 @@ impl CallInfo {
         (z ^ (z >> 31)) & 0xF_FFFF
     }
 
-    /// The call as one line of text, for another rank to [`decode`](Self::decode).
-    pub(crate) fn encode(&self) -> String {
+    /// The data type's and the operator's codes: their indices in [`DType::ALL`] and
+    /// [`ReduceOp::ALL`].
+    pub(crate) fn codes(&self) -> (usize, usize) {
         let dtype = DType::ALL.iter().position(|&d| d == self.dtype);
         let op = ReduceOp::ALL.iter().position(|&o| o == self.op);
-        format!(
-            "{},{},{},{},{}",
-            self.kind as u8,
-            dtype.unwrap_or(0),
-            op.unwrap_or(0),
-            self.root,
-            self.count
-        )
+        (dtype.unwrap_or(0), op.unwrap_or(0))
+    }
+
+    /// The call as one line of text, for another rank to [`decode`](Self::decode).
+    pub(crate) fn encode(&self) -> String {
+        let (dtype, op) = self.codes();
+        let (kind, root, count) = (self.kind as u8, self.root, self.count);
+        format!("{kind},{dtype},{op},{root},{count}")
     }
 
     /// The call [`encode`](Self::encode) wrote, if `text` is one.

@@ -663,14 +663,8 @@ fn elements(bytes: usize, dtype: DType) -> Result<usize> {
 fn tag(seq: u64, call: &CallInfo) -> u64 {
     // Both lists hold every value, so each gets its own code, and each fits its 4 bits.
     const _: () = assert!(DType::ALL.len() <= 16 && ReduceOp::ALL.len() <= 16);
-    let dtype = DType::ALL
-        .iter()
-        .position(|&d| d == call.dtype)
-        .unwrap_or(0) as u64;
-    let op = ReduceOp::ALL
-        .iter()
-        .position(|&o| o == call.op)
-        .unwrap_or(0) as u64;
+    let (dtype, op) = call.codes();
+    let (dtype, op) = (dtype as u64, op as u64);
     (seq << 32) | (call.kind as u64) << 28 | dtype << 24 | op << 20 | call.fingerprint()
 }
 
