@@ -68,7 +68,7 @@ pub struct Fault {
     /// The collective the finder was in (none in set-up and point-to-point calls).
     pub call: Option<CallInfo>,
     /// That call's sequence number on the finder's communicator (its first collective is
-    /// 1; 0 without a call).
+    /// 1; 0 without a call, and for a device call found mismatched before it began).
     pub seq: u64,
     /// The finding in words, where the fields do not say it all: the transport's report,
     /// what the other ranks were doing.
@@ -167,6 +167,7 @@ impl fmt::Display for Fault {
                 None => f.write_str(detail),
             },
             Cause::Mismatch => match self.call {
+                Some(call) if self.seq == 0 => write!(f, "rank {by} called {call}, but {detail}"),
                 Some(call) => write!(f, "rank {by} called {call} as #{}, but {detail}", self.seq),
                 None => f.write_str(detail),
             },

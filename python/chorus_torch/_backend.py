@@ -8,6 +8,7 @@ import re
 import secrets
 import socket
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -27,27 +28,6 @@ ASYNC = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).group
 if ASYNC:
     from torch._C._distributed_c10d import Backend
 
-# Chorus's data type codes: the index in chorus::DType::ALL. Bool travels as u8.
-_DTYPES = {
-    torch.float32: 0,
-    torch.float64: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.int8: 4,
-    torch.uint8: 5,
-    torch.int32: 6,
-    torch.int64: 8,
-    torch.bool: 5,
-}
-_U8 = 5
-
-# torch's ReduceOp.RedOpType values.
-_SUM, _AVG, _PRODUCT, _MIN, _MAX, _BAND, _BOR, _BXOR = range(8)
-_OP_NAMES = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
-# On bool tensors every operator is a logical one, as Gloo computes them.
-_BOOL_OPS = {_SUM: _MAX, _PRODUCT: _MIN, _MIN: _MIN, _MAX: _MAX, _BAND: _MIN, _BOR: _MAX, _BXOR: _BXOR}
-_BITWISE = (_BAND, _BOR, _BXOR)
-
 # Whether this build runs collectives on CUDA tensors' memory (the cargo feature `cuda`).
 _CUDA = hasattr(_chorus, "DeviceComm")
 
@@ -56,27 +36,16 @@ _JOB_ID = "torch"
 
 
 def _dtype(tensor):
-    try:
-        return _DTYPES[tensor.dtype]
-    except KeyError:
-        raise TypeError(f"the chorus backend does not support tensors of {tensor.dtype}") from None
+    """The tensor's dtype as Chorus takes it: torch's name for it (Chorus maps it, and refuses
+    the ones it does not carry)."""
+    return str(tensor.dtype)
 
 
-def _op(reduce_op, tensor):
-    """Chorus's code for torch's reduce op on `tensor`'s dtype; a clear error when none fits."""
-    code = int(getattr(reduce_op, "op", reduce_op))
-    if code == _SUM:
-        return code if tensor.dtype is not torch.bool else _MAX
-    dtype = tensor.dtype
-    if dtype == torch.bool:
-        if code not in _BOOL_OPS:
-            raise ValueError(f"ReduceOp.{_OP_NAMES[code]} is not defined on bool tensors")
-        return _BOOL_OPS[code]
-    if code in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"ReduceOp.{_OP_NAMES[code]} needs integer or bool tensors, got {dtype}")
-    if code > _BXOR:
-        raise ValueError(f"the chorus backend does not support ReduceOp.{_OP_NAMES[code]}")
-    return code
+def _op(opts):
+    """torch's `ReduceOp.RedOpType` value of the call's options (SUM without), which Chorus
+    maps onto its operator for the tensors' dtype."""
+    op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+    return int(getattr(op, "op", op))
 
 
 def _one(tensors, what):
@@ -255,6 +224,70 @@ class _ChorusWork(_PromisedWork):
         self._finished()
 
 
+class _DeviceWork(Work):
+    """A call on CUDA tensors, enqueued on the device (torch 2.7 and later; see ASYNC), with
+    ProcessGroupNCCL's semantics: `wait()` makes torch's current stream wait for the call
+    without blocking the host, and raises the call's error if it has failed by then (a later
+    failure surfaces at the group's next call or wait, as NCCL's asynchronous errors do);
+    `get_future()` is a CUDA-aware future, complete at once, whose value's users are
+    ordered after the call; `is_completed()` says whether the call has ended. Chorus holds
+    the tensors until it has."""
+
+    def __init__(self, pending, result, finish, stream, side):
+        super().__init__()
+        self._pending = pending
+        self._result = result
+        self._finish = finish
+        self._stream = stream
+        self._side = side
+        self._copied = None
+        self._future = None
+        self._lock = threading.Lock()
+        for tensor in result:
+            if isinstance(tensor, torch.Tensor):
+                _IN_FLIGHT[tensor] = pending
+
+    def _order(self, stream):
+        """Orders `stream` after the call and its copies out of staging tensors, which run
+        once, on the first stream ordered."""
+        with self._lock:
+            if self._copied is not None:
+                stream.wait_event(self._copied)
+                return
+            self._pending.wait_on(stream.cuda_stream)
+            if self._finish is not None:
+                with torch.cuda.stream(stream):
+                    self._finish()
+                self._finish = None
+                self._copied = torch.cuda.Event()
+                self._copied.record(stream)
+
+    def wait(self, timeout=None):
+        self._order(torch.cuda.current_stream(self._stream.device))
+        return True
+
+    def is_completed(self):
+        return self._pending.is_completed()
+
+    def get_future(self):
+        with self._lock:
+            future = self._future
+        if future is None:
+            side = self._side()
+            self._order(side)
+            future = torch.futures.Future(devices=[self._stream.device])
+            with torch.cuda.stream(side):
+                future.set_result(self._result)
+            with self._lock:
+                self._future = self._future or future
+        return self._future
+
+
+# Device calls in flight by output tensor, for `_patch_work`: torch's handle on a Work says
+# it is completed once its future is, and a device call's future is complete at once.
+_IN_FLIGHT = weakref.WeakKeyDictionary()
+
+
 class _ReceivedWork(Work):
     """The finished Work of a receive from any source, which also tells the sender:
     `dist.recv` without `src` waits on it, then asks `_source_rank()`.
@@ -315,7 +348,17 @@ def _patch_work():
         if completed(self):
             return True
         future = future_of(self)
-        return future is not None and future.done()
+        if future is None or not future.done():
+            return False
+        try:
+            value = future.value()
+        except RuntimeError:  # a failed call's future
+            return True
+        # A device call's future is complete once the call is enqueued; the call, once
+        # every call on its outputs has ended.
+        outputs = value if isinstance(value, list) else []
+        return all(_IN_FLIGHT.get(t) is None or _IN_FLIGHT[t].is_completed()
+                   for t in outputs if isinstance(t, torch.Tensor))
 
     def _source_rank(self):
         future = future_of(self)
@@ -540,6 +583,7 @@ class _Calls:
         self._barriers = 0
         self._batch = None
         self._device = None
+        self._side = None
         self._completions = _Completions()
 
     def getBackendName(self):
@@ -579,6 +623,13 @@ class _Calls:
 
         return _ChorusWork(works[-1]._pending, result, finish, self._completions)
 
+    def _side_stream(self):
+        """A stream of torch's on the group's device on which device calls' futures are
+        completed, each ordered after its call (Chorus's completion side, as torch sees it)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(torch.device("cuda", self._device.ordinal))
+        return self._side
+
     def _root(self, root, what):
         if not 0 <= root < self.size():
             raise ValueError(f"chorus {what}: root {root} is not a rank of this group of {self.size()}")
@@ -589,20 +640,23 @@ class _Calls:
             raise ValueError(f"chorus {what}: peer {peer} is not a rank of this group of {self.size()}")
         return peer
 
-    def _on_gpu(self, kind, inp, out, op=0, root=0):
-        """Runs collective `kind` from `inp` into `out` (contiguous tensors of one dtype, each
-        rank's block `count` elements) if they are CUDA tensors, and says whether it did;
-        does nothing for CPU tensors, and refuses tensors on two devices or another kind.
+    def _on_gpu(self, kind, inp, out, result, finish=None, op=0, root=0):
+        """torch's Work for collective `kind` from `inp` into `out` (contiguous tensors of one
+        dtype, each rank's block `count` elements) if they are CUDA tensors, whose outputs
+        are `result` once `finish` (a copy out of staging tensors) has run; None for CPU
+        tensors. Refuses tensors on two devices or another kind.
 
         The group's first call on CUDA tensors makes its device communicator, on every rank
-        (the device is the tensors'; later calls must use the same one). A call first waits
-        for the work torch queued on the device's current stream, and returns once its
-        result is in `out`, so torch's later work on any stream sees it."""
+        (the device is the tensors'; later calls must use the same one). A call reads its
+        input after the work torch queued on the device's current stream before it. Where
+        torch runs calls in the background (see ASYNC) it returns once enqueued, as NCCL's
+        do, and its Work orders streams after it; elsewhere it returns once the result is
+        in `out`."""
         device = inp.device
         if out.device != device:
             raise ValueError(f"chorus {kind}: tensors on {device} and {out.device} cannot be mixed in one call")
         if not _is_cuda(inp):
-            return False
+            return None
         if not _CUDA:
             raise ValueError("this build of chorus_torch has no CUDA support (build it with the cargo feature cuda, "
                              "as pip install does)")
@@ -611,6 +665,10 @@ class _Calls:
         elif self._device.ordinal != device.index:
             raise ValueError(f"chorus {kind}: this group's CUDA calls run on cuda:{self._device.ordinal}, "
                              f"got a tensor on {device}")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"chorus {kind}: the current stream is being captured into a CUDA graph; Chorus's "
+                               "device calls are driven from the host and cannot be captured: make the call "
+                               "outside the capture")
         count = out.numel() if kind == "reduce_scatter" else inp.numel()
         # Other than in place (and NCCL's in-place all-gather and reduce-scatter, where one
         # is this rank's block of the other), the device call takes apart memory.
@@ -619,15 +677,18 @@ class _Calls:
                     "reduce_scatter": out.data_ptr() == inp.data_ptr() + block}.get(kind, inp.data_ptr() == out.data_ptr())
         if not in_place and _overlap(inp, out):
             inp = inp.clone()
-        torch.cuda.current_stream(device).synchronize()
-        self._device.call(kind, _dtype(inp), inp.data_ptr(), out.data_ptr(), count, op, root)
-        return True
+        stream = torch.cuda.current_stream(device)
+        call = (kind, _dtype(inp), inp.data_ptr(), out.data_ptr(), count, op, root, stream.cuda_stream)
+        if not ASYNC:
+            self._device.call(*call)
+            return _work(result, finish)
+        return _DeviceWork(self._device.start(*call, (inp, out)), result, finish, stream, self._side_stream)
 
     # -- collectives -----------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         tensor = _one(tensors, "allreduce")
-        op = _op(opts.reduceOp if opts is not None else _SUM, tensor)
+        op = _op(opts)
         if tensor.is_cpu and tensor.is_contiguous():
             pending = self._comm.all_reduce(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
                                             _dtype(tensor), op, tensor)
@@ -636,8 +697,9 @@ class _Calls:
         return self._all_reduce(staged, op, tensors, (lambda: tensor.copy_(staged)) if copied else None)
 
     def _all_reduce(self, tensor, op, result, finish):
-        if self._on_gpu("all_reduce", tensor, tensor, op):
-            return _work(result, finish)
+        work = self._on_gpu("all_reduce", tensor, tensor, result, finish, op)
+        if work is not None:
+            return work
         ptr, nbytes = _span(tensor)
         return self._issue(self._comm.all_reduce(ptr, nbytes, _dtype(tensor), op, tensor), result, finish)
 
@@ -647,7 +709,7 @@ class _Calls:
         for t in tensors:
             if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
                 raise ValueError("chorus allreduce_coalesced needs tensors of one dtype on one device")
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensors[0])
+        op = _op(opts)
         flat = _flat(tensors)
         return self._all_reduce(flat, op, tensors, lambda: _unflatten_into(flat, tensors))
 
@@ -656,19 +718,21 @@ class _Calls:
         root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
         staged, copied = _staged(tensor)
         finish = (lambda: tensor.copy_(staged)) if copied else None
-        if self._on_gpu("broadcast", staged, staged, root=root):
-            return _work(tensors, finish)
+        work = self._on_gpu("broadcast", staged, staged, tensors, finish, root=root)
+        if work is not None:
+            return work
         ptr, nbytes = _span(staged)
         return self._issue(self._comm.broadcast(ptr, nbytes, _dtype(tensor), root, staged), tensors, finish)
 
     def reduce(self, tensors, opts=None):
         tensor = _one(tensors, "reduce")
         root = self._root(opts.rootRank if opts is not None else 0, "reduce")
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensor)
+        op = _op(opts)
         staged, copied = _staged(tensor)
         finish = (lambda: tensor.copy_(staged)) if copied else None
-        if self._on_gpu("reduce", staged, staged, op, root):
-            return _work(tensors, finish)
+        work = self._on_gpu("reduce", staged, staged, tensors, finish, op, root)
+        if work is not None:
+            return work
         ptr, nbytes = _span(staged)
         return self._issue(self._comm.reduce(ptr, nbytes, _dtype(tensor), op, root, staged), tensors, finish)
 
@@ -680,8 +744,9 @@ class _Calls:
             raise ValueError(
                 f"chorus allgather: the output holds {output.numel()} elements, "
                 f"not world size {self.size()} x {tensor.numel()}")
-        if self._on_gpu("all_gather", inp, output):
-            return _work(result, finish)
+        work = self._on_gpu("all_gather", inp, output, result, finish)
+        if work is not None:
+            return work
         return self._issue(self._comm.all_gather(ip, ib, op_, ob, _dtype(tensor), (inp, output)), result, finish)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -731,8 +796,9 @@ class _Calls:
         staged, copied = _staged(output)
         if copied:
             finish = (lambda: output.copy_(staged))
-        if self._on_gpu("reduce_scatter", flat, staged, op):
-            return _work(result, finish)
+        work = self._on_gpu("reduce_scatter", flat, staged, result, finish, op)
+        if work is not None:
+            return work
         ip, ib = _span(flat)
         op_, ob = _span(staged)
         pending = self._comm.reduce_scatter(ip, ib, op_, ob, _dtype(output), op, (flat, staged))
@@ -741,12 +807,12 @@ class _Calls:
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         output = _one(output_tensors, "reduce_scatter")
         inputs = _one_list(input_tensors, self.size(), output, "reduce_scatter")
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
+        op = _op(opts)
         return self._reduce_scatter_flat(output, _flat(inputs), op, output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         _same_dtype(output, input, "reduce_scatter_tensor")
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output)
+        op = _op(opts)
         flat, _ = _staged(input)
         return self._reduce_scatter_flat(output, flat, op, [output])
 

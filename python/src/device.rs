@@ -1,20 +1,23 @@
 //! CUDA tensors (cargo feature `cuda`): Chorus's device collectives on the tensors' device
-//! memory, through [`CudaCommunicator::call_raw`].
+//! memory, ordered on torch's streams.
 
 use std::sync::Arc;
 
-use chorus::cuda::{CudaCommunicator, CudaStream, Device, DeviceCall, DevicePath};
+use chorus::cuda::cudarc::driver::{sys, CudaContext, CudaEvent};
+use chorus::cuda::{
+    CallerStream, CudaCommunicator, CudaError, CudaStream, Device, DeviceCall, DevicePath,
+};
+use chorus::DType;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::{chorus_failed, dtype, reduce_op, Comm};
+use crate::pending::{Outcome, Pending};
+use crate::{chorus_failed, torch_types, Comm};
 
 /// A communicator for one GPU's tensors, over a duplicate of a host [`Comm`].
 #[pyclass(frozen, module = "chorus_torch._chorus")]
 pub(crate) struct DeviceComm {
     comm: CudaCommunicator,
-    /// Chorus's own stream on the device; the package waits for torch's stream before a call.
-    stream: Arc<CudaStream>,
 }
 
 #[pymethods]
@@ -23,14 +26,12 @@ impl DeviceComm {
     /// communicator of `host`'s ranks: collective, as every rank's first call on CUDA tensors.
     #[new]
     fn new(py: Python<'_>, host: &Comm, ordinal: usize) -> PyResult<DeviceComm> {
-        let (comm, stream) = py
+        let comm = py
             .detach(|| -> chorus::Result<_> {
-                let device = Device::open(ordinal)?;
-                let stream = device.new_stream()?;
-                Ok((CudaCommunicator::new(&host.comm, device)?, stream))
+                CudaCommunicator::new(&host.comm, Device::open(ordinal)?)
             })
             .map_err(chorus_failed)?;
-        Ok(DeviceComm { comm, stream })
+        Ok(DeviceComm { comm })
     }
 
     /// The device's ordinal.
@@ -49,43 +50,163 @@ impl DeviceComm {
     }
 
     /// Runs the collective `kind` ("all_reduce", "broadcast", "reduce", "all_gather",
-    /// "reduce_scatter") on `count` elements of data type `dtype` per rank block, from the
-    /// device address `input` into `output` (the same address for in place), with reduce op
-    /// `op` and root `root` where the collective has them. Returns once the result is in
-    /// `output`, with the GIL released.
+    /// "reduce_scatter") on `count` elements of torch's `dtype` (its name, "torch.float32")
+    /// per rank block, from the device address `input` into `output` (the same address for
+    /// in place), with torch's reduce op code `op` and root `root` where the collective has
+    /// them, after the work queued on torch's stream `stream` (its raw handle). Returns
+    /// once the result is in `output`, with the GIL released.
     fn call(
         &self,
         py: Python<'_>,
         kind: &str,
-        dtype_code: usize,
+        dtype: &str,
         input: u64,
         output: u64,
         count: usize,
         op: u32,
         root: usize,
+        stream: usize,
     ) -> PyResult<()> {
-        let call = match kind {
-            "all_reduce" => DeviceCall::AllReduce(reduce_op(op)?),
-            "broadcast" => DeviceCall::Broadcast { root },
-            "reduce" => DeviceCall::Reduce {
-                op: reduce_op(op)?,
-                root,
-            },
-            "all_gather" => DeviceCall::AllGather,
-            "reduce_scatter" => DeviceCall::ReduceScatter(reduce_op(op)?),
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "no device collective is called {kind:?}"
-                )))
-            }
-        };
-        let dtype = dtype(dtype_code)?;
+        let (call, dtype) = device_call(kind, dtype, op, root)?;
+        let stream = self.borrowed(stream);
         // SAFETY: the package passes the addresses of live CUDA tensors on this device of
-        // the call's lengths, held until it returns, after the work torch queued on them.
+        // the call's lengths, held until it returns, and the handle of a stream of torch's
+        // on it.
         py.detach(|| unsafe {
             self.comm
-                .call_raw(call, dtype, (input, output), count, &self.stream)
+                .call_raw(call, dtype, (input, output), count, &stream)
         })
         .map_err(chorus_failed)
+    }
+
+    /// Starts the call `call` describes (as for `call`) and returns once it is enqueued, as
+    /// NCCL's calls do: it reads its input after the work queued on `stream` before it, and
+    /// holds `keep` (the tensors) until it has ended. `stream` runs on: the package orders
+    /// torch's streams after the call with [`DevicePending::wait_on`].
+    fn start(
+        &self,
+        kind: &str,
+        dtype: &str,
+        input: u64,
+        output: u64,
+        count: usize,
+        op: u32,
+        root: usize,
+        stream: usize,
+        keep: Py<PyAny>,
+    ) -> PyResult<DevicePending> {
+        let (call, dtype) = device_call(kind, dtype, op, root)?;
+        let stream = self.borrowed(stream);
+        // SAFETY: as in `call`, with the tensors held by `keep` until the call has ended;
+        // torch's later work on them is ordered after the call by the package's
+        // `wait_on`, as with NCCL.
+        let work = unsafe {
+            self.comm.start_raw(
+                call,
+                dtype,
+                (input, output),
+                count,
+                (&stream, CallerStream::Free),
+                keep,
+            )
+        };
+        Ok(DevicePending {
+            done: work.done_event(),
+            pending: Pending::from(Box::new(work) as Box<dyn Outcome>),
+            context: Arc::clone(self.comm.device().context()),
+        })
+    }
+}
+
+impl DeviceComm {
+    /// torch's stream with raw handle `stream`, on this communicator's device.
+    fn borrowed(&self, stream: usize) -> Arc<CudaStream> {
+        // SAFETY: the package passes the handle of one of torch's streams on this device
+        // (torch never destroys them), and the wrapper lives for one call.
+        unsafe {
+            self.comm
+                .device()
+                .context()
+                .wrap_borrowed_stream(stream as sys::CUstream)
+        }
+    }
+}
+
+/// The device call `kind` on torch's `dtype`, with torch's reduce op `op` and root `root`.
+fn device_call(kind: &str, dtype: &str, op: u32, root: usize) -> PyResult<(DeviceCall, DType)> {
+    let (dtype, op) = torch_types(dtype, op)?;
+    let call = match kind {
+        "all_reduce" => DeviceCall::AllReduce(op),
+        "broadcast" => DeviceCall::Broadcast { root },
+        "reduce" => DeviceCall::Reduce { op, root },
+        "all_gather" => DeviceCall::AllGather,
+        "reduce_scatter" => DeviceCall::ReduceScatter(op),
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "no device collective is called {kind:?}"
+            )))
+        }
+    };
+    Ok((call, dtype))
+}
+
+impl<K: Send + 'static> Outcome for chorus::cuda::DeviceWork<K> {
+    fn wait(self: Box<Self>) -> chorus::Result<()> {
+        (*self).wait().map(drop)
+    }
+
+    fn join(self: Box<Self>) -> chorus::Result<()> {
+        (*self).join().map(drop)
+    }
+
+    fn is_completed(&self) -> bool {
+        chorus::cuda::DeviceWork::is_completed(self)
+    }
+}
+
+/// A device call in flight (see [`DeviceComm::start`]).
+#[pyclass(frozen, module = "chorus_torch._chorus")]
+pub(crate) struct DevicePending {
+    pending: Pending,
+    /// Fires once the call has ended; `None` where streams cannot wait on memory.
+    done: Option<Arc<CudaEvent>>,
+    context: Arc<CudaContext>,
+}
+
+#[pymethods]
+impl DevicePending {
+    /// Makes torch's stream `stream` (its raw handle) wait for the call without blocking the
+    /// host, so that work queued on it afterwards sees the result (where the device cannot
+    /// make streams wait on memory, blocks until the call has ended instead). Raises the
+    /// call's error if it has failed by now.
+    fn wait_on(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        let Some(done) = &self.done else {
+            return self.pending.join(py);
+        };
+        // SAFETY: as in `DeviceComm::borrowed`.
+        let stream = unsafe { self.context.wrap_borrowed_stream(stream as sys::CUstream) };
+        stream.wait(done).map_err(|e| {
+            chorus_failed(CudaError::driver("ordering torch's stream after the call")(e).into())
+        })?;
+        if self.pending.is_completed() {
+            self.pending.join(py)?;
+        }
+        Ok(())
+    }
+
+    /// Blocks until the call has ended; raises ChorusError if it failed.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        self.pending.wait(py)
+    }
+
+    /// Blocks until Chorus's worker has ended the call (a completion thread's wait); raises
+    /// as `wait` does.
+    fn join(&self, py: Python<'_>) -> PyResult<()> {
+        self.pending.join(py)
+    }
+
+    /// Whether the call has ended, successfully or not.
+    fn is_completed(&self) -> bool {
+        self.pending.is_completed()
     }
 }

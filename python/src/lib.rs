@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use chorus::{env, Auth, Communicator, Config, DType, ReduceOp};
 use chorus_transport::store::StoreServer;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use buffer::{held_apart, Held, Raw};
@@ -75,29 +75,81 @@ macro_rules! typed {
     };
 }
 
-/// The data type with index `code` in [`DType::ALL`].
-fn dtype(code: usize) -> PyResult<DType> {
-    DType::ALL
-        .get(code)
-        .copied()
-        .ok_or_else(|| PyValueError::new_err(format!("unknown Chorus data type code {code}")))
+/// Chorus's data type for torch's dtype `name` (as `str(dtype)` spells it); bool travels as
+/// u8.
+fn torch_dtype(name: &str) -> PyResult<DType> {
+    Ok(match name {
+        "torch.float32" => DType::F32,
+        "torch.float64" => DType::F64,
+        "torch.float16" => DType::F16,
+        "torch.bfloat16" => DType::BF16,
+        "torch.int8" => DType::I8,
+        "torch.uint8" | "torch.bool" => DType::U8,
+        "torch.int32" => DType::I32,
+        "torch.uint32" => DType::U32,
+        "torch.int64" => DType::I64,
+        "torch.uint64" => DType::U64,
+        _ => {
+            return Err(PyTypeError::new_err(format!(
+                "the chorus backend does not support tensors of {name}"
+            )))
+        }
+    })
 }
 
-/// The reduction operator for torch's `ReduceOp.RedOpType` value `code`.
-fn reduce_op(code: u32) -> PyResult<ReduceOp> {
-    match code {
-        0 => Ok(ReduceOp::Sum),
-        1 => Ok(ReduceOp::Avg),
-        2 => Ok(ReduceOp::Prod),
-        3 => Ok(ReduceOp::Min),
-        4 => Ok(ReduceOp::Max),
-        5 => Ok(ReduceOp::BAnd),
-        6 => Ok(ReduceOp::BOr),
-        7 => Ok(ReduceOp::BXor),
-        _ => Err(PyValueError::new_err(format!(
-            "the chorus backend does not support reduce op code {code}"
-        ))),
+/// torch's `ReduceOp.RedOpType` names, by value.
+const TORCH_OPS: [&str; 9] = [
+    "SUM",
+    "AVG",
+    "PRODUCT",
+    "MIN",
+    "MAX",
+    "BAND",
+    "BOR",
+    "BXOR",
+    "PREMUL_SUM",
+];
+
+/// Chorus's data type and operator for a reduction with torch's op `op` (its
+/// `ReduceOp.RedOpType` value) on tensors of torch's dtype `dtype`; a clear error where none
+/// fits. On bool tensors every operator is a logical one, as Gloo computes them.
+fn torch_types(dtype: &str, op: u32) -> PyResult<(DType, ReduceOp)> {
+    let chorus_dtype = torch_dtype(dtype)?;
+    let name = TORCH_OPS.get(op as usize).copied().unwrap_or("(unknown)");
+    let reduce = match op {
+        0 => ReduceOp::Sum,
+        1 => ReduceOp::Avg,
+        2 => ReduceOp::Prod,
+        3 => ReduceOp::Min,
+        4 => ReduceOp::Max,
+        5 => ReduceOp::BAnd,
+        6 => ReduceOp::BOr,
+        7 => ReduceOp::BXor,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "the chorus backend does not support ReduceOp.{name}"
+            )))
+        }
+    };
+    if dtype == "torch.bool" {
+        let logical = match reduce {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => ReduceOp::Max,
+            ReduceOp::Prod | ReduceOp::Min | ReduceOp::BAnd => ReduceOp::Min,
+            ReduceOp::BXor => ReduceOp::BXor,
+            ReduceOp::Avg => {
+                return Err(PyValueError::new_err(format!(
+                    "ReduceOp.{name} is not defined on bool tensors"
+                )))
+            }
+        };
+        return Ok((chorus_dtype, logical));
     }
+    if reduce.is_bitwise() && chorus_dtype.is_float() {
+        return Err(PyValueError::new_err(format!(
+            "ReduceOp.{name} needs integer or bool tensors, got {dtype}"
+        )));
+    }
+    Ok((chorus_dtype, reduce))
 }
 
 fn failed(e: impl std::fmt::Display) -> PyErr {
@@ -214,11 +266,11 @@ impl Comm {
         &self,
         ptr: usize,
         bytes: usize,
-        dtype_code: usize,
-        op_code: u32,
+        dtype: &str,
+        op: u32,
         keep: Py<PyAny>,
     ) -> PyResult<Pending> {
-        let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
+        let (dtype, op) = torch_types(dtype, op)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
         let c = &self.comm;
         Ok(typed!(dtype, T => {
@@ -234,11 +286,11 @@ impl Comm {
         &self,
         ptr: usize,
         bytes: usize,
-        dtype_code: usize,
+        dtype: &str,
         root: usize,
         keep: Py<PyAny>,
     ) -> PyResult<Pending> {
-        let dtype = dtype(dtype_code)?;
+        let dtype = torch_dtype(dtype)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
         let c = &self.comm;
         Ok(typed!(dtype, T => {
@@ -253,12 +305,12 @@ impl Comm {
         &self,
         ptr: usize,
         bytes: usize,
-        dtype_code: usize,
-        op_code: u32,
+        dtype: &str,
+        op: u32,
         root: usize,
         keep: Py<PyAny>,
     ) -> PyResult<Pending> {
-        let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
+        let (dtype, op) = torch_types(dtype, op)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
         let c = &self.comm;
         Ok(typed!(dtype, T => {
@@ -276,10 +328,10 @@ impl Comm {
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
-        dtype_code: usize,
+        dtype: &str,
         keep: Py<PyAny>,
     ) -> PyResult<Pending> {
-        let dtype = dtype(dtype_code)?;
+        let dtype = torch_dtype(dtype)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         let c = &self.comm;
         if output.block(c.rank(), input.bytes) == Some(input) {
@@ -304,11 +356,11 @@ impl Comm {
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
-        dtype_code: usize,
-        op_code: u32,
+        dtype: &str,
+        op: u32,
         keep: Py<PyAny>,
     ) -> PyResult<Pending> {
-        let (dtype, op) = (dtype(dtype_code)?, reduce_op(op_code)?);
+        let (dtype, op) = torch_types(dtype, op)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         let c = &self.comm;
         Ok(typed!(dtype, T => {
@@ -319,19 +371,19 @@ impl Comm {
     }
 
     /// Starts an all-to-all; with counts (elements per peer) when given, else equal blocks.
-    #[pyo3(signature = (input, input_bytes, output, output_bytes, dtype_code, send_counts, recv_counts, keep))]
+    #[pyo3(signature = (input, input_bytes, output, output_bytes, dtype, send_counts, recv_counts, keep))]
     fn all_to_all(
         &self,
         input: usize,
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
-        dtype_code: usize,
+        dtype: &str,
         send_counts: Option<Vec<usize>>,
         recv_counts: Option<Vec<usize>>,
         keep: Py<PyAny>,
     ) -> PyResult<Pending> {
-        let dtype = dtype(dtype_code)?;
+        let dtype = torch_dtype(dtype)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         let c = &self.comm;
         Ok(typed!(dtype, T => {
@@ -351,11 +403,11 @@ impl Comm {
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
-        dtype_code: usize,
+        dtype: &str,
         root: usize,
         keep: Py<PyAny>,
     ) -> PyResult<Pending> {
-        let dtype = dtype(dtype_code)?;
+        let dtype = torch_dtype(dtype)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         let c = &self.comm;
         Ok(typed!(dtype, T => {
@@ -372,11 +424,11 @@ impl Comm {
         input_bytes: usize,
         output: usize,
         output_bytes: usize,
-        dtype_code: usize,
+        dtype: &str,
         root: usize,
         keep: Py<PyAny>,
     ) -> PyResult<Pending> {
-        let dtype = dtype(dtype_code)?;
+        let dtype = torch_dtype(dtype)?;
         let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
         let c = &self.comm;
         Ok(typed!(dtype, T => {
@@ -388,18 +440,19 @@ impl Comm {
 
     /// Starts every send and receive of `ops` together (torch's `isend`/`irecv` batched, so
     /// two ranks exchanging large messages both ways cannot wait on each other). Each op is
-    /// `(is_send, ptr, bytes, dtype_code, peer, tag)`; `keep` owns their memory.
+    /// `(is_send, ptr, bytes, dtype, peer, tag)` (dtype as torch's name); `keep` owns their memory.
     ///
     /// A receive's memory may overlap no other op's: that is a `ValueError` before anything
     /// is sent.
     fn exchange(
         &self,
-        ops: Vec<(bool, usize, usize, usize, usize, u32)>,
+        ops: Vec<(bool, usize, usize, String, usize, u32)>,
         keep: Py<PyAny>,
     ) -> PyResult<Pending> {
         let mut checked: Vec<(bool, Raw)> = Vec::with_capacity(ops.len());
-        for (i, &(is_send, ptr, bytes, code, peer, tag)) in ops.iter().enumerate() {
-            let raw = Raw::new(ptr, bytes, dtype(code)?)?;
+        for (i, (is_send, ptr, bytes, dtype, peer, tag)) in ops.iter().enumerate() {
+            let (is_send, peer, tag) = (*is_send, *peer, *tag);
+            let raw = Raw::new(*ptr, *bytes, torch_dtype(dtype)?)?;
             if let Some(j) = checked
                 .iter()
                 .position(|&(other_send, other)| (!is_send || !other_send) && raw.overlaps(other))
@@ -433,10 +486,10 @@ impl Comm {
         py: Python<'_>,
         ptr: usize,
         bytes: usize,
-        dtype_code: usize,
+        dtype: &str,
         tag: u32,
     ) -> PyResult<usize> {
-        let dtype = dtype(dtype_code)?;
+        let dtype = torch_dtype(dtype)?;
         let buf = Raw::new(ptr, bytes, dtype)?;
         let comm = &self.comm;
         py.detach(|| {
@@ -462,5 +515,7 @@ fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ChorusError", m.py().get_type::<ChorusError>())?;
     #[cfg(feature = "cuda")]
     m.add_class::<device::DeviceComm>()?;
+    #[cfg(feature = "cuda")]
+    m.add_class::<device::DevicePending>()?;
     Ok(())
 }

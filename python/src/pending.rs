@@ -7,8 +7,9 @@ use pyo3::prelude::*;
 
 use crate::error::raised;
 
-/// A [`chorus::Work`] of any buffers: what [`Pending`] needs of it.
-trait Outcome: Send {
+/// A call's handle ([`chorus::Work`] of any buffers, or a device call's): what [`Pending`]
+/// needs of it.
+pub(crate) trait Outcome: Send {
     /// Waits, running the call here if the worker has not started it.
     fn wait(self: Box<Self>) -> chorus::Result<()>;
     /// Waits for the worker to finish the call, never running it here.
@@ -43,10 +44,7 @@ pub(crate) struct Pending {
 
 impl Pending {
     pub(crate) fn new<B: Send + 'static>(work: chorus::Work<B>) -> Pending {
-        Pending {
-            work: Mutex::new(Some(Box::new(work))),
-            outcome: OnceLock::new(),
-        }
+        Pending::from(Box::new(work) as Box<dyn Outcome>)
     }
 
     /// Settles the outcome with `wait` unless another waiter has; raises it if it failed.
@@ -72,22 +70,31 @@ impl Pending {
     }
 }
 
+impl From<Box<dyn Outcome>> for Pending {
+    fn from(work: Box<dyn Outcome>) -> Pending {
+        Pending {
+            work: Mutex::new(Some(work)),
+            outcome: OnceLock::new(),
+        }
+    }
+}
+
 #[pymethods]
 impl Pending {
     /// Waits for the call, running it on this thread if Chorus's worker has not started it;
     /// raises ChorusError (a RuntimeError) if it failed.
-    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+    pub(crate) fn wait(&self, py: Python<'_>) -> PyResult<()> {
         self.settle(py, |work| work.wait())
     }
 
     /// Waits for Chorus's worker to finish the call, never running it on this thread (a
     /// completion thread's wait); raises as `wait` does.
-    fn join(&self, py: Python<'_>) -> PyResult<()> {
+    pub(crate) fn join(&self, py: Python<'_>) -> PyResult<()> {
         self.settle(py, |work| work.join())
     }
 
     /// Whether the call has finished, successfully or not.
-    fn is_completed(&self) -> bool {
+    pub(crate) fn is_completed(&self) -> bool {
         if self.outcome.get().is_some() {
             return true;
         }

@@ -161,6 +161,67 @@ def test_ddp_on_the_gpu_trains_like_ddp_on_the_cpu():
         assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5), (mine - theirs).abs().max()
 
 
+def stream_order(rank, world):
+    """NCCL's semantics of calls on CUDA tensors: enqueued, then ordered on torch's streams."""
+    device = _device(rank)
+    want = float(world * (world + 1) // 2)
+    # The call returns while a second of GPU work queued ahead of it, which its input waits
+    # for, is still running: neither it nor the stream can have finished.
+    t = torch.ones(1 << 20, device=device)
+    torch.cuda._sleep(2_000_000_000)
+    t.mul_(rank + 1)
+    work = dist.all_reduce(t, async_op=True)
+    returned_early = not work.is_completed() and not torch.cuda.current_stream(device).query()
+    # wait() orders the current stream after the call: work queued next sees the result.
+    work.wait()
+    after = t.clone()
+    _check(after[:1000], torch.full((1000,), want), "the result after wait()")
+    # The future's users are ordered after the call too.
+    t = torch.full((1000,), float(rank + 1), device=device)
+    torch.cuda._sleep(200_000_000)
+    future = dist.all_reduce(t, async_op=True).get_future()
+    _check(future.then(lambda f: f.value()[0] * 2).wait(), torch.full((1000,), 2 * want), "the future's value")
+    # A blocking call's successor on the stream cannot race it.
+    t = torch.ones(1 << 20, device=device)
+    torch.cuda._sleep(200_000_000)
+    dist.all_reduce(t)
+    t.mul_(2)
+    _check(t[:1000], torch.full((1000,), 2.0 * world), "work queued after a blocking call")
+    # A call under graph capture is refused, before anything is enqueued.
+    graph, captured = torch.cuda.CUDAGraph(), torch.ones(8, device=device)
+    refused = None
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.graph(graph):
+            dist.all_reduce(captured)
+    except RuntimeError as e:
+        refused = str(e)
+    # A call that fails (ranks disagree on its length) releases the streams waiting on it;
+    # its error reaches the host at a later wait or call.
+    bad = torch.ones(16 + rank, device=device)
+    work = dist.all_reduce(bad, async_op=True)
+    raised = None
+    try:
+        work.wait()
+        torch.cuda.current_stream(device).synchronize()
+        dist.all_reduce(torch.ones(4, device=device))
+        torch.cuda.synchronize()
+        dist.barrier()
+    except backend._chorus.ChorusError as e:
+        raised = e.cause
+    return returned_early, refused, raised
+
+
+def test_calls_on_cuda_tensors_are_stream_ordered():
+    _need_cuda()
+    if not backend.ASYNC:
+        pytest.skip(f"torch {torch.__version__} runs every call to completion (torch 2.7 and later enqueue them)")
+    for returned_early, refused, raised in run(2, stream_order, expect_errors=False):
+        assert returned_early, "the call waited for the GPU work queued ahead of it"
+        assert refused is not None and "captured into a CUDA graph" in refused, refused
+        assert raised == "Mismatch", raised
+
+
 def host_staged(rank, world, seed):
     """The calls that run on the host, on CUDA tensors (each rank's values from `seed`)."""
     device = _device(rank)

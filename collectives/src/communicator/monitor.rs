@@ -296,7 +296,7 @@ impl Monitor {
     }
 
     /// The job's rank of this communicator's `rank`.
-    fn job_rank(&self, rank: usize) -> usize {
+    pub(crate) fn job_rank(&self, rank: usize) -> usize {
         self.job_ranks.get(rank).copied().unwrap_or(rank)
     }
 

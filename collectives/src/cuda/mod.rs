@@ -65,7 +65,7 @@ use chorus_kernels::{DType, Element, ReduceOp};
 
 use crate::communicator::{lock, CallKind, Queue};
 use crate::env::CHORUS_CUDA_PATH;
-use crate::{Communicator, Error, Result, Work};
+use crate::{CallInfo, Cause, Communicator, Error, Result, Work};
 
 /// How a [`CudaCommunicator`] moves device data between ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -333,7 +333,10 @@ impl CudaCommunicator {
             let result = begun.and_then(|(job, start)| shared.run_after(job, &start));
             (result, buffers)
         });
-        DeviceWork { work, done }
+        DeviceWork {
+            work,
+            done: done.map(Arc::new),
+        }
     }
 
     /// Reduces `buf` across all ranks in place; every rank ends with the result.
@@ -799,7 +802,7 @@ pub struct DeviceWork<B> {
     work: Work<B>,
     /// Fires once this call and every earlier one have ended (`None` where streams cannot
     /// wait on memory).
-    done: Option<CudaEvent>,
+    done: Option<Arc<CudaEvent>>,
 }
 
 impl<B> std::fmt::Debug for DeviceWork<B> {
@@ -823,6 +826,15 @@ impl<B> DeviceWork<B> {
     /// protected by ownership alone, and `wait_on` blocks the host).
     pub fn stream_ordered(&self) -> bool {
         self.done.is_some()
+    }
+
+    /// The event that fires once the call (and every call issued before it) has ended,
+    /// successfully or not: a stream made to wait on it is ordered after the call, as
+    /// [`wait_on`](Self::wait_on) orders one, and the event outlives the handle (for a
+    /// binding whose waits and stream orders come from different threads). `None` where the
+    /// call is not [stream-ordered](Self::stream_ordered).
+    pub fn done_event(&self) -> Option<Arc<CudaEvent>> {
+        self.done.clone()
     }
 
     /// Makes `stream` wait for the call without blocking the host: work queued on it
@@ -868,14 +880,22 @@ fn agree(comm: &Communicator, job: Job) -> Result<()> {
     comm.all_gather(&mine, &mut all)?;
     match all.chunks(mine.len()).position(|theirs| theirs != mine) {
         None => Ok(()),
-        Some(q) => Err(Error::InvalidArgument(format!(
-            "device {}: rank {} called it with {} bytes of {}, rank {q} made another call or \
-             passed another size",
-            job.call.name(),
-            comm.rank(),
-            job.block,
-            job.dtype
-        ))),
+        Some(q) => {
+            let dtype = job.dtype;
+            let call = CallInfo::new(kind, dtype, op, root, job.block / dtype.size())?;
+            let theirs = &all[q * mine.len()..(q + 1) * mine.len()];
+            let fault = comm
+                .found(Cause::Mismatch, Some(q))
+                .in_call(call, 0)
+                .saying(format!(
+                    "rank {q} made another device call or passed another size ({} bytes of {})",
+                    theirs[4],
+                    DType::ALL
+                        .get(theirs[3] as usize)
+                        .map_or("an unknown type".to_string(), |d| d.to_string())
+                ));
+            Err(fault.into())
+        }
     }
 }
 
