@@ -21,6 +21,11 @@ def reserve_port():
 def _main(rank, world, port, backend, fn, args, results, env):
     import torch.distributed as dist
 
+    # One intra-op thread per rank, as torchrun sets for several ranks a host: the ranks share
+    # the host's cores, and torch's spinning thread pools would starve each other's calls.
+    import torch
+
+    torch.set_num_threads(1)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
