@@ -1,8 +1,10 @@
 """Lists the tests of torch's distributed suite that one backend passes and another does not.
 
     python tools/torch_suite/compare.py gloo.json chorus.json
+    python tools/torch_suite/compare.py tools/torch_suite/gloo-passes-2.15.txt chorus.json
 
-Exits non-zero if any test the first passes fails on the second, or is skipped there without
+The reference is run.py's output, or a list of the tests it passed (Gloo's, recorded here: a
+first line "# BACKEND on torch VERSION: ...", then one name a line). Exits non-zero if any test the first passes fails on the second, or is skipped there without
 being gated to the first backend by name (gated tests are listed apart).
 """
 
@@ -11,8 +13,18 @@ import re
 import sys
 
 
+def load(path):
+    """run.py's output, or a list of passed tests read as one."""
+    with open(path) as f:
+        if not path.endswith(".txt"):
+            return json.load(f)
+        header, *names = f.read().splitlines()
+        backend, version = re.match(r"# (\S+) on torch (\S+):", header).groups()
+        return {"backend": backend, "torch": version, "outcomes": {n: "pass" for n in names if n}}
+
+
 def main(reference, candidate):
-    ref, cand = (json.load(open(p)) for p in (reference, candidate))
+    ref, cand = load(reference), load(candidate)
     name = ref["backend"]
     # A skip whose reason names the reference backend is torch gating the test to it by name.
     gated = re.compile(re.escape(name), re.IGNORECASE)

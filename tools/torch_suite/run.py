@@ -4,6 +4,7 @@ against one backend and writes each test's outcome to a JSON file.
     python tools/torch_suite/run.py --backend chorus --out chorus.json [-k PATTERN] [--features ddp,subgroup]
     python tools/torch_suite/run.py --backend gloo --out gloo.json
     python tools/torch_suite/compare.py gloo.json chorus.json
+    python tools/torch_suite/run.py --backend chorus --out ci.json --tests "$(cat tools/torch_suite/ci-subset.txt)" --strict
 
 The chorus backend is imported from `chorus_torch` (installed, or on PYTHONPATH). Each test
 spawns WORLD_SIZE processes, as torch's own test_distributed_spawn.py does. torch's feature
@@ -25,6 +26,9 @@ def _arguments():
     parser.add_argument("--out", required=True)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("-k", dest="pattern", default=None, help="run only tests whose name holds this")
+    parser.add_argument("--tests", default=None,
+                        help="run only these tests, named in full (separated by commas or white space)")
+    parser.add_argument("--strict", action="store_true", help="exit non-zero unless every test run passes")
     parser.add_argument("--features", default="ddp,subgroup",
                         help="the suite's feature sets to declare the backend in (torch lists only its own "
                              "backends there), comma-separated; empty for none")
@@ -99,6 +103,8 @@ def main():
     loader = unittest.TestLoader()
     if _ARGS.pattern:
         loader.testNamePatterns = [f"*{_ARGS.pattern}*"]
+    if _ARGS.tests:
+        loader.testNamePatterns = [f"*.{name}" for name in _ARGS.tests.replace(",", " ").split()]
     suite = loader.loadTestsFromTestCase(TestSuite)
     runner = unittest.TextTestRunner(resultclass=_Record, verbosity=1, stream=sys.stderr)
     result = runner.run(suite)
@@ -109,6 +115,11 @@ def main():
           f"{sum(v == 'pass' for v in result.outcomes.values())} passed, "
           f"{sum(v.startswith(('fail', 'error')) for v in result.outcomes.values())} failed, "
           f"{sum(v.startswith('skip') for v in result.outcomes.values())} skipped")
+    if _ARGS.strict:
+        failed = sorted(name for name, outcome in result.outcomes.items() if outcome != "pass")
+        if failed or not result.outcomes:
+            print(f"not passed: {', '.join(failed) or 'no test ran'}")
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -136,10 +136,14 @@ impl std::fmt::Debug for Communicator {
 }
 
 impl Communicator {
-    /// A fault of `cause` this rank found outside a call of its own, blaming rank `culprit`
-    /// of this communicator.
+    /// A fault of `cause` this rank found outside a call of its own (a device call's
+    /// agreement), blaming rank `culprit` of this communicator; ranks are named by their job
+    /// rank.
+    #[cfg(feature = "cuda")]
     pub(crate) fn found(&self, cause: Cause, culprit: Option<usize>) -> Fault {
-        self.inner.found(cause, culprit)
+        let inner = &self.inner;
+        let job_rank = |r| inner.monitor.as_ref().map_or(r, |m| m.job_rank(r));
+        Fault::new(cause, culprit.map(job_rank), inner.job_rank())
     }
 
     /// Joins the job described by the environment (torchrun's contract).
@@ -538,13 +542,6 @@ impl Inner {
     pub(crate) fn job_rank(&self) -> usize {
         let rank = self.config.rank;
         self.monitor.as_ref().map_or(rank, |m| m.job_ranks()[rank])
-    }
-
-    /// A fault of `cause` this rank found, blaming this communicator's rank `culprit`; ranks
-    /// are named by their job rank.
-    pub(crate) fn found(&self, cause: Cause, culprit: Option<usize>) -> Fault {
-        let job_rank = |r| self.monitor.as_ref().map_or(r, |m| m.job_rank(r));
-        Fault::new(cause, culprit.map(job_rank), self.job_rank())
     }
 
     /// A fault this rank causes itself (aborting, dropping its communicator).
