@@ -8,8 +8,12 @@ gloo, in one sitting (torch 2.x; chorus runs calls in the background from torch 
 (b) DDP of four 1024x1024 linear layers whose backward each sleeps S ms (4 MiB buckets, so a
     bucket a layer): the step's time over the no_sync step plus the bare all-reduces of its
     gradients; below 1 means communication hid behind backward.
+(c) With --device cuda: the time for all_reduce(async_op=True) of 64 MiB on CUDA tensors to
+    return to Python, warm (the first call excluded), median; the call is enqueued behind
+    GPU work, so it measures the host's cost alone.
 
     python benches/baselines/torch_overlap_bench.py -np 2 --backends chorus,gloo --rounds 3
+    python benches/baselines/torch_overlap_bench.py -np 2 --backends chorus,gloo --device cuda
 
 Needs torch and the chorus_torch package (pip install ./python).
 """
@@ -101,6 +105,25 @@ def ddp_ratio(dist, torch, args):
     return t_step, t_local, t_bare, t_step / (t_local + t_bare)
 
 
+def cuda_return(dist, torch, args, rank):
+    """The median time, in seconds, for a 64 MiB all_reduce(async_op=True) on CUDA tensors to
+    return, each call queued behind a few milliseconds of GPU work."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    t = torch.ones(16 << 20, device=device)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.iters):
+        torch.cuda._sleep(5_000_000)
+        start = time.perf_counter()
+        work = dist.all_reduce(t, async_op=True)
+        times.append(time.perf_counter() - start)
+        work.wait()
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def rank_main(rank, world, port, backend, args, results):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -110,7 +133,10 @@ def rank_main(rank, world, port, backend, args, results):
     if backend == "chorus":
         import chorus_torch  # noqa: F401
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    out = {"overlap": overlap(dist, torch, args), "ddp": ddp_ratio(dist, torch, args)}
+    if args.device == "cuda":
+        out = {"return": cuda_return(dist, torch, args, rank)}
+    else:
+        out = {"overlap": overlap(dist, torch, args), "ddp": ddp_ratio(dist, torch, args)}
     dist.destroy_process_group()
     if rank == 0:
         results.put(out)
@@ -123,6 +149,7 @@ def main():
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every backend")
     p.add_argument("--sleep-ms", type=float, default=5.0, help="each layer's backward sleep (b)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: (c) alone")
     args = p.parse_args()
     for world in [int(w) for w in args.np.split(",")]:
         got = {b: [] for b in args.backends.split(",")}
@@ -130,6 +157,12 @@ def main():
             for b in got:
                 got[b].append(run(world, b, args, rank_main))
         print(f"# W={world}, torch {__import__('torch').__version__}, {args.rounds} round(s), medians of {args.iters}")
+        if args.device == "cuda":
+            print("(c) 64 MiB all_reduce(async_op=True) on CUDA tensors: time to return")
+            for b, rounds in got.items():
+                for r in rounds:
+                    print(f"{b:>8} {r['return'] * 1e6:10.1f} us")
+            continue
         print("(a) 16 MiB all_reduce(async_op=True) with T = its time of sleep")
         print(f"{'backend':>8} {'t_ar ms':>8} {'pair ms':>8} {'hidden':>7}")
         for b, rounds in got.items():
