@@ -317,12 +317,31 @@ impl CudaCommunicator {
         stream: &Arc<CudaStream>,
         caller: CallerStream,
     ) -> DeviceWork<B> {
+        let body =
+            job.map(|job| move |shared: &Shared, start: &CudaEvent| shared.run_after(job, start));
+        self.issue(body, buffers, (stream, caller))
+    }
+
+    /// Issues `body` in the stream order: records its start on `stream`, takes its place in
+    /// the completion order, makes `stream` wait for its completion where `caller` says so,
+    /// and queues it for Chorus's thread, which runs it with the start event; a `body` that
+    /// is an error fails the handle with it.
+    fn issue<B, F>(
+        &self,
+        body: Result<F>,
+        buffers: B,
+        (stream, caller): (&Arc<CudaStream>, CallerStream),
+    ) -> DeviceWork<B>
+    where
+        B: Send + 'static,
+        F: FnOnce(&Shared, &CudaEvent) -> Result<()> + Send + 'static,
+    {
         let _issuing = lock(&self.order.issuing);
         let completion = self.order.completions.issue();
         let (begun, done) = match self.order.arm(completion.value()) {
             Ok(done) => {
                 let wait = done.as_ref().filter(|_| caller == CallerStream::Ordered);
-                (job.and_then(|job| begin(job, stream, wait)), done)
+                (body.and_then(|body| begin(body, stream, wait)), done)
             }
             Err(e) => (Err(e), None),
         };
@@ -330,13 +349,56 @@ impl CudaCommunicator {
         let work = self.queue.submit(move || {
             // Ends the call's place in the completion order however the call ends.
             let _completion = completion;
-            let result = begun.and_then(|(job, start)| shared.run_after(job, &start));
+            let result = begun.and_then(|(body, start)| body(&shared, &start));
             (result, buffers)
         });
         DeviceWork {
             work,
             done: done.map(Arc::new),
         }
+    }
+
+    /// Runs `call`, collectives on host memory among this communicator's ranks (given this
+    /// communicator's own duplicate of the host [`Communicator`] it was made from, so they
+    /// run in issue order with its device calls), ordered on `stream` as a device call is: it starts once
+    /// the work queued on `stream` before it has ended, and with [`CallerStream::Ordered`]
+    /// work queued on `stream` afterwards waits for it. `keep` (the buffers `call` works on,
+    /// say) comes back through the handle once it has ended. This is how host buffers take
+    /// part in a stream's order (NCCL's calls on host pointers).
+    ///
+    /// ```no_run
+    /// # fn demo(dev: &chorus::cuda::CudaCommunicator, stream: &std::sync::Arc<chorus::cuda::CudaStream>) -> chorus::Result<()> {
+    /// use std::sync::{Arc, Mutex};
+    /// use chorus::cuda::CallerStream;
+    /// let grads = Arc::new(Mutex::new(vec![1.0f32; 1024]));
+    /// let shared = Arc::clone(&grads);
+    /// let work = dev.host_call((stream, CallerStream::Ordered), (), move |comm| {
+    ///     let mut grads = shared.lock().unwrap();
+    ///     comm.all_reduce(&mut grads, chorus::ReduceOp::Sum)
+    /// });
+    /// work.wait()?;
+    /// assert_eq!(grads.lock().unwrap()[0], dev.world_size() as f32);
+    /// # Ok(()) }
+    /// ```
+    pub fn host_call<K, F>(
+        &self,
+        (stream, caller): (&Arc<CudaStream>, CallerStream),
+        keep: K,
+        call: F,
+    ) -> DeviceWork<K>
+    where
+        K: Send + 'static,
+        F: FnOnce(&Communicator) -> Result<()> + Send + 'static,
+    {
+        let body = self.shared.check_issue(stream).map(|()| {
+            move |shared: &Shared, start: &CudaEvent| {
+                start
+                    .synchronize()
+                    .map_err(CudaError::driver("waiting for the call's start"))?;
+                call(&shared.comm)
+            }
+        });
+        self.issue(body, keep, (stream, caller))
     }
 
     /// Reduces `buf` across all ranks in place; every rank ends with the result.
@@ -749,9 +811,9 @@ impl Drop for Shared {
     }
 }
 
-/// Records `job`'s start on the caller's `stream`, then makes `stream` wait for `done`,
-/// the call's completion, where there is one.
-fn begin(job: Job, stream: &CudaStream, done: Option<&CudaEvent>) -> Result<(Job, CudaEvent)> {
+/// Records the start of the call `body` runs on the caller's `stream`, then makes `stream`
+/// wait for `done`, the call's completion, where there is one.
+fn begin<F>(body: F, stream: &CudaStream, done: Option<&CudaEvent>) -> Result<(F, CudaEvent)> {
     let start = stream
         .record_event(None)
         .map_err(CudaError::driver("recording the call's start"))?;
@@ -760,7 +822,7 @@ fn begin(job: Job, stream: &CudaStream, done: Option<&CudaEvent>) -> Result<(Job
             .wait(done)
             .map_err(CudaError::driver("ordering the stream after the call"))?;
     }
-    Ok((job, start))
+    Ok((body, start))
 }
 
 impl Order {

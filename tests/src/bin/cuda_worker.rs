@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use chorus::cuda::cudarc::driver::DeviceRepr;
-use chorus::cuda::{CudaCommunicator, CudaError, CudaSlice, CudaStream, Device, DevicePath};
+use chorus::cuda::{
+    CallerStream, CudaCommunicator, CudaError, CudaSlice, CudaStream, Device, DevicePath,
+};
 use chorus::{bf16, Communicator, Element, ReduceOp};
 
 type Outcome = Result<(), String>;
@@ -315,6 +317,40 @@ fn check_stream_order(dev: &CudaCommunicator) -> Outcome {
         let seen = stream.clone_dtoh(&after).map_err(|e| text(&e))?;
         same(&seen, &sum, "work queued after the call on its stream")?;
     }
+    // A call on host memory in the same order: it starts once the work queued ahead of it
+    // on the stream has ended, and its handle gives back the result.
+    for _ in 0..200 {
+        stream.memcpy_dtod(&big, &mut copy).map_err(|e| text(&e))?;
+    }
+    let ahead = Arc::new(stream.record_event(None).map_err(|e| text(&e))?);
+    let seen = Arc::clone(&ahead);
+    let host = Arc::new(std::sync::Mutex::new(mine.clone()));
+    let held = Arc::clone(&host);
+    let work = dev.host_call((&stream, CallerStream::Ordered), (), move |comm| {
+        if !seen.is_complete() {
+            return Err(chorus::Error::Internal(
+                "the host call started before the work ahead of it ended".into(),
+            ));
+        }
+        let mut values = held.lock().unwrap_or_else(|p| p.into_inner());
+        comm.all_reduce(&mut values, ReduceOp::Sum)
+    });
+    let early = !ahead.is_complete();
+    work.wait()
+        .map_err(|e| format!("WRONG: the host call: {e}"))?;
+    same(
+        &host.lock().unwrap_or_else(|p| p.into_inner()),
+        &sum,
+        "host_call's all_reduce",
+    )?;
+    println!(
+        "stream order: a host call ordered on the stream, returned {}",
+        if early {
+            "while the work ahead ran"
+        } else {
+            "after the work ahead"
+        }
+    );
     // A call that fails (its root is no rank) releases the stream that waits on it.
     let zeros = stream.alloc_zeros::<f32>(4).map_err(|e| text(&e))?;
     let failing = dev.broadcast_async(zeros, w, &stream);
