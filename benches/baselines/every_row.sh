@@ -14,7 +14,7 @@
 # Usage (release tools built; Open MPI's mpirun and mpi4py, and PyTorch for Gloo, installed):
 #   cargo build --release -p chorus-tools
 #   for r in 1 2 3; do benches/baselines/every_row.sh > round-$r.txt; done
-#   python3 benches/baselines/every_row_table.py round-*.txt   # the README's tables
+#   python3 benches/baselines/every_row_table.py round-*.txt   # the tables of benches/RESULTS.md
 # Environment: BIN (target/release), PYTHON (/usr/bin/python3: Debian's, with torch, mpi4py
 # and chorus_torch), TORCH2 (unset), PARTS (the parts to run, of "shm tcp torch": all).
 # Chorus's lines are the perf tools' columns: size, time and busbw out of place, time and busbw

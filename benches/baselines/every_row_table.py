@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's tables from rounds of every_row.sh: medians over the rounds, Chorus against
+"""The tables of benches/RESULTS.md from rounds of every_row.sh: medians over the rounds, Chorus against
 the other library, and against the ceiling the probes measured in the same rounds.
 
     for r in 1 2 3; do benches/baselines/every_row.sh > round-$r.txt; done

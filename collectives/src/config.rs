@@ -140,7 +140,7 @@ impl Config {
     /// The launcher is detected in this order, and the one used is logged (`tracing` info):
     /// `CHORUS_INIT_METHOD` (`env://`, `tcp://HOST:PORT`, `file:///shared/path`), torchrun's
     /// contract (`RANK`, `WORLD_SIZE`, ..., as chorusrun sets it), SLURM (`srun`), Open MPI,
-    /// MPICH/Intel MPI (PMI) and MVAPICH2; see the README's "Launching jobs".
+    /// MPICH/Intel MPI (PMI) and MVAPICH2; see `docs/launching.md`.
     ///
     /// With `CHORUS_INIT_METHOD=file://...`, rank 0 binds its store here (on `MASTER_PORT`,
     /// else on any free port, which `master_port` then names) before it writes the port into

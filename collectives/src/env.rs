@@ -3,9 +3,9 @@
 //! Each constant is named for its variable and holds the variable's name, so code reads
 //! `std::env::var(env::CHORUS_TIMEOUT)` and a search for the name finds every use. The
 //! defaults live beside the code that applies them ([`DEFAULT_TIMEOUT`](crate::DEFAULT_TIMEOUT)
-//! and its siblings); the README's table of environment variables lists every name here,
-//! with its meaning and default. `Lookup`, `optional` and `bad` are how configuration
-//! reads them.
+//! and its siblings); the table of environment variables in `docs/environment.md` lists
+//! every name here, with its meaning and default. `Lookup`, `optional` and `bad` are how
+//! configuration reads them.
 
 use crate::Error;
 
@@ -226,12 +226,13 @@ mod tests {
             .collect()
     }
 
-    /// The names in the first column of the README's table of environment variables.
-    fn documented(readme: &str) -> BTreeSet<String> {
-        let section = readme
-            .split("## Environment variables")
+    /// The names in the first column of the table of environment variables in
+    /// `docs/environment.md`.
+    fn documented(page: &str) -> BTreeSet<String> {
+        let section = page
+            .split("# Environment variables")
             .nth(1)
-            .expect("the README has a section on environment variables");
+            .expect("docs/environment.md has a section on environment variables");
         section
             .lines()
             .skip_while(|line| !line.starts_with('|'))
@@ -244,7 +245,7 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_lists_every_variable_and_no_other() {
+    fn the_environment_page_lists_every_variable_and_no_other() {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
         let read = |path: &str| {
             std::fs::read_to_string(format!("{root}/{path}"))
@@ -252,13 +253,13 @@ mod tests {
         };
         let mut names = defined(&read("collectives/src/env.rs"));
         names.extend(defined(&read("kernels/src/env.rs")));
-        let table = documented(&read("README.md"));
+        let table = documented(&read("docs/environment.md"));
         let undocumented: Vec<_> = names.difference(&table).collect();
         let unknown: Vec<_> = table.difference(&names).collect();
         assert!(
             undocumented.is_empty() && unknown.is_empty(),
-            "not in the README's table: {undocumented:?}; in the table but not in chorus::env: \
-             {unknown:?}"
+            "not in docs/environment.md's table: {undocumented:?}; in the table but not in \
+             chorus::env: {unknown:?}"
         );
     }
 }

@@ -52,6 +52,14 @@ mod guides {
     struct Async;
     #[doc = include_str!("../../docs/errors.md")]
     struct Errors;
+    #[doc = include_str!("../../docs/library.md")]
+    struct Library;
+    #[doc = include_str!("../../docs/shared-memory.md")]
+    struct SharedMemory;
+    #[doc = include_str!("../../docs/training.md")]
+    struct Training;
+    #[doc = include_str!("../../docs/gpus.md")]
+    struct Gpus;
 }
 
 pub use call::{CallInfo, CallKind};

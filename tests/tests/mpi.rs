@@ -1,7 +1,7 @@
 //! Chorus programs under the real MPI launchers, side by side as Debian installs them: Open
 //! MPI's `mpirun` (`openmpi-bin`, as `mpirun.openmpi`) and MPICH's hydra `mpiexec` (`mpich`, as
-//! `mpiexec.hydra`), at 2 and 4 ranks, with nothing exported but what the README's launch
-//! section says: `MASTER_ADDR` and `MASTER_PORT` for Open MPI (`-x`), nothing for hydra (rank 0's
+//! `mpiexec.hydra`), at 2 and 4 ranks, with nothing exported but what docs/launching.md
+//! says: `MASTER_ADDR` and `MASTER_PORT` for Open MPI (`-x`), nothing for hydra (rank 0's
 //! address goes through hydra's PMI-1 server, over `PMI_FD` or, with `-pmi-port`, `PMI_PORT`).
 //!
 //! Across two network-namespace nodes (as root with iproute2, see `netns_support`) each

@@ -285,7 +285,7 @@ fn shaped_links_take_the_cost_models_time() {
 /// Two nodes of two ranks on links shaped to 100 Mbit/s: the tuner's rows for the
 /// hierarchical all-reduce (shared memory within a node, one ring between the nodes) and
 /// for the ring (every step crosses a node's link once) hold within 30%, and it picks the
-/// hierarchical one. The full sweep measured 1.00-1.02 for both (README).
+/// hierarchical one. The full sweep measured 1.00-1.02 for both (benches/RESULTS.md).
 #[test]
 fn on_shaped_links_the_tuner_prices_the_hierarchical_all_reduce() {
     let _alone = TIMED.lock().unwrap_or_else(|p| p.into_inner());

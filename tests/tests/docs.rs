@@ -1,0 +1,114 @@
+//! The documentation's links: every relative link in README.md, docs/ and benches/RESULTS.md
+//! names a file that exists, and an anchor names a heading of that file.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+/// The documents checked, from the workspace root.
+fn documents(root: &Path) -> Vec<PathBuf> {
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .expect("docs/ is readable")
+        .map(|entry| entry.expect("a docs/ entry").path())
+        .filter(|path| path.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.extend([root.join("README.md"), root.join("benches/RESULTS.md")]);
+    docs.sort();
+    docs
+}
+
+/// GitHub's anchor for a heading: lower case, spaces to dashes, other punctuation dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The anchors of a Markdown text's headings (outside code blocks).
+fn anchors(text: &str) -> BTreeSet<String> {
+    let mut fenced = false;
+    let mut found = BTreeSet::new();
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced && line.starts_with('#') {
+            found.insert(anchor(line.trim_start_matches('#')));
+        }
+    }
+    found
+}
+
+/// The targets of a Markdown text's inline links `[text](target)` (outside code blocks).
+fn links(text: &str) -> Vec<String> {
+    let mut fenced = false;
+    let mut found = Vec::new();
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        for (i, _) in line.match_indices("](") {
+            let rest = &line[i + 2..];
+            if let Some(end) = rest.find(')') {
+                found.push(rest[..end].to_string());
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn every_relative_link_resolves() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for doc in documents(&root) {
+        let text = std::fs::read_to_string(&doc).expect("a readable document");
+        for target in links(&text) {
+            if target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            checked += 1;
+            let (file, fragment) = target.split_once('#').unwrap_or((&target, ""));
+            let path = if file.is_empty() {
+                doc.clone()
+            } else {
+                doc.parent().expect("a folder").join(file)
+            };
+            let ok = match std::fs::read_to_string(&path) {
+                Ok(linked) => fragment.is_empty() || anchors(&linked).contains(fragment),
+                Err(_) => path.exists() && fragment.is_empty(),
+            };
+            if !ok {
+                broken.push(format!("{}: {target}", doc.display()));
+            }
+        }
+    }
+    assert!(
+        checked > 20,
+        "only {checked} links found: is the parser right?"
+    );
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+#[test]
+fn anchors_follow_githubs_rule() {
+    assert_eq!(
+        anchor(" Through torch.distributed"),
+        "through-torchdistributed"
+    );
+    assert_eq!(
+        anchor("One call, from the entry point"),
+        "one-call-from-the-entry-point"
+    );
+    assert_eq!(anchor("`chorusrun`"), "chorusrun");
+}
