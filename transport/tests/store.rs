@@ -457,6 +457,29 @@ fn dropping_the_server_fails_a_waiting_get_promptly() {
 }
 
 #[test]
+fn a_request_after_the_server_has_gone_fails_at_once_rather_than_at_the_timeout() {
+    let server = start_server();
+    let port = server.local_addr().port();
+    // A timeout the test's bound can tell apart from failing at once.
+    let store = Arc::new(client(&server, 3 * BOUND));
+    store.set("k", b"v").expect("set while the server is up");
+    drop(server);
+    // The pooled connection is closed now, and nothing listens on the port any more: the
+    // server has gone for good, not "not up yet", so requests do not retry to their timeout.
+    let first = finish_within({
+        let store = Arc::clone(&store);
+        move || store.get("k")
+    });
+    assert!(matches!(first, Err(StoreError::Closed)), "{first:?}");
+    match finish_within(move || store.get("k")) {
+        Err(StoreError::Connect { addr, .. }) => {
+            assert!(addr.ends_with(&format!(":{port}")), "{addr}")
+        }
+        other => panic!("expected the store to be gone, got {other:?}"),
+    }
+}
+
+#[test]
 fn many_clients_share_one_server_thread() {
     const CLIENTS: usize = 256;
     let server = start_server();

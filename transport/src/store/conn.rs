@@ -55,7 +55,7 @@ impl<G: Greeting> Pool<G> {
         greeting: G,
         deadline: Instant,
     ) -> Result<Pool<G>, StoreError> {
-        let stream = connect_with_retry(host, port, &greeting, deadline)?;
+        let stream = connect_with_retry(host, port, &greeting, deadline, Refused::Retry)?;
         Ok(Pool {
             greeting,
             host: host.to_owned(),
@@ -69,7 +69,14 @@ impl<G: Greeting> Pool<G> {
 
     /// Opens a connection of its own, outside the pool, before `deadline`.
     pub fn open(&self, deadline: Instant) -> Result<TcpStream, StoreError> {
-        connect_with_retry(&self.host, self.port, &self.greeting, deadline)
+        self.reconnect(deadline)
+    }
+
+    /// A new connection to the server this pool reached before: a refusal now means the
+    /// server has gone (its process exited), so it fails at once instead of retrying.
+    fn reconnect(&self, deadline: Instant) -> Result<TcpStream, StoreError> {
+        let (host, port) = (&self.host, self.port);
+        connect_with_retry(host, port, &self.greeting, deadline, Refused::Final)
     }
 
     /// The server's `host:port`, for messages.
@@ -90,7 +97,7 @@ impl<G: Greeting> Pool<G> {
         let pooled = self.with_idle(Vec::pop);
         let stream = match pooled {
             Some(stream) => stream,
-            None => connect_with_retry(&self.host, self.port, &self.greeting, deadline)?,
+            None => self.reconnect(deadline)?,
         };
         let id = self.requests.fetch_add(1, Ordering::Relaxed);
         if let Ok(handle) = stream.try_clone() {
@@ -264,13 +271,23 @@ fn io_failure(context: &str, e: io::Error) -> Failure {
     StoreError::io(context, e).into()
 }
 
+/// What a refused connection means to [`connect_with_retry`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    /// The server may not be up yet: retry.
+    Retry,
+    /// The server was up and has gone: fail.
+    Final,
+}
+
 /// Connects to `host:port` and passes the handshake, retrying unreachable servers with a
-/// doubling backoff until `deadline`.
+/// doubling backoff until `deadline` (refused connections too, unless `refused` is final).
 fn connect_with_retry(
     host: &str,
     port: u16,
     greeting: &dyn Greeting,
     deadline: Instant,
+    refused: Refused,
 ) -> Result<TcpStream, StoreError> {
     let start = Instant::now();
     let mut backoff = FIRST_BACKOFF;
@@ -290,7 +307,8 @@ fn connect_with_retry(
             Err(error) => error,
         };
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        let gone = refused == Refused::Final && error.kind() == io::ErrorKind::ConnectionRefused;
+        if left.is_zero() || gone {
             return Err(StoreError::Connect {
                 addr: format!("{host}:{port}"),
                 waited: start.elapsed(),
@@ -382,7 +400,8 @@ mod tests {
 
     #[test]
     fn a_zero_timeout_connect_fails_without_blocking() {
-        let err = connect_with_retry("127.0.0.1", 9, &Silent, Instant::now()).unwrap_err();
+        let err = connect_with_retry("127.0.0.1", 9, &Silent, Instant::now(), Refused::Retry)
+            .unwrap_err();
         assert!(matches!(err, StoreError::Connect { .. }), "{err}");
     }
 
