@@ -679,10 +679,11 @@ class _Calls:
             inp = inp.clone()
         stream = torch.cuda.current_stream(device)
         call = (kind, _dtype(inp), inp.data_ptr(), out.data_ptr(), count, op, root, stream.cuda_stream)
+        pending = self._device.start(*call, (inp, out))
         if not ASYNC:
-            self._device.call(*call)
+            pending.wait()
             return _work(result, finish)
-        return _DeviceWork(self._device.start(*call, (inp, out)), result, finish, stream, self._side_stream)
+        return _DeviceWork(pending, result, finish, stream, self._side_stream)
 
     # -- collectives -----------------------------------------------------------------------
 

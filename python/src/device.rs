@@ -49,40 +49,15 @@ impl DeviceComm {
         }
     }
 
-    /// Runs the collective `kind` ("all_reduce", "broadcast", "reduce", "all_gather",
+    /// Starts the collective `kind` ("all_reduce", "broadcast", "reduce", "all_gather",
     /// "reduce_scatter") on `count` elements of torch's `dtype` (its name, "torch.float32")
     /// per rank block, from the device address `input` into `output` (the same address for
     /// in place), with torch's reduce op code `op` and root `root` where the collective has
-    /// them, after the work queued on torch's stream `stream` (its raw handle). Returns
-    /// once the result is in `output`, with the GIL released.
-    fn call(
-        &self,
-        py: Python<'_>,
-        kind: &str,
-        dtype: &str,
-        input: u64,
-        output: u64,
-        count: usize,
-        op: u32,
-        root: usize,
-        stream: usize,
-    ) -> PyResult<()> {
-        let (call, dtype) = device_call(kind, dtype, op, root)?;
-        let stream = self.borrowed(stream);
-        // SAFETY: the package passes the addresses of live CUDA tensors on this device of
-        // the call's lengths, held until it returns, and the handle of a stream of torch's
-        // on it.
-        py.detach(|| unsafe {
-            self.comm
-                .call_raw(call, dtype, (input, output), count, &stream)
-        })
-        .map_err(chorus_failed)
-    }
-
-    /// Starts the call `call` describes (as for `call`) and returns once it is enqueued, as
-    /// NCCL's calls do: it reads its input after the work queued on `stream` before it, and
-    /// holds `keep` (the tensors) until it has ended. `stream` runs on: the package orders
-    /// torch's streams after the call with [`DevicePending::wait_on`].
+    /// them, and returns once it is enqueued, as NCCL's calls do: it reads its input after
+    /// the work queued on torch's stream `stream` (its raw handle) before it, and holds `keep`
+    /// (the tensors) until it has ended. `stream` runs on: the package orders torch's streams
+    /// after the call with [`DevicePending::wait_on`], or waits for it on the host (a
+    /// blocking call) with [`DevicePending::wait`].
     fn start(
         &self,
         kind: &str,
@@ -97,9 +72,10 @@ impl DeviceComm {
     ) -> PyResult<DevicePending> {
         let (call, dtype) = device_call(kind, dtype, op, root)?;
         let stream = self.borrowed(stream);
-        // SAFETY: as in `call`, with the tensors held by `keep` until the call has ended;
-        // torch's later work on them is ordered after the call by the package's
-        // `wait_on`, as with NCCL.
+        // SAFETY: the package passes the addresses of live CUDA tensors on this device of
+        // the call's lengths, held by `keep` until the call has ended, and the handle of a
+        // stream of torch's on it; torch's later work on them is ordered after the call by
+        // the package's `wait_on` or `wait`, as with NCCL.
         let work = unsafe {
             self.comm.start_raw(
                 call,
@@ -194,7 +170,8 @@ impl DevicePending {
         Ok(())
     }
 
-    /// Blocks until the call has ended; raises ChorusError if it failed.
+    /// Blocks until the call has ended, its result in place for every stream; raises
+    /// ChorusError if it failed.
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
         self.pending.wait(py)
     }
