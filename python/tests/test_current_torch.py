@@ -73,6 +73,38 @@ def test_wait_and_future_raise_chorus_errors():
         assert (cause, culprit, found_by) == ("PeerClosed", 1, 0), errors
 
 
+def abandoned(rank, world):
+    """A Work nobody waits on, whose peer never makes the call, still times out (as NCCL's
+    watchdog times out its Works) and fails the group: the next call raises the timeout, on
+    the rank that timed out and, once it has, on its peer."""
+    import datetime
+    import time
+
+    store = dist.distributed_c10d._get_default_store()
+    dist.barrier()
+    cause = None
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(8), async_op=True)  # never waited on
+        deadline = time.monotonic() + 60
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        # Rank 1 never makes that call; it calls once rank 0 has seen its own fail.
+        store.wait(["abandoned/seen"], datetime.timedelta(seconds=60))
+    try:
+        dist.all_reduce(torch.ones(8))
+    except chorus_torch.ChorusError as e:
+        cause = (e.cause, e.found_by)
+    if rank == 0:
+        store.set("abandoned/seen", "1")
+    return cause
+
+
+def test_a_work_nobody_waits_on_times_out_and_fails_the_group():
+    results = run(2, abandoned, env={"CHORUS_TIMEOUT": "2"}, timeout=120)
+    assert results == [("Timeout", 0), ("Timeout", 0)], results
+
+
 def hooked_ddp(rank, world):
     """DDP with several buckets and a communication hook chained on the futures."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
