@@ -30,32 +30,28 @@ fn anchor(heading: &str) -> String {
         .collect()
 }
 
-/// The anchors of a Markdown text's headings (outside code blocks).
-fn anchors(text: &str) -> BTreeSet<String> {
+/// A Markdown text's lines outside fenced code blocks.
+fn prose(text: &str) -> impl Iterator<Item = &str> {
     let mut fenced = false;
-    let mut found = BTreeSet::new();
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-        } else if !fenced && line.starts_with('#') {
-            found.insert(anchor(line.trim_start_matches('#')));
-        }
-    }
-    found
+    text.lines().filter(move |line| {
+        let fence = line.trim_start().starts_with("```");
+        fenced ^= fence;
+        !fence && !fenced
+    })
 }
 
-/// The targets of a Markdown text's inline links `[text](target)` (outside code blocks).
+/// The anchors of a Markdown text's headings.
+fn anchors(text: &str) -> BTreeSet<String> {
+    prose(text)
+        .filter(|line| line.starts_with('#'))
+        .map(|line| anchor(line.trim_start_matches('#')))
+        .collect()
+}
+
+/// The targets of a Markdown text's inline links `[text](target)`.
 fn links(text: &str) -> Vec<String> {
-    let mut fenced = false;
     let mut found = Vec::new();
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if fenced {
-            continue;
-        }
+    for line in prose(text) {
         for (i, _) in line.match_indices("](") {
             let rest = &line[i + 2..];
             if let Some(end) = rest.find(')') {
