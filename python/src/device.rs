@@ -71,7 +71,7 @@ impl DeviceComm {
         keep: Py<PyAny>,
     ) -> PyResult<DevicePending> {
         let (call, dtype) = device_call(kind, dtype, op, root)?;
-        let stream = self.borrowed(stream);
+        let stream = torch_stream(self.comm.device().context(), stream);
         // SAFETY: the package passes the addresses of live CUDA tensors on this device of
         // the call's lengths, held by `keep` until the call has ended, and the handle of a
         // stream of torch's on it; torch's later work on them is ordered after the call by
@@ -94,18 +94,11 @@ impl DeviceComm {
     }
 }
 
-impl DeviceComm {
-    /// torch's stream with raw handle `stream`, on this communicator's device.
-    fn borrowed(&self, stream: usize) -> Arc<CudaStream> {
-        // SAFETY: the package passes the handle of one of torch's streams on this device
-        // (torch never destroys them), and the wrapper lives for one call.
-        unsafe {
-            self.comm
-                .device()
-                .context()
-                .wrap_borrowed_stream(stream as sys::CUstream)
-        }
-    }
+/// torch's stream with raw handle `stream`, in `context` (its device's primary context).
+fn torch_stream(context: &Arc<CudaContext>, stream: usize) -> Arc<CudaStream> {
+    // SAFETY: the package passes the handle of one of torch's streams on this device (torch
+    // never destroys them), and the wrapper lives for one call.
+    unsafe { context.wrap_borrowed_stream(stream as sys::CUstream) }
 }
 
 /// The device call `kind` on torch's `dtype`, with torch's reduce op `op` and root `root`.
@@ -159,8 +152,7 @@ impl DevicePending {
         let Some(done) = &self.done else {
             return self.pending.join(py);
         };
-        // SAFETY: as in `DeviceComm::borrowed`.
-        let stream = unsafe { self.context.wrap_borrowed_stream(stream as sys::CUstream) };
+        let stream = torch_stream(&self.context, stream);
         stream.wait(done).map_err(|e| {
             chorus_failed(CudaError::driver("ordering torch's stream after the call")(e).into())
         })?;
