@@ -28,17 +28,13 @@ ASYNC = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).group
 if ASYNC:
     from torch._C._distributed_c10d import Backend
 
-# Whether this build runs collectives on CUDA tensors' memory (the cargo feature `cuda`).
-_CUDA = hasattr(_chorus, "DeviceComm")
+# Whether this build runs collectives on CUDA tensors' memory (the cargo feature `cuda`), and
+# what its calls on them return.
+_DevicePending = getattr(_chorus, "DevicePending", ())
+_CUDA = _DevicePending != ()
 
 _BOOTSTRAP_KEY = "chorus/bootstrap"
 _JOB_ID = "torch"
-
-
-def _dtype(tensor):
-    """The tensor's dtype as Chorus takes it: torch's name for it (Chorus maps it, and refuses
-    the ones it does not carry)."""
-    return str(tensor.dtype)
 
 
 def _op(opts):
@@ -49,7 +45,7 @@ def _op(opts):
 
 
 def _one(tensors, what):
-    """The call's one tensor (its device is checked where its memory is taken)."""
+    """The call's one tensor (Chorus reads its memory, dtype and device)."""
     if len(tensors) != 1:
         raise ValueError(f"chorus {what} takes exactly one tensor per call, got {len(tensors)}")
     return tensors[0]
@@ -233,12 +229,12 @@ class _DeviceWork(Work):
     ordered after the call; `is_completed()` says whether the call has ended. Chorus holds
     the tensors until it has."""
 
-    def __init__(self, pending, result, finish, stream, side):
+    def __init__(self, pending, result, finish, side):
         super().__init__()
         self._pending = pending
         self._result = result
         self._finish = finish
-        self._stream = stream
+        self._device = torch.device("cuda", pending.ordinal)
         self._side = side
         self._copied = None
         self._future = None
@@ -263,7 +259,7 @@ class _DeviceWork(Work):
                 self._copied.record(stream)
 
     def wait(self, timeout=None):
-        self._order(torch.cuda.current_stream(self._stream.device))
+        self._order(torch.cuda.current_stream(self._device))
         return True
 
     def is_completed(self):
@@ -273,9 +269,9 @@ class _DeviceWork(Work):
         with self._lock:
             future = self._future
         if future is None:
-            side = self._side()
+            side = self._side(self._device)
             self._order(side)
-            future = torch.futures.Future(devices=[self._stream.device])
+            future = torch.futures.Future(devices=[self._device])
             with torch.cuda.stream(side):
                 future.set_result(self._result)
             with self._lock:
@@ -384,25 +380,10 @@ def _staged(tensor):
     return tensor.contiguous(), True
 
 
-def _is_cuda(tensor):
-    """Whether `tensor` is a CUDA tensor rather than a CPU one; refuses any other device."""
-    if tensor.is_cpu:
-        return False
-    if not tensor.is_cuda:
-        raise ValueError(f"the chorus backend takes CPU and CUDA tensors, got one on {tensor.device}")
-    return True
-
-
-def _host(tensor, output):
-    """Contiguous CPU memory for `tensor` in a call that runs on the host, and whether it is a
-    stand-in (an output's is copied back into `tensor` after the call). A CUDA tensor's
-    stand-in is a copy of its values, made once the work queued on it is done, or for an
-    output fresh memory."""
-    if not _is_cuda(tensor):
-        return _staged(tensor)
-    if output:
-        return torch.empty(tensor.shape, dtype=tensor.dtype), True
-    return tensor.cpu().contiguous(), True
+def _stream(tensor):
+    """torch's current stream on a CUDA tensor's device, as its raw handle: where Chorus
+    orders a call on the tensor (0 for other tensors, whose calls no stream orders)."""
+    return torch.cuda.current_stream(tensor.device).cuda_stream if tensor.is_cuda else 0
 
 
 def _bytes(tensor):
@@ -420,17 +401,6 @@ def _unflatten_into(flat, tensors):
         n = t.numel()
         t.copy_(flat[offset:offset + n].view_as(t))
         offset += n
-
-
-def _overlap(a, b):
-    """Whether tensors `a` and `b` share any bytes."""
-    (pa, na), (pb, nb) = _span(a), _span(b)
-    return pa < pb + nb and pb < pa + na
-
-
-def _span(tensor):
-    """The tensor's memory: address and length in bytes."""
-    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
 
 def _host_address():
@@ -492,7 +462,6 @@ class _Batch:
     def __init__(self, comm):
         self._comm = comm
         self._ops = []
-        self._held = []
         self._copies = []
         self._pending = None
         self._error = None
@@ -500,10 +469,8 @@ class _Batch:
         self.ran = False
 
     def add(self, is_send, tensor, peer, tag):
-        staged, copied = _host(tensor, not is_send)
-        ptr, nbytes = _span(staged)
-        self._ops.append((is_send, ptr, nbytes, _dtype(tensor), peer, tag))
-        self._held.append(staged)
+        staged, copied = _staged(tensor)
+        self._ops.append((is_send, staged, peer, tag))
         if copied and not is_send:
             self._copies.append((tensor, staged))
 
@@ -512,10 +479,11 @@ class _Batch:
         if not self.ran:
             self.ran = True
             try:
-                self._pending = self._comm.exchange(self._ops, tuple(self._held))
+                stream = _stream(self._ops[0][1]) if self._ops else 0
+                self._pending = self._comm.exchange(self._ops, stream)
             except (RuntimeError, ValueError) as e:
                 self._error = e
-            self._ops = self._held = None
+            self._ops = None
 
     def wait(self, join=False):
         """Starts the batch if it has not started and waits for it (with `join`, leaving it to
@@ -537,7 +505,8 @@ class _Batch:
         return self._error is not None or self._pending.is_completed()
 
     def copies_back(self):
-        """Whether a receive lands in a CUDA tensor through a host copy."""
+        """Whether a receive lands in a tensor through a contiguous stand-in, whose copy back
+        runs on the caller's stream."""
         return bool(self._copies)
 
 
@@ -561,8 +530,8 @@ class _PointToPointWork(_PromisedWork):
     def _start(self):
         self._batch.start()
         if self._batch.copies_back():
-            # CUDA tensors' copies back run on the caller's stream: here, not on the
-            # completion thread (which then hands the outcome, or the error, to the future).
+            # Copies back run on the caller's stream: here, not on the completion thread
+            # (which then hands the outcome, or the error, to the future).
             try:
                 self._batch.wait()
             except (RuntimeError, ValueError):
@@ -582,7 +551,6 @@ class _Calls:
         self._comm = _connect(store, self.rank(), self.size(), timeout)
         self._barriers = 0
         self._batch = None
-        self._device = None
         self._side = None
         self._completions = _Completions()
 
@@ -597,17 +565,28 @@ class _Calls:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _issue(self, pending, result, finish=None, sync=False):
+    def _call(self, kind, inp, out, result, finish=None, op=0, root=0, counts=None):
+        """torch's Work for Chorus's collective `kind` from the contiguous tensor `inp` into
+        `out`, whose outputs are `result` once `finish` (a copy out of staging tensors) has
+        run. Chorus decides where it runs: the host collectives for CPU tensors; for CUDA
+        tensors the device ones, or the host ones through copies, ordered on torch's current
+        stream."""
+        pending = self._comm.call(kind, inp, out, op, root, _stream(inp), counts)
+        return self._issue(pending, result, finish)
+
+    def _issue(self, pending, result, finish=None):
         """torch's Work for the started Chorus call `pending` whose outputs are `result`, once
         `finish` (a copy out of staging tensors) has run after it.
 
-        In the background where torch allows it (see ASYNC), unless `sync`: calls that copy
-        CUDA tensors through host memory finish before they return, so that their copies
-        back run on the caller's stream."""
-        if ASYNC and not sync:
-            return _ChorusWork(pending, result, finish, self._completions)
-        pending.wait()
-        return _work(result, finish)
+        Where torch allows it (see ASYNC) the call runs in the background, and a call on CUDA
+        tensors is ordered on torch's streams as NCCL's are; elsewhere it has ended before
+        this returns."""
+        if not ASYNC:
+            pending.wait()
+            return _work(result, finish)
+        if isinstance(pending, _DevicePending):
+            return _DeviceWork(pending, result, finish, self._side_stream)
+        return _ChorusWork(pending, result, finish, self._completions)
 
     def _together(self, works, result):
         """One Work for `works`, issued in order: done when the last is, each one's outputs
@@ -623,11 +602,11 @@ class _Calls:
 
         return _ChorusWork(works[-1]._pending, result, finish, self._completions)
 
-    def _side_stream(self):
-        """A stream of torch's on the group's device on which device calls' futures are
-        completed, each ordered after its call (Chorus's completion side, as torch sees it)."""
-        if self._side is None:
-            self._side = torch.cuda.Stream(torch.device("cuda", self._device.ordinal))
+    def _side_stream(self, device):
+        """A stream of torch's on `device` on which device calls' futures are completed, each
+        ordered after its call (Chorus's completion side, as torch sees it)."""
+        if self._side is None or self._side.device != device:
+            self._side = torch.cuda.Stream(device)
         return self._side
 
     def _root(self, root, what):
@@ -640,69 +619,13 @@ class _Calls:
             raise ValueError(f"chorus {what}: peer {peer} is not a rank of this group of {self.size()}")
         return peer
 
-    def _on_gpu(self, kind, inp, out, result, finish=None, op=0, root=0):
-        """torch's Work for collective `kind` from `inp` into `out` (contiguous tensors of one
-        dtype, each rank's block `count` elements) if they are CUDA tensors, whose outputs
-        are `result` once `finish` (a copy out of staging tensors) has run; None for CPU
-        tensors. Refuses tensors on two devices or another kind.
-
-        The group's first call on CUDA tensors makes its device communicator, on every rank
-        (the device is the tensors'; later calls must use the same one). A call reads its
-        input after the work torch queued on the device's current stream before it. Where
-        torch runs calls in the background (see ASYNC) it returns once enqueued, as NCCL's
-        do, and its Work orders streams after it; elsewhere it returns once the result is
-        in `out`."""
-        device = inp.device
-        if out.device != device:
-            raise ValueError(f"chorus {kind}: tensors on {device} and {out.device} cannot be mixed in one call")
-        if not _is_cuda(inp):
-            return None
-        if not _CUDA:
-            raise ValueError("this build of chorus_torch has no CUDA support (build it with the cargo feature cuda, "
-                             "as pip install does)")
-        if self._device is None:
-            self._device = _chorus.DeviceComm(self._comm, device.index)
-        elif self._device.ordinal != device.index:
-            raise ValueError(f"chorus {kind}: this group's CUDA calls run on cuda:{self._device.ordinal}, "
-                             f"got a tensor on {device}")
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"chorus {kind}: the current stream is being captured into a CUDA graph; Chorus's "
-                               "device calls are driven from the host and cannot be captured: make the call "
-                               "outside the capture")
-        count = out.numel() if kind == "reduce_scatter" else inp.numel()
-        # Other than in place (and NCCL's in-place all-gather and reduce-scatter, where one
-        # is this rank's block of the other), the device call takes apart memory.
-        block = count * inp.element_size() * self.rank()
-        in_place = {"all_gather": inp.data_ptr() == out.data_ptr() + block,
-                    "reduce_scatter": out.data_ptr() == inp.data_ptr() + block}.get(kind, inp.data_ptr() == out.data_ptr())
-        if not in_place and _overlap(inp, out):
-            inp = inp.clone()
-        stream = torch.cuda.current_stream(device)
-        call = (kind, _dtype(inp), inp.data_ptr(), out.data_ptr(), count, op, root, stream.cuda_stream)
-        pending = self._device.start(*call, (inp, out))
-        if not ASYNC:
-            pending.wait()
-            return _work(result, finish)
-        return _DeviceWork(pending, result, finish, stream, self._side_stream)
-
     # -- collectives -----------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         tensor = _one(tensors, "allreduce")
-        op = _op(opts)
-        if tensor.is_cpu and tensor.is_contiguous():
-            pending = self._comm.all_reduce(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
-                                            _dtype(tensor), op, tensor)
-            return self._issue(pending, tensors)
         staged, copied = _staged(tensor)
-        return self._all_reduce(staged, op, tensors, (lambda: tensor.copy_(staged)) if copied else None)
-
-    def _all_reduce(self, tensor, op, result, finish):
-        work = self._on_gpu("all_reduce", tensor, tensor, result, finish, op)
-        if work is not None:
-            return work
-        ptr, nbytes = _span(tensor)
-        return self._issue(self._comm.all_reduce(ptr, nbytes, _dtype(tensor), op, tensor), result, finish)
+        return self._call("all_reduce", staged, staged, tensors, (lambda: tensor.copy_(staged)) if copied else None,
+                          op=_op(opts))
 
     def allreduce_coalesced(self, tensors, opts=None):
         if not tensors:
@@ -710,45 +633,29 @@ class _Calls:
         for t in tensors:
             if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
                 raise ValueError("chorus allreduce_coalesced needs tensors of one dtype on one device")
-        op = _op(opts)
         flat = _flat(tensors)
-        return self._all_reduce(flat, op, tensors, lambda: _unflatten_into(flat, tensors))
+        return self._call("all_reduce", flat, flat, tensors, lambda: _unflatten_into(flat, tensors), op=_op(opts))
 
     def broadcast(self, tensors, opts=None):
         tensor = _one(tensors, "broadcast")
         root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
         staged, copied = _staged(tensor)
-        finish = (lambda: tensor.copy_(staged)) if copied else None
-        work = self._on_gpu("broadcast", staged, staged, tensors, finish, root=root)
-        if work is not None:
-            return work
-        ptr, nbytes = _span(staged)
-        return self._issue(self._comm.broadcast(ptr, nbytes, _dtype(tensor), root, staged), tensors, finish)
+        return self._call("broadcast", staged, staged, tensors, (lambda: tensor.copy_(staged)) if copied else None,
+                          root=root)
 
     def reduce(self, tensors, opts=None):
         tensor = _one(tensors, "reduce")
         root = self._root(opts.rootRank if opts is not None else 0, "reduce")
-        op = _op(opts)
         staged, copied = _staged(tensor)
-        finish = (lambda: tensor.copy_(staged)) if copied else None
-        work = self._on_gpu("reduce", staged, staged, tensors, finish, op, root)
-        if work is not None:
-            return work
-        ptr, nbytes = _span(staged)
-        return self._issue(self._comm.reduce(ptr, nbytes, _dtype(tensor), op, root, staged), tensors, finish)
+        return self._call("reduce", staged, staged, tensors, (lambda: tensor.copy_(staged)) if copied else None,
+                          op=_op(opts), root=root)
 
     def _all_gather_flat(self, output, tensor, result, finish):
-        inp, _ = _staged(tensor)
-        ip, ib = _span(inp)
-        op_, ob = _span(output)
-        if ob != ib * self.size():
+        if output.numel() * output.element_size() != tensor.numel() * tensor.element_size() * self.size():
             raise ValueError(
                 f"chorus allgather: the output holds {output.numel()} elements, "
                 f"not world size {self.size()} x {tensor.numel()}")
-        work = self._on_gpu("all_gather", inp, output, result, finish)
-        if work is not None:
-            return work
-        return self._issue(self._comm.all_gather(ip, ib, op_, ob, _dtype(tensor), (inp, output)), result, finish)
+        return self._call("all_gather", _staged(tensor)[0], output, result, finish)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "allgather")
@@ -789,49 +696,35 @@ class _Calls:
 
         return self._all_gather_flat(gathered, flat, output_lists, finish)
 
-    def _reduce_scatter_flat(self, output, flat, op, result, finish=None):
+    def _reduce_scatter_flat(self, output, flat, op, result):
         if flat.numel() != output.numel() * self.size():
             raise ValueError(
                 f"chorus reduce_scatter: the input holds {flat.numel()} elements, "
                 f"not world size {self.size()} x {output.numel()}")
         staged, copied = _staged(output)
-        if copied:
-            finish = (lambda: output.copy_(staged))
-        work = self._on_gpu("reduce_scatter", flat, staged, result, finish, op)
-        if work is not None:
-            return work
-        ip, ib = _span(flat)
-        op_, ob = _span(staged)
-        pending = self._comm.reduce_scatter(ip, ib, op_, ob, _dtype(output), op, (flat, staged))
-        return self._issue(pending, result, finish)
+        return self._call("reduce_scatter", flat, staged, result, (lambda: output.copy_(staged)) if copied else None,
+                          op=op)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         output = _one(output_tensors, "reduce_scatter")
         inputs = _one_list(input_tensors, self.size(), output, "reduce_scatter")
-        op = _op(opts)
-        return self._reduce_scatter_flat(output, _flat(inputs), op, output_tensors)
+        return self._reduce_scatter_flat(output, _flat(inputs), _op(opts), output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         _same_dtype(output, input, "reduce_scatter_tensor")
-        op = _op(opts)
-        flat, _ = _staged(input)
-        return self._reduce_scatter_flat(output, flat, op, [output])
+        return self._reduce_scatter_flat(output, _staged(input)[0], _op(opts), [output])
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         _same_dtype(output, input, "all_to_all_single")
         size = self.size()
         send = _counts(input, input_split_sizes, size, "input")
         recv = _counts(output, output_split_sizes, size, "output")
-        if (send is None) != (recv is None):
-            send = send or [input.numel() // size] * size
-            recv = recv or [output.numel() // size] * size
-        inp, _ = _host(input, False)
-        staged, copied = _host(output, True)
-        ip, ib = _span(inp)
-        op_, ob = _span(staged)
-        pending = self._comm.all_to_all(ip, ib, op_, ob, _dtype(output), send, recv, (inp, staged))
-        return self._issue(pending, [output], (lambda: output.copy_(staged)) if copied else None,
-                           sync=_is_cuda(output) or _is_cuda(input))
+        counts = None
+        if send is not None or recv is not None:
+            counts = (send or [input.numel() // size] * size, recv or [output.numel() // size] * size)
+        staged, copied = _staged(output)
+        return self._call("all_to_all", _staged(input)[0], staged, [output],
+                          (lambda: output.copy_(staged)) if copied else None, counts=counts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         size = self.size()
@@ -839,48 +732,38 @@ class _Calls:
             raise ValueError(f"chorus alltoall needs {size} input and {size} output tensors")
         for t in list(output_tensors) + list(input_tensors):
             _same_dtype(t, input_tensors[0], "alltoall")
-        flat_in, _ = _host(_flat(input_tensors), False)
-        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
-        send = [t.numel() for t in input_tensors]
-        recv = [t.numel() for t in output_tensors]
-        ip, ib = _span(flat_in)
-        op_, ob = _span(flat_out)
-        pending = self._comm.all_to_all(ip, ib, op_, ob, _dtype(flat_in), send, recv, (flat_in, flat_out))
-        return self._issue(pending, output_tensors, lambda: _unflatten_into(flat_out, output_tensors),
-                           sync=any(_is_cuda(t) for t in output_tensors))
+        flat_in = _flat(input_tensors)
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype,
+                               device=output_tensors[0].device)
+        counts = ([t.numel() for t in input_tensors], [t.numel() for t in output_tensors])
+        return self._call("all_to_all", flat_in, flat_out, output_tensors,
+                          lambda: _unflatten_into(flat_out, output_tensors), counts=counts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "gather")
         root = self._root(opts.rootRank if opts is not None else 0, "gather")
-        inp, _ = _host(tensor, False)
-        ip, ib = _span(inp)
         if self.rank() == root:
             outputs = _one_list(output_tensors, self.size(), tensor, "gather")
-            flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype)
+            flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
             finish = lambda: _unflatten_into(flat, outputs)  # noqa: E731
         else:
             if output_tensors and any(len(o) for o in output_tensors):
                 raise ValueError(f"chorus gather: only the root (rank {root}) passes output tensors")
-            flat, finish = torch.empty(0, dtype=tensor.dtype), None
-        op_, ob = _span(flat)
-        pending = self._comm.gather(ip, ib, op_, ob, _dtype(tensor), root, (inp, flat))
-        return self._issue(pending, output_tensors, finish, sync=_is_cuda(tensor))
+            flat, finish = torch.empty(0, dtype=tensor.dtype, device=tensor.device), None
+        return self._call("gather", _staged(tensor)[0], flat, output_tensors, finish, root=root)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         output = _one(output_tensors, "scatter")
         root = self._root(opts.rootRank if opts is not None else 0, "scatter")
         if self.rank() == root:
-            flat, _ = _host(_flat(_one_list(input_tensors, self.size(), output, "scatter")), False)
+            flat = _flat(_one_list(input_tensors, self.size(), output, "scatter"))
         else:
             if input_tensors and any(len(i) for i in input_tensors):
                 raise ValueError(f"chorus scatter: only the root (rank {root}) passes input tensors")
-            flat = torch.empty(0, dtype=output.dtype)
-        staged, copied = _host(output, True)
-        ip, ib = _span(flat)
-        op_, ob = _span(staged)
-        pending = self._comm.scatter(ip, ib, op_, ob, _dtype(output), root, (flat, staged))
-        return self._issue(pending, output_tensors, (lambda: output.copy_(staged)) if copied else None,
-                           sync=_is_cuda(output))
+            flat = torch.empty(0, dtype=output.dtype, device=output.device)
+        staged, copied = _staged(output)
+        return self._call("scatter", flat, staged, output_tensors, (lambda: output.copy_(staged)) if copied else None,
+                          root=root)
 
     def barrier(self, opts=None):
         return self._issue(self._comm.barrier(), [])
@@ -923,20 +806,16 @@ class _Calls:
         """`gather` into one tensor of world-size blocks on the root (torch 2.x's
         gather_into_tensor)."""
         root = self._root(opts.rootRank if opts is not None else 0, "gather")
-        inp, _ = _host(tensor, False)
         if self.rank() == root:
             _same_dtype(output, tensor, "gather")
             if output.numel() != self.size() * tensor.numel():
                 raise ValueError(f"chorus gather: the output holds {output.numel()} elements, "
                                  f"not world size {self.size()} x {tensor.numel()}")
-            staged, copied = _host(output, True)
+            staged, copied = _staged(output)
         else:
-            staged, copied = torch.empty(0, dtype=tensor.dtype), False
-        ip, ib = _span(inp)
-        op_, ob = _span(staged)
-        pending = self._comm.gather(ip, ib, op_, ob, _dtype(tensor), root, (inp, staged))
-        return self._issue(pending, [output], (lambda: output.copy_(staged)) if copied else None,
-                           sync=_is_cuda(tensor))
+            staged, copied = torch.empty(0, dtype=tensor.dtype, device=tensor.device), False
+        return self._call("gather", _staged(tensor)[0], staged, [output],
+                          (lambda: output.copy_(staged)) if copied else None, root=root)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self._allgather_base(output, tensor, opts) for output, tensor in zip(outputs, inputs)]
@@ -978,9 +857,8 @@ class _Calls:
         """A receive from whichever rank sends this one a message with `tag` first; the Work
         returned names that rank (torch's `recv` and `irecv` without `src`)."""
         tensor = _one(tensors, "recv")
-        staged, copied = _host(tensor, True)
-        ptr, nbytes = _span(staged)
-        source = self._comm.recv_any(ptr, nbytes, _dtype(tensor), tag)
+        staged, copied = _staged(tensor)
+        source = self._comm.recv_any(staged, tag, _stream(staged))
         if copied:
             tensor.copy_(staged)
         return _ReceivedWork(tensors, source)

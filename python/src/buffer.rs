@@ -31,18 +31,10 @@ impl Raw {
         Ok(Raw { ptr, bytes })
     }
 
-    /// An input and an output buffer of `dtype`, each checked as [`Raw::new`] does.
-    pub fn pair(
-        input: usize,
-        input_bytes: usize,
-        output: usize,
-        output_bytes: usize,
-        dtype: DType,
-    ) -> PyResult<(Raw, Raw)> {
-        Ok((
-            Raw::new(input, input_bytes, dtype)?,
-            Raw::new(output, output_bytes, dtype)?,
-        ))
+    /// The address, as a device address (a CUDA tensor's memory).
+    #[cfg(feature = "cuda")]
+    pub fn addr(self) -> u64 {
+        self.ptr as u64
     }
 
     /// The memory as elements of `T`.

@@ -1,97 +1,261 @@
-//! CUDA tensors (cargo feature `cuda`): Chorus's device collectives on the tensors' device
-//! memory, ordered on torch's streams.
+//! Calls on CUDA tensors (cargo feature `cuda`), ordered on torch's streams as NCCL's are:
+//! Chorus's device collectives on the tensors' memory, and the calls that run on the host
+//! (all-to-all, gather, scatter, point-to-point) through page-locked copies of it.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
-use chorus::cuda::cudarc::driver::{sys, CudaContext, CudaEvent};
+use chorus::cuda::cudarc::driver::{result, sys, CudaContext, CudaEvent, DevicePtrMut};
 use chorus::cuda::{
-    CallerStream, CudaCommunicator, CudaError, CudaStream, Device, DeviceCall, DevicePath,
+    CallerStream, CudaCommunicator, CudaError, CudaSlice, CudaStream, Device, DeviceCall,
+    DevicePath, DeviceWork, Staged,
 };
-use chorus::DType;
+use chorus::{CallKind, Communicator, Group};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::buffer::Raw;
 use crate::pending::{Outcome, Pending};
-use crate::{chorus_failed, torch_types, Comm};
+use crate::torch::{typed, Tensor};
+use crate::{chorus_failed, Call};
 
-/// A communicator for one GPU's tensors, over a duplicate of a host [`Comm`].
-#[pyclass(frozen, module = "chorus_torch._chorus")]
-pub(crate) struct DeviceComm {
-    comm: CudaCommunicator,
-}
+/// A group's device communicator, made by its first call on CUDA tensors.
+#[derive(Default)]
+pub(crate) struct Devices(Mutex<Option<Arc<CudaCommunicator>>>);
 
-#[pymethods]
-impl DeviceComm {
-    /// Opens GPU `ordinal` (its primary context, the one torch uses) and joins the device
-    /// communicator of `host`'s ranks: collective, as every rank's first call on CUDA tensors.
-    #[new]
-    fn new(py: Python<'_>, host: &Comm, ordinal: usize) -> PyResult<DeviceComm> {
-        let comm = py
-            .detach(|| -> chorus::Result<_> {
-                CudaCommunicator::new(&host.comm, Device::open(ordinal)?)
-            })
-            .map_err(chorus_failed)?;
-        Ok(DeviceComm { comm })
-    }
-
-    /// The device's ordinal.
-    #[getter]
-    fn ordinal(&self) -> usize {
-        self.comm.device().ordinal()
-    }
-
-    /// How device data moves between the ranks: "ipc" or "staged".
-    #[getter]
-    fn path(&self) -> &'static str {
-        match self.comm.path() {
-            DevicePath::Ipc => "ipc",
-            DevicePath::Staged => "staged",
-        }
-    }
-
-    /// Starts the collective `kind` ("all_reduce", "broadcast", "reduce", "all_gather",
-    /// "reduce_scatter") on `count` elements of torch's `dtype` (its name, "torch.float32")
-    /// per rank block, from the device address `input` into `output` (the same address for
-    /// in place), with torch's reduce op code `op` and root `root` where the collective has
-    /// them, and returns once it is enqueued, as NCCL's calls do: it reads its input after
-    /// the work queued on torch's stream `stream` (its raw handle) before it, and holds `keep`
-    /// (the tensors) until it has ended. `stream` runs on: the package orders torch's streams
-    /// after the call with [`DevicePending::wait_on`], or waits for it on the host (a
-    /// blocking call) with [`DevicePending::wait`].
-    fn start(
+impl Devices {
+    /// The device communicator for GPU `ordinal`, made over a duplicate of `host` on the
+    /// first call (collective: every rank's first call on CUDA tensors makes it). Later
+    /// calls must be on the same device.
+    pub fn get(
         &self,
-        kind: &str,
-        dtype: &str,
-        input: u64,
-        output: u64,
-        count: usize,
-        op: u32,
-        root: usize,
-        stream: usize,
-        keep: Py<PyAny>,
-    ) -> PyResult<DevicePending> {
-        let (call, dtype) = device_call(kind, dtype, op, root)?;
-        let stream = torch_stream(self.comm.device().context(), stream);
-        // SAFETY: the package passes the addresses of live CUDA tensors on this device of
-        // the call's lengths, held by `keep` until the call has ended, and the handle of a
-        // stream of torch's on it; torch's later work on them is ordered after the call by
-        // the package's `wait_on` or `wait`, as with NCCL.
-        let work = unsafe {
-            self.comm.start_raw(
-                call,
-                dtype,
-                (input, output),
-                count,
-                (&stream, CallerStream::Free),
-                keep,
-            )
-        };
-        Ok(DevicePending {
-            done: work.done_event(),
-            pending: Pending::from(Box::new(work) as Box<dyn Outcome>),
-            context: Arc::clone(self.comm.device().context()),
+        py: Python<'_>,
+        host: &Communicator,
+        ordinal: usize,
+    ) -> PyResult<Arc<CudaCommunicator>> {
+        py.detach(|| {
+            let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(dev) = &*slot {
+                let on = dev.device().ordinal();
+                if on != ordinal {
+                    return Err(PyValueError::new_err(format!(
+                        "this group's CUDA calls run on cuda:{on}, got a tensor on cuda:{ordinal}"
+                    )));
+                }
+                return Ok(Arc::clone(dev));
+            }
+            let dev = Arc::new(
+                Device::open(ordinal)
+                    .map_err(chorus::Error::from)
+                    .and_then(|device| CudaCommunicator::new(host, device))
+                    .map_err(chorus_failed)?,
+            );
+            *slot = Some(Arc::clone(&dev));
+            Ok(dev)
         })
     }
+
+    /// How device data moves between the ranks ("ipc" or "staged"), once a call has chosen.
+    pub fn path(&self) -> Option<&'static str> {
+        let slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        slot.as_ref().map(|dev| match dev.path() {
+            DevicePath::Ipc => "ipc",
+            DevicePath::Staged => "staged",
+        })
+    }
+}
+
+/// Starts `call` from `input` into `output` on the device (`keep` owns both) and returns
+/// once it is enqueued: it reads its input after the work queued on torch's stream `stream`
+/// (its raw handle) before it, and `stream` runs on (the package orders torch's streams
+/// after the call with [`DevicePending::wait_on`], or waits on the host). The collectives
+/// the device runs go there; the rest run on the host through page-locked copies.
+pub(crate) fn start(
+    dev: &CudaCommunicator,
+    call: &Call,
+    (input, output): (Tensor, Tensor),
+    stream: usize,
+    keep: Py<PyAny>,
+) -> PyResult<DevicePending> {
+    let stream = torch_stream(dev.device().context(), stream);
+    let on = (&stream, CallerStream::Free);
+    let dtype = output.dtype;
+    Ok(match device_call(call, &output)? {
+        Some(device_call) => {
+            let size = dtype.size();
+            let count = match device_call {
+                DeviceCall::ReduceScatter(_) => output.raw.bytes / size,
+                _ => input.raw.bytes / size,
+            };
+            // NCCL's layouts in place: one buffer, or one rank's block of the other.
+            let block = (count * size) as u64 * dev.rank() as u64;
+            let (i, o) = (input.raw.addr(), output.raw.addr());
+            let in_place = match device_call {
+                DeviceCall::AllGather => i == o + block,
+                DeviceCall::ReduceScatter(_) => o == i + block,
+                _ => i == o,
+            };
+            // An input that overlaps a separate output is read from a copy.
+            let copy = (!in_place && input.raw.overlaps(output.raw))
+                .then(|| device_copy(dev, &stream, input.raw))
+                .transpose()?;
+            let from = copy.as_ref().map_or(i, |(_, at)| *at);
+            // SAFETY: the package passes live CUDA tensors of these lengths on this device,
+            // held by `keep` (and the copy, by the handle) until the call has ended; torch's
+            // later work on them is ordered after the call by the package, as with NCCL.
+            let work =
+                unsafe { dev.start_raw(device_call, dtype, (from, o), count, on, (keep, copy)) };
+            DevicePending::new(dev, work)
+        }
+        None => {
+            let memory = vec![
+                Staged::Input(input.raw.addr(), input.raw.bytes),
+                Staged::Output(output.raw.addr(), output.raw.bytes),
+            ];
+            let (kind, root, counts) = (call.kind, call.root, call.counts.clone());
+            // SAFETY: as above, for the host copies' lengths.
+            let work = unsafe {
+                dev.staged_call_raw(memory, on, keep, move |comm, pieces| {
+                    let [i, o] = pieces else {
+                        unreachable!("two pieces of memory were staged")
+                    };
+                    typed!(dtype, T => {
+                            let (i, o) = (bytemuck::cast_slice::<u8, T>(i), bytemuck::cast_slice_mut::<u8, T>(o));
+                        match (kind, counts) {
+                            (CallKind::AllToAll, Some((send, recv))) => comm.all_to_all_v(i, &send, o, &recv),
+                            (CallKind::AllToAll, None) => comm.all_to_all(i, o),
+                            (CallKind::Gather, _) => comm.gather(i, o, root),
+                            _ => comm.scatter(i, o, root),
+                        }
+                    })
+                })
+            };
+            DevicePending::new(dev, work)
+        }
+    })
+}
+
+/// The device collective for `call` on tensors like `output`; `None` for the calls that run
+/// on the host.
+fn device_call(call: &Call, output: &Tensor) -> PyResult<Option<DeviceCall>> {
+    let root = call.root;
+    Ok(Some(match call.kind {
+        CallKind::AllReduce => DeviceCall::AllReduce(output.op(call.op)?),
+        CallKind::Broadcast => DeviceCall::Broadcast { root },
+        CallKind::Reduce => DeviceCall::Reduce {
+            op: output.op(call.op)?,
+            root,
+        },
+        CallKind::AllGather => DeviceCall::AllGather,
+        CallKind::ReduceScatter => DeviceCall::ReduceScatter(output.op(call.op)?),
+        CallKind::AllToAll | CallKind::Gather | CallKind::Scatter => return Ok(None),
+        kind => {
+            return Err(PyValueError::new_err(format!(
+                "chorus has no call {} from one tensor into another",
+                kind.name()
+            )))
+        }
+    }))
+}
+
+/// A copy of `raw` (device memory of `dev`'s device) and its address, made after the work
+/// queued on torch's `stream` so far and before what comes next on it. The copy lives on a
+/// stream of its own, so that freeing it never touches one of torch's streams.
+fn device_copy(
+    dev: &CudaCommunicator,
+    stream: &CudaStream,
+    raw: Raw,
+) -> PyResult<(CudaSlice<u8>, u64)> {
+    let failed =
+        |e| chorus_failed(CudaError::driver("copying an input apart from its output")(e).into());
+    let own = dev
+        .device()
+        .new_stream()
+        .map_err(|e| chorus_failed(e.into()))?;
+    own.join(stream).map_err(failed)?;
+    // SAFETY: every byte is written by the copy below before the call reads it.
+    let mut copy = unsafe { own.alloc::<u8>(raw.bytes.max(1)) }.map_err(failed)?;
+    let at = {
+        let (at, _written) = copy.device_ptr_mut(&own);
+        // SAFETY: `raw` is live device memory of this context of `raw.bytes` bytes (the
+        // package's promise), and `copy` a fresh allocation of as many, on `own`.
+        unsafe { result::memcpy_dtod_async(at, raw.addr(), raw.bytes, own.cu_stream()) }
+            .map_err(failed)?;
+        at
+    };
+    stream.join(&own).map_err(failed)?;
+    Ok((copy, at))
+}
+
+/// Starts the sends and receives of `ops` (`(is_send, memory, peer, tag)`, on this device)
+/// together, on the host through page-locked copies, ordered on torch's `stream` as
+/// [`start`] is; `keep` owns their memory.
+pub(crate) fn exchange(
+    dev: &CudaCommunicator,
+    ops: Vec<(bool, Raw, usize, u32)>,
+    stream: usize,
+    keep: Py<PyAny>,
+) -> DevicePending {
+    let stream = torch_stream(dev.device().context(), stream);
+    let memory = ops
+        .iter()
+        .map(|&(is_send, raw, ..)| match is_send {
+            true => Staged::Input(raw.addr(), raw.bytes),
+            false => Staged::Output(raw.addr(), raw.bytes),
+        })
+        .collect();
+    let ends: Vec<(bool, usize, u32)> = ops.iter().map(|&(s, _, p, t)| (s, p, t)).collect();
+    // SAFETY: the package passes live CUDA tensors of these lengths on this device, held by
+    // `keep` until the batch has ended; no receive shares memory with another op (checked
+    // by the caller).
+    let work = unsafe {
+        dev.staged_call_raw(
+            memory,
+            (&stream, CallerStream::Free),
+            keep,
+            move |comm, pieces| {
+                comm.group(|g: &mut Group<'_>| {
+                    for (piece, &(is_send, peer, tag)) in pieces.iter_mut().zip(&ends) {
+                        if is_send {
+                            g.send::<u8>(piece, peer, tag);
+                        } else {
+                            g.recv::<u8>(piece, peer, tag);
+                        }
+                    }
+                })
+            },
+        )
+    };
+    DevicePending::new(dev, work)
+}
+
+/// Receives `tensor` (on this device) from whichever rank sends a message with `tag` first,
+/// through a page-locked copy, ordered on torch's `stream`; returns once it is in place,
+/// with that rank.
+pub(crate) fn recv_any(
+    py: Python<'_>,
+    dev: &CudaCommunicator,
+    tensor: Tensor,
+    tag: u32,
+    stream: usize,
+    keep: Py<PyAny>,
+) -> PyResult<usize> {
+    let stream = torch_stream(dev.device().context(), stream);
+    let source = Arc::new(AtomicUsize::new(0));
+    let found = Arc::clone(&source);
+    let dtype = tensor.dtype;
+    let memory = vec![Staged::Output(tensor.raw.addr(), tensor.raw.bytes)];
+    // SAFETY: the package passes a live CUDA tensor of this length on this device, held by
+    // `keep`; the call is waited for below, and torch's stream waits for it.
+    let work = unsafe {
+        dev.staged_call_raw(memory, (&stream, CallerStream::Ordered), keep, move |comm, pieces| {
+            let from = typed!(dtype, T => comm.recv_any(bytemuck::cast_slice_mut::<u8, T>(&mut pieces[0][..]), tag))?;
+            found.store(from, Ordering::Release);
+            Ok(())
+        })
+    };
+    DevicePending::new(dev, work).wait(py)?;
+    Ok(source.load(Ordering::Acquire))
 }
 
 /// torch's stream with raw handle `stream`, in `context` (its device's primary context).
@@ -101,25 +265,7 @@ fn torch_stream(context: &Arc<CudaContext>, stream: usize) -> Arc<CudaStream> {
     unsafe { context.wrap_borrowed_stream(stream as sys::CUstream) }
 }
 
-/// The device call `kind` on torch's `dtype`, with torch's reduce op `op` and root `root`.
-fn device_call(kind: &str, dtype: &str, op: u32, root: usize) -> PyResult<(DeviceCall, DType)> {
-    let (dtype, op) = torch_types(dtype, op)?;
-    let call = match kind {
-        "all_reduce" => DeviceCall::AllReduce(op),
-        "broadcast" => DeviceCall::Broadcast { root },
-        "reduce" => DeviceCall::Reduce { op, root },
-        "all_gather" => DeviceCall::AllGather,
-        "reduce_scatter" => DeviceCall::ReduceScatter(op),
-        _ => {
-            return Err(PyValueError::new_err(format!(
-                "no device collective is called {kind:?}"
-            )))
-        }
-    };
-    Ok((call, dtype))
-}
-
-impl<K: Send + 'static> Outcome for chorus::cuda::DeviceWork<K> {
+impl<K: Send + 'static> Outcome for DeviceWork<K> {
     fn wait(self: Box<Self>) -> chorus::Result<()> {
         (*self).wait().map(drop)
     }
@@ -129,21 +275,40 @@ impl<K: Send + 'static> Outcome for chorus::cuda::DeviceWork<K> {
     }
 
     fn is_completed(&self) -> bool {
-        chorus::cuda::DeviceWork::is_completed(self)
+        DeviceWork::is_completed(self)
     }
 }
 
-/// A device call in flight (see [`DeviceComm::start`]).
+/// A call on CUDA tensors in flight (see [`start`]).
 #[pyclass(frozen, module = "chorus_torch._chorus")]
 pub(crate) struct DevicePending {
     pending: Pending,
     /// Fires once the call has ended; `None` where streams cannot wait on memory.
     done: Option<Arc<CudaEvent>>,
     context: Arc<CudaContext>,
+    ordinal: usize,
+}
+
+impl DevicePending {
+    /// `work`, a call of `dev`'s, as Python holds it.
+    fn new<K: Send + 'static>(dev: &CudaCommunicator, work: DeviceWork<K>) -> DevicePending {
+        DevicePending {
+            done: work.done_event(),
+            context: Arc::clone(dev.device().context()),
+            ordinal: dev.device().ordinal(),
+            pending: Pending::from(Box::new(work) as Box<dyn Outcome>),
+        }
+    }
 }
 
 #[pymethods]
 impl DevicePending {
+    /// The ordinal of the call's device.
+    #[getter]
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
     /// Makes torch's stream `stream` (its raw handle) wait for the call without blocking the
     /// host, so that work queued on it afterwards sees the result (where the device cannot
     /// make streams wait on memory, blocks until the call has ended instead). Raises the

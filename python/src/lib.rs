@@ -1,11 +1,13 @@
 //! `chorus_torch._chorus`: a Chorus communicator driven from Python over tensors' own memory.
 //!
-//! The Python package (`chorus_torch`) turns torch's process-group calls into calls of
-//! `Comm` with each tensor's address and length in bytes and the Python objects that own
-//! them; this module starts them on the tensors' memory and hands back a `Pending` call,
-//! which holds those objects until the call is done. It is private to that package: the
-//! addresses it is given must be those of live tensors of the given type and length, owned
-//! by the objects passed with them and left untouched until the call is done.
+//! The Python package (`chorus_torch`) turns each of torch's process-group calls into one
+//! call of `Comm`: which collective, the tensors, torch's op and root, and torch's current
+//! stream for CUDA tensors. This module reads the tensors (memory, dtype, device), decides
+//! where the call runs (the host collectives for CPU tensors; for CUDA tensors the device
+//! collectives, or the host ones through page-locked copies, in the stream's order), starts
+//! it and hands back a `Pending` or `DevicePending` call, which holds the tensors until the
+//! call is done. It is private to that package: the tensors it is given must be left
+//! untouched until the call is done.
 
 // The Python-facing calls take one argument per field of torch's call.
 #![allow(clippy::too_many_arguments)]
@@ -14,143 +16,22 @@ mod buffer;
 #[cfg(feature = "cuda")]
 mod device;
 mod error;
+mod host;
 mod pending;
+mod torch;
 
 use std::time::Duration;
 
-use chorus::{env, Auth, Communicator, Config, DType, ReduceOp};
+use chorus::{env, Auth, CallKind, Communicator, Config};
 use chorus_transport::store::StoreServer;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
-use buffer::{held_apart, Held, Raw};
+use buffer::{Held, Raw};
 use error::{raised, ChorusError};
 use pending::Pending;
-
-/// Runs `$body` with `$t` standing for the Rust element type of `$dtype`.
-macro_rules! typed {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = chorus::f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = chorus::bf16;
-                $body
-            }
-            DType::I8 => {
-                type $t = i8;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::U32 => {
-                type $t = u32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DType::U64 => {
-                type $t = u64;
-                $body
-            }
-        }
-    };
-}
-
-/// Chorus's data type for torch's dtype `name` (as `str(dtype)` spells it); bool travels as
-/// u8.
-fn torch_dtype(name: &str) -> PyResult<DType> {
-    Ok(match name {
-        "torch.float32" => DType::F32,
-        "torch.float64" => DType::F64,
-        "torch.float16" => DType::F16,
-        "torch.bfloat16" => DType::BF16,
-        "torch.int8" => DType::I8,
-        "torch.uint8" | "torch.bool" => DType::U8,
-        "torch.int32" => DType::I32,
-        "torch.uint32" => DType::U32,
-        "torch.int64" => DType::I64,
-        "torch.uint64" => DType::U64,
-        _ => {
-            return Err(PyTypeError::new_err(format!(
-                "the chorus backend does not support tensors of {name}"
-            )))
-        }
-    })
-}
-
-/// torch's `ReduceOp.RedOpType` names, by value.
-const TORCH_OPS: [&str; 9] = [
-    "SUM",
-    "AVG",
-    "PRODUCT",
-    "MIN",
-    "MAX",
-    "BAND",
-    "BOR",
-    "BXOR",
-    "PREMUL_SUM",
-];
-
-/// Chorus's data type and operator for a reduction with torch's op `op` (its
-/// `ReduceOp.RedOpType` value) on tensors of torch's dtype `dtype`; a clear error where none
-/// fits. On bool tensors every operator is a logical one, as Gloo computes them.
-fn torch_types(dtype: &str, op: u32) -> PyResult<(DType, ReduceOp)> {
-    let chorus_dtype = torch_dtype(dtype)?;
-    let name = TORCH_OPS.get(op as usize).copied().unwrap_or("(unknown)");
-    let reduce = match op {
-        0 => ReduceOp::Sum,
-        1 => ReduceOp::Avg,
-        2 => ReduceOp::Prod,
-        3 => ReduceOp::Min,
-        4 => ReduceOp::Max,
-        5 => ReduceOp::BAnd,
-        6 => ReduceOp::BOr,
-        7 => ReduceOp::BXor,
-        _ => {
-            return Err(PyValueError::new_err(format!(
-                "the chorus backend does not support ReduceOp.{name}"
-            )))
-        }
-    };
-    if dtype == "torch.bool" {
-        let logical = match reduce {
-            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => ReduceOp::Max,
-            ReduceOp::Prod | ReduceOp::Min | ReduceOp::BAnd => ReduceOp::Min,
-            ReduceOp::BXor => ReduceOp::BXor,
-            ReduceOp::Avg => {
-                return Err(PyValueError::new_err(format!(
-                    "ReduceOp.{name} is not defined on bool tensors"
-                )))
-            }
-        };
-        return Ok((chorus_dtype, logical));
-    }
-    if reduce.is_bitwise() && chorus_dtype.is_float() {
-        return Err(PyValueError::new_err(format!(
-            "ReduceOp.{name} needs integer or bool tensors, got {dtype}"
-        )));
-    }
-    Ok((chorus_dtype, reduce))
-}
+use torch::{typed, Place, Tensor};
 
 fn failed(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
@@ -193,6 +74,47 @@ impl StoreHost {
 #[pyclass(frozen, module = "chorus_torch._chorus")]
 struct Comm {
     comm: Communicator,
+    /// The device communicator, made by the first call on CUDA tensors.
+    #[cfg(feature = "cuda")]
+    devices: device::Devices,
+}
+
+/// One of torch's collectives, as the package describes it.
+pub(crate) struct Call {
+    pub kind: CallKind,
+    /// torch's `ReduceOp.RedOpType` value (reductions only).
+    pub op: u32,
+    pub root: usize,
+    /// All-to-all's elements per peer, sent and received; equal blocks without.
+    pub counts: Option<(Vec<usize>, Vec<usize>)>,
+}
+
+/// Chorus's collective for torch's call `name`.
+fn call_kind(name: &str) -> PyResult<CallKind> {
+    Ok(match name {
+        "all_reduce" => CallKind::AllReduce,
+        "broadcast" => CallKind::Broadcast,
+        "reduce" => CallKind::Reduce,
+        "all_gather" => CallKind::AllGather,
+        "reduce_scatter" => CallKind::ReduceScatter,
+        "all_to_all" => CallKind::AllToAll,
+        "gather" => CallKind::Gather,
+        "scatter" => CallKind::Scatter,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "chorus has no collective called {name:?}"
+            )))
+        }
+    })
+}
+
+/// The error for a CUDA tensor given to a build without the cargo feature `cuda`.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda() -> PyErr {
+    PyValueError::new_err(
+        "this build of chorus_torch has no CUDA support (build it with the cargo feature cuda, \
+         as pip install does)",
+    )
 }
 
 #[pymethods]
@@ -241,7 +163,11 @@ impl Comm {
         let comm = py
             .detach(|| Communicator::with_store_server(config, server, "torch"))
             .map_err(chorus_failed)?;
-        Ok(Comm { comm })
+        Ok(Comm {
+            comm,
+            #[cfg(feature = "cuda")]
+            devices: device::Devices::default(),
+        })
     }
 
     /// This process's rank.
@@ -261,243 +187,176 @@ impl Comm {
         self.comm.abort();
     }
 
-    /// Starts an in-place all-reduce of `bytes` bytes at `ptr`, which `keep` owns.
-    fn all_reduce(
-        &self,
-        ptr: usize,
-        bytes: usize,
-        dtype: &str,
-        op: u32,
-        keep: Py<PyAny>,
-    ) -> PyResult<Pending> {
-        let (dtype, op) = torch_types(dtype, op)?;
-        let buf = Raw::new(ptr, bytes, dtype)?;
-        let c = &self.comm;
-        Ok(typed!(dtype, T => {
-            // SAFETY: the package passes a live tensor of this type and length, owned by
-            // `keep` and not touched until the call is done.
-            let buf = unsafe { Held::<T>::new(buf, Some(keep)) };
-            Pending::new(c.all_reduce_async(buf, op))
-        }))
+    /// How CUDA tensors' data moves between the ranks ("ipc" or "staged"), once a call on
+    /// CUDA tensors has chosen; None before, or in a build without CUDA.
+    #[getter]
+    fn device_path(&self) -> Option<&'static str> {
+        #[cfg(feature = "cuda")]
+        return self.devices.path();
+        #[cfg(not(feature = "cuda"))]
+        None
     }
 
-    /// Starts an in-place broadcast from `root`.
-    fn broadcast(
+    /// Starts the collective `kind` ("all_reduce", "broadcast", "reduce", "all_gather",
+    /// "reduce_scatter", "all_to_all", "gather", "scatter") from the contiguous tensor
+    /// `input` into `output` (the same tensor for the calls in place; for all-gather and
+    /// reduce-scatter, one may be this rank's block of the other), with torch's reduce op
+    /// value `op`, `root`, and all-to-all's `counts` (elements per peer, sent and received)
+    /// where the call has them.
+    ///
+    /// On CPU tensors it returns a [`Pending`] call, run in issue order on Chorus's worker.
+    /// On CUDA tensors it returns a `DevicePending` once enqueued, as NCCL's calls do: it
+    /// reads its input after the work queued on torch's stream `stream` (its raw handle)
+    /// before it; `stream` runs on, and the package orders torch's streams after it.
+    #[pyo3(signature = (kind, input, output, op=0, root=0, stream=0, counts=None))]
+    fn call(
         &self,
-        ptr: usize,
-        bytes: usize,
-        dtype: &str,
-        root: usize,
-        keep: Py<PyAny>,
-    ) -> PyResult<Pending> {
-        let dtype = torch_dtype(dtype)?;
-        let buf = Raw::new(ptr, bytes, dtype)?;
-        let c = &self.comm;
-        Ok(typed!(dtype, T => {
-            // SAFETY: as in `all_reduce`.
-            let buf = unsafe { Held::<T>::new(buf, Some(keep)) };
-            Pending::new(c.broadcast_async(buf, root))
-        }))
-    }
-
-    /// Starts an in-place reduce to `root` (other ranks' buffers become scratch).
-    fn reduce(
-        &self,
-        ptr: usize,
-        bytes: usize,
-        dtype: &str,
+        py: Python<'_>,
+        kind: &str,
+        input: Bound<'_, PyAny>,
+        output: Bound<'_, PyAny>,
         op: u32,
         root: usize,
-        keep: Py<PyAny>,
-    ) -> PyResult<Pending> {
-        let (dtype, op) = torch_types(dtype, op)?;
-        let buf = Raw::new(ptr, bytes, dtype)?;
-        let c = &self.comm;
-        Ok(typed!(dtype, T => {
-            // SAFETY: as in `all_reduce`.
-            let buf = unsafe { Held::<T>::new(buf, Some(keep)) };
-            Pending::new(c.reduce_async(buf, op, root))
-        }))
-    }
-
-    /// Starts an all-gather of `input` into `output` (world-size blocks); `input` may be
-    /// `output`'s own block of this rank (in place).
-    fn all_gather(
-        &self,
-        input: usize,
-        input_bytes: usize,
-        output: usize,
-        output_bytes: usize,
-        dtype: &str,
-        keep: Py<PyAny>,
-    ) -> PyResult<Pending> {
-        let dtype = torch_dtype(dtype)?;
-        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        let c = &self.comm;
-        if output.block(c.rank(), input.bytes) == Some(input) {
-            return Ok(typed!(dtype, T => {
-                // SAFETY: as in `all_reduce`; only the output is referenced.
-                let buf = unsafe { Held::<T>::new(output, Some(keep)) };
-                Pending::new(c.all_gather_in_place_async(buf))
-            }));
+        stream: usize,
+        counts: Option<(Vec<usize>, Vec<usize>)>,
+    ) -> PyResult<Py<PyAny>> {
+        let call = Call {
+            kind: call_kind(kind)?,
+            op,
+            root,
+            counts,
+        };
+        let i = Tensor::read(&input, "the input")?;
+        let o = Tensor::read(&output, "the output")?;
+        if i.place != o.place {
+            return Err(PyValueError::new_err(format!(
+                "chorus {kind}: tensors on {} and {} cannot be mixed in one call",
+                i.place, o.place
+            )));
         }
-        Ok(typed!(dtype, T => {
-            // SAFETY: the package passes live tensors of these lengths, owned by `keep` and
-            // not touched until the call is done; an input that overlaps the output is copied.
-            let (i, o) = unsafe { held_apart(input, output, keep) };
-            Pending::new(c.all_gather_async::<T, _, _>(i, o))
-        }))
-    }
-
-    /// Starts a reduce-scatter of `input` (world-size blocks) into `output`.
-    fn reduce_scatter(
-        &self,
-        input: usize,
-        input_bytes: usize,
-        output: usize,
-        output_bytes: usize,
-        dtype: &str,
-        op: u32,
-        keep: Py<PyAny>,
-    ) -> PyResult<Pending> {
-        let (dtype, op) = torch_types(dtype, op)?;
-        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        let c = &self.comm;
-        Ok(typed!(dtype, T => {
-            // SAFETY: as in `all_gather`.
-            let (i, o) = unsafe { held_apart(input, output, keep) };
-            Pending::new(c.reduce_scatter_async::<T, _, _>(i, o, op))
-        }))
-    }
-
-    /// Starts an all-to-all; with counts (elements per peer) when given, else equal blocks.
-    #[pyo3(signature = (input, input_bytes, output, output_bytes, dtype, send_counts, recv_counts, keep))]
-    fn all_to_all(
-        &self,
-        input: usize,
-        input_bytes: usize,
-        output: usize,
-        output_bytes: usize,
-        dtype: &str,
-        send_counts: Option<Vec<usize>>,
-        recv_counts: Option<Vec<usize>>,
-        keep: Py<PyAny>,
-    ) -> PyResult<Pending> {
-        let dtype = torch_dtype(dtype)?;
-        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        let c = &self.comm;
-        Ok(typed!(dtype, T => {
-            // SAFETY: as in `all_gather`.
-            let (i, o) = unsafe { held_apart(input, output, keep) };
-            Pending::new(match (send_counts, recv_counts) {
-                (Some(s), Some(r)) => c.all_to_all_v_async::<T, _, _>(i, s, o, r),
-                _ => c.all_to_all_async::<T, _, _>(i, o),
-            })
-        }))
-    }
-
-    /// Starts a gather of every rank's `input` into `root`'s `output` (ignored elsewhere).
-    fn gather(
-        &self,
-        input: usize,
-        input_bytes: usize,
-        output: usize,
-        output_bytes: usize,
-        dtype: &str,
-        root: usize,
-        keep: Py<PyAny>,
-    ) -> PyResult<Pending> {
-        let dtype = torch_dtype(dtype)?;
-        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        let c = &self.comm;
-        Ok(typed!(dtype, T => {
-            // SAFETY: as in `all_gather`.
-            let (i, o) = unsafe { held_apart(input, output, keep) };
-            Pending::new(c.gather_async::<T, _, _>(i, o, root))
-        }))
-    }
-
-    /// Starts a scatter of `root`'s `input` (ignored elsewhere) into every rank's `output`.
-    fn scatter(
-        &self,
-        input: usize,
-        input_bytes: usize,
-        output: usize,
-        output_bytes: usize,
-        dtype: &str,
-        root: usize,
-        keep: Py<PyAny>,
-    ) -> PyResult<Pending> {
-        let dtype = torch_dtype(dtype)?;
-        let (input, output) = Raw::pair(input, input_bytes, output, output_bytes, dtype)?;
-        let c = &self.comm;
-        Ok(typed!(dtype, T => {
-            // SAFETY: as in `all_gather`.
-            let (i, o) = unsafe { held_apart(input, output, keep) };
-            Pending::new(c.scatter_async::<T, _, _>(i, o, root))
-        }))
+        if i.dtype != o.dtype || i.boolean != o.boolean {
+            return Err(PyValueError::new_err(format!(
+                "chorus {kind}: the input holds {} and the output {} elements",
+                i.dtype, o.dtype
+            )));
+        }
+        let keep = PyTuple::new(py, [input, output])?.into_any().unbind();
+        match i.place {
+            Place::Host => Ok(Py::new(py, host::start(&self.comm, &call, i, o, keep)?)?.into_any()),
+            #[cfg(feature = "cuda")]
+            Place::Cuda(ordinal) => {
+                let dev = self.devices.get(py, &self.comm, ordinal)?;
+                let pending = device::start(&dev, &call, (i, o), stream, keep)?;
+                Ok(Py::new(py, pending)?.into_any())
+            }
+            #[cfg(not(feature = "cuda"))]
+            Place::Cuda(_) => {
+                let _ = stream;
+                Err(no_cuda())
+            }
+        }
     }
 
     /// Starts every send and receive of `ops` together (torch's `isend`/`irecv` batched, so
     /// two ranks exchanging large messages both ways cannot wait on each other). Each op is
-    /// `(is_send, ptr, bytes, dtype, peer, tag)` (dtype as torch's name); `keep` owns their memory.
+    /// `(is_send, tensor, peer, tag)`, the tensors contiguous and on one device; CUDA
+    /// tensors' messages go through page-locked copies, ordered on torch's `stream`.
     ///
     /// A receive's memory may overlap no other op's: that is a `ValueError` before anything
     /// is sent.
     fn exchange(
         &self,
-        ops: Vec<(bool, usize, usize, String, usize, u32)>,
-        keep: Py<PyAny>,
-    ) -> PyResult<Pending> {
-        let mut checked: Vec<(bool, Raw)> = Vec::with_capacity(ops.len());
-        for (i, (is_send, ptr, bytes, dtype, peer, tag)) in ops.iter().enumerate() {
+        py: Python<'_>,
+        ops: Vec<(bool, Bound<'_, PyAny>, usize, u32)>,
+        stream: usize,
+    ) -> PyResult<Py<PyAny>> {
+        let mut checked: Vec<(bool, Raw, usize, u32)> = Vec::with_capacity(ops.len());
+        let mut place = None;
+        for (i, (is_send, tensor, peer, tag)) in ops.iter().enumerate() {
             let (is_send, peer, tag) = (*is_send, *peer, *tag);
-            let raw = Raw::new(*ptr, *bytes, torch_dtype(dtype)?)?;
-            if let Some(j) = checked
-                .iter()
-                .position(|&(other_send, other)| (!is_send || !other_send) && raw.overlaps(other))
-            {
+            let t = Tensor::read(tensor, &format!("point-to-point call {i}'s tensor"))?;
+            if *place.get_or_insert(t.place) != t.place {
+                return Err(PyValueError::new_err(format!(
+                    "point-to-point call {i} (to or from rank {peer}, tag {tag}) is on {}, another of the same batch on {}",
+                    t.place,
+                    place.unwrap_or(t.place)
+                )));
+            }
+            if let Some(j) = checked.iter().position(|&(other_send, other, ..)| {
+                (!is_send || !other_send) && t.raw.overlaps(other)
+            }) {
                 return Err(PyValueError::new_err(format!(
                     "point-to-point call {i} (to or from rank {peer}, tag {tag}) shares memory with call {j} of the same batch, and one of them receives into it"
                 )));
             }
-            checked.push((is_send, raw));
+            checked.push((is_send, t.raw, peer, tag));
         }
-        let (mut sends, mut recvs) = (Vec::new(), Vec::new());
-        let mut keep = Some(keep);
-        for (&(is_send, raw), &(_, _, _, _, peer, tag)) in checked.iter().zip(&ops) {
-            // SAFETY: the package passes live tensors of these lengths, owned by `keep` (held
-            // by the first buffer) and not touched until the batch is done; no receive shares
-            // memory with another op (checked above).
-            let held = unsafe { Held::<u8>::new(raw, keep.take()) };
-            if is_send {
-                sends.push((held, peer, tag));
-            } else {
-                recvs.push((held, peer, tag));
+        let keep = PyTuple::new(py, ops.into_iter().map(|(_, t, ..)| t))?
+            .into_any()
+            .unbind();
+        match place.unwrap_or(Place::Host) {
+            Place::Host => {
+                let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+                let mut keep = Some(keep);
+                for (is_send, raw, peer, tag) in checked {
+                    // SAFETY: the package passes live tensors, owned by `keep` (held by the
+                    // first buffer) and not touched until the batch is done; no receive shares
+                    // memory with another op (checked above).
+                    let held = unsafe { Held::<u8>::new(raw, keep.take()) };
+                    if is_send {
+                        sends.push((held, peer, tag));
+                    } else {
+                        recvs.push((held, peer, tag));
+                    }
+                }
+                Ok(Py::new(py, Pending::new(self.comm.group_async(sends, recvs)))?.into_any())
+            }
+            #[cfg(feature = "cuda")]
+            Place::Cuda(ordinal) => {
+                let dev = self.devices.get(py, &self.comm, ordinal)?;
+                Ok(Py::new(py, device::exchange(&dev, checked, stream, keep))?.into_any())
+            }
+            #[cfg(not(feature = "cuda"))]
+            Place::Cuda(_) => {
+                let _ = stream;
+                Err(no_cuda())
             }
         }
-        Ok(Pending::new(self.comm.group_async(sends, recvs)))
     }
 
-    /// Receives exactly the buffer's length from whichever rank sends a message with `tag`
-    /// first; returns that rank.
+    /// Receives exactly the contiguous `tensor`'s length from whichever rank sends a message
+    /// with `tag` first, and returns that rank once the message is in the tensor (a CUDA
+    /// tensor's through a page-locked copy, ordered on torch's `stream`).
+    #[pyo3(signature = (tensor, tag, stream=0))]
     fn recv_any(
         &self,
         py: Python<'_>,
-        ptr: usize,
-        bytes: usize,
-        dtype: &str,
+        tensor: Bound<'_, PyAny>,
         tag: u32,
+        stream: usize,
     ) -> PyResult<usize> {
-        let dtype = torch_dtype(dtype)?;
-        let buf = Raw::new(ptr, bytes, dtype)?;
-        let comm = &self.comm;
-        py.detach(|| {
-            // SAFETY: the package passes a live tensor of this type and length, held for the
-            // call.
-            typed!(dtype, T => comm.recv_any(unsafe { buf.slice::<T>() }, tag))
-        })
-        .map_err(chorus_failed)
+        let t = Tensor::read(&tensor, "the tensor")?;
+        match t.place {
+            Place::Host => {
+                let comm = &self.comm;
+                py.detach(|| {
+                    // SAFETY: the package passes a live tensor, held by the caller for the
+                    // call.
+                    typed!(t.dtype, T => comm.recv_any(unsafe { t.raw.slice::<T>() }, tag))
+                })
+                .map_err(chorus_failed)
+            }
+            #[cfg(feature = "cuda")]
+            Place::Cuda(ordinal) => {
+                let dev = self.devices.get(py, &self.comm, ordinal)?;
+                device::recv_any(py, &dev, t, tag, stream, tensor.unbind())
+            }
+            #[cfg(not(feature = "cuda"))]
+            Place::Cuda(_) => {
+                let _ = stream;
+                Err(no_cuda())
+            }
+        }
     }
 
     /// Starts a barrier.
@@ -513,8 +372,6 @@ fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Comm>()?;
     m.add_class::<Pending>()?;
     m.add("ChorusError", m.py().get_type::<ChorusError>())?;
-    #[cfg(feature = "cuda")]
-    m.add_class::<device::DeviceComm>()?;
     #[cfg(feature = "cuda")]
     m.add_class::<device::DevicePending>()?;
     Ok(())

@@ -48,6 +48,7 @@
 //! [`Error::InvalidArgument`]: the call is driven from the host, so a graph could not
 //! replay it.
 
+mod host;
 mod ipc;
 mod local;
 mod order;
@@ -62,6 +63,7 @@ pub use chorus_kernels::cuda::{
 };
 use chorus_kernels::cuda::{DevicePtr, DevicePtrMut};
 use chorus_kernels::{DType, Element, ReduceOp};
+pub use host::Staged;
 
 use crate::communicator::{lock, CallKind, Queue};
 use crate::env::CHORUS_CUDA_PATH;

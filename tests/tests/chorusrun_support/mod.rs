@@ -54,9 +54,12 @@ pub fn allreduce_perf() -> &'static Path {
 /// The binary `name` of chorus-tools in this build.
 ///
 /// Cargo builds another package's binaries only for that package's own tests, so under
-/// `cargo test` (which sets `CARGO`) this runs `cargo build -p chorus-tools --bin NAME`
-/// into the same target directory and profile as this test; run directly, it takes the binary
-/// that is there.
+/// `cargo test` (which sets `CARGO`) this runs `cargo build --workspace --tests --bin NAME`
+/// into the same target directory and profile as this test. Building the workspace's tests
+/// with it resolves features as `cargo test --workspace` does, so after that command the
+/// binary is fresh and nothing is built again (`-p chorus-tools` alone leaves out features
+/// other members' dev-dependencies turn on, and so rebuilds the core). Run directly, it takes
+/// the binary that is there.
 fn tool(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test's own path");
     // <target>/<profile>/deps/<test>
@@ -71,7 +74,7 @@ fn tool(name: &str) -> PathBuf {
             .expect("tests/ sits in the workspace");
         let mut cmd = Command::new(cargo);
         cmd.current_dir(workspace)
-            .args(["build", "--quiet", "-p", "chorus-tools", "--bin", name])
+            .args(["build", "--quiet", "--workspace", "--tests", "--bin", name])
             .stdin(Stdio::null());
         match profile_dir.file_name().and_then(|n| n.to_str()) {
             Some("debug") | None => {}
