@@ -9,8 +9,8 @@ use chorus_transport::store::StoreServer;
 use chorus_transport::TransportKind;
 
 use crate::env::{bad, optional, Lookup};
-use crate::launcher::{self, Method, Ranks};
-pub use crate::launcher::{StoreKind, DEFAULT_MASTER_ADDR};
+use crate::rendezvous::{self, Method, Ranks};
+pub use crate::rendezvous::{StoreKind, DEFAULT_MASTER_ADDR};
 use crate::tuner::Forced;
 use crate::{env, Error};
 
@@ -174,7 +174,7 @@ impl Config {
             }
             None => DEFAULT_TIMEOUT,
         };
-        let found = launcher::detect(get)?;
+        let found = rendezvous::detect(get)?;
         if found.ranks.world_size > MAX_WORLD_SIZE {
             return Err(bad(
                 size_var(found.method),
@@ -224,7 +224,7 @@ impl Config {
         // Last, since for file:// rank 0 publishes its address here.
         let (master_addr, master_port, bound) =
             found.master.resolve(&found.ranks, timeout, get, &auth)?;
-        let store = launcher::store_kind(get, &master_addr, master_port);
+        let store = rendezvous::store_kind(get, &master_addr, master_port);
         let Ranks {
             rank,
             world_size,

@@ -77,7 +77,7 @@ pub(crate) fn start(
     stream: usize,
     keep: Py<PyAny>,
 ) -> PyResult<DevicePending> {
-    let stream = torch_stream(dev.device().context(), stream);
+    let stream = issued_on(dev, stream)?;
     let on = (&stream, CallerStream::Free);
     let dtype = output.dtype;
     Ok(match device_call(call, &output)? {
@@ -195,8 +195,8 @@ pub(crate) fn exchange(
     ops: Vec<(bool, Raw, usize, u32)>,
     stream: usize,
     keep: Py<PyAny>,
-) -> DevicePending {
-    let stream = torch_stream(dev.device().context(), stream);
+) -> PyResult<DevicePending> {
+    let stream = issued_on(dev, stream)?;
     let memory = ops
         .iter()
         .map(|&(is_send, raw, ..)| match is_send {
@@ -226,7 +226,7 @@ pub(crate) fn exchange(
             },
         )
     };
-    DevicePending::new(dev, work)
+    Ok(DevicePending::new(dev, work))
 }
 
 /// Receives `tensor` (on this device) from whichever rank sends a message with `tag` first,
@@ -240,7 +240,7 @@ pub(crate) fn recv_any(
     stream: usize,
     keep: Py<PyAny>,
 ) -> PyResult<usize> {
-    let stream = torch_stream(dev.device().context(), stream);
+    let stream = issued_on(dev, stream)?;
     let source = Arc::new(AtomicUsize::new(0));
     let found = Arc::clone(&source);
     let dtype = tensor.dtype;
@@ -256,6 +256,14 @@ pub(crate) fn recv_any(
     };
     DevicePending::new(dev, work).wait(py)?;
     Ok(source.load(Ordering::Acquire))
+}
+
+/// torch's stream with raw handle `stream` on `dev`'s device, checked for a call: one being
+/// captured into a CUDA graph is refused before anything is enqueued.
+fn issued_on(dev: &CudaCommunicator, stream: usize) -> PyResult<Arc<CudaStream>> {
+    let stream = torch_stream(dev.device().context(), stream);
+    dev.check_issue(&stream).map_err(chorus_failed)?;
+    Ok(stream)
 }
 
 /// torch's stream with raw handle `stream`, in `context` (its device's primary context).

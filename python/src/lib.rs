@@ -314,7 +314,7 @@ impl Comm {
             #[cfg(feature = "cuda")]
             Place::Cuda(ordinal) => {
                 let dev = self.devices.get(py, &self.comm, ordinal)?;
-                Ok(Py::new(py, device::exchange(&dev, checked, stream, keep))?.into_any())
+                Ok(Py::new(py, device::exchange(&dev, checked, stream, keep)?)?.into_any())
             }
             #[cfg(not(feature = "cuda"))]
             Place::Cuda(_) => {

@@ -251,6 +251,13 @@ impl CudaCommunicator {
         &self.shared.device
     }
 
+    /// Checks that an asynchronous call could be issued on `stream` now: a stream of this
+    /// device, not being captured into a CUDA graph. The calls check it themselves and fail
+    /// their handle; a binding that must refuse before it hands out a handle asks first.
+    pub fn check_issue(&self, stream: &CudaStream) -> Result<()> {
+        self.shared.check_issue(stream)
+    }
+
     /// This process's rank.
     pub fn rank(&self) -> usize {
         self.shared.comm.rank()
