@@ -160,20 +160,7 @@ impl Config {
     /// With `CHORUS_INIT_METHOD=file://...` this reads or writes that file.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
         let get: Lookup<'_> = &get;
-        let timeout = match optional::<f64>(get, env::CHORUS_TIMEOUT)? {
-            Some(s) if s > 0.0 && s <= MAX_TIMEOUT.as_secs_f64() => Duration::from_secs_f64(s),
-            Some(s) => {
-                return Err(bad(
-                    env::CHORUS_TIMEOUT,
-                    &s.to_string(),
-                    &format!(
-                        "must be a positive number of seconds, at most {} (a year)",
-                        MAX_TIMEOUT.as_secs()
-                    ),
-                ))
-            }
-            None => DEFAULT_TIMEOUT,
-        };
+        let tuned = Config::new(0, 1, DEFAULT_MASTER_ADDR, 0).tuned_from(get)?;
         let found = rendezvous::detect(get)?;
         if found.ranks.world_size > MAX_WORLD_SIZE {
             return Err(bad(
@@ -185,45 +172,12 @@ impl Config {
                 ),
             ));
         }
-        let nsocks = optional(get, env::CHORUS_NSOCKS)?.unwrap_or(DEFAULT_NSOCKS);
-        if !(1..=64).contains(&nsocks) {
-            return Err(bad(
-                env::CHORUS_NSOCKS,
-                &nsocks.to_string(),
-                "must be between 1 and 64",
-            ));
-        }
-        let chunk_bytes = optional(get, env::CHORUS_CHUNK_BYTES)?.unwrap_or(DEFAULT_CHUNK_BYTES);
-        if !(64..=MAX_CHUNK_BYTES).contains(&chunk_bytes) {
-            return Err(bad(
-                env::CHORUS_CHUNK_BYTES,
-                &chunk_bytes.to_string(),
-                &format!("must be between 64 and {MAX_CHUNK_BYTES}"),
-            ));
-        }
-        let algo = optional(get, env::CHORUS_ALGO)?.unwrap_or_default();
-        let alpha = positive(get, env::CHORUS_ALPHA_US)?.map(|us| us * 1e-6);
-        let beta = positive(get, env::CHORUS_BANDWIDTH_GBS)?.map(|gbs| gbs * 1e9);
-        let socket_addr = optional(get, env::CHORUS_SOCKET_ADDR)?;
-        let transport = optional(get, env::CHORUS_TRANSPORT)?.unwrap_or_default();
-        let host_id = get(env::CHORUS_HOST_ID).filter(|h| !h.trim().is_empty());
-        let shm_single_copy =
-            optional(get, env::CHORUS_SHM_SINGLE_COPY)?.unwrap_or(DEFAULT_SHM_SINGLE_COPY);
-        let watchdog = match optional::<f64>(get, env::CHORUS_WATCHDOG)? {
-            Some(f) if (0.0..1.0).contains(&f) => f,
-            Some(f) => {
-                return Err(bad(
-                    env::CHORUS_WATCHDOG,
-                    &f.to_string(),
-                    "must be a fraction of CHORUS_TIMEOUT, at least 0 and below 1",
-                ))
-            }
-            None => DEFAULT_WATCHDOG,
-        };
         let auth = job_auth(get)?;
         // Last, since for file:// rank 0 publishes its address here.
         let (master_addr, master_port, bound) =
-            found.master.resolve(&found.ranks, timeout, get, &auth)?;
+            found
+                .master
+                .resolve(&found.ranks, tuned.timeout, get, &auth)?;
         let store = rendezvous::store_kind(get, &master_addr, master_port);
         let Ranks {
             rank,
@@ -248,20 +202,84 @@ impl Config {
             local_world_size,
             master_addr,
             master_port,
-            timeout,
-            nsocks,
-            algo,
-            alpha,
-            beta,
-            chunk_bytes,
-            socket_addr,
-            watchdog,
             auth,
-            transport,
-            host_id,
-            shm_single_copy,
             store,
             bound_store: BoundStore::new(bound),
+            ..tuned
+        })
+    }
+
+    /// `self` with the `CHORUS_*` tuning variables read through `get` applied: the timeout,
+    /// sockets per peer, chunk size, forced algorithms, the tuner's link figures, the
+    /// advertised address, the transport, the host identity, single copy and the watchdog.
+    /// The job's shape, rendezvous and identity stay as they are: for a program that learns
+    /// those elsewhere (a framework's binding) and takes only the tuning from the environment.
+    /// Reads variables only.
+    ///
+    /// Fails naming the variable when one is malformed or out of range.
+    pub fn tuned_from(self, get: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
+        let get: Lookup<'_> = &get;
+        let timeout = match optional::<f64>(get, env::CHORUS_TIMEOUT)? {
+            Some(s) if s > 0.0 && s <= MAX_TIMEOUT.as_secs_f64() => Duration::from_secs_f64(s),
+            Some(s) => {
+                return Err(bad(
+                    env::CHORUS_TIMEOUT,
+                    &s.to_string(),
+                    &format!(
+                        "must be a positive number of seconds, at most {} (a year)",
+                        MAX_TIMEOUT.as_secs()
+                    ),
+                ))
+            }
+            None => self.timeout,
+        };
+        let nsocks = optional(get, env::CHORUS_NSOCKS)?.unwrap_or(self.nsocks);
+        if !(1..=64).contains(&nsocks) {
+            return Err(bad(
+                env::CHORUS_NSOCKS,
+                &nsocks.to_string(),
+                "must be between 1 and 64",
+            ));
+        }
+        let chunk_bytes = optional(get, env::CHORUS_CHUNK_BYTES)?.unwrap_or(self.chunk_bytes);
+        if !(64..=MAX_CHUNK_BYTES).contains(&chunk_bytes) {
+            return Err(bad(
+                env::CHORUS_CHUNK_BYTES,
+                &chunk_bytes.to_string(),
+                &format!("must be between 64 and {MAX_CHUNK_BYTES}"),
+            ));
+        }
+        let watchdog = match optional::<f64>(get, env::CHORUS_WATCHDOG)? {
+            Some(f) if (0.0..1.0).contains(&f) => f,
+            Some(f) => {
+                return Err(bad(
+                    env::CHORUS_WATCHDOG,
+                    &f.to_string(),
+                    "must be a fraction of CHORUS_TIMEOUT, at least 0 and below 1",
+                ))
+            }
+            None => self.watchdog,
+        };
+        Ok(Config {
+            timeout,
+            nsocks,
+            chunk_bytes,
+            algo: optional(get, env::CHORUS_ALGO)?.unwrap_or(self.algo),
+            alpha: positive(get, env::CHORUS_ALPHA_US)?
+                .map(|us| us * 1e-6)
+                .or(self.alpha),
+            beta: positive(get, env::CHORUS_BANDWIDTH_GBS)?
+                .map(|gbs| gbs * 1e9)
+                .or(self.beta),
+            socket_addr: optional(get, env::CHORUS_SOCKET_ADDR)?.or(self.socket_addr),
+            transport: optional(get, env::CHORUS_TRANSPORT)?.unwrap_or(self.transport),
+            host_id: get(env::CHORUS_HOST_ID)
+                .filter(|h| !h.trim().is_empty())
+                .or(self.host_id),
+            shm_single_copy: optional(get, env::CHORUS_SHM_SINGLE_COPY)?
+                .unwrap_or(self.shm_single_copy),
+            watchdog,
+            ..self
         })
     }
 }
@@ -465,6 +483,45 @@ mod tests {
             vars.push(extra);
             assert_eq!(from(&vars).unwrap().store, StoreKind::Chorus, "{extra:?}");
         }
+    }
+
+    #[test]
+    fn tuning_alone_keeps_the_shape_and_reads_no_launcher() {
+        let tuning: HashMap<&str, &str> = [
+            ("CHORUS_TIMEOUT", "7"),
+            ("CHORUS_NSOCKS", "3"),
+            ("CHORUS_TRANSPORT", "tcp"),
+            // A launcher's variables and a rendezvous are not read.
+            ("RANK", "5"),
+            ("CHORUS_INIT_METHOD", "file:///nonexistent/dir/rdzv"),
+        ]
+        .into_iter()
+        .collect();
+        let get = |k: &str| tuning.get(k).map(|v| v.to_string());
+        let c = Config::new(2, 4, "head", 1234).tuned_from(get).unwrap();
+        assert_eq!(
+            (c.rank, c.world_size, c.master_addr.as_str(), c.master_port),
+            (2, 4, "head", 1234)
+        );
+        assert_eq!(
+            (c.timeout, c.nsocks, c.transport),
+            (Duration::from_secs(7), 3, TransportKind::Tcp)
+        );
+        assert_eq!(c.chunk_bytes, DEFAULT_CHUNK_BYTES);
+        // Unset variables keep what the configuration had.
+        let mut before = Config::new(0, 2, "head", 1);
+        before.timeout = Duration::from_secs(9);
+        assert_eq!(
+            before.tuned_from(|_| None).unwrap().timeout,
+            Duration::from_secs(9)
+        );
+        let err = Config::new(0, 2, "head", 1)
+            .tuned_from(|k| (k == "CHORUS_NSOCKS").then(|| "0".to_string()))
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Config { var: "CHORUS_NSOCKS", value, .. } if value == "0"),
+            "{err:?}"
+        );
     }
 
     #[test]

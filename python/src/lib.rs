@@ -22,7 +22,7 @@ mod torch;
 
 use std::time::Duration;
 
-use chorus::{env, Auth, CallKind, Communicator, Config};
+use chorus::{Auth, CallKind, Communicator, Config};
 use chorus_transport::store::StoreServer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -137,24 +137,16 @@ impl Comm {
         host: Option<&StoreHost>,
     ) -> PyResult<Comm> {
         // Torch gives the job's shape; of the environment only the CHORUS_* tuning applies.
-        let mut config = Config::from_lookup(|k| match k {
-            env::RANK | env::LOCAL_RANK => Some("0".into()),
-            env::WORLD_SIZE | env::LOCAL_WORLD_SIZE => Some("1".into()),
-            env::CHORUS_INIT_METHOD => None,
-            _ if k.starts_with(env::CHORUS_PREFIX) => std::env::var(k).ok(),
-            _ => None,
-        })
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        config.rank = rank;
-        config.world_size = size;
+        let mut config = Config::new(rank, size, addr, port);
         config.local_rank = local_rank;
         config.local_world_size = local_size;
-        config.master_addr = addr;
-        config.master_port = port;
         // Torch's timeout (init_process_group's, 30 minutes by default) unless CHORUS_TIMEOUT says.
-        if timeout.is_finite() && timeout > 0.0 && std::env::var_os(env::CHORUS_TIMEOUT).is_none() {
+        if timeout.is_finite() && timeout > 0.0 {
             config.timeout = Duration::from_secs_f64(timeout);
         }
+        let mut config = config
+            .tuned_from(|k| std::env::var(k).ok())
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         config.auth = Auth::new(job_id, token).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let server = match host {
             Some(h) => h.server.lock().map_err(failed)?.take(),
