@@ -1,15 +1,15 @@
 //! The launcher of Chorus jobs: runs `nproc_per_node` copies of a worker program on this host,
 //! as node `node_rank` of a job of `nnodes` nodes.
 //!
-//! Every worker gets torchrun's environment contract ([`MASTER_ADDR`](chorus::env::MASTER_ADDR),
-//! [`MASTER_PORT`](chorus::env::MASTER_PORT), [`RANK`](chorus::env::RANK), [`WORLD_SIZE`](chorus::env::WORLD_SIZE),
-//! [`LOCAL_RANK`](chorus::env::LOCAL_RANK), [`LOCAL_WORLD_SIZE`](chorus::env::LOCAL_WORLD_SIZE),
-//! [`GROUP_RANK`](chorus::env::GROUP_RANK), [`GROUP_WORLD_SIZE`](chorus::env::GROUP_WORLD_SIZE),
-//! [`TORCHELASTIC_RESTART_COUNT`](chorus::env::TORCHELASTIC_RESTART_COUNT),
-//! [`TORCHELASTIC_MAX_RESTARTS`](chorus::env::TORCHELASTIC_MAX_RESTARTS),
-//! [`TORCHELASTIC_RUN_ID`](chorus::env::TORCHELASTIC_RUN_ID)) and, when the node's GPUs are given, its
-//! share of them ([`CUDA_VISIBLE_DEVICES`](chorus::env::CUDA_VISIBLE_DEVICES),
-//! [`CHORUS_DEVICE_IDS`](chorus::env::CHORUS_DEVICE_IDS), see [`gpus_for_local_rank`]), on top of the
+//! Every worker gets torchrun's environment contract ([`MASTER_ADDR`](chorus_env::MASTER_ADDR),
+//! [`MASTER_PORT`](chorus_env::MASTER_PORT), [`RANK`](chorus_env::RANK), [`WORLD_SIZE`](chorus_env::WORLD_SIZE),
+//! [`LOCAL_RANK`](chorus_env::LOCAL_RANK), [`LOCAL_WORLD_SIZE`](chorus_env::LOCAL_WORLD_SIZE),
+//! [`GROUP_RANK`](chorus_env::GROUP_RANK), [`GROUP_WORLD_SIZE`](chorus_env::GROUP_WORLD_SIZE),
+//! [`TORCHELASTIC_RESTART_COUNT`](chorus_env::TORCHELASTIC_RESTART_COUNT),
+//! [`TORCHELASTIC_MAX_RESTARTS`](chorus_env::TORCHELASTIC_MAX_RESTARTS),
+//! [`TORCHELASTIC_RUN_ID`](chorus_env::TORCHELASTIC_RUN_ID)) and, when the node's GPUs are given, its
+//! share of them ([`CUDA_VISIBLE_DEVICES`](chorus_env::CUDA_VISIBLE_DEVICES),
+//! [`CHORUS_DEVICE_IDS`](chorus_env::CHORUS_DEVICE_IDS), see [`gpus_for_local_rank`]), on top of the
 //! launcher's own environment and the caller's extra variables. `RANK` is
 //! `node_rank * nproc_per_node + LOCAL_RANK`. A single-node launch that is given no port
 //! reserves one for rank 0's store before it starts anyone ([`PortReservation`]).

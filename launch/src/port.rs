@@ -45,7 +45,7 @@ impl PortReservation {
     /// Fails if `host` does not resolve or the port cannot be bound.
     pub fn at(host: &str, port: u16) -> io::Result<PortReservation> {
         let host = match host {
-            "" | "localhost" => chorus::DEFAULT_MASTER_ADDR,
+            "" | "localhost" => chorus_env::DEFAULT_MASTER_ADDR,
             other => other,
         };
         let family = (host, 0).to_socket_addrs()?.next().ok_or_else(|| {

@@ -9,7 +9,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use chorus::env;
+use chorus_env as env;
 use tracing::{debug, warn};
 
 use crate::output::{Event, Pump, Stream};

@@ -146,7 +146,7 @@ impl LaunchSpec {
             nproc_per_node,
             nnodes: 1,
             node_rank: 0,
-            master_addr: chorus::DEFAULT_MASTER_ADDR.to_string(),
+            master_addr: chorus_env::DEFAULT_MASTER_ADDR.to_string(),
             master_port: None,
             env: Vec::new(),
             timeout: DEFAULT_JOB_TIMEOUT,

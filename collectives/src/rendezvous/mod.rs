@@ -59,9 +59,7 @@ pub enum StoreKind {
     },
 }
 
-/// Default of `MASTER_ADDR` where it may be left out (a job of one rank) and the launchers'
-/// default address of rank 0.
-pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
+pub use crate::env::DEFAULT_MASTER_ADDR;
 
 /// Which mechanism described the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
