@@ -38,7 +38,6 @@ mod error;
 mod executor;
 mod fault;
 pub mod pipeline;
-mod pmi;
 mod rendezvous;
 pub mod schedule;
 pub mod torchrun;

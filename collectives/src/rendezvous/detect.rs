@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 
 use crate::env::{self, bad, optional, Lookup};
-use crate::{pmi, Error};
+use chorus_transport::store::pmi;
+
+use crate::Error;
 
 use super::slurm::{first_host, slurm_port, tasks_on_node};
 use super::{Master, Method, Ranks, Rendezvous, DEFAULT_MASTER_ADDR};

@@ -31,7 +31,7 @@
 //! Detection ([`detect`](detect::detect), in `detect.rs`) only reads variables. SLURM's host
 //! lists and tasks per node are parsed in `slurm.rs`; carrying a rendezvous out ([`Master::resolve`], in
 //! `store.rs`) binds rank 0's store and publishes its address through a shared file
-//! (`file.rs`) or MPICH's PMI ([`crate::pmi`]).
+//! (`file.rs`) or MPICH's PMI (`chorus_transport::store::pmi`).
 
 mod detect;
 mod file;
@@ -129,7 +129,7 @@ pub(crate) enum Master {
         url: String,
     },
     /// Published in MPICH hydra's PMI-1 key-value space: rank 0 binds its store as for
-    /// [`Master::File`] and puts `HOST:PORT` under [`pmi::STORE_KEY`]; after a PMI barrier
+    /// [`Master::File`] and puts `HOST:PORT` under [`STORE_KEY`](chorus_transport::store::pmi::STORE_KEY); after a PMI barrier
     /// the others get it.
     Pmi,
 }

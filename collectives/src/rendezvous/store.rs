@@ -8,7 +8,9 @@ use chorus_transport::auth::Auth;
 use chorus_transport::store::StoreServer;
 
 use crate::env::{self, bad, optional, Lookup};
-use crate::{pmi, Error};
+use chorus_transport::store::pmi;
+
+use crate::Error;
 
 use super::detect::{parse_host_port, pmi_error, value};
 use super::file::{publish, wait_for_file};

@@ -23,6 +23,7 @@
 mod client;
 mod conn;
 pub mod handshake;
+pub mod pmi;
 pub mod protocol;
 mod server;
 mod torch;

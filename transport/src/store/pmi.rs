@@ -20,10 +20,13 @@ use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::env::{self, Lookup};
+use chorus_env as env;
+
+/// How the client reads a variable: its value, or `None` when unset.
+pub type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// The key rank 0's `host:port` is published under.
-pub(crate) const STORE_KEY: &str = "chorus-store";
+pub const STORE_KEY: &str = "chorus-store";
 /// What rank 0 publishes instead when it cannot host its store.
 const FAILED: &str = "failed";
 /// Longest answer line read (hydra's values are at most 1024 bytes).
@@ -297,7 +300,7 @@ fn receive(link: &mut BufReader<Link>, timeout: Duration) -> Result<Message, Str
 }
 
 /// The variable that names hydra's PMI server and its value: `PMI_FD`, else `PMI_PORT`.
-pub(crate) fn server(get: Lookup<'_>) -> Option<(&'static str, String)> {
+pub fn server(get: Lookup<'_>) -> Option<(&'static str, String)> {
     [env::PMI_FD, env::PMI_PORT].into_iter().find_map(|var| {
         get(var)
             .map(|v| v.trim().to_string())
@@ -384,7 +387,7 @@ enum Session {
 
 /// The rank and size hydra gives under `-pmi-port` (in the `initack`, not the environment);
 /// `None` when it serves PMI some other way. Opens the session, kept for [`rendezvous`].
-pub(crate) fn assigned_ranks(get: Lookup<'_>) -> Result<Option<(usize, usize)>, String> {
+pub fn assigned_ranks(get: Lookup<'_>) -> Result<Option<(usize, usize)>, String> {
     if server(get).map(|(var, _)| var) != Some(env::PMI_PORT) {
         return Ok(None);
     }
@@ -411,7 +414,7 @@ pub(crate) fn assigned_ranks(get: Lookup<'_>) -> Result<Option<(usize, usize)>, 
 /// Once per process: a second call returns the first one's outcome without calling
 /// `publish`. Fails when `publish` fails (rank 0 then publishes that it failed, and the
 /// others fail saying so), the server is not there or misbehaves, or the barrier times out.
-pub(crate) fn rendezvous(
+pub fn rendezvous(
     get: Lookup<'_>,
     rank: usize,
     timeout: Duration,
