@@ -1,16 +1,14 @@
 //! Configuration: one typed `Config`, read from the environment or built in code.
 
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chorus_transport::auth::Auth;
-use chorus_transport::store::StoreServer;
 use chorus_transport::TransportKind;
 
 use crate::env::{bad, optional, Lookup};
-use crate::rendezvous::{self, Method, Ranks};
-pub use crate::rendezvous::{StoreKind, DEFAULT_MASTER_ADDR};
+use crate::rendezvous::{self, Master, Method, Ranks};
+pub use crate::rendezvous::{Rendezvous, StoreKind, DEFAULT_MASTER_ADDR};
 use crate::tuner::Forced;
 use crate::{env, Error};
 
@@ -25,10 +23,14 @@ pub struct Config {
     pub local_rank: usize,
     /// Number of processes on this host (`LOCAL_WORLD_SIZE`).
     pub local_world_size: usize,
-    /// Host of rank 0's rendezvous store (`MASTER_ADDR`).
+    /// Host of rank 0's rendezvous store (`MASTER_ADDR`); for a published rendezvous, filled
+    /// in when the communicator is made.
     pub master_addr: String,
-    /// Port of the rendezvous store (`MASTER_PORT`).
+    /// Port of the rendezvous store (`MASTER_PORT`); as `master_addr`.
     pub master_port: u16,
+    /// How the ranks meet: at `master_addr` and `master_port`, or through an address rank 0
+    /// publishes when the communicator is made (`CHORUS_INIT_METHOD=file://`, MPICH's PMI).
+    pub rendezvous: Rendezvous,
     /// Bound on every blocking wait (`CHORUS_TIMEOUT`, seconds).
     pub timeout: Duration,
     /// TCP sockets per peer (`CHORUS_NSOCKS`).
@@ -62,26 +64,6 @@ pub struct Config {
     /// The rendezvous store ranks meet through: torchrun's agent store when
     /// `TORCHELASTIC_USE_AGENT_STORE` is `True`, else Chorus's own.
     pub store: StoreKind,
-    /// The store rank 0 already bound at `master_port` while reading its configuration.
-    pub(crate) bound_store: BoundStore,
-}
-
-/// A store this process bound while its configuration was read: rank 0 of a `file://`
-/// rendezvous binds its store before it publishes the port. The first communicator made from
-/// the configuration (or a clone of it) serves it.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct BoundStore(Option<Arc<Mutex<Option<StoreServer>>>>);
-
-impl BoundStore {
-    fn new(server: Option<StoreServer>) -> BoundStore {
-        BoundStore(server.map(|s| Arc::new(Mutex::new(Some(s)))))
-    }
-
-    /// The bound store, if there is one and no communicator has taken it yet.
-    pub(crate) fn take(&self) -> Option<StoreServer> {
-        let slot = self.0.as_ref()?;
-        slot.lock().unwrap_or_else(|p| p.into_inner()).take()
-    }
 }
 
 /// Defaults shared by `Config::new` and `Config::from_env`.
@@ -131,7 +113,7 @@ impl Config {
             watchdog: DEFAULT_WATCHDOG,
             auth: Auth::default(),
             store: StoreKind::Chorus,
-            bound_store: BoundStore::default(),
+            rendezvous: Rendezvous::default(),
         }
     }
 
@@ -142,22 +124,22 @@ impl Config {
     /// contract (`RANK`, `WORLD_SIZE`, ..., as chorusrun sets it), SLURM (`srun`), Open MPI,
     /// MPICH/Intel MPI (PMI) and MVAPICH2; see `docs/launching.md`.
     ///
-    /// With `CHORUS_INIT_METHOD=file://...`, rank 0 binds its store here (on `MASTER_PORT`,
-    /// else on any free port, which `master_port` then names) before it writes the port into
-    /// the file, and the first [`Communicator`](crate::Communicator) made from this
-    /// configuration serves that store.
+    /// It only reads variables. Where rank 0 publishes its store's address
+    /// (`CHORUS_INIT_METHOD=file://...`, MPICH's PMI), [`rendezvous`](Config::rendezvous)
+    /// says so, and [`Communicator::new`](crate::Communicator::new) carries it out: rank 0
+    /// binds its store (on `MASTER_PORT`, else on any free port) before it publishes the port,
+    /// and the others read it.
     ///
     /// Fails naming the variable when one is missing, malformed or contradicts another (listing
-    /// the related variables found), when RANK is not below WORLD_SIZE, or, for `file://`,
-    /// when rank 0 cannot bind its store or rank 0's address does not appear in the file within
-    /// `CHORUS_TIMEOUT`.
+    /// the related variables found), or when RANK is not below WORLD_SIZE.
     pub fn from_env() -> Result<Config, Error> {
         Config::from_lookup(|k| std::env::var(k).ok())
     }
 
     /// Like `from_env`, reading variables through `get` (for tests and launchers).
     ///
-    /// With `CHORUS_INIT_METHOD=file://...` this reads or writes that file.
+    /// Reads variables and nothing else: a `file://` or PMI rendezvous is carried out (the
+    /// file written or read, the store bound) when the communicator is made.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
         let get: Lookup<'_> = &get;
         let tuned = Config::new(0, 1, DEFAULT_MASTER_ADDR, 0).tuned_from(get)?;
@@ -173,11 +155,11 @@ impl Config {
             ));
         }
         let auth = job_auth(get)?;
-        // Last, since for file:// rank 0 publishes its address here.
-        let (master_addr, master_port, bound) =
-            found
-                .master
-                .resolve(&found.ranks, tuned.timeout, get, &auth)?;
+        // A published address is filled in when the communicator carries the rendezvous out.
+        let (master_addr, master_port) = match &found.master {
+            Master::Addr(addr, port) => (addr.clone(), *port),
+            Master::File { .. } | Master::Pmi => (DEFAULT_MASTER_ADDR.to_string(), 0),
+        };
         let store = rendezvous::store_kind(get, &master_addr, master_port);
         let Ranks {
             rank,
@@ -190,8 +172,7 @@ impl Config {
             world_size,
             local_rank,
             local_world_size,
-            master = %format!("{master_addr}:{master_port}"),
-            ?store,
+            master = ?found.master,
             "rendezvous through {}",
             found.method
         );
@@ -204,7 +185,7 @@ impl Config {
             master_port,
             auth,
             store,
-            bound_store: BoundStore::new(bound),
+            rendezvous: Rendezvous::new(found.master, get),
             ..tuned
         })
     }
@@ -556,7 +537,7 @@ mod tests {
     }
 
     #[test]
-    fn a_bad_variable_fails_before_the_file_is_written() {
+    fn reading_a_published_rendezvous_writes_nothing() {
         let dir = std::env::temp_dir().join(format!("chorus-config-file-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -568,14 +549,19 @@ mod tests {
             ("WORLD_SIZE", "2"),
             ("CHORUS_NSOCKS", "0"),
         ];
-        assert!(from(&vars)
-            .unwrap_err()
-            .to_string()
-            .contains("CHORUS_NSOCKS"));
-        assert!(!path.exists());
+        assert!(matches!(
+            from(&vars).unwrap_err(),
+            Error::Config {
+                var: "CHORUS_NSOCKS",
+                ..
+            }
+        ));
         let c = from(&vars[..3]).unwrap();
-        assert_eq!(c.master_addr, "127.0.0.1");
-        assert!(path.exists());
+        assert!(c.rendezvous.is_published());
+        assert!(!path.exists(), "reading the configuration wrote the file");
+        // A clone carries no live store: the communicator binds and publishes it.
+        let _ = c.clone();
+        assert!(!from(&BASE).unwrap().rendezvous.is_published());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

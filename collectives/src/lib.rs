@@ -67,8 +67,8 @@ pub use chorus_transport::auth::Auth;
 pub use chorus_transport::TransportKind;
 pub use communicator::{Communicator, Group, Messages, SharedBuffer, Work};
 pub use config::{
-    hostname, Config, StoreKind, DEFAULT_CHUNK_BYTES, DEFAULT_MASTER_ADDR, DEFAULT_NSOCKS,
-    DEFAULT_TIMEOUT,
+    hostname, Config, Rendezvous, StoreKind, DEFAULT_CHUNK_BYTES, DEFAULT_MASTER_ADDR,
+    DEFAULT_NSOCKS, DEFAULT_TIMEOUT,
 };
 pub use error::{Error, Result};
 pub use fault::{Cause, Fault};

@@ -155,28 +155,26 @@ impl Communicator {
 
     /// Joins the job: rendezvous through rank 0's store (or torchrun's agent store, as
     /// `config.store` says), then connect to every peer. Rank 0 binds its store at
-    /// `config.master_port`, unless it already bound it while reading its configuration
-    /// ([`Config::from_lookup`] under a `file://` rendezvous).
+    /// `config.master_port`; where `config.rendezvous` is published (`file://`, MPICH's PMI),
+    /// rank 0 binds it first and publishes its address, and the others read it.
     ///
     /// Fails with a clear error if the store's port is busy (rank 0), the
-    /// store cannot be reached, or a peer does not show up, all within
-    /// `config.timeout`.
-    pub fn new(config: Config) -> Result<Communicator> {
+    /// store cannot be reached or its address is not published, or a peer does not show up,
+    /// all within `config.timeout`.
+    pub fn new(mut config: Config) -> Result<Communicator> {
         check_shape(&config)?;
+        let bound = std::mem::take(&mut config.rendezvous).carry_out(&mut config)?;
         let (space, hosted) = match &config.store {
             StoreKind::Chorus => ("chorus".to_string(), true),
             StoreKind::TorchAgent { run } => (format!("torchelastic/{run}/chorus"), false),
         };
-        let server = if hosted && config.rank == 0 && config.world_size > 1 {
-            match config.bound_store.take() {
-                Some(bound) => Some(bound),
-                None => {
-                    let addr = SocketAddr::from(([0, 0, 0, 0], config.master_port));
-                    Some(StoreServer::bind_with_auth(addr, config.auth.clone())?)
-                }
+        let server = match bound {
+            Some(bound) => Some(bound),
+            None if hosted && config.rank == 0 && config.world_size > 1 => {
+                let addr = SocketAddr::from(([0, 0, 0, 0], config.master_port));
+                Some(StoreServer::bind_with_auth(addr, config.auth.clone())?)
             }
-        } else {
-            None
+            None => None,
         };
         let prefix = format!("{space}/{}", CREATED.fetch_add(1, Ordering::Relaxed));
         Communicator::with_store_server(config, server, &prefix)

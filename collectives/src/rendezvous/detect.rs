@@ -9,7 +9,7 @@ use chorus_transport::store::pmi;
 use crate::Error;
 
 use super::slurm::{first_host, slurm_port, tasks_on_node};
-use super::{Master, Method, Ranks, Rendezvous, DEFAULT_MASTER_ADDR};
+use super::{Found, Master, Method, Ranks, DEFAULT_MASTER_ADDR};
 
 /// The variables one launcher sets for rank, size, local rank and local size.
 struct Vars {
@@ -77,7 +77,7 @@ const SLURM_VARS: [&str; 16] = [
 ///
 /// Fails naming the variable when one is missing, malformed or contradicts another, listing
 /// the related variables that were found.
-pub(crate) fn detect(get: Lookup<'_>) -> Result<Rendezvous, Error> {
+pub(crate) fn detect(get: Lookup<'_>) -> Result<Found, Error> {
     if let Some(url) = value(get, env::CHORUS_INIT_METHOD) {
         return init_method(&url, get);
     }
@@ -95,7 +95,7 @@ pub(crate) fn detect(get: Lookup<'_>) -> Result<Rendezvous, Error> {
     } else {
         given_master(get, &ranks, method)?
     };
-    Ok(Rendezvous {
+    Ok(Found {
         method,
         ranks,
         master,
@@ -176,7 +176,7 @@ pub(super) fn pmi_error(get: Lookup<'_>, reason: &str) -> Error {
 }
 
 /// `CHORUS_INIT_METHOD`: `env://`, `tcp://HOST:PORT` or `file:///PATH`.
-fn init_method(url: &str, get: Lookup<'_>) -> Result<Rendezvous, Error> {
+fn init_method(url: &str, get: Lookup<'_>) -> Result<Found, Error> {
     const VAR: &str = env::CHORUS_INIT_METHOD;
     if url == "env://" {
         if value(get, TORCHRUN.rank).is_none() && value(get, TORCHRUN.size).is_none() {
@@ -199,7 +199,7 @@ fn init_method(url: &str, get: Lookup<'_>) -> Result<Rendezvous, Error> {
         }
         let ranks = standard_ranks(get, &TORCHRUN, false)?;
         let master = given_master(get, &ranks, Method::InitEnv)?;
-        return Ok(Rendezvous {
+        return Ok(Found {
             method: Method::InitEnv,
             ranks,
             master,
@@ -240,7 +240,7 @@ fn init_method(url: &str, get: Lookup<'_>) -> Result<Rendezvous, Error> {
         )
     })?;
     tracing::debug!(%source, "ranks for {method}");
-    Ok(Rendezvous {
+    Ok(Found {
         method,
         ranks,
         master: master_of,
@@ -527,7 +527,7 @@ mod tests {
     use crate::rendezvous::{assert_mentions, ranks};
     use std::collections::HashMap;
 
-    fn detect_in(vars: &[(&str, &str)]) -> Result<Rendezvous, Error> {
+    fn detect_in(vars: &[(&str, &str)]) -> Result<Found, Error> {
         let map: HashMap<String, String> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -38,8 +38,14 @@ mod file;
 mod slurm;
 mod store;
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
+
+use chorus_transport::store::StoreServer;
+
+use crate::env::{self, Lookup};
+use crate::{Config, Error};
 
 pub(crate) use detect::detect;
 pub(crate) use store::store_kind;
@@ -136,10 +142,92 @@ pub(crate) enum Master {
 
 /// What [`detect`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Rendezvous {
+pub(crate) struct Found {
     pub method: Method,
     pub ranks: Ranks,
     pub master: Master,
+}
+
+/// The variables carrying out a published rendezvous reads: where rank 0 says it is, the
+/// store's port, the run's name, torchrun's agent store, and MPICH's PMI server.
+const CARRY_OUT_VARS: [&str; 15] = [
+    env::CHORUS_SOCKET_ADDR,
+    env::MPIR_CVAR_CH3_INTERFACE_HOSTNAME,
+    env::MASTER_ADDR,
+    env::MASTER_PORT,
+    env::TORCHELASTIC_USE_AGENT_STORE,
+    env::TORCHELASTIC_RUN_ID,
+    env::TORCHELASTIC_RESTART_COUNT,
+    env::SLURM_JOB_ID,
+    env::SLURM_JOBID,
+    env::SLURM_STEP_ID,
+    env::SLURM_STEPID,
+    env::PMIX_NAMESPACE,
+    env::PMI_FD,
+    env::PMI_PORT,
+    env::PMI_ID,
+];
+
+/// How the ranks of a job meet, as its environment describes it: rank 0's store at the
+/// configuration's `master_addr` and `master_port` (the default), or published by rank 0 when
+/// the communicator is made (a `file://` rendezvous, MPICH's PMI), when rank 0 binds its store
+/// and publishes its address and the others read it.
+///
+/// [`Config::from_env`](crate::Config::from_env) describes it by reading variables only;
+/// [`Communicator::new`](crate::Communicator::new) carries it out.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Rendezvous {
+    published: Option<Published>,
+}
+
+/// A rendezvous whose address rank 0 publishes, and the variables carrying it out reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Published {
+    master: Master,
+    vars: BTreeMap<&'static str, String>,
+}
+
+impl Rendezvous {
+    /// The rendezvous `master` describes, with what carrying it out reads from `get`.
+    pub(crate) fn new(master: Master, get: Lookup<'_>) -> Rendezvous {
+        if matches!(master, Master::Addr(..)) {
+            return Rendezvous::default();
+        }
+        let vars = CARRY_OUT_VARS
+            .into_iter()
+            .filter_map(|var| get(var).map(|value| (var, value)))
+            .collect();
+        Rendezvous {
+            published: Some(Published { master, vars }),
+        }
+    }
+
+    /// Whether rank 0 publishes its store's address when the communicator is made (and
+    /// `master_addr` and `master_port` are filled in then).
+    pub fn is_published(&self) -> bool {
+        self.published.is_some()
+    }
+
+    /// Carries the rendezvous out for `config`, within its timeout: fills in the store's
+    /// address and kind, and returns the store rank 0 bound to learn its port. Nothing to
+    /// do where the store's address was given.
+    pub(crate) fn carry_out(&self, config: &mut Config) -> Result<Option<StoreServer>, Error> {
+        let Some(Published { master, vars }) = &self.published else {
+            return Ok(None);
+        };
+        let get = |var: &str| vars.get(var).cloned();
+        let ranks = Ranks {
+            rank: config.rank,
+            world_size: config.world_size,
+            local_rank: config.local_rank,
+            local_world_size: config.local_world_size,
+        };
+        let (addr, port, server) = master.resolve(&ranks, config.timeout, &get, &config.auth)?;
+        config.store = store_kind(&get, &addr, port);
+        tracing::info!(rank = ranks.rank, master = %format!("{addr}:{port}"), store = ?config.store, "rendezvous carried out");
+        (config.master_addr, config.master_port) = (addr, port);
+        Ok(server)
+    }
 }
 
 /// The ranks of a process, for tests.
