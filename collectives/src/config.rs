@@ -172,7 +172,11 @@ impl Config {
             world_size,
             local_rank,
             local_world_size,
-            master = ?found.master,
+            master = %match &found.master {
+                Master::Addr(..) => format!("{master_addr}:{master_port}"),
+                Master::File { .. } | Master::Pmi => "published by rank 0".to_string(),
+            },
+            ?store,
             "rendezvous through {}",
             found.method
         );
