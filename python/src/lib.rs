@@ -22,8 +22,7 @@ mod torch;
 
 use std::time::Duration;
 
-use chorus::{Auth, CallKind, Communicator, Config};
-use chorus_transport::store::StoreServer;
+use chorus::{Auth, CallKind, Communicator, Config, StoreServer};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
