@@ -1,5 +1,6 @@
 //! The TCP transport: several sockets per peer, striped, with a progress thread.
 
+mod conn;
 mod engine;
 pub mod frame;
 mod mesh;

@@ -18,8 +18,6 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use super::engine::Engine;
-
 /// How long a sleeper naps when `poll(2)` fails.
 const NAP: Duration = Duration::from_millis(2);
 
@@ -68,9 +66,14 @@ impl Poller {
         drain(&self.doorbell);
     }
 
-    /// What `who` watches in `engine` now; `None` if a waiter has nothing to watch (nothing
-    /// queued, so nothing pending that bytes could finish).
-    pub(crate) fn watch(&self, engine: &Engine, who: Sleeper) -> Option<Watch> {
+    /// What `who` watches of the sockets `queued` (each socket's index, descriptor, and
+    /// whether it has a receive posted and a send queued); `None` if a waiter has nothing to
+    /// watch (nothing queued, so nothing pending that bytes could finish).
+    pub(crate) fn watch(
+        &self,
+        queued: impl Iterator<Item = (usize, libc::c_int, bool, bool)>,
+        who: Sleeper,
+    ) -> Option<Watch> {
         let bell = match who {
             Sleeper::Waiter => &self.doorbell,
             Sleeper::Background => &self.kick,
@@ -79,7 +82,7 @@ impl Poller {
             fds: vec![pollfd(bell.as_raw_fd(), libc::POLLIN)],
             conns: Vec::new(),
         };
-        for (idx, fd, reads, writes) in engine.queued() {
+        for (idx, fd, reads, writes) in queued {
             let mut events = 0;
             if reads && who == Sleeper::Waiter {
                 events |= libc::POLLIN;
@@ -124,16 +127,24 @@ impl Poller {
         }
     }
 
-    /// Serves the sockets `watch` found ready; true if the sleeper's doorbell rang.
-    pub(crate) fn serve(&self, engine: &mut Engine, watch: &Watch) -> bool {
-        for (p, &idx) in watch.fds[1..].iter().zip(&watch.conns) {
-            let hangup = p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0;
-            let read = hangup || p.revents & libc::POLLIN != 0;
-            let write = hangup || p.revents & libc::POLLOUT != 0;
-            if read || write {
-                engine.serve(idx, read, write);
-            }
-        }
+    /// The sockets `watch` found ready, each with whether to read and to write it.
+    pub(crate) fn ready<'a>(
+        &self,
+        watch: &'a Watch,
+    ) -> impl Iterator<Item = (usize, bool, bool)> + 'a {
+        watch.fds[1..]
+            .iter()
+            .zip(&watch.conns)
+            .filter_map(|(p, &idx)| {
+                let hangup = p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0;
+                let read = hangup || p.revents & libc::POLLIN != 0;
+                let write = hangup || p.revents & libc::POLLOUT != 0;
+                (read || write).then_some((idx, read, write))
+            })
+    }
+
+    /// Whether the sleeper's doorbell rang while it slept on `watch`.
+    pub(crate) fn rang(&self, watch: &Watch) -> bool {
         watch.fds[0].revents != 0
     }
 
