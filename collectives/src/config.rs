@@ -194,6 +194,17 @@ impl Config {
         })
     }
 
+    /// How long a peer whose host answers nothing (a pulled link, a frozen machine) may stay
+    /// silent before it is taken for gone: the watchdog's time (`timeout * watchdog`), or the
+    /// whole timeout with the watchdog off.
+    pub fn dead_after(&self) -> Duration {
+        if self.watchdog > 0.0 {
+            self.timeout.mul_f64(self.watchdog)
+        } else {
+            self.timeout
+        }
+    }
+
     /// `self` with the `CHORUS_*` tuning variables read through `get` applied: the timeout,
     /// sockets per peer, chunk size, forced algorithms, the tuner's link figures, the
     /// advertised address, the transport, the host identity, single copy and the watchdog.

@@ -14,13 +14,17 @@ mod netns_support;
 
 use std::io::Write;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chorus::cost::{closed, LinkModel};
 use chorus::tuner::{Algorithm, Collective, Forced, Path, Topology, Tuner};
-use chorusrun_support::{allreduce_perf, chorusrun, clean_env, start, Finished, Running, PROBE};
+use chorusrun_support::{
+    allreduce_perf, chorusrun, clean_env, start, wait_for_files, Finished, Running, Scratch, PROBE,
+};
 use netns_support::{cluster, Cluster};
 
+/// The chaos worker (see `tests/src/bin/chaos.rs`).
+const CHAOS: &str = env!("CARGO_BIN_EXE_chorus-chaos-worker");
 /// Bound on one chorusrun run.
 const LIMIT: Duration = Duration::from_secs(90);
 /// The store port node 0 listens on (inside its own namespace, so no clash with the host).
@@ -143,6 +147,62 @@ fn an_unreachable_master_is_a_clear_timeout() {
         "{}",
         run.stderr
     );
+}
+
+/// A node whose link is pulled (its host answers nothing and closes nothing) is named by every
+/// survivor at the watchdog's time, long before the timeout: the kernel's probes of its idle
+/// connections give up, and the watchdog finds its host acknowledging nothing of the bytes
+/// sent to it.
+#[test]
+fn a_node_whose_link_is_pulled_is_named_within_the_watchdogs_time() {
+    // The watchdog's time is a quarter of the timeout, 15 s.
+    const TIMEOUT: u64 = 60;
+    let Some(cluster) = cluster(3) else { return };
+    let dir = Scratch::new("vanish");
+    let ranks: Vec<Running> = (0..3)
+        .map(|rank| {
+            let mut cmd = Command::new("ip");
+            clean_env(&mut cmd);
+            cmd.args(["netns", "exec", &cluster.nodes[rank], CHAOS])
+                .args(["vanish", dir.path().to_str().expect("a UTF-8 path")])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "3")
+                .env("MASTER_ADDR", Cluster::addr(0))
+                .env("MASTER_PORT", PORT)
+                .env("CHORUS_TIMEOUT", TIMEOUT.to_string())
+                .env("CHORUS_WATCHDOG", "0.25");
+            start(cmd)
+        })
+        .collect();
+    wait_for_files(
+        &(0..3)
+            .map(|r| dir.path().join(format!("ready-{r}")))
+            .collect::<Vec<_>>(),
+    );
+    let victim = 2;
+    cluster.unplug(victim);
+    let pulled = Instant::now();
+    let mut ranks = ranks.into_iter();
+    let survivors: Vec<Finished> = ranks.by_ref().take(victim).map(|r| r.wait(LIMIT)).collect();
+    let took = pulled.elapsed();
+    // The bound leaves room for the watchdog's question and a slow machine while staying far
+    // from the timeout itself.
+    assert!(
+        took < Duration::from_secs(TIMEOUT * 3 / 4),
+        "the survivors took {took:?} (timeout {TIMEOUT} s): {survivors:?}"
+    );
+    eprintln!("the survivors of rank {victim}'s pulled link ended {took:?} after it");
+    for (rank, run) in survivors.iter().enumerate() {
+        eprint!("rank {rank}: {}", run.stderr);
+        run.assert_code(1);
+        let fault = run
+            .stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("fault: "))
+            .unwrap_or_else(|| panic!("rank {rank} printed no fault: {}", run.stderr));
+        let culprit = fault.split(' ').nth(1);
+        assert_eq!(culprit, Some("2"), "rank {rank}: {}", run.stderr);
+    }
 }
 
 /// Out-of-place times in seconds by size from rank 0's nccl-tests table.

@@ -54,6 +54,11 @@ pub(crate) trait Engine: Progress + 'static {
     /// As [`Transport::abort`].
     fn abort(&self, reason: &str);
 
+    /// As [`Transport::unanswered`].
+    fn unanswered(&self, _peer: usize) -> Option<std::time::Duration> {
+        None
+    }
+
     /// The background thread's loop; returns soon after [`stop`](Engine::stop).
     fn run(&self);
 
@@ -159,6 +164,10 @@ impl<E: Engine> Transport for Endpoint<E> {
     fn abort(&self, reason: &str) {
         self.engine.abort(reason);
     }
+
+    fn unanswered(&self, peer: usize) -> Option<std::time::Duration> {
+        self.engine.unanswered(peer)
+    }
 }
 
 impl<E: Engine> Drop for Endpoint<E> {
@@ -221,6 +230,10 @@ macro_rules! through_endpoint {
 
             fn abort(&self, reason: &str) {
                 self.$field.abort(reason)
+            }
+
+            fn unanswered(&self, peer: usize) -> Option<std::time::Duration> {
+                self.$field.unanswered(peer)
             }
         }
     };

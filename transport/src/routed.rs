@@ -351,6 +351,10 @@ impl Transport for RoutedTransport {
             t.abort(reason);
         }
     }
+
+    fn unanswered(&self, peer: usize) -> Option<std::time::Duration> {
+        self.to(peer).ok()?.unanswered(peer)
+    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! The `Transport` trait: the contract every way of moving bytes between ranks meets.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::{Request, TransportError};
 
@@ -94,6 +94,15 @@ pub trait Transport: Send + Sync {
     ///
     /// When it returns, the transport no longer touches any posted buffer.
     fn abort(&self, reason: &str);
+
+    /// How long `peer`'s host has acknowledged nothing of what this rank sent it, while the
+    /// bytes are being retransmitted: `Some` only when its machine or link has stopped
+    /// answering (a process that is stopped or busy keeps its kernel acknowledging). `None`
+    /// where the peer answers, or the transport cannot tell (shared memory).
+    fn unanswered(&self, peer: usize) -> Option<Duration> {
+        let _ = peer;
+        None
+    }
 
     /// Posts a send of `data` to `to` and a receive of exactly `buf.len()` bytes from `from`,
     /// both labelled `tag` and numbered as an [`isend`](Self::isend) then an

@@ -110,6 +110,7 @@ impl Communicator {
                 addr: advertised_addr(&config)?,
                 timeout: config.timeout,
                 auth: config.auth.clone(),
+                dead_after: Some(config.dead_after()),
                 ..TcpConfig::default()
             },
             shm: ShmConfig {

@@ -42,8 +42,9 @@ impl Inner {
         let shm = self.all_shm().expect("meetings need shared memory");
         let warned = Cell::new(false);
         let tell = || {
-            if !warned.replace(true) {
-                watch.inspect(|w| w.stalled());
+            if let Some(w) = watch.filter(|_| !warned.replace(true)) {
+                // Meetings join the ranks of one host, none of which can lose its host alone.
+                let _ = w.stalled();
             }
         };
         let stall = watch

@@ -344,6 +344,7 @@ impl Inner {
             monitor.activity.begin(state.seq, info, now);
             Watcher {
                 monitor,
+                transport: self.transport.as_ref().map(|t| t as &dyn Transport),
                 seq: state.seq,
                 call: info,
                 started: now,

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use chorus_transport::store::{PrefixStore, Store, StoreError};
-use chorus_transport::TransportError;
+use chorus_transport::{Transport, TransportError};
 
 use super::{connect_store, lock, CallInfo, Inner};
 use crate::executor::Watch;
@@ -527,6 +527,8 @@ pub(super) fn ranks(list: &[usize]) -> String {
 /// The watchdog for one call: warns when it stalls and explains how it failed.
 pub(crate) struct Watcher<'a> {
     pub monitor: &'a Monitor,
+    /// Asked about ranks that do not answer the watchdog's question.
+    pub transport: Option<&'a dyn Transport>,
     pub seq: u64,
     pub call: CallInfo,
     pub started: Instant,
@@ -537,7 +539,7 @@ impl Watch for Watcher<'_> {
         self.monitor.warn_after.map(|d| self.started + d)
     }
 
-    fn stalled(&self) {
+    fn stalled(&self) -> Option<TransportError> {
         let (rank, seq, call) = (self.monitor.rank, self.seq, self.call);
         let waited = self.started.elapsed().as_secs_f64();
         let survey = self.monitor.survey(seq, &call);
@@ -545,6 +547,20 @@ impl Watch for Watcher<'_> {
             "rank {rank}: {call} #{seq} has waited {waited:.1} s: {}",
             survey.text
         );
+        // A rank that did not answer, and whose host has acknowledged nothing for as long as
+        // the question waited, is gone (a pulled link, a machine down), not stopped or slow.
+        let transport = self.transport?;
+        survey.silent.iter().find_map(|&peer| {
+            let quiet = transport
+                .unanswered(peer)
+                .filter(|&q| q >= self.monitor.grace)?;
+            let why = format!(
+                "its host has acknowledged nothing for {:.1} s (its link or machine is down?)",
+                quiet.as_secs_f64()
+            );
+            let timed_out = io::Error::from(io::ErrorKind::TimedOut);
+            Some(TransportError::io(peer, "wait", Some(why), timed_out))
+        })
     }
 
     fn failed(&self, error: Error) -> Error {

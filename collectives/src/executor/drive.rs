@@ -321,7 +321,9 @@ fn wait(job: &Job<'_>, warned: &mut bool, req: &Request) -> Result<(), Error> {
             match req.wait(warn_at) {
                 Err(TransportError::Timeout { .. }) => {
                     *warned = true;
-                    watch.stalled();
+                    if let Some(gone) = watch.stalled() {
+                        return Err(Error::transport(job.rank, gone));
+                    }
                 }
                 done => return done.map_err(|e| Error::transport(job.rank, e)),
             }

@@ -81,8 +81,9 @@ pub struct Job<'a> {
 pub trait Watch {
     /// When a wait still pending should be reported as stalled (`None`: never).
     fn warn_at(&self) -> Option<Instant>;
-    /// Called once, when a wait outlasts [`warn_at`](Self::warn_at); the call goes on waiting.
-    fn stalled(&self);
+    /// Called once, when a wait outlasts [`warn_at`](Self::warn_at): the call goes on waiting,
+    /// unless this names a peer found gone (its host answers nothing), which fails the wait.
+    fn stalled(&self) -> Option<chorus_transport::TransportError>;
     /// Turns a failure into the error to report, before the transport is aborted.
     fn failed(&self, error: Error) -> Error;
 }
@@ -148,7 +149,7 @@ mod tests {
             Some(Instant::now())
         }
 
-        fn stalled(&self) {
+        fn stalled(&self) -> Option<TransportError> {
             panic!("stalled");
         }
 

@@ -18,6 +18,8 @@
 //! - `soak`: 20,000 small and 200 large all-reduces; open files and resident
 //!   memory must stay within small bounds (read from /proc).
 //! - `churn`: 100 communicators duplicated from one and dropped; no files or threads leak.
+//! - `vanish DIR`: small all-reduces until one fails; after the first, each rank writes
+//!   DIR/ready-RANK, so that the test can cut a node off while every rank is in the loop.
 //!
 //! Survivors print `failed: ERROR` on stderr and exit with status 1; a
 //! result that is wrong is reported as `WRONG` and exits with status 2.
@@ -56,6 +58,7 @@ fn main() -> ExitCode {
         "rounds" => rounds(&comm, 7, &AtomicUsize::new(0)),
         "soak" => soak(&comm),
         "churn" => churn(&comm),
+        "vanish" => until_it_fails(&comm, arg(1)),
         other => Outcome::Wrong(format!("unknown scenario {other:?}")),
     };
     report(outcome)
@@ -255,6 +258,20 @@ fn stopped(comm: &Communicator, victim: usize, dir: &str) -> Outcome {
                 return Outcome::Failed(e);
             }
             wrong => return wrong,
+        }
+    }
+    Outcome::Done
+}
+
+fn until_it_fails(comm: &Communicator, dir: &str) -> Outcome {
+    for i in 0.. {
+        match round(comm, 100) {
+            Outcome::Done if i == 0 => {
+                let ready = format!("{dir}/ready-{}", comm.rank());
+                std::fs::write(ready, b"").expect("ready file");
+            }
+            Outcome::Done => {}
+            other => return other,
         }
     }
     Outcome::Done

@@ -4,7 +4,9 @@
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::frame::{FrameHeader, HEADER_LEN};
 use crate::matching::{self, MessageId};
@@ -220,6 +222,29 @@ impl Conn {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(true),
             Err(e) => Err(io_error(self.peer, "recv", e)),
         }
+    }
+}
+
+impl Conn {
+    /// How long the peer's host has acknowledged nothing while the kernel retransmits to it
+    /// (`TCP_INFO`); `None` while it acknowledges, or when nothing is unacknowledged.
+    pub(super) fn unanswered(&self) -> Option<Duration> {
+        // SAFETY: tcp_info is plain integers, for which all zeroes is a valid value.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: `info` is a live tcp_info of `len` bytes for the kernel to fill; the socket
+        // is open while `self` lives.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.stream.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                (&mut info as *mut libc::tcp_info).cast(),
+                &mut len,
+            )
+        };
+        (rc == 0 && info.tcpi_retransmits > 0 && info.tcpi_unacked > 0)
+            .then(|| Duration::from_millis(info.tcpi_last_ack_recv.into()))
     }
 }
 

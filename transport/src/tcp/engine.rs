@@ -193,6 +193,14 @@ impl crate::endpoint::Engine for Shared {
         self.hand_over(&mut engine);
     }
 
+    fn unanswered(&self, peer: usize) -> Option<Duration> {
+        let engine = self.lock();
+        let link = &engine.peers.get(peer)?.link;
+        link.iter()
+            .filter_map(|&idx| engine.conns[idx].unanswered())
+            .max()
+    }
+
     /// Asks the background thread to exit.
     fn stop(&self) {
         self.stop.store(true, Ordering::Release);

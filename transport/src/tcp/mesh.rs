@@ -12,7 +12,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use socket2::{Domain, Socket, Type};
+use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
 
 use super::TcpConfig;
 use crate::auth::{Auth, MAC_LEN};
@@ -83,11 +83,30 @@ pub(super) fn connect_all(
                         .map_err(|e| io_setup(peer, "set TCP_NODELAY", e))?;
                     s.set_read_timeout(None)
                         .map_err(|e| io_setup(peer, "clear the timeout", e))?;
+                    if let Some(dead_after) = config.dead_after {
+                        probe(&s, dead_after)
+                            .map_err(|e| io_setup(peer, "set TCP keepalive", e))?;
+                    }
                     Ok(s)
                 })
                 .collect()
         })
         .collect()
+}
+
+/// Has the kernel probe the peer of `stream` when the connection idles (TCP keepalive: the
+/// first probe after a quarter of `dead_after`, then three more a tenth apart), so that a
+/// host that stopped answering fails the connection within about half of it. The kernel
+/// answers probes for a process that is stopped or busy, so only a gone host fails. (Bytes
+/// in flight are not probed: [`Transport::unanswered`](crate::Transport::unanswered) tells
+/// the watchdog about those.)
+fn probe(stream: &TcpStream, dead_after: Duration) -> io::Result<()> {
+    let at_least_a_second = |d: Duration| d.max(Duration::from_secs(1));
+    let keepalive = TcpKeepalive::new()
+        .with_time(at_least_a_second(dead_after / 4))
+        .with_interval(at_least_a_second(dead_after / 10))
+        .with_retries(3);
+    SockRef::from(stream).set_tcp_keepalive(&keepalive)
 }
 
 fn setup(what: &'static str) -> impl Fn(io::Error) -> TransportError {

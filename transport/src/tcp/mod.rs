@@ -35,6 +35,13 @@ pub struct TcpConfig {
     pub timeout: Duration,
     /// The job's identity and secret, proven on every socket.
     pub auth: Auth,
+    /// How long a peer may leave an idle connection silent before it is taken for gone, when
+    /// its host stops answering without closing anything (a pulled link, a machine that
+    /// froze): the kernel probes idle connections (TCP keepalive) and the connection fails
+    /// naming the peer within about half of this. A process that is alive but stopped or busy
+    /// keeps its kernel answering, so it is not taken for gone. `None`: the kernel's default
+    /// (no probes).
+    pub dead_after: Option<Duration>,
 }
 
 impl Default for TcpConfig {
@@ -45,6 +52,7 @@ impl Default for TcpConfig {
             addr: IpAddr::from([127, 0, 0, 1]),
             timeout: Duration::from_secs(300),
             auth: Auth::default(),
+            dead_after: None,
         }
     }
 }
