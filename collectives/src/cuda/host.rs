@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use chorus_kernels::cuda::memory::{copy_to_device, copy_to_host, Pinned};
 
-use super::{CallerStream, CudaCommunicator, CudaError, CudaEvent, CudaStream, DeviceWork, Shared};
+use super::{CallerStream, CudaCommunicator, CudaError, CudaStream, DeviceWork, Shared};
 use crate::{Communicator, Result};
 
 /// Device memory a host call works on, for [`CudaCommunicator::staged_call_raw`].
@@ -114,15 +114,9 @@ impl CudaCommunicator {
         K: Send + 'static,
         F: FnOnce(&Communicator, &mut [&mut [u8]]) -> Result<()> + Send + 'static,
     {
-        let body = self.shared.check_issue(stream).map(|()| {
-            move |shared: &Shared, start: &CudaEvent| {
-                start
-                    .synchronize()
-                    .map_err(CudaError::driver("waiting for the call's start"))?;
-                run_staged(shared, &memory, call)
-            }
-        });
-        self.issue(body, keep, (stream, caller))
+        self.on_host((stream, caller), keep, move |shared| {
+            run_staged(shared, &memory, call)
+        })
     }
 }
 

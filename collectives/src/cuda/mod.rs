@@ -399,15 +399,25 @@ impl CudaCommunicator {
         K: Send + 'static,
         F: FnOnce(&Communicator) -> Result<()> + Send + 'static,
     {
-        let body = self.shared.check_issue(stream).map(|()| {
+        self.on_host((stream, caller), keep, move |shared| call(&shared.comm))
+    }
+
+    /// Issues `run`, work of Chorus's thread, in the stream order: it starts once the work
+    /// queued on `stream` before it has ended (see [`host_call`](Self::host_call)).
+    fn on_host<K, F>(&self, on: (&Arc<CudaStream>, CallerStream), keep: K, run: F) -> DeviceWork<K>
+    where
+        K: Send + 'static,
+        F: FnOnce(&Shared) -> Result<()> + Send + 'static,
+    {
+        let body = self.shared.check_issue(on.0).map(|()| {
             move |shared: &Shared, start: &CudaEvent| {
                 start
                     .synchronize()
                     .map_err(CudaError::driver("waiting for the call's start"))?;
-                call(&shared.comm)
+                run(shared)
             }
         });
-        self.issue(body, keep, (stream, caller))
+        self.issue(body, keep, on)
     }
 
     /// Reduces `buf` across all ranks in place; every rank ends with the result.
