@@ -102,7 +102,6 @@ impl CudaCommunicator {
     /// least its length, allocated until the call has ended (until [`DeviceWork::wait`]
     /// returns, or a stream ordered after the call has passed it), and nothing else may
     /// write an output piece meanwhile.
-    ///
     pub unsafe fn staged_call_raw<K, F>(
         &self,
         memory: Vec<Staged>,
