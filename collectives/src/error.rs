@@ -70,6 +70,25 @@ pub enum Error {
     /// held it up.
     #[error("rank {}: {}", .0.found_by, .0)]
     Timeout(Box<Fault>),
+    /// The ranks of a communicator [shrank](crate::Communicator::shrink) without this one:
+    /// another rank's exclusion list named it, or it came to the agreement after the
+    /// coordinator's timeout. Ranks are the job's.
+    #[error(
+        "rank {rank} was left out when its communicator shrank (rank {coordinator} \
+         coordinated{})",
+        match named_by {
+            Some(by) => format!("; rank {by}'s exclusion list named it"),
+            None => "; it came after the timeout".to_string(),
+        }
+    )]
+    Excluded {
+        /// This rank.
+        rank: usize,
+        /// The rank that coordinated the agreement.
+        coordinator: usize,
+        /// The rank whose exclusion list named this one; `None` when it came too late.
+        named_by: Option<usize>,
+    },
     /// This rank found that ranks called different collectives (or the same one with
     /// different arguments); the fault says what each side called.
     #[error("rank {}: mismatched collectives: {}", .0.found_by, .0)]

@@ -12,6 +12,7 @@ use chorus_transport::store::{PrefixStore, Store, StoreError, StoreServer, TcpSt
 use chorus_transport::tcp::TcpConfig;
 use chorus_transport::{RouteConfig, RoutedTransport};
 
+use super::lifeline::Lifeline;
 use super::lookout::Lookout;
 use super::monitor::{Lineage, Monitor};
 use super::shared::Windows;
@@ -78,11 +79,18 @@ impl Communicator {
     ) -> Result<Communicator> {
         check_shape(&config)?;
         if config.world_size == 1 {
-            return Ok(Communicator::assemble(config, None, None, None, None));
+            return Ok(Communicator::assemble(config, None, None));
         }
         let server = server.map(Arc::new);
         let client = connect_store(&config, config.timeout)?;
-        let joined = Communicator::join(config, client, prefix.to_string(), server.clone(), None);
+        let joined = Communicator::join(
+            config,
+            client,
+            prefix.to_string(),
+            server.clone(),
+            None,
+            None,
+        );
         if joined.is_err() && server.is_some() {
             // The others are failing too: keep the store up a moment so they read their own
             // errors (naming the missing ranks) rather than "the store closed".
@@ -92,22 +100,25 @@ impl Communicator {
     }
 
     /// Connects `config.rank` to the other ranks through the store under `prefix`;
-    /// `lineage` places a communicator made by `split` in its job.
+    /// `lineage` places a communicator made from another (split, shrunk) in its job, and
+    /// `lifeline` holds its ranks' lifelines (exchanged here when absent).
     pub(super) fn join(
         config: Config,
         client: Arc<dyn Store>,
         prefix: String,
         server: Option<Arc<StoreServer>>,
         lineage: Option<Lineage>,
+        lifeline: Option<Lifeline>,
     ) -> Result<Communicator> {
         let rank = config.rank;
         let store = PrefixStore::new(prefix.clone(), client.clone());
+        let addr = advertised_addr(&config)?;
         let routes = RouteConfig {
             kind: config.transport,
             host_id: config.host_id.clone(),
             tcp: TcpConfig {
                 nsocks: config.nsocks,
-                addr: advertised_addr(&config)?,
+                addr,
                 timeout: config.timeout,
                 auth: config.auth.clone(),
                 dead_after: Some(config.dead_after()),
@@ -124,8 +135,20 @@ impl Communicator {
         let lookout = Lookout::start(&config, &prefix, &client)?;
         let set_up = (|| {
             roll_call::compare(&store, &config)?;
+            let own = match &lifeline {
+                None => Some(Lifeline::server(&config.auth)?),
+                Some(_) => None,
+            };
+            if let Some(server) = &own {
+                Lifeline::publish(&store, rank, addr, server)?;
+            }
             let transport = RoutedTransport::connect(rank, config.world_size, &store, &routes)
                 .map_err(|e| Error::transport(rank, e))?;
+            let lifeline = match (lifeline, own) {
+                (Some(lifeline), _) => lifeline,
+                (None, Some(server)) => Lifeline::gather(&store, config.world_size, server)?,
+                (None, None) => unreachable!("a server is started where no lifeline is given"),
+            };
             // The store's host keeps it up until every rank is done with it.
             store.set(&format!("ready/{rank}"), b"1")?;
             if rank == 0 {
@@ -135,32 +158,35 @@ impl Communicator {
                 let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
                 store.wait(&keys, config.timeout)?;
             }
-            Ok(transport)
+            Ok(Links {
+                transport,
+                store: (client.clone(), prefix.clone()),
+                server,
+                lifeline,
+            })
         })();
-        let transport = lookout.finish(&store, set_up)?;
+        let links = lookout.finish(&store, set_up)?;
         tracing::info!(rank, world_size = config.world_size, nsocks = config.nsocks, %prefix, "communicator ready");
-        Ok(Communicator::assemble(
-            config,
-            Some(transport),
-            Some((client, prefix)),
-            server,
-            lineage,
-        ))
+        Ok(Communicator::assemble(config, Some(links), lineage))
     }
 
+    /// The communicator of `config`, linked to its peers by `links` (none for one rank).
     pub(super) fn assemble(
         config: Config,
-        transport: Option<RoutedTransport>,
-        store: Option<(Arc<dyn Store>, String)>,
-        server: Option<Arc<StoreServer>>,
+        links: Option<Links>,
         lineage: Option<Lineage>,
     ) -> Communicator {
+        let (transport, store, server, lifeline) = match links {
+            Some(l) => (Some(l.transport), Some(l.store), l.server, Some(l.lifeline)),
+            None => (None, None, None, None),
+        };
         let state = State {
             seq: 0,
             serving: 0,
             waiting: 0,
             work: Workspace::default(),
             splits: 0,
+            shrinks: 0,
             any_from: 0,
         };
         // The transport's figures (shared memory's on one host, TCP's across hosts) unless
@@ -223,6 +249,7 @@ impl Communicator {
                 }),
                 store,
                 server,
+                lifeline,
                 fault: Mutex::new(None),
                 monitor,
                 windows: Mutex::new(Windows::default()),
@@ -232,6 +259,16 @@ impl Communicator {
         });
         Communicator { inner }
     }
+}
+
+/// What links a communicator to its peers, made by joining them.
+pub(super) struct Links {
+    transport: RoutedTransport,
+    /// The store's client and the communicator's key prefix.
+    store: (Arc<dyn Store>, String),
+    /// The store server, when this process hosts it.
+    server: Option<Arc<StoreServer>>,
+    lifeline: Lifeline,
 }
 
 /// A new client of the job's store at `config.master_addr:config.master_port`, of the kind

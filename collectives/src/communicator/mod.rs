@@ -6,6 +6,7 @@
 
 mod collectives;
 mod join;
+mod lifeline;
 mod lookout;
 mod mailbox;
 mod meeting;
@@ -14,6 +15,7 @@ mod p2p;
 mod prepare;
 mod roll_call;
 mod shared;
+mod shrink;
 mod split;
 mod started;
 mod work;
@@ -36,6 +38,7 @@ use crate::{Cause, Config, Error, Fault, Result};
 
 pub(crate) use crate::call::{CallInfo, CallKind};
 use join::connect_store;
+use lifeline::Lifeline;
 use monitor::{Monitor, Watcher};
 pub use p2p::{Group, Messages};
 use prepare::{Call, Route};
@@ -76,6 +79,8 @@ pub(crate) struct Inner {
     store: Option<(Arc<dyn Store>, String)>,
     /// The store server, when this process hosts it; shared with sub-communicators.
     server: Option<Arc<StoreServer>>,
+    /// Every rank's lifeline, for agreeing who survived a death (absent for one rank).
+    lifeline: Option<Lifeline>,
     /// Picks each call's route and algorithm from the cost model, the topology and
     /// `CHORUS_ALGO`.
     tuner: Tuner,
@@ -109,6 +114,8 @@ pub(crate) struct State {
     work: Workspace,
     /// Sub-communicators created so far (names their store keys).
     splits: u64,
+    /// Shrinks so far (names their keys on the lifelines).
+    shrinks: u64,
     /// Where the next `recv_any` starts looking: an offset past this rank, one past the last
     /// sender found, so that every sender gets its turn.
     any_from: usize,
@@ -260,28 +267,36 @@ impl Inner {
         f: impl FnOnce(&Inner, &mut State, &mut P) -> Result<()>,
         done: impl FnOnce(Result<()>, P) -> R,
     ) -> R {
+        self.in_turn(ticket, |inner, state| {
+            let earlier = lock(&inner.fault).clone();
+            let result = match earlier {
+                // An aborted communicator's calls say why it was aborted.
+                Some(earlier) => Err(match &*earlier {
+                    Error::Aborted(fault) => Error::Aborted(fault.clone()),
+                    _ => Error::Broken(earlier),
+                }),
+                None => f(inner, state, &mut payload),
+            };
+            let result = match result {
+                // Arguments refused before anything moved (an asynchronous call's, checked in
+                // its turn) leave the communicator as it was.
+                Ok(()) | Err(Error::InvalidArgument(_)) => result,
+                Err(error) => Err(inner.record(error)),
+            };
+            done(result, payload)
+        })
+    }
+
+    /// Waits for `ticket`'s turn, runs `f` whether or not the communicator is broken, and
+    /// passes the turn on.
+    fn in_turn<R>(&self, ticket: u64, f: impl FnOnce(&Inner, &mut State) -> R) -> R {
         let mut state = lock(&self.state);
         while state.serving != ticket {
             state.waiting += 1;
             state = self.turn.wait(state).unwrap_or_else(|p| p.into_inner());
             state.waiting -= 1;
         }
-        let earlier = lock(&self.fault).clone();
-        let result = match earlier {
-            // An aborted communicator's calls say why it was aborted.
-            Some(earlier) => Err(match &*earlier {
-                Error::Aborted(fault) => Error::Aborted(fault.clone()),
-                _ => Error::Broken(earlier),
-            }),
-            None => f(self, &mut state, &mut payload),
-        };
-        let result = match result {
-            // Arguments refused before anything moved (an asynchronous call's, checked in its
-            // turn) leave the communicator as it was.
-            Ok(()) | Err(Error::InvalidArgument(_)) => result,
-            Err(error) => Err(self.record(error)),
-        };
-        let out = done(result, payload);
+        let out = f(self, &mut state);
         state.serving += 1;
         if state.waiting > 0 {
             self.turn.notify_all();

@@ -99,10 +99,12 @@ impl Status {
     }
 }
 
-/// Where a communicator made by [`split`](super::Communicator::split) sits in its job.
+/// Where a communicator made from another ([`split`](super::Communicator::split),
+/// [`shrink`](super::Communicator::shrink)) sits in its job.
 pub(crate) struct Lineage {
-    /// The monitor of the communicator it was split from.
-    pub parent: Arc<Monitor>,
+    /// The monitor of the communicator it was split from (none for a shrunk one: faults do
+    /// not travel between a communicator and the one its survivors made).
+    pub parent: Option<Arc<Monitor>>,
     /// The job's rank of each of its ranks.
     pub job_ranks: Vec<usize>,
 }
@@ -150,7 +152,7 @@ impl Monitor {
         let client = connect_store(config, grace)?;
         let warn_after = (config.watchdog > 0.0).then(|| config.timeout.mul_f64(config.watchdog));
         let (parent, job_ranks) = match lineage {
-            Some(l) => (Some(l.parent), l.job_ranks),
+            Some(l) => (l.parent, l.job_ranks),
             None => (None, (0..config.world_size).collect()),
         };
         let monitor = Arc::new(Monitor {
@@ -328,7 +330,7 @@ impl Monitor {
         }
         let here: Vec<usize> = (0..self.job_ranks.len()).collect();
         let detail = format!(
-            "{} (on a communicator split from the job's, whose {} are {} of the job)",
+            "{} (on a communicator made from the job's, whose {} are {} of the job)",
             fault.detail,
             ranks(&here),
             ranks(&self.job_ranks)

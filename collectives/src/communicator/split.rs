@@ -97,7 +97,7 @@ impl super::Inner {
                 let prefix = format!("{prefix}/split{n}/color{color}");
                 let lineage = self.monitor.as_ref().map(|parent| Lineage {
                     job_ranks: group.iter().map(|&r| parent.job_ranks()[r]).collect(),
-                    parent: Arc::clone(parent),
+                    parent: Some(Arc::clone(parent)),
                 });
                 Communicator::join(
                     sub,
@@ -105,9 +105,10 @@ impl super::Inner {
                     prefix,
                     self.server.clone(),
                     lineage,
+                    self.lifeline.as_ref().map(|l| l.subset(&group)),
                 )?
             }
-            _ => Communicator::assemble(sub, None, None, None, None),
+            _ => Communicator::assemble(sub, None, None),
         };
         let mut children = lock(&self.children);
         children.retain(|c| c.strong_count() > 0);

@@ -56,6 +56,16 @@ impl TcpStore {
         self.timeout
     }
 
+    /// Which of `keys` are set now, in order, without waiting for any.
+    pub fn check(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
+        protocol::check_keys(keys)?;
+        let deadline = Instant::now() + self.timeout;
+        let set = self
+            .call(&protocol::encode_check(keys), deadline)
+            .map_err(|f| f.into_io_error(|| format!("check of store keys {keys:?}")))?;
+        Ok(set.into_iter().map(|set| set != 0).collect())
+    }
+
     /// Sends one request and returns the OK payload, reconnecting first if needed.
     fn call(&self, request: &[u8], deadline: Instant) -> Result<Vec<u8>, Failure> {
         let (status, payload) = self

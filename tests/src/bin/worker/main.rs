@@ -4,6 +4,7 @@
 //! output (so the harness can check that all ranks hold identical bytes),
 //! and exits non-zero with a message on the first mismatch or error.
 
+mod shrink;
 mod started;
 
 use std::process::ExitCode;
@@ -55,6 +56,9 @@ fn run(args: &[String]) -> Result<(), String> {
         "shared_async" => shared_async(&connect()?),
         "shared_dropped" => shared_dropped(&connect()?),
         "shared_alloc_mismatch" => shared_alloc_mismatch(&connect()?),
+        "shrink" => shrink::survive(args.get(1).ok_or("missing victims")?),
+        "shrink_late" => shrink::late(),
+        "shrink_exclude" => shrink::exclude(),
         other => Err(format!("unknown scenario '{other}'")),
     }
 }
