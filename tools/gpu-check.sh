@@ -10,7 +10,8 @@
 #   kernels cold / warm   the CUDA kernel tests, on an empty kernel cache, then on the filled one
 #   sum f32 / bf16        the sum kernels' bandwidth as a share of a device-to-device copy, 256 MiB
 #   collectives ...       the device collectives' tests at 1, 2 and 4 ranks on the GPU(s),
-#                         through CUDA IPC and through pinned-host staging
+#                         through CUDA IPC and through pinned-host staging, and a rank of three
+#                         leaving, the other two shrinking the device communicator and going on
 #   stream order          asynchronous device calls: the time to return with 200 GiB of
 #                         copies queued ahead, work queued after the call seeing its result, a
 #                         failed call releasing its stream, a call under graph capture refused
@@ -108,6 +109,7 @@ run() {
 
     check "collectives" 300 "$dir"/cuda-tests --test-threads 1 --nocapture
     row "collectives W=1,2,4" "$status" "$(grep -c 'device collectives ok' "$last_out") rank runs ok; ipc and staged ($last_detail)"
+    row "shrink W=3 -> 2" "$status" "$(grep -c 'shrunk ok: rank [0-9] of 2' "$last_out") survivor runs ok of 4; ipc and staged"
     row "stream order (async)" "$status" "$(grep -o 'all_reduce_async returned in [0-9]* us, the work ahead [a-z ]*' "$last_out" | head -1); $(grep -c 'stream order: a failed call released' "$last_out") failed-call releases; $(grep -c 'stream order: a call under graph capture refused' "$last_out") capture refusals; $(grep -c 'streams cannot wait on memory' "$last_out") runs without stream waits"
 
     for path in ipc staged; do

@@ -51,6 +51,8 @@ mod guides {
     struct Async;
     #[doc = include_str!("../../docs/errors.md")]
     struct Errors;
+    #[doc = include_str!("../../docs/failures.md")]
+    struct Failures;
     #[doc = include_str!("../../docs/library.md")]
     struct Library;
     #[doc = include_str!("../../docs/shared-memory.md")]

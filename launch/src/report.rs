@@ -100,6 +100,29 @@ impl LaunchReport {
             && self.ranks.iter().all(|r| r.status.is_success())
     }
 
+    /// Whether the job went on without the ranks a signal killed (see
+    /// [`LaunchSpec::wait_all`](crate::LaunchSpec::wait_all)) and ended well: every other rank
+    /// exited with code 0, at least one did, and the job was neither timed out nor
+    /// interrupted. A rank that exited with another code failed; it was not lost.
+    pub fn survived(&self) -> bool {
+        !self.timed_out
+            && self.interrupted.is_none()
+            && self.ranks.iter().any(|r| r.status.is_success())
+            && self
+                .ranks
+                .iter()
+                .all(|r| matches!(r.status, Exit::Code(0) | Exit::Signal(_)))
+    }
+
+    /// The ranks a signal killed.
+    pub fn lost(&self) -> Vec<usize> {
+        let lost = self
+            .ranks
+            .iter()
+            .filter(|r| matches!(r.status, Exit::Signal(_)));
+        lost.map(|r| r.rank).collect()
+    }
+
     /// The rank that failed first in time (not the lowest failed rank); ranks the launcher
     /// killed, and ranks that died of an interrupt's forwarded signal, never count.
     pub fn first_failure(&self) -> Option<&RankOutcome> {

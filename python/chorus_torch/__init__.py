@@ -12,15 +12,17 @@ between the ranks of one host, else through pinned host buffers); the other call
 copy them through host memory.
 
 A failed call raises `ChorusError`, a RuntimeError whose `cause`, `culprit` and
-`found_by` say what stopped it and which rank is to blame.
+`found_by` say what stopped it and which rank is to blame; `failure(group)` gives
+it back wherever it surfaced. On torch 2.15 and later the survivors of a death go on
+with `torch.distributed.shrink_group([culprit])`.
 """
 
 import torch.distributed as _dist
 
-from ._backend import _CUDA, ProcessGroupChorus, create_process_group
+from ._backend import _CUDA, ProcessGroupChorus, create_process_group, failure
 from ._chorus import ChorusError
 
-__all__ = ["ChorusError", "ProcessGroupChorus", "create_process_group", "BACKEND"]
+__all__ = ["ChorusError", "ProcessGroupChorus", "create_process_group", "failure", "BACKEND"]
 
 #: The name to pass to ``torch.distributed.init_process_group``.
 BACKEND = "chorus"

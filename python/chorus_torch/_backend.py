@@ -8,6 +8,7 @@ import re
 import secrets
 import socket
 import threading
+import warnings
 import weakref
 
 import torch
@@ -545,10 +546,12 @@ class _Calls:
     """torch's process-group calls on Chorus: what the group (torch before 2.7) and the
     backend (torch 2.7 and later) share. Each starts one Chorus call and returns its Work."""
 
-    def _setup(self, store, timeout):
+    def _setup(self, store, timeout, comm=None, space="chorus/monitored"):
         self._store = store
         self._timeout = timeout
-        self._comm = _connect(store, self.rank(), self.size(), timeout)
+        self._comm = comm if comm is not None else _connect(store, self.rank(), self.size(), timeout)
+        # Where monitored_barrier keeps its keys in torch's store.
+        self._space = space
         self._barriers = 0
         self._batch = None
         self._side = None
@@ -775,7 +778,7 @@ class _Calls:
         seconds = _seconds(timeout) or _seconds(self._timeout) or 1800.0
         n = self._barriers
         self._barriers += 1
-        key = lambda what, r: f"chorus/monitored/{n}/{what}/{r}"  # noqa: E731
+        key = lambda what, r: f"{self._space}/{n}/{what}/{r}"  # noqa: E731
         rank, size = self.rank(), self.size()
         if rank != 0:
             self._store.set(key("arrived", rank), b"1")
@@ -886,9 +889,9 @@ if ASYNC:
         registered under torch's ProcessGroup as Gloo's and NCCL's are (torch 2.7 and later:
         see ASYNC)."""
 
-        def __init__(self, store, rank, size, timeout):
+        def __init__(self, store, rank, size, timeout, comm=None, space="chorus/monitored"):
             Backend.__init__(self, rank, size)
-            self._setup(store, timeout)
+            self._setup(store, timeout, comm, space)
 
         # torch reads these as attributes of a Python backend (its C++ base would call back
         # into Python for them, and recurse).
@@ -900,7 +903,68 @@ if ASYNC:
         def supports_splitting(self):
             return False
 
+        @property
+        def supports_shrinking(self):
+            return True
+
+        def shrink(self, ranks_to_exclude, shrink_flags=0, opts=None):
+            """A backend of this one's ranks less the dead and `ranks_to_exclude`
+            (`torch.distributed.shrink_group`): every surviving rank calls it, and they agree
+            on who is left over their own connections, so rank 0 may be among the dead. With
+            torch's SHRINK_ABORT the calls still in flight here fail first."""
+            if shrink_flags == getattr(dist, "SHRINK_ABORT", None):
+                self._comm.abort()
+            comm = self._comm.shrink(list(ranks_to_exclude))
+            return BackendChorus(self._store, comm.rank, comm.size, self._timeout, comm, f"{self._space}/shrunk")
+
     _patch_work()
+
+
+def _patch_shrink():
+    """Registers the group `torch.distributed.shrink_group` makes around a shrunk Chorus
+    backend as `init_process_group` registers Chorus's: a custom backend, for every device it
+    serves. torch (2.15) registers any shrunk backend as Gloo's (NCCL's on a GPU), and its C++
+    side then takes Chorus's backend for Gloo's: DDP's logger, made on the new group, would
+    read it as one and crash."""
+    c10d = dist.distributed_c10d
+    create = getattr(c10d, "_create_shrunk_process_group", None)
+    if create is None or getattr(create, "_chorus_patched", False):
+        return
+
+    @functools.wraps(create)
+    def create_registered(new_backend, remaining_ranks, metadata, *args, **kwargs):
+        if isinstance(new_backend, BackendChorus) and not _reachable(metadata["store"]):
+            # torch's store died with the rank that hosted it (rank 0, under env://), and torch
+            # would wait its whole timeout to clone it: the new group gets a store of its own
+            # process instead. Chorus needs none; what needs torch's store across ranks
+            # (new_group, monitored_barrier) fails on the shrunk group.
+            warnings.warn("chorus shrink: torch's store is gone with the rank that hosted it; the shrunk "
+                          "group's store is local to this process (new_group and monitored_barrier need a "
+                          "store that outlives every rank)")
+            metadata = dict(metadata, store=dist.HashStore())
+        group = create(new_backend, remaining_ranks, metadata, *args, **kwargs)
+        if isinstance(new_backend, BackendChorus):
+            custom = ProcessGroup.BackendType.CUSTOM
+            for device in ("cpu", "cuda") if _CUDA else ("cpu",):
+                group._register_backend(torch.device(device), custom, new_backend)
+            group._set_default_backend(custom)
+        return group
+
+    create_registered._chorus_patched = True
+    c10d._create_shrunk_process_group = create_registered
+
+
+if ASYNC:
+    _patch_shrink()
+
+
+def _reachable(store):
+    """Whether torch's `store` still answers (a store whose server died fails at once)."""
+    try:
+        store.check(["chorus/alive"])
+        return True
+    except RuntimeError:  # torch's DistNetworkError and DistStoreError are RuntimeErrors
+        return False
 
 
 def _after_batch(method):
@@ -953,6 +1017,18 @@ def _counts(tensor, splits, size, which):
         raise ValueError(f"chorus all_to_all_single: {which} split sizes add up to {sum(splits)}, not the {rows} rows of dim 0")
     row = tensor.numel() // rows if rows else 0
     return [s * row for s in splits]
+
+
+def failure(group=None):
+    """The `ChorusError` that broke `group`'s communicator (the default group's without one),
+    not raised; None while it works. Its `culprit` is the rank to leave out of
+    `torch.distributed.shrink_group`, whichever call the failure surfaced in (DDP's, say)."""
+    group = group if group is not None else dist.group.WORLD
+    backend = group._get_backend(torch.device("cpu")) if ASYNC else group
+    comm = getattr(backend, "_comm", None)
+    if comm is None:
+        raise ValueError(f"group {group} does not run on chorus")
+    return comm.failure()
 
 
 def create_process_group(store, rank, size, timeout):

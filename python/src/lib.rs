@@ -178,6 +178,26 @@ impl Comm {
         self.comm.abort();
     }
 
+    /// The error that broke this communicator, as a `ChorusError` (not raised), or None while
+    /// it works.
+    fn failure(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        let error = self.comm.failure()?;
+        Some(raised(&error).into_value(py).into_any())
+    }
+
+    /// A communicator of this one's ranks less the dead and those in `exclude` (see
+    /// `Communicator::shrink`): every surviving rank calls it.
+    fn shrink(&self, py: Python<'_>, exclude: Vec<usize>) -> PyResult<Comm> {
+        let comm = py
+            .detach(|| self.comm.shrink(&exclude))
+            .map_err(chorus_failed)?;
+        Ok(Comm {
+            comm,
+            #[cfg(feature = "cuda")]
+            devices: device::Devices::default(),
+        })
+    }
+
     /// How CUDA tensors' data moves between the ranks ("ipc" or "staged"), once a call on
     /// CUDA tensors has chosen; None before, or in a build without CUDA.
     #[getter]

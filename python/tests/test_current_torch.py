@@ -193,3 +193,33 @@ def functional_and_groups(rank, world):
 def test_functional_collectives_and_destroyed_groups():
     total = float(sum(range(2)))
     assert run(2, functional_and_groups) == [(([total] * 4, [0, 1], "chorus"), [2.0, 2.0])] * 2
+
+
+def shrinking_ddp(rank, world, victim):
+    """The DDP example's training, rank `victim` dying at step 15 of 40."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from ddp_shrink import train
+
+    losses, params, size = train(40, victim, 15, log_every=1000)
+    return losses, [p.tolist() for p in params], size
+
+
+@pytest.mark.skipif(not hasattr(dist, "shrink_group"), reason=f"torch {torch.__version__} has no shrink_group")
+@pytest.mark.parametrize("victim", [2, 0])
+def test_ddp_loses_a_rank_shrinks_and_trains_on(victim):
+    """Rank 2, or rank 0 with the stores it hosted, dies mid-training: the survivors shrink
+    the default group, keep identical replicas, and their loss goes on falling."""
+    results = run(4, shrinking_ddp, victim, expect_errors=True)
+    assert results[victim] == ("error", f"rank {victim} exited with code -9"), results[victim]
+    survivors = [results[r] for r in range(4) if r != victim]
+    for status, value in survivors:
+        assert status == "ok", value
+    (losses, params, size), *others = [value for _, value in survivors]
+    assert size == 3 and len(losses) == 40
+    assert all(other[1] == params and other[2] == 3 for other in others)
+    for mine, *_ in [value for _, value in survivors]:
+        before, after = sum(mine[10:15]) / 5, sum(mine[-5:]) / 5
+        assert after < before / 4, (before, after)

@@ -54,3 +54,14 @@ fn device_collectives_match_the_host_through_staging() {
         }
     }
 }
+
+/// The last of three ranks leaves mid-job; the other two shrink the device communicator and
+/// run the device collectives on it, through each path.
+#[test]
+fn survivors_shrink_the_device_communicator_and_go_on() {
+    for path in ["ipc", "staged"] {
+        if !on_gpu(3, path, &["shrink", path], "shrunk ok") {
+            return;
+        }
+    }
+}

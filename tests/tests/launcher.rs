@@ -529,3 +529,25 @@ fn example_scripts_are_valid_shell() {
         start(cmd).wait(LIMIT).assert_code(0);
     }
 }
+
+/// With `--survive` a worker's death does not stop the others: they shrink their
+/// communicator, finish, and the job succeeds. Without it the death stops the job, whose
+/// code is the dead worker's (128 + SIGKILL).
+#[test]
+fn with_survive_the_others_go_on_after_a_worker_dies() {
+    let worker = env!("CARGO_BIN_EXE_chorus-test-worker");
+    let args = ["--standalone", "--nproc-per-node", "3"];
+    let job = [worker, "shrink", "1"];
+    let run = chorusrun(&[&args[..], &["--survive"], &job].concat());
+    run.assert_code(0)
+        .assert_stderr_has("the job went on without ranks [1]");
+    for rank in [0, 2] {
+        let done = format!("[rank{rank}]: survived 1");
+        assert!(
+            run.stdout.contains(&done),
+            "{done:?} missing:\n{}",
+            run.stdout
+        );
+    }
+    chorusrun(&[&args[..], &job].concat()).assert_code(128 + 9);
+}

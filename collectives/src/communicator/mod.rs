@@ -171,6 +171,14 @@ impl Communicator {
         &self.inner.config
     }
 
+    /// The error that broke this communicator, once one has (where a fault did,
+    /// [`Error::fault`] names its culprit); `None` while it works. What a survivor reads to
+    /// choose the ranks a [`shrink`](Self::shrink) leaves out, wherever the failure
+    /// surfaced.
+    pub fn failure(&self) -> Option<Error> {
+        lock(&self.inner.fault).as_deref().cloned()
+    }
+
     /// Fails every operation in flight and every later one with an error, promptly.
     ///
     /// Callable from any thread; peers see this rank's connections close.

@@ -238,6 +238,16 @@ impl CudaCommunicator {
         })
     }
 
+    /// A device communicator of this one's ranks less the dead and those in `exclude`, on
+    /// the same device: [`Communicator::shrink`] of the host communicator underneath, then a
+    /// new device path over the survivors (chosen again, as [`new`](Self::new) does).
+    ///
+    /// Every surviving rank calls it; fails as those two do.
+    pub fn shrink(&self, exclude: &[usize]) -> Result<CudaCommunicator> {
+        let survivors = self.shared.comm.shrink(exclude)?;
+        CudaCommunicator::new(&survivors, self.shared.device.clone())
+    }
+
     /// The path this communicator's calls take.
     pub fn path(&self) -> DevicePath {
         match &*self.shared.lock() {

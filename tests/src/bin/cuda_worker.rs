@@ -5,6 +5,8 @@
 //! with the result computed on the host; the communicator must have taken PATH (`ipc` or
 //! `staged`), and that ranks passing different sizes all fail. `bench PATH MIB` times a MIB all-reduce of f32 on device buffers, the same
 //! all-reduce on host buffers, and a device-to-device copy, and prints one `bench` line.
+//! `shrink PATH`: the last rank leaves (exits without a word) after three all-reduces; the
+//! others notice, shrink the device communicator and check it as `check` does.
 //! Prints `skipping: ...` and exits 0 where there is no GPU, unless
 //! `CHORUS_REQUIRE_CUDA=1`. Exits 2 with `WRONG: ...` on a wrong result.
 
@@ -59,6 +61,7 @@ fn main() -> ExitCode {
             match arg(0) {
                 "check" => check(&dev, &stream),
                 "bench" => bench(&comm, &dev, &stream, arg(2).parse().unwrap_or(64)),
+                "shrink" => shrink(&dev, &stream),
                 other => Err(format!("WRONG: unknown scenario {other:?}")),
             }
         });
@@ -138,6 +141,40 @@ fn check(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
     }
     println!("device collectives ok on {:?}", dev.path());
     Ok(())
+}
+
+fn shrink(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
+    let leaver = dev.world_size() - 1;
+    let mut buf = stream
+        .clone_htod(&vec![1.0f32; 1 << 16])
+        .map_err(|e| e.to_string())?;
+    for round in 0..100_000 {
+        if dev.rank() == leaver && round == 3 {
+            println!("shrunk ok: this rank left");
+            std::process::exit(0);
+        }
+        if let Err(e) = dev.all_reduce(&mut buf, ReduceOp::Sum, stream) {
+            println!("noticed in all-reduce {round}: {e}");
+            let survivors = dev.shrink(&[]).map_err(|e| e.to_string())?;
+            if (survivors.rank(), survivors.world_size()) != (dev.rank(), leaver) {
+                return Err(format!(
+                    "WRONG: rank {} of {} after the shrink",
+                    survivors.rank(),
+                    survivors.world_size()
+                ));
+            }
+            check_type::<f32>(&survivors, stream, 1027, &[ReduceOp::Sum, ReduceOp::Max])?;
+            check_type::<i32>(&survivors, stream, 100_003, &[ReduceOp::Sum])?;
+            check_async(&survivors, stream)?;
+            println!(
+                "shrunk ok: rank {} of {leaver} on {:?}",
+                survivors.rank(),
+                survivors.path()
+            );
+            return Ok(());
+        }
+    }
+    Err(format!("WRONG: rank {leaver} never left"))
 }
 
 fn check_type<T: Exact>(

@@ -16,6 +16,8 @@
 //! signal kills them. When a worker fails the others are stopped and, while restarts remain,
 //! the group starts again. The exit code is the first failed rank's (`128 + signal` if a signal
 //! killed it or interrupted the job, 124 on `--timeout`), and a summary line names the rank.
+//! With `--survive` the others run on after a worker dies (for jobs that shrink their
+//! communicator and go on), and the job succeeds when every worker no signal killed exited 0.
 
 use std::ffi::OsString;
 use std::io::{IsTerminal, Read};
@@ -89,6 +91,12 @@ struct Args {
     #[arg(long = "gpus-per-node", alias = "gpus_per_node")]
     gpus_per_node: Option<usize>,
 
+    /// Let the other workers go on when one dies (not a torchrun flag): for jobs whose
+    /// survivors shrink their communicator and finish without it. The exit code is then 0
+    /// when every worker that no signal killed exited with 0.
+    #[arg(long, conflicts_with = "max_restarts")]
+    survive: bool,
+
     /// Stop every worker after this many seconds (not a torchrun flag) [default: no limit].
     #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
     timeout: Option<Duration>,
@@ -152,6 +160,7 @@ fn run(args: Args) -> Result<u8, String> {
         .devices(devices)
         .output(Output::Prefixed)
         .own_process_group(true)
+        .wait_all(args.survive)
         .interrupt(interrupt)
         .timeout(args.timeout.unwrap_or(Duration::MAX));
     if args.standalone {
@@ -173,6 +182,15 @@ fn run(args: Args) -> Result<u8, String> {
     }
 
     let report = launch(&spec).map_err(|e| e.to_string())?;
+    if args.survive && !report.success() && report.survived() {
+        eprintln!(
+            "chorusrun: the job went on without ranks {:?}, which a signal killed; the others \
+             succeeded in {:.2}s",
+            report.lost(),
+            report.elapsed.as_secs_f64()
+        );
+        return Ok(0);
+    }
     if !report.success() {
         eprintln!("chorusrun: {}", report.summary());
     }

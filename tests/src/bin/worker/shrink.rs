@@ -165,7 +165,17 @@ fn every_collective(comm: &Communicator) -> Result<(), String> {
     all_reduce_matrix(comm, &COUNTS)?;
     broadcast_matrix(comm, &COUNTS)?;
     more_collectives(comm, &COUNTS)?;
-    comm.barrier().map_err(|e| e.to_string())
+    comm.barrier().map_err(|e| e.to_string())?;
+    // A communicator made from it works too.
+    let dup = comm.dup().map_err(|e| format!("dup: {e}"))?;
+    let mut ranks = [dup.rank() as u64];
+    dup.all_reduce(&mut ranks, ReduceOp::Sum)
+        .map_err(|e| format!("all-reduce on a dup: {e}"))?;
+    let world = dup.world_size() as u64;
+    match ranks[0] == world * (world - 1) / 2 {
+        true => Ok(()),
+        false => Err(format!("all-reduce on a dup gave {}", ranks[0])),
+    }
 }
 
 fn job_rank() -> Result<usize, String> {
