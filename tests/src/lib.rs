@@ -13,6 +13,14 @@ use std::time::Duration;
 use chorus::{env, DType, ReduceOp};
 use chorus_launch::{launch, LaunchReport, LaunchSpec, Output};
 
+/// splitmix64: draw `i` of `seed`, the same on every rank.
+pub fn draw(seed: u64, i: u64) -> u64 {
+    let mut z = seed.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// Sends `tracing` output to stderr, filtered by `CHORUS_DEBUG` (for the test binaries).
 pub fn init_logging() {
     tracing_subscriber::fmt()

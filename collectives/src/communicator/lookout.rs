@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use chorus_transport::store::{PrefixStore, Presence, Store};
+use chorus_transport::store::{PrefixStore, Presence, Store, StoreError};
 
 use super::{connect_store, lock};
 use crate::{Cause, Config, Error, Fault, Result};
@@ -84,11 +84,7 @@ impl Lookout {
         }
         let failed =
             Fault::new(Cause::SetUpFailed, Some(self.rank), self.rank).saying(err.to_string());
-        let posted = store.add(FAILED, 1).and_then(|n| match n {
-            1 => store.set(LEFT, failed.encode().as_bytes()),
-            _ => Ok(()),
-        });
-        if let Err(e) = posted {
+        if let Err(e) = post(store, &failed) {
             tracing::debug!(rank = self.rank, error = %e, "cannot tell the other ranks why set-up failed");
         }
         Err(err)
@@ -98,6 +94,15 @@ impl Lookout {
     fn stop(&mut self) -> Option<Fault> {
         self.own.shutdown();
         self.thread.take()?.join().ok().flatten()
+    }
+}
+
+/// Posts `fault` as what failed the set-up under `store`'s prefix, unless a fault was posted
+/// first: every rank's lookout then fails its set-up with it.
+pub(super) fn post<S: Store + ?Sized>(store: &S, fault: &Fault) -> Result<(), StoreError> {
+    match store.add(FAILED, 1)? {
+        1 => store.set(LEFT, fault.encode().as_bytes()),
+        _ => Ok(()),
     }
 }
 

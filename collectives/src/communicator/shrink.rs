@@ -19,15 +19,18 @@
 //! dying during set-up: the members fail naming it, and may shrink again.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use chorus_transport::store::Store;
+use chorus_transport::store::{PrefixStore, Store};
 
 use super::lifeline::Lifeline;
+use super::lookout;
 use super::monitor::Lineage;
 use super::{Communicator, Inner};
-use crate::{Error, Result, StoreKind};
+use crate::{Cause, Error, Fault, Result, StoreKind};
 
 /// How often the coordinator looks for new proposals.
 const POLL: Duration = Duration::from_millis(10);
@@ -128,15 +131,76 @@ impl Inner {
             parent: None,
             job_ranks: members.iter().map(|&r| job_rank(r)).collect(),
         };
+        let prefix = format!("{space}/comm");
+        let _watch = match coordinator == config.rank {
+            true => Some(SetUpWatch::start(
+                lifeline.subset(&members),
+                PrefixStore::new(prefix.clone(), Arc::clone(&client)),
+            )?),
+            false => None,
+        };
         let hosted = (coordinator == config.rank).then(|| Arc::clone(&lifeline.server));
         Communicator::join(
             sub,
             client,
-            format!("{space}/comm"),
+            prefix,
             hosted,
             Some(lineage),
             Some(lifeline.subset(&members)),
         )
+    }
+}
+
+/// The coordinator's watch over the members while they set up the new communicator: a member
+/// whose lifeline stops answering (it died after the decision, before it joined) fails every
+/// member's set-up at once, naming it, instead of at the timeout.
+struct SetUpWatch {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl SetUpWatch {
+    fn start(members: Lifeline, store: PrefixStore<Arc<dyn Store>>) -> Result<SetUpWatch> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("chorus-shrink-watch".into())
+            .spawn(move || {
+                let mut last = Instant::now();
+                while !stopped.load(Ordering::Acquire) {
+                    std::thread::sleep(POLL);
+                    if last.elapsed() < PROBE_EVERY {
+                        continue;
+                    }
+                    last = Instant::now();
+                    let Some(gone) = (1..members.addrs.len()).find(|&r| !members.answers(r)) else {
+                        continue;
+                    };
+                    let fault = Fault::new(Cause::LeftDuringSetUp, Some(gone), 0)
+                        .saying("its process is gone: its lifeline no longer answers");
+                    if let Err(e) = lookout::post(&store, &fault) {
+                        tracing::debug!(error = %e, "shrink: cannot fail the set-up");
+                    }
+                    return;
+                }
+            })
+            .map_err(|source| Error::Resource {
+                what: "cannot start the shrink's set-up watch",
+                source: source.into(),
+            })?;
+        Ok(SetUpWatch {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for SetUpWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 

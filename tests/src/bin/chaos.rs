@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chorus::{env, Cause, Communicator, Error, ReduceOp};
+use chorus_tests::draw;
 use nix::sys::signal::{kill, raise, Signal};
 use nix::unistd::Pid;
 
@@ -162,14 +163,6 @@ fn failed(e: &Error) -> ExitCode {
 fn parse(s: &str) -> usize {
     s.parse()
         .unwrap_or_else(|_| panic!("expected a number, got {s:?}"))
-}
-
-/// splitmix64: the draws of one seed, the same on every rank.
-fn draw(seed: u64, i: u64) -> u64 {
-    let mut z = seed.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// The element count of round `i` under `seed`, the same on every rank.

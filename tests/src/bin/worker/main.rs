@@ -59,6 +59,7 @@ fn run(args: &[String]) -> Result<(), String> {
         "shrink" => shrink::survive(args.get(1).ok_or("missing victims")?),
         "shrink_late" => shrink::late(),
         "shrink_exclude" => shrink::exclude(),
+        "shrink_chaos" => shrink::chaos(args.get(1).ok_or("missing seed")?),
         other => Err(format!("unknown scenario '{other}'")),
     }
 }

@@ -12,11 +12,17 @@
 //!   2 exclude 1 and 3, and rank 3, which excludes only 1, is told that rank 0's list named
 //!   it.
 //!
+//! - `shrink_chaos SEED`: one or two ranks drawn from SEED die at moments drawn from it
+//!   (before a step, as a shrink starts, as one ends); the others shrink after every
+//!   failure until they have run 20 steps, each checking that the ranks agree on who is in
+//!   and on an all-reduce of drawn size (`tools/shrink-chaos.sh` runs it by the hundred).
+//!
 //! Lines for the test: `shrunk ROUND: rank R of W` and `excluded: coordinator C named_by B`.
 
 use std::time::Duration;
 
 use chorus::{Communicator, Error, ReduceOp};
+use chorus_tests::draw;
 use nix::sys::signal::{raise, Signal};
 
 use super::{all_reduce_matrix, broadcast_matrix, connect, more_collectives};
@@ -114,6 +120,110 @@ pub fn exclude() -> Result<(), String> {
             every_collective(&shrunk)
         }
         Err(e) => excluded(e),
+    }
+}
+
+/// Steps every survivor completes in `shrink_chaos`.
+const CHAOS_STEPS: usize = 20;
+/// Shrinks one survivor tries in a row before it gives up.
+const CHAOS_SHRINKS: usize = 8;
+
+pub fn chaos(seed: &str) -> Result<(), String> {
+    let seed: u64 = seed.parse().map_err(|e| format!("bad seed {seed}: {e}"))?;
+    let me = job_rank()?;
+    let mut comm = connect()?;
+    let world = comm.world_size() as u64;
+    // Rank 1 + draw(seed, 0) % (world - 1) past the first victim, so the two differ.
+    let first = draw(seed, 0) % world;
+    let second =
+        (draw(seed, 1) % 2 == 0).then(|| (first + 1 + draw(seed, 2) % (world - 1)) % world);
+    // The first dies before a step; the second as the shrink after it starts, as it ends, or
+    // before the next step, a few milliseconds later (inside the shrink's agreement or set-up).
+    let dies_at = draw(seed, 3) % CHAOS_STEPS as u64;
+    let moment = match me as u64 {
+        r if r == first => Some((dies_at, Duration::ZERO)),
+        r if Some(r) == second => Some((
+            dies_at + 1 + draw(seed, 4) % 3,
+            Duration::from_micros(draw(seed, 5) % 5000),
+        )),
+        _ => None,
+    };
+    let mut ticks = 0u64;
+    let mut tick = || {
+        if let Some((_, after)) = moment.filter(|&(at, _)| at == ticks) {
+            if after.is_zero() {
+                let _ = raise(Signal::SIGKILL);
+            }
+            std::thread::spawn(move || {
+                std::thread::sleep(after);
+                let _ = raise(Signal::SIGKILL);
+            });
+        }
+        ticks += 1;
+    };
+    let mut steps = 0;
+    while steps < CHAOS_STEPS {
+        tick();
+        match chaos_step(&comm, me, seed, steps) {
+            Ok(()) => steps += 1,
+            Err(Some(wrong)) => return Err(format!("WRONG: {wrong}")),
+            Err(None) => {
+                let mut tries = 0;
+                comm = loop {
+                    tick();
+                    match comm.shrink(&[]) {
+                        Ok(shrunk) => break shrunk,
+                        Err(e @ Error::Excluded { .. }) => return excluded(e),
+                        Err(e) if tries + 1 < CHAOS_SHRINKS => {
+                            eprintln!("shrink failed, again: {e}");
+                            tries += 1;
+                        }
+                        Err(e) => return Err(format!("shrink: {e}")),
+                    }
+                };
+                tick();
+            }
+        }
+    }
+    println!("chaos done: rank {} of {}", comm.rank(), comm.world_size());
+    Ok(())
+}
+
+/// One step: the ranks gather who is in, which must be ascending with this rank in its
+/// place, then all-reduce their job ranks plus one over a drawn size. `Err(None)` when a call
+/// fails, `Err(Some(what))` when a result is wrong.
+fn chaos_step(
+    comm: &Communicator,
+    me: usize,
+    seed: u64,
+    step: usize,
+) -> Result<(), Option<String>> {
+    let mut members = vec![0u64; comm.world_size()];
+    if let Err(e) = comm.all_gather(&[me as u64], &mut members) {
+        eprintln!("step {step}: {e}");
+        return Err(None);
+    }
+    let ascending = members.windows(2).all(|w| w[0] < w[1]);
+    if !ascending || members.get(comm.rank()) != Some(&(me as u64)) {
+        return Err(Some(format!(
+            "rank {} of {} sees members {members:?}",
+            comm.rank(),
+            comm.world_size()
+        )));
+    }
+    let count = [1, 100, 4096, 70_000][(draw(seed, 100 + step as u64) % 4) as usize];
+    let mut buf = vec![me as f64 + 1.0; count];
+    if let Err(e) = comm.all_reduce(&mut buf, ReduceOp::Sum) {
+        eprintln!("step {step}: {e}");
+        return Err(None);
+    }
+    let want: f64 = members.iter().map(|&r| r as f64 + 1.0).sum();
+    match buf.iter().position(|&x| x != want) {
+        None => Ok(()),
+        Some(i) => Err(Some(format!(
+            "element {i} of {count} is {}, not {want} (members {members:?})",
+            buf[i]
+        ))),
     }
 }
 
