@@ -219,11 +219,13 @@ impl Drop for Communicator {
         // task) may hold it last, and a process returning from `main` would not wait for
         // that thread to keep the store up for the ranks still reading why they failed.
         if let Some(monitor) = &self.inner.monitor {
-            let hosts_store = self
-                .inner
-                .server
-                .as_ref()
-                .is_some_and(|s| Arc::strong_count(s) == 1);
+            // Where no other communicator of this process uses it (the lifeline of this one
+            // may be the same server: a shrunk communicator's coordinator hosts its store there).
+            let hosts_store = self.inner.server.as_ref().is_some_and(|s| {
+                let lifeline = self.inner.lifeline.as_ref();
+                let own = 1 + usize::from(lifeline.is_some_and(|l| Arc::ptr_eq(&l.server, s)));
+                Arc::strong_count(s) == own
+            });
             monitor.stop(hosts_store);
         }
     }
