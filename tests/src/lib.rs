@@ -60,6 +60,18 @@ pub fn run(world: usize, program: &Path, args: &[&str], env: &[(&str, &str)]) ->
     launch(&spec).unwrap_or_else(|e| panic!("cannot launch {}: {e}", program.display()))
 }
 
+/// The launcher's summary and every rank's output, for a failed assertion's message.
+pub fn dump(report: &LaunchReport) -> String {
+    let mut text = report.summary();
+    for r in &report.ranks {
+        text.push_str(&format!(
+            "\n--- rank {} ({}):\n{}{}",
+            r.rank, r.status, r.stdout, r.stderr
+        ));
+    }
+    text
+}
+
 /// Panics with the launcher's summary and every rank's stderr unless all ranks succeeded.
 pub fn assert_success(report: &LaunchReport) {
     if report.success() {

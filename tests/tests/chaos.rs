@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use chorus::Auth;
 use chorus_launch::{launch, Exit, LaunchReport, LaunchSpec, Output, PortReservation};
+use chorus_tests::dump;
 use chorus_transport::store::{Store, StoreError, TcpStore};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-chaos-worker");
@@ -34,17 +35,6 @@ fn chaos(world: usize, args: &[&str], timeout_s: &str) -> LaunchReport {
     let report = launch(&spec).expect("launch");
     assert!(!report.timed_out, "the job hung:\n{}", dump(&report));
     report
-}
-
-fn dump(report: &LaunchReport) -> String {
-    let mut text = report.summary();
-    for r in &report.ranks {
-        text.push_str(&format!(
-            "\n--- rank {} ({}):\n{}",
-            r.rank, r.status, r.stderr
-        ));
-    }
-    text
 }
 
 /// The survivor's error line, with its own "rank N:" prefix removed.

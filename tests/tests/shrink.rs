@@ -6,6 +6,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use chorus_launch::{launch, Exit, LaunchReport, LaunchSpec, Output};
+use chorus_tests::dump;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
 
@@ -33,15 +34,12 @@ fn job(world: usize, args: &[&str], env: &[(&str, &str)]) -> LaunchReport {
     report
 }
 
-fn dump(report: &LaunchReport) -> String {
-    let mut text = report.summary();
-    for r in &report.ranks {
-        text.push_str(&format!(
-            "\n--- rank {} ({}):\n{}{}",
-            r.rank, r.status, r.stdout, r.stderr
-        ));
+/// Checks that each of `ranks` exited with code 0.
+fn assert_finished(report: &LaunchReport, ranks: impl IntoIterator<Item = usize>) {
+    for r in ranks {
+        let status = report.ranks[r].status;
+        assert_eq!(status, Exit::Code(0), "rank {r}:\n{}", dump(report));
     }
-    text
 }
 
 /// The lines rank `rank` printed that start with `prefix`, the prefix removed.
@@ -67,13 +65,8 @@ fn check_survivors(report: &LaunchReport, world: usize, victims: &[usize]) {
             expected[r].push(format!("{round}: rank {new_rank} of {}", alive.len()));
         }
     }
+    assert_finished(report, alive.iter().copied());
     for &r in &alive {
-        assert_eq!(
-            report.ranks[r].status,
-            Exit::Code(0),
-            "rank {r}:\n{}",
-            dump(report)
-        );
         assert_eq!(
             lines(report, r, "shrunk "),
             expected[r],
@@ -112,14 +105,7 @@ fn eight_ranks_on_two_hosts_survive_rank_0_and_another() {
 fn a_rank_that_comes_after_the_timeout_is_told_it_was_left_out() {
     let report = job(4, &["shrink_late"], &[("CHORUS_TIMEOUT", "3")]);
     assert_eq!(report.ranks[3].status, Exit::Signal(9), "{}", dump(&report));
-    for r in 0..3 {
-        assert_eq!(
-            report.ranks[r].status,
-            Exit::Code(0),
-            "rank {r}:\n{}",
-            dump(&report)
-        );
-    }
+    assert_finished(&report, 0..3);
     for r in [0, 1] {
         assert_eq!(lines(&report, r, "shrunk "), [format!("0: rank {r} of 2")]);
     }
@@ -136,14 +122,7 @@ fn a_rank_that_comes_after_the_timeout_is_told_it_was_left_out() {
 #[test]
 fn ranks_an_exclusion_list_names_are_left_out_and_told_by_whom() {
     let report = job(4, &["shrink_exclude"], &[]);
-    for r in 0..4 {
-        assert_eq!(
-            report.ranks[r].status,
-            Exit::Code(0),
-            "rank {r}:\n{}",
-            dump(&report)
-        );
-    }
+    assert_finished(&report, 0..4);
     assert_eq!(lines(&report, 0, "shrunk "), ["0: rank 0 of 2"]);
     assert_eq!(lines(&report, 2, "shrunk "), ["0: rank 1 of 2"]);
     assert_eq!(
