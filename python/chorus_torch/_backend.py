@@ -912,7 +912,7 @@ if ASYNC:
             (`torch.distributed.shrink_group`): every surviving rank calls it, and they agree
             on who is left over their own connections, so rank 0 may be among the dead. With
             torch's SHRINK_ABORT the calls still in flight here fail first."""
-            if shrink_flags == getattr(dist, "SHRINK_ABORT", None):
+            if shrink_flags == getattr(dist.distributed_c10d, "SHRINK_ABORT", None):
                 self._comm.abort()
             comm = self._comm.shrink(list(ranks_to_exclude))
             return BackendChorus(self._store, comm.rank, comm.size, self._timeout, comm, f"{self._space}/shrunk")

@@ -223,3 +223,22 @@ def test_ddp_loses_a_rank_shrinks_and_trains_on(victim):
     for mine, *_ in [value for _, value in survivors]:
         before, after = sum(mine[10:15]) / 5, sum(mine[-5:]) / 5
         assert after < before / 4, (before, after)
+
+
+def excluding(rank, world):
+    """Rank 2 leaves; ranks 0 and 1 shrink it out of the healthy group, aborting its calls in
+    flight first (SHRINK_ABORT), and go on as two."""
+    if rank == 2:
+        return None
+    from torch.distributed.distributed_c10d import SHRINK_ABORT
+
+    group = dist.shrink_group([2], shrink_flags=SHRINK_ABORT)
+    t = torch.full((8,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    return dist.get_rank(group), dist.get_world_size(group), t.tolist()
+
+
+@pytest.mark.skipif(not hasattr(dist, "shrink_group"), reason=f"torch {torch.__version__} has no shrink_group")
+def test_shrink_group_leaves_a_live_rank_out():
+    results = run(3, excluding)
+    assert results == [(0, 2, [3.0] * 8), (1, 2, [3.0] * 8), None]
