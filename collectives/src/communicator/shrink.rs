@@ -260,10 +260,9 @@ impl Agreement<'_> {
         let store = self
             .lifeline
             .client(coordinator, self.timeout * 2, self.auth)?;
-        let list: Vec<String> = exclude.iter().map(usize::to_string).collect();
         store.set(
             &self.key(&format!("proposal/{}", self.rank)),
-            list.join(",").as_bytes(),
+            list(exclude).as_bytes(),
         )?;
         let decision = store.get(&self.key("decision"))?;
         decode(&String::from_utf8_lossy(&decision), self.rank, coordinator)
@@ -321,9 +320,8 @@ impl Agreement<'_> {
                     .filter(|r| !named.contains_key(r))
                     .collect();
                 members.sort_unstable();
-                let members: Vec<String> = members.iter().map(usize::to_string).collect();
                 let named: Vec<String> = named.iter().map(|(r, by)| format!("{r}:{by}")).collect();
-                format!("members {}\nnamed {}", members.join(","), named.join(","))
+                format!("members {}\nnamed {}", list(&members), named.join(","))
             }
         };
         if !pending.is_empty() {
@@ -363,6 +361,12 @@ fn decode(text: &str, rank: usize, coordinator: usize) -> Result<Decision> {
         .find(|(r, _)| r.parse() == Ok(rank))
         .and_then(|(_, by)| by.parse().ok());
     Ok(Decision::Left { coordinator, by })
+}
+
+/// `ranks` as a comma-separated list, as [`parse_list`] reads it.
+fn list(ranks: &[usize]) -> String {
+    let ranks: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    ranks.join(",")
 }
 
 /// Parses a comma-separated list of ranks that rank `from` posted.
