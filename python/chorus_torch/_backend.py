@@ -1,5 +1,6 @@
 """The process group: torch's calls turned into Chorus calls on tensors' memory."""
 
+import atexit
 import datetime
 import functools
 import os
@@ -33,6 +34,9 @@ if ASYNC:
 # what its calls on them return.
 _DevicePending = getattr(_chorus, "DevicePending", ())
 _CUDA = _DevicePending != ()
+
+# torch's default process-group timeout, for a group given none.
+_DEFAULT_SECONDS = 1800.0
 
 _BOOTSTRAP_KEY = "chorus/bootstrap"
 _JOB_ID = "torch"
@@ -78,23 +82,49 @@ class _Completions:
     """A group's completion thread: completes the futures of its calls in issue order, once
     Chorus's worker has finished each (it never runs a call itself), and runs the callbacks
     chained on them with the GIL, so a slow callback (DDP's hooks) never holds up the next
-    call."""
+    call.
 
-    def __init__(self):
-        self._queue = queue.SimpleQueue()
+    A thread still inside torch's code when the interpreter shuts down is killed there, and
+    that aborts the process ("terminate called without an active exception"), so the thread
+    finishes what it was handed and ends when its group is shut down (`finish`), and at exit
+    for groups never destroyed."""
+
+    def __init__(self, timeout):
+        self._timeout = timeout
+        self._queue = None
         self._thread = None
         self._lock = threading.Lock()
 
     def add(self, work):
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="chorus-completions", daemon=True)
+                self._queue = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._run, args=(self._queue,), name="chorus-completions",
+                                                daemon=True)
                 self._thread.start()
-        self._queue.put(work)
+                _RUNNING.add(self)
+            self._queue.put(work)
 
-    def _run(self):
-        while True:
-            self._queue.get()._complete()
+    @staticmethod
+    def _run(works):
+        while (work := works.get()) is not None:
+            work._complete()
+
+    def finish(self):
+        """Completes the futures handed over so far, then ends the thread (a later call starts
+        another). Gives up after the group's timeout: every call ends by then."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return
+            self._queue.put(None)
+        _RUNNING.discard(self)
+        thread.join(self._timeout)
+
+
+# The completion threads running, finished at exit.
+_RUNNING = weakref.WeakSet()
+atexit.register(lambda: [completions.finish() for completions in list(_RUNNING)])
 
 
 class _Failed:
@@ -555,7 +585,12 @@ class _Calls:
         self._barriers = 0
         self._batch = None
         self._side = None
-        self._completions = _Completions()
+        self._completions = _Completions(_seconds(timeout) or _DEFAULT_SECONDS)
+
+    def shutdown(self):
+        """Called by `destroy_process_group` (torch 2.x): the futures of the group's calls are
+        completed, and their callbacks run, before it returns."""
+        self._completions.finish()
 
     def getBackendName(self):
         return "chorus"
@@ -775,7 +810,7 @@ class _Calls:
         """A barrier through torch's store that names the ranks that did not arrive in time
         (all of them with `wait_all_ranks`, else the first), as Gloo's does."""
         timeout = getattr(opts, "timeout", opts) if opts is not None else self._timeout
-        seconds = _seconds(timeout) or _seconds(self._timeout) or 1800.0
+        seconds = _seconds(timeout) or _seconds(self._timeout) or _DEFAULT_SECONDS
         n = self._barriers
         self._barriers += 1
         key = lambda what, r: f"{self._space}/{n}/{what}/{r}"  # noqa: E731

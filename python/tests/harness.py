@@ -18,7 +18,7 @@ def reserve_port():
     return s
 
 
-def _main(rank, world, port, backend, fn, args, results, env):
+def _main(rank, world, port, backend, fn, args, results, env, destroy):
     import torch.distributed as dist
 
     # One intra-op thread per rank, as torchrun sets for several ranks a host: the ranks share
@@ -34,22 +34,25 @@ def _main(rank, world, port, backend, fn, args, results, env):
 
         dist.init_process_group(backend, rank=rank, world_size=world)
         out = fn(rank, world, *args)
-        dist.destroy_process_group()
+        if destroy:
+            dist.destroy_process_group()
         results.put((rank, "ok", out))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run(world, fn, *args, backend="chorus", timeout=180, env=None, expect_errors=False):
-    """Runs fn(rank, world, *args) on `world` processes; returns the results by rank.
+def run(world, fn, *args, backend="chorus", timeout=180, env=None, expect_errors=False, destroy=True):
+    """Runs fn(rank, world, *args) on `world` processes; returns the results by rank. Each
+    destroys its process group after `fn` (or, without `destroy`, leaves it to the exit).
 
     Raises if a rank fails (unless expect_errors: then each rank's entry is ("ok", value) or
-    ("error", text)), or if the job outlasts `timeout` seconds (every process is killed)."""
+    ("error", text)), or if the job outlasts `timeout` seconds (every process is killed). A rank
+    that returned but then did not exit cleanly (a crash at shutdown) has failed."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     reserved = reserve_port()
     port = reserved.getsockname()[1]
-    procs = [ctx.Process(target=_main, args=(r, world, port, backend, fn, args, results, env or {}), daemon=True)
+    procs = [ctx.Process(target=_main, args=(r, world, port, backend, fn, args, results, env or {}, destroy), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -81,6 +84,9 @@ def run(world, fn, *args, backend="chorus", timeout=180, env=None, expect_errors
                 p.kill()
                 p.join()
         reserved.close()
+    for r, p in enumerate(procs):
+        if got.get(r, ("error",))[0] == "ok" and p.exitcode != 0:
+            got[r] = ("error", f"rank {r} returned, then exited with code {p.exitcode}")
     if expect_errors:
         return [got[r] for r in range(world)]
     errors = [f"rank {r}: {v}" for r, (s, v) in sorted(got.items()) if s != "ok"]

@@ -242,3 +242,22 @@ def excluding(rank, world):
 def test_shrink_group_leaves_a_live_rank_out():
     results = run(3, excluding)
     assert results == [(0, 2, [3.0] * 8), (1, 2, [3.0] * 8), None]
+
+
+
+def callbacks_at_exit(rank, world):
+    """A future's slow callback still runs on the completion thread when the caller is done."""
+    import time
+
+    future = dist.all_reduce(torch.ones(1 << 20), async_op=True).get_future()
+    first = future.then(lambda f: 1)
+    future.then(lambda f: time.sleep(0.5))
+    first.wait()
+    return True
+
+
+@pytest.mark.parametrize("destroy", [True, False])
+def test_the_process_exits_cleanly_with_callbacks_in_flight(destroy):
+    """The completion thread finishes its callbacks before the interpreter shuts down (torch
+    aborts a thread it finds inside its code then), whether the group is destroyed or not."""
+    assert run(2, callbacks_at_exit, destroy=destroy) == [True, True]
