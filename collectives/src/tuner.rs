@@ -1,11 +1,12 @@
-//! The one decision point: how each call runs, from one table of estimates.
+//! The tuner: which path and algorithm each call takes, from one table of estimates;
+//! [`crate::schedule::plan`] turns its pick into the call's plan.
 //!
 //! A [`Tuner`] holds a link model (per-message latency `alpha`, bandwidth
 //! `beta`, see [`crate::cost`]; a communicator takes them from its transport,
 //! shared memory's 2 us and 2 GB/s on one host, TCP's [`DEFAULT_ALPHA`] = 10 us
 //! and [`DEFAULT_BETA`] = 1.5 GB/s across hosts), the [`Topology`] the
 //! transport found (how many hosts, whether every rank shares memory) and what
-//! `CHORUS_ALGO` forces ([`Forced`]). For each call, [`Tuner::plan`] estimates
+//! `CHORUS_ALGO` forces ([`Forced`]). For each call, [`Tuner::pick`] estimates
 //! every row of its table ([`Tuner::table`]) and picks the cheapest [`Path`]:
 //!
 //! - [`Path::Window`]: the call's buffers are shared buffers; peers read and
@@ -138,14 +139,14 @@ pub struct Choice {
 
 /// A decision for one call: the path (and algorithm) and why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Plan {
+pub struct Pick {
     /// How the call runs.
     pub path: Path,
     /// Why it was picked.
     pub reason: Reason,
 }
 
-impl fmt::Display for Plan {
+impl fmt::Display for Pick {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write_reason(f, self.path, self.reason)
     }
@@ -304,11 +305,11 @@ impl Tuner {
             .iter()
             .map(|&a| (Path::Messages(a), self.estimate(c, a, bytes, world_size)))
             .collect();
-        let plan = pick(&rows, self.forced.get(c));
-        match plan.path {
+        let pick = best(&rows, self.forced.get(c));
+        match pick.path {
             Path::Messages(algorithm) => Choice {
                 algorithm,
-                reason: plan.reason,
+                reason: pick.reason,
             },
             _ => unreachable!("only message rows were offered"),
         }
@@ -387,15 +388,15 @@ impl Tuner {
     /// How one call of `c` (`None`: a barrier) on `bytes` over `world_size` ranks runs, and
     /// why: the forced algorithm if [`Tuner::table`] has it (the shared buffers' row
     /// stays), else the cheapest row (within [`TIE_MARGIN`], the earliest).
-    pub fn plan(
+    pub fn pick(
         &self,
         c: Option<Collective>,
         bytes: usize,
         world_size: usize,
         on_windows: bool,
-    ) -> Plan {
+    ) -> Pick {
         let rows = self.table(c, bytes, world_size, on_windows);
-        pick(&rows, c.and_then(|c| self.forced.get(c)))
+        best(&rows, c.and_then(|c| self.forced.get(c)))
     }
 
     /// One line listing every row of the call's table and the pick, for logs.
@@ -413,7 +414,7 @@ impl Tuner {
             bytes,
             world_size,
             &rows,
-            pick(&rows, c.and_then(|c| self.forced.get(c))),
+            best(&rows, c.and_then(|c| self.forced.get(c))),
         )
     }
 
@@ -431,18 +432,18 @@ impl Tuner {
             .map(|&a| (Path::Messages(a), self.estimate(c, a, bytes, world_size)))
             .collect();
         let choice = self.decide(c, bytes, world_size);
-        let plan = Plan {
+        let pick = Pick {
             path: Path::Messages(choice.algorithm),
             reason: choice.reason,
         };
-        describe(c.name(), bytes, world_size, &rows, plan)
+        describe(c.name(), bytes, world_size, &rows, pick)
     }
 }
 
 /// The row to run: `forced`'s, if the table has it as a message row (the window's row
 /// stays beside it), else the cheapest; a later row must be cheaper by more than
 /// [`TIE_MARGIN`], so the pick does not flicker between near ties (rounding of chunk counts).
-fn pick(rows: &[(Path, f64)], forced: Option<Algorithm>) -> Plan {
+fn best(rows: &[(Path, f64)], forced: Option<Algorithm>) -> Pick {
     let valid = forced.filter(|&a| rows.iter().any(|(p, _)| *p == Path::Messages(a)));
     let mut best: Option<(Path, f64)> = None;
     for &(path, t) in rows {
@@ -459,23 +460,23 @@ fn pick(rows: &[(Path, f64)], forced: Option<Algorithm>) -> Plan {
         (Some(a), None) => Reason::ForcedInvalid(a),
         _ => Reason::Model,
     };
-    Plan { path, reason }
+    Pick { path, reason }
 }
 
-/// `name bytes B on W ranks: row=estimate ... -> plan`.
+/// `name bytes B on W ranks: row=estimate ... -> pick`.
 fn describe(
     name: &str,
     bytes: usize,
     world_size: usize,
     rows: &[(Path, f64)],
-    plan: Plan,
+    pick: Pick,
 ) -> String {
     let estimates: Vec<String> = rows
         .iter()
         .map(|(path, t)| format!("{path}={}", format_seconds(*t)))
         .collect();
     format!(
-        "{name} {bytes} B on {world_size} ranks: {} -> {plan}",
+        "{name} {bytes} B on {world_size} ranks: {} -> {pick}",
         estimates.join(" ")
     )
 }
@@ -653,28 +654,28 @@ mod tests {
     fn one_host_meets_for_small_calls_and_on_shared_buffers() {
         let t = one_host();
         let all_reduce = Some(Collective::AllReduce);
-        assert_eq!(t.plan(all_reduce, 8, 4, false).path, Path::Mailbox);
-        assert_eq!(t.plan(None, 0, 4, false).path, Path::Mailbox);
+        assert_eq!(t.pick(all_reduce, 8, 4, false).path, Path::Mailbox);
+        assert_eq!(t.pick(None, 0, 4, false).path, Path::Mailbox);
         assert_eq!(
-            t.plan(Some(Collective::Broadcast), MAILBOX_BYTES, 4, false)
+            t.pick(Some(Collective::Broadcast), MAILBOX_BYTES, 4, false)
                 .path,
             Path::Mailbox
         );
         // Too big for a mailbox: messages, unless the buffers are shared.
-        let big = t.plan(all_reduce, MAILBOX_BYTES + 1, 4, false).path;
+        let big = t.pick(all_reduce, MAILBOX_BYTES + 1, 4, false).path;
         assert!(matches!(big, Path::Messages(_)), "{big}");
         for bytes in [MAILBOX_BYTES + 1, 1 << 20, 1 << 28] {
-            assert_eq!(t.plan(all_reduce, bytes, 4, true).path, Path::Window);
+            assert_eq!(t.pick(all_reduce, bytes, 4, true).path, Path::Window);
         }
         // One meeting beats the shared buffers' three.
-        assert_eq!(t.plan(all_reduce, 8, 4, true).path, Path::Mailbox);
+        assert_eq!(t.pick(all_reduce, 8, 4, true).path, Path::Mailbox);
         // Reduce has no meeting route.
-        let reduce = t.plan(Some(Collective::Reduce), 8, 4, true).path;
+        let reduce = t.pick(Some(Collective::Reduce), 8, 4, true).path;
         assert!(matches!(reduce, Path::Messages(_)), "{reduce}");
         // Without shared memory, messages only; a barrier's are dissemination rounds.
         let apart = Tuner::default();
         assert_eq!(
-            apart.plan(None, 0, 4, false).path,
+            apart.pick(None, 0, 4, false).path,
             Path::Messages(Algorithm::RecursiveDoubling)
         );
         assert!(apart
@@ -691,18 +692,18 @@ mod tests {
             ..t.clone()
         };
         let all_reduce = Some(Collective::AllReduce);
-        let plan = forced.plan(all_reduce, 8, 4, false);
+        let pick = forced.pick(all_reduce, 8, 4, false);
         assert_eq!(
-            plan,
-            Plan {
+            pick,
+            Pick {
                 path: Path::Messages(Algorithm::Ring),
                 reason: Reason::Forced
             }
         );
-        assert_eq!(forced.plan(all_reduce, 8, 4, true).path, Path::Window);
+        assert_eq!(forced.pick(all_reduce, 8, 4, true).path, Path::Window);
         // Broadcast is not forced: its mailbox stays.
         assert_eq!(
-            forced.plan(Some(Collective::Broadcast), 8, 4, false).path,
+            forced.pick(Some(Collective::Broadcast), 8, 4, false).path,
             Path::Mailbox
         );
         // A hierarchical all-reduce needs several hosts: forced, the model decides.
@@ -710,8 +711,8 @@ mod tests {
             forced: "hier".parse().unwrap(),
             ..t
         };
-        let plan = hier.plan(all_reduce, 1 << 20, 4, false);
-        assert_eq!(plan.reason, Reason::ForcedInvalid(Algorithm::Hierarchical));
+        let pick = hier.pick(all_reduce, 1 << 20, 4, false);
+        assert_eq!(pick.reason, Reason::ForcedInvalid(Algorithm::Hierarchical));
         assert!(hier
             .explain_call(all_reduce, 1 << 20, 4, false)
             .contains("forced hier is not available"));
@@ -742,7 +743,7 @@ mod tests {
                 shared_memory: false,
             });
         assert_eq!(
-            forced.plan(Some(Collective::AllReduce), 8, 8, false).path,
+            forced.pick(Some(Collective::AllReduce), 8, 8, false).path,
             Path::Messages(Algorithm::Hierarchical)
         );
     }
@@ -753,7 +754,7 @@ mod tests {
         for c in Collective::ALL {
             for bytes in [8, 1 << 16, 1 << 26] {
                 assert_eq!(
-                    t.plan(Some(c), bytes, 16, false).path,
+                    t.pick(Some(c), bytes, 16, false).path,
                     Path::Messages(t.choose(c, bytes, 16)),
                     "{c} {bytes} B"
                 );

@@ -361,7 +361,7 @@ fn on_shaped_links_the_tuner_prices_the_hierarchical_all_reduce() {
         shared_memory: false,
     });
     for bytes in [1 << 20, 4 << 20] {
-        let plan = tuner.plan(Some(Collective::AllReduce), bytes, 4, false);
+        let plan = tuner.pick(Some(Collective::AllReduce), bytes, 4, false);
         assert_eq!(
             plan.path,
             Path::Messages(Algorithm::Hierarchical),

@@ -384,7 +384,7 @@ impl Inner {
                 .map_err(|e| executor::failed(e, watch, transport))
         };
         let result = match &call.route {
-            Route::Messages(steps) => {
+            Route::Messages(messages) => {
                 self.announce_messages(tag, call.bufs.addresses().1.len(), info.root);
                 let job = Job {
                     transport,
@@ -397,7 +397,7 @@ impl Inner {
                     depth: PIPELINE_DEPTH,
                     watch,
                 };
-                executor::execute(&job, &call.bufs, steps, &mut state.work)
+                executor::execute(&job, &call.bufs, messages, &mut state.work)
             }
             Route::Mailbox => meet(None),
             Route::Window(window) => meet(Some(window)),

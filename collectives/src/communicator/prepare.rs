@@ -1,23 +1,15 @@
 //! The one way every collective is built: each entry point describes its call
-//! (a [`CallInfo`] and its buffers) and [`Inner::prepare`] makes the one
-//! decision, the [`Route`] and its algorithm, from the tuner's table
-//! ([`crate::tuner`], which holds the topology the transport found), then the
-//! call runs in issue order (`Inner::execute`).
-//!
-//! The routes:
-//! - [`Route::Messages`]: the schedule of the picked algorithm (ring, tree,
-//!   recursive doubling or halving, direct, hierarchical across hosts, or a
-//!   barrier's dissemination), run by the executor over the transport.
-//! - [`Route::Mailbox`]: every rank on one host and a small call (or a
-//!   barrier): one meeting in the shared-memory mailboxes (`mailbox.rs`).
-//! - [`Route::Window`]: the buffers are this communicator's shared buffers;
-//!   peers read and write them directly between meetings (`shared.rs`).
+//! (a [`CallInfo`] and its buffers) and [`Inner::prepare`] asks
+//! [`crate::schedule::plan`], where every call's plan is decided, for its [`Plan`] (from the
+//! tuner's table, which holds the topology the transport found), then the call runs in
+//! issue order (`Inner::execute`) by its [`Route`]: messages through the transport, one
+//! meeting in the shared-memory mailboxes (`mailbox.rs`), or directly on this
+//! communicator's shared buffers (`shared.rs`).
 //!
 //! A training loop repeats the same few calls (same collective, type, size,
-//! root and kind of buffer), so the decision and the schedule of recent call
-//! shapes are kept: a repeated call costs one lookup. Each decision is logged
-//! when it is made: the tuner's table at `info` when the pick for that kind of
-//! call changes, one line at `debug` otherwise.
+//! root and kind of buffer), so the plans of recent call shapes are kept: a repeated call
+//! costs one lookup. Each decision is logged when it is made: the tuner's table at `info`
+//! when the pick for that kind of call changes, one line at `debug` otherwise.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -27,10 +19,10 @@ use chorus_kernels::DType;
 use super::shared::WindowCall;
 use super::CallInfo;
 use super::{lock, CallKind, Inner};
-use crate::algorithm::{Algorithm, Collective, Path};
+use crate::algorithm::Collective;
 use crate::executor::Buffers;
-use crate::schedule::{all_to_all, barrier, hierarchical, Schedule};
-use crate::tuner::Plan;
+use crate::schedule::plan::{self, Messages, Placement, Plan, Shape};
+use crate::tuner::Pick;
 use crate::{Error, Result};
 
 /// Decisions kept at most (a handful of gradient buckets and sync calls).
@@ -45,8 +37,8 @@ pub(crate) struct Call<'a> {
 
 /// How a call runs.
 pub(crate) enum Route {
-    /// This schedule, as messages through the transport.
-    Messages(Arc<Schedule>),
+    /// These messages, through the transport.
+    Messages(Arc<Messages>),
     /// One meeting in the shared-memory mailboxes.
     Mailbox,
     /// Directly on these shared buffers.
@@ -63,23 +55,15 @@ struct Key {
     on_windows: bool,
 }
 
-/// A decision as kept: the route without this call's buffers.
-#[derive(Debug, Clone)]
-enum Decided {
-    Messages(Arc<Schedule>),
-    Mailbox,
-    Window,
-}
-
-/// The most recent decisions, newest first.
+/// The most recent plans, newest first.
 #[derive(Debug, Default)]
 pub(crate) struct Decisions {
-    recent: Mutex<VecDeque<(Key, Decided)>>,
+    recent: Mutex<VecDeque<(Key, Plan)>>,
 }
 
 impl Decisions {
-    /// The decision for `key`: the one made before, or `decide`'s, kept for next time.
-    fn get_or_decide(&self, key: Key, decide: impl FnOnce() -> Result<Decided>) -> Result<Decided> {
+    /// The plan for `key`: the one made before, or `decide`'s, kept for next time.
+    fn get_or_decide(&self, key: Key, decide: impl FnOnce() -> Result<Plan>) -> Result<Plan> {
         if let Some((_, hit)) = lock(&self.recent).iter().find(|(k, _)| *k == key) {
             return Ok(hit.clone());
         }
@@ -134,10 +118,10 @@ impl Inner {
             None => self.decisions.get_or_decide(key, decide)?,
         };
         let route = match (decided, window) {
-            (Decided::Messages(steps), _) => Route::Messages(steps),
-            (Decided::Mailbox, _) => Route::Mailbox,
-            (Decided::Window, Some(window)) => Route::Window(window),
-            (Decided::Window, None) => {
+            (Plan::Messages(messages), _) => Route::Messages(messages),
+            (Plan::Mailbox, _) => Route::Mailbox,
+            (Plan::Window, Some(window)) => Route::Window(window),
+            (Plan::Window, None) => {
                 return Err(Error::Internal(format!(
                     "{} was routed to shared buffers it does not have",
                     info.kind.name()
@@ -147,19 +131,18 @@ impl Inner {
         Ok(Call { info, bufs, route })
     }
 
-    /// The tuner's pick for call `info` (on shared buffers when `on_windows`), logged,
-    /// with the schedule it runs when it runs as messages.
+    /// The plan of call `info` (on shared buffers when `on_windows`), its pick logged.
     fn decide(
         &self,
         info: &CallInfo,
         on_windows: bool,
         counts: Option<(&[usize], &[usize])>,
-    ) -> Result<Decided> {
-        let (rank, w) = (self.config.rank, self.config.world_size);
-        let c = collective(info.kind);
+    ) -> Result<Plan> {
+        let w = self.config.world_size;
+        let collective = collective(info.kind);
         // nccl-tests' size: the buffer of all-reduce, broadcast and reduce, the whole
         // of the other collectives' blocks.
-        let elems = match (info.kind, counts) {
+        let count = match (info.kind, counts) {
             (_, Some((send, _))) => send.iter().sum(),
             (
                 CallKind::AllReduce | CallKind::Broadcast | CallKind::Reduce | CallKind::Barrier,
@@ -167,65 +150,39 @@ impl Inner {
             ) => info.count,
             _ => info.count * w,
         };
-        let bytes = elems * info.dtype.size();
-        let plan = self.tuner.plan(c, bytes, w, on_windows);
-        self.log_pick(info.kind, &plan, || {
-            self.tuner.explain_call(c, bytes, w, on_windows)
+        let shape = Shape {
+            collective,
+            count,
+            elem: info.dtype.size(),
+            root: info.root,
+            chunk: self.chunk_elems(info.dtype),
+            counts,
+            on_windows,
+        };
+        let at = Placement {
+            rank: self.config.rank,
+            world: w,
+            hosts: &self.hosts,
+            // One machine without a transport.
+            machines: self.transport.as_ref().map_or(1, |t| t.machines()),
+            shared_memory: self.tuner.topology().shared_memory,
+        };
+        let (plan, pick) = plan::plan(&self.tuner, &shape, &at)?;
+        self.log_pick(info.kind, &pick, || {
+            let bytes = count * shape.elem;
+            self.tuner.explain_call(collective, bytes, w, on_windows)
         });
-        let algorithm = match plan.path {
-            Path::Mailbox => return Ok(Decided::Mailbox),
-            Path::Window => return Ok(Decided::Window),
-            Path::Messages(a) => a,
-        };
-        let shared = self.tuner.topology().shared_memory;
-        let chunk = chunk_for(c, w, elems, shared, self.chunk_elems(info.dtype));
-        let steps = match (c, algorithm, counts) {
-            (None, _, _) => barrier::dissemination(rank, w),
-            (_, _, Some((send, recv))) => all_to_all::pairwise(rank, w, send, recv),
-            (_, Algorithm::Hierarchical, _) => {
-                hierarchical::all_reduce_on(rank, &self.hosts, info.count, chunk)
-            }
-            (Some(c), a, None) => {
-                // One machine without a transport.
-                let machines = self.transport.as_ref().map_or(1, |t| t.machines());
-                let ready_above = crate::cost::ready_above(machines, info.dtype.size());
-                crate::cost::schedule_for(c, a, rank, w, elems, chunk, info.root, ready_above)
-                    .ok_or_else(|| {
-                        Error::Internal(format!(
-                            "the tuner offered {a:?}, which has no {c:?} schedule"
-                        ))
-                    })?
-            }
-        };
-        Ok(Decided::Messages(Arc::new(steps)))
+        Ok(plan)
     }
 
-    /// Logs `plan` for a call of `kind`: `table` at `info` when the pick for `kind` changed.
-    fn log_pick(&self, kind: CallKind, plan: &Plan, table: impl FnOnce() -> String) {
+    /// Logs `pick` for a call of `kind`: `table` at `info` when the pick for `kind` changed.
+    fn log_pick(&self, kind: CallKind, pick: &Pick, table: impl FnOnce() -> String) {
         let rank = self.config.rank;
-        if lock(&self.picks).insert(kind, plan.path) != Some(plan.path) {
+        if lock(&self.picks).insert(kind, pick.path) != Some(pick.path) {
             tracing::info!(rank, "{}", table());
         } else {
-            tracing::debug!(rank, call = kind.name(), path = %plan, "tuner");
+            tracing::debug!(rank, call = kind.name(), path = %pick, "tuner");
         }
-    }
-}
-
-/// The pipeline chunk of call `c` on `elems` elements over `world` ranks: `configured`,
-/// but a broadcast between two ranks that share memory goes as one message. Two ranks relay
-/// nothing, and over shared memory the receiver copies the whole message straight from the
-/// root's buffer; over sockets chunks move faster (W=2, 64 MiB, in place: 3.8-6.0 GB/s
-/// against 2.3-3.5 whole).
-fn chunk_for(
-    c: Option<Collective>,
-    world: usize,
-    elems: usize,
-    shared_memory: bool,
-    configured: usize,
-) -> usize {
-    match c {
-        Some(Collective::Broadcast) if world == 2 && shared_memory => elems.max(1),
-        _ => configured,
     }
 }
 
@@ -244,30 +201,19 @@ mod tests {
         }
     }
 
-    fn one_step(count: usize) -> Result<Decided> {
-        Ok(Decided::Messages(Arc::new(vec![Step::Recv {
+    fn one_step(count: usize) -> Result<Plan> {
+        let step = Step::Recv {
             peer: 1,
             into: crate::schedule::Loc::output(0..count),
-        }])))
+        };
+        Ok(Plan::Messages(Arc::new(Messages::of(vec![step], 4))))
     }
 
-    fn steps(d: Result<Decided>) -> Arc<Schedule> {
+    fn steps(d: Result<Plan>) -> Arc<Messages> {
         match d {
-            Ok(Decided::Messages(steps)) => steps,
+            Ok(Plan::Messages(messages)) => messages,
             other => panic!("{other:?}"),
         }
-    }
-
-    #[test]
-    fn a_broadcast_between_two_ranks_is_one_message_on_shared_memory_only() {
-        let bcast = Some(Collective::Broadcast);
-        assert_eq!(chunk_for(bcast, 2, 1 << 24, true, 1 << 17), 1 << 24);
-        assert_eq!(chunk_for(bcast, 2, 0, true, 1 << 17), 1);
-        assert_eq!(chunk_for(bcast, 2, 1 << 24, false, 1 << 17), 1 << 17);
-        assert_eq!(chunk_for(bcast, 3, 1 << 24, true, 1 << 17), 1 << 17);
-        let all_reduce = Some(Collective::AllReduce);
-        assert_eq!(chunk_for(all_reduce, 2, 1 << 24, true, 1 << 17), 1 << 17);
-        assert_eq!(chunk_for(None, 2, 0, true, 1 << 17), 1 << 17);
     }
 
     #[test]
@@ -308,8 +254,8 @@ mod tests {
             on_windows: true,
             ..key(3)
         };
-        let d = kept.get_or_decide(on_windows, || Ok(Decided::Window));
-        assert!(matches!(d, Ok(Decided::Window)), "{d:?}");
+        let d = kept.get_or_decide(on_windows, || Ok(Plan::Window));
+        assert!(matches!(d, Ok(Plan::Window)), "{d:?}");
     }
 
     #[test]

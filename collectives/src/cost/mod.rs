@@ -16,13 +16,8 @@ pub mod closed;
 mod fabric;
 pub mod simulate;
 
+pub(crate) use fabric::EAGER;
 pub use simulate::{evaluate, EvalConfig, EvalError, Evaluation, DEFAULT_DEPTH};
-
-use crate::algorithm::{Algorithm, Collective};
-use crate::schedule::{
-    all_gather, all_to_all, broadcast, gather, recursive, reduce, reduce_scatter, ring, scatter,
-    tree, Schedule,
-};
 
 /// Per-message latency assumed when nothing is measured: 10 us (TCP over loopback or a LAN).
 pub const DEFAULT_ALPHA: f64 = chorus_transport::tcp::LINK_COST.latency;
@@ -110,92 +105,5 @@ impl Network {
     /// The host of `rank`.
     pub fn host(&self, rank: usize) -> usize {
         rank / self.per_host.max(1)
-    }
-}
-
-/// The `ready_above` of [`schedule_for`] for elements of `elem` bytes on ranks spread over
-/// `machines` machines: between machines, a round's message larger than what the sockets
-/// hold before its receive is posted waits for a handshake; on one machine (over shared
-/// memory or loopback TCP) no link is shared, so none does.
-pub fn ready_above(machines: usize, elem: usize) -> usize {
-    match machines {
-        0 | 1 => usize::MAX,
-        _ => fabric::EAGER as usize / elem.max(1),
-    }
-}
-
-/// The schedule `rank` runs for `c` by `a`, or `None` if `a` does not implement `c`.
-///
-/// `count` is nccl-tests' size in elements (see [`crate::tuner::Tuner::estimate`]):
-/// the buffer of all-reduce, broadcast and reduce; the whole output of
-/// all-gather and gather, the whole input of reduce-scatter and scatter,
-/// each rank's buffer of all-to-all, of which every rank's block is
-/// `count / world_size` elements. `chunk` is the pipeline chunk in elements;
-/// `root` the root of broadcast, reduce, gather and scatter; rounds of recursive doubling
-/// and halving-doubling that send more than `ready_above` elements start with a handshake
-/// (see [`ready_above`]; `usize::MAX`: none).
-#[allow(clippy::too_many_arguments)]
-pub fn schedule_for(
-    c: Collective,
-    a: Algorithm,
-    rank: usize,
-    world_size: usize,
-    count: usize,
-    chunk: usize,
-    root: usize,
-    ready_above: usize,
-) -> Option<Schedule> {
-    use Algorithm::*;
-    use Collective::*;
-    let (w, block) = (world_size, count / world_size.max(1));
-    Some(match (c, a) {
-        (AllReduce, Ring) => ring::all_reduce(rank, w, count, chunk),
-        (AllReduce, Tree) => tree::all_reduce(rank, w, count, chunk),
-        (AllReduce, RecursiveDoubling) => recursive::doubling(rank, w, count, chunk, ready_above),
-        (AllReduce, HalvingDoubling) => {
-            recursive::halving_doubling(rank, w, count, chunk, ready_above)
-        }
-        (Broadcast, Ring) => broadcast::chain(rank, w, root, count, chunk),
-        (Broadcast, Tree) => broadcast::tree(rank, w, root, count, chunk),
-        (Reduce, Ring) => reduce::chain(rank, w, root, count, chunk),
-        (Reduce, Tree) => reduce::tree(rank, w, root, count, chunk),
-        (AllGather, Ring) => all_gather::ring(rank, w, block, chunk),
-        (ReduceScatter, Ring) => reduce_scatter::ring(rank, w, block, chunk),
-        (AllToAll, Direct) => {
-            let counts = vec![block; w];
-            all_to_all::pairwise(rank, w, &counts, &counts)
-        }
-        (Gather, Direct) => gather::direct(rank, w, root, block),
-        (Scatter, Direct) => scatter::direct(rank, w, root, block),
-        _ => return None,
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::schedule::Step;
-
-    #[test]
-    fn only_rounds_between_hosts_larger_than_the_sockets_hold_shake_hands() {
-        assert_eq!(ready_above(1, 4), usize::MAX);
-        assert_eq!(ready_above(2, 4), 16 << 10);
-        assert_eq!(ready_above(3, 8), 8 << 10);
-        let fence = |s: &Step| matches!(s, Step::Fence);
-        let rd = |hosts| {
-            schedule_for(
-                Collective::AllReduce,
-                Algorithm::RecursiveDoubling,
-                0,
-                4,
-                1 << 20,
-                1 << 17,
-                0,
-                ready_above(hosts, 4),
-            )
-            .expect("recursive doubling implements all-reduce")
-        };
-        assert!(!rd(1).iter().any(fence));
-        assert_eq!(rd(4).iter().filter(|s| fence(s)).count(), 4);
     }
 }

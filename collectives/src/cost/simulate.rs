@@ -39,6 +39,8 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use super::fabric::{pair, At, Delivered, Fabric, Pairs};
 use super::{LinkModel, Network};
+#[cfg(test)]
+use crate::executor::Did;
 use crate::executor::{Action, Dest, Layout, Machine, Program, PIPELINE_DEPTH};
 use crate::schedule::{extent, Buf, Loc, Schedule, Step};
 use crate::Error;
@@ -155,33 +157,27 @@ pub fn evaluate<F>(
 where
     F: FnMut(usize) -> Schedule,
 {
-    let mut sim = Sim {
-        net: *net,
-        fabric: Fabric::new(net, world_size),
-        window: (config.resident_steps / world_size.max(1)).max(256),
-        world: world_size,
-        generate: schedule,
-        ranks: Vec::with_capacity(world_size),
-        reqs: Vec::new(),
-        free_reqs: Vec::new(),
-        channels: Channels::default(),
-        posts: BinaryHeap::new(),
-        seq: 0,
-        wake: Vec::new(),
-        stats: Evaluation {
-            time: 0.0,
-            slowest_rank: 0,
-            messages: 0,
-            wire_bytes: 0,
-            steps: 0,
-            generations: 0,
-            events: 0,
-        },
-    };
-    for r in 0..world_size {
-        sim.start(r, config);
+    Sim::new(world_size, net, config, schedule).run()
+}
+
+/// What every rank did in the evaluation of `schedule` (see [`evaluate`]): the actions of
+/// its machine in the order it took them, but waits, and the chunks it reduced.
+#[cfg(test)]
+pub(crate) fn trace<F>(
+    world_size: usize,
+    net: &Network,
+    config: &EvalConfig,
+    schedule: F,
+) -> Result<Vec<Vec<Did>>, EvalError>
+where
+    F: FnMut(usize) -> Schedule,
+{
+    let mut sim = Sim::new(world_size, net, config, schedule);
+    for rank in &mut sim.ranks {
+        rank.did = Some(Vec::new());
     }
-    sim.run()
+    sim.run()?;
+    Ok(sim.ranks.iter_mut().filter_map(|r| r.did.take()).collect())
 }
 
 /// One rank: its machine (with a request's index in [`Sim::reqs`] as its handle), the
@@ -194,6 +190,9 @@ struct Rank {
     /// The wait the thread is held in: the machine's id of the request, and its index.
     blocked: Option<(u64, u32)>,
     finished: bool,
+    /// What it did, when traced.
+    #[cfg(test)]
+    did: Option<Vec<Did>>,
 }
 
 impl Rank {
@@ -203,6 +202,10 @@ impl Rank {
         self.now = self.now.max(done);
         free.push(req);
         if let Some(reduction) = self.machine.complete(id) {
+            #[cfg(test)]
+            if let Some(did) = &mut self.did {
+                did.push(Did::Reduced(reduction));
+            }
             self.now += model.reduce(reduction.into.len as f64);
         }
     }
@@ -455,6 +458,37 @@ struct Sim<F> {
 }
 
 impl<F: FnMut(usize) -> Schedule> Sim<F> {
+    /// The evaluation of `schedule` on `world_size` ranks, every rank's machine started.
+    fn new(world_size: usize, net: &Network, config: &EvalConfig, schedule: F) -> Sim<F> {
+        let mut sim = Sim {
+            net: *net,
+            fabric: Fabric::new(net, world_size),
+            window: (config.resident_steps / world_size.max(1)).max(256),
+            world: world_size,
+            generate: schedule,
+            ranks: Vec::with_capacity(world_size),
+            reqs: Vec::new(),
+            free_reqs: Vec::new(),
+            channels: Channels::default(),
+            posts: BinaryHeap::new(),
+            seq: 0,
+            wake: Vec::new(),
+            stats: Evaluation {
+                time: 0.0,
+                slowest_rank: 0,
+                messages: 0,
+                wire_bytes: 0,
+                steps: 0,
+                generations: 0,
+                events: 0,
+            },
+        };
+        for r in 0..world_size {
+            sim.start(r, config);
+        }
+        sim
+    }
+
     /// Generates rank `r`'s program and starts its machine on buffers as large as it reaches.
     fn start(&mut self, r: usize, config: &EvalConfig) {
         let program = (self.generate)(r);
@@ -486,10 +520,12 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
             now: 0.0,
             blocked: None,
             finished: false,
+            #[cfg(test)]
+            did: None,
         });
     }
 
-    fn run(mut self) -> Result<Evaluation, EvalError> {
+    fn run(&mut self) -> Result<Evaluation, EvalError> {
         for r in 0..self.world {
             self.thread(r)?;
         }
@@ -566,6 +602,10 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
                     done
                 })
                 .map_err(|e| invalid(r, rank.machine.pc(), e))?;
+            #[cfg(test)]
+            if let Some(did) = &mut rank.did {
+                did.extend(Did::act(action));
+            }
             // A send (or, `recv`, a receive) of `bytes` from `src` to `dst` posted now: its
             // request, done once the message has crossed.
             let mut post = |src: usize, dst: usize, bytes: u64, recv: bool| {
@@ -699,7 +739,7 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
     }
 
     /// Checks that every rank finished and every message was received; collects the result.
-    fn finish(mut self) -> Result<Evaluation, EvalError> {
+    fn finish(&mut self) -> Result<Evaluation, EvalError> {
         let stuck: Vec<usize> = (0..self.world)
             .filter(|&r| !self.ranks[r].finished)
             .collect();
@@ -732,7 +772,7 @@ impl<F: FnMut(usize) -> Schedule> Sim<F> {
                 self.stats.slowest_rank = r;
             }
         }
-        Ok(self.stats)
+        Ok(self.stats.clone())
     }
 }
 
@@ -790,7 +830,8 @@ fn invalid(rank: usize, step: usize, error: Error) -> EvalError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::{closed, schedule_for};
+    use crate::cost::closed;
+    use crate::schedule::plan::schedule_for;
     use crate::schedule::{barrier, broadcast, ring, tree};
     use crate::tuner::{Algorithm, Collective, Tuner};
 

@@ -1,27 +1,29 @@
 //! The real driver: performs the machine's actions on the caller's buffers
 //! with the transport and the kernels, waiting with the deadline and the watchdog;
-//! programs of small exchanges, one after the other, go to the transport pair by pair.
+//! programs planned as exchanges ([`Drive::Exchanges`]) go to the transport pair by pair.
 
 use chorus_kernels::{reduce, reduce_into, ReduceOp};
 use chorus_transport::{Request, Transport, TransportError};
 
 use super::machine::{overlaps, Action, Dest, Layout, Machine, Needs, Reduce, Region};
 use super::{Buffers, Job, Watch, Workspace};
-use crate::schedule::{Buf, Loc, Step};
+use crate::schedule::plan::{Drive, Messages, EXCHANGE_BYTES};
+use crate::schedule::{Buf, Step};
 use crate::Error;
 
-/// Runs `steps` to completion.
+/// Runs `messages` to completion, as they are planned to be driven (by the machine when
+/// there is no transport, which reports a schedule that communicates).
 ///
 /// On any error the transport is aborted before returning, so no request
 /// still refers to the caller's buffers.
 pub(crate) fn execute(
     job: &Job<'_>,
     bufs: &Buffers<'_>,
-    steps: &[Step],
+    messages: &Messages,
     work: &mut Workspace,
 ) -> Result<(), Error> {
-    let elem = job.dtype.size();
-    let exchanged = job.transport.is_some() && exchanges(steps, elem);
+    let (steps, elem) = (&messages.steps[..], job.dtype.size());
+    let exchanged = job.transport.is_some() && messages.drive == Drive::Exchanges;
     let needs = Needs::of(steps, elem);
     let layout = Layout {
         elem,
@@ -52,47 +54,6 @@ pub(crate) fn execute(
         false => run.run(steps),
     }
     .map_err(|error| failed(error, job.watch, job.transport))
-}
-
-/// Largest message of a program that runs as exchanges (see [`exchanges`]).
-const EXCHANGE_BYTES: usize = 256;
-
-/// Whether `steps` are only exchanges: pairs of a send and a receive (or
-/// receive-and-reduce) into the output, of at most [`EXCHANGE_BYTES`] each, where every
-/// pair but the first follows a fence or sends what the pair before received (so the
-/// machine too would run the pairs one after the other), with perhaps a finish and a fence
-/// at the end. Small all-reduces by recursive doubling and barriers are. Such a program runs
-/// pair by pair through [`Transport::sendrecv`], which may move small messages without
-/// requests.
-fn exchanges(steps: &[Step], elem: usize) -> bool {
-    let small = |loc: &Loc| loc.range.len() * elem <= EXCHANGE_BYTES && loc.buf != Buf::Scratch;
-    let mut after: Option<&Loc> = None;
-    let mut rest = steps;
-    while let Some((step, tail)) = rest.split_first() {
-        rest = tail;
-        let from = match step {
-            Step::Fence => {
-                after = None;
-                continue;
-            }
-            Step::Finish { .. } => return tail.iter().all(|s| matches!(s, Step::Fence)),
-            Step::Send { from, .. } => from,
-            _ => return false,
-        };
-        let into = match tail.first() {
-            Some(Step::Recv { into, .. }) => into,
-            Some(Step::RecvReduce { with, into, .. }) if small(with) => into,
-            _ => return false,
-        };
-        let follows =
-            after.is_none_or(|last| last.buf == from.buf && overlaps(&last.range, &from.range));
-        if !(follows && small(from) && small(into) && into.buf == Buf::Output) {
-            return false;
-        }
-        after = Some(into);
-        rest = &tail[1..];
-    }
-    true
 }
 
 /// Explains a call's failure through `watch`, then aborts `transport` so no
@@ -217,7 +178,7 @@ impl Run<'_, '_> {
 }
 
 impl Run<'_, '_> {
-    /// Runs a program of exchanges (see [`exchanges`]) pair by pair: both messages of a
+    /// Runs a program of exchanges (see [`Messages::of`]) pair by pair: both messages of a
     /// pair through one [`Transport::sendrecv`], the reply landing in the first staging
     /// slot, then reduced or copied into place. Regions are checked as the machine checks
     /// them.
@@ -238,12 +199,12 @@ impl Run<'_, '_> {
                 }
                 _ => continue,
             };
-            let (recv, tail) = tail.split_first().expect("a send's pair (`exchanges`)");
+            let (recv, tail) = tail.split_first().expect("a send's pair (`Messages::of`)");
             rest = tail;
             let (source, into, with) = match recv {
                 Step::Recv { peer, into } => (*peer, into, None),
                 Step::RecvReduce { peer, with, into } => (*peer, into, Some(with)),
-                _ => unreachable!("a send's pair receives (`exchanges`)"),
+                _ => unreachable!("a send's pair receives (`Messages::of`)"),
             };
             let (into, into_mem) = self.machine.resolve_target(into)?;
             // The operand, unless it is `into` itself (`None`): of its length, and apart.
@@ -331,43 +292,4 @@ fn wait(job: &Job<'_>, warned: &mut bool, req: &Request) -> Result<(), Error> {
     }
     req.wait(deadline)
         .map_err(|e| Error::transport(job.rank, e))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::schedule::{barrier, recursive, ring};
-
-    #[test]
-    fn small_doublings_and_barriers_run_as_exchanges_and_nothing_else_does() {
-        // Floats: 64 of them are EXCHANGE_BYTES.
-        let chunk = 1 << 20;
-        for (world, rank) in [(2, 0), (2, 1), (4, 3), (8, 5)] {
-            assert!(exchanges(
-                &recursive::doubling(rank, world, 64, chunk, usize::MAX),
-                4
-            ));
-            assert!(exchanges(&barrier::dissemination(rank, world), 4));
-            // A message too big, and chunks of one round that the machine would overlap.
-            assert!(!exchanges(
-                &recursive::doubling(rank, world, 65, chunk, usize::MAX),
-                4
-            ));
-            assert!(!exchanges(
-                &recursive::doubling(rank, world, 64, 16, usize::MAX),
-                4
-            ));
-            assert!(!exchanges(&ring::all_reduce(rank, world, 64, chunk), 4));
-        }
-        // Three ranks: rank 2 is folded into rank 0, which receives from it before any send.
-        assert!(exchanges(
-            &recursive::doubling(2, 3, 8, chunk, usize::MAX),
-            4
-        ));
-        assert!(!exchanges(
-            &recursive::doubling(0, 3, 8, chunk, usize::MAX),
-            4
-        ));
-        assert!(exchanges(&barrier::dissemination(1, 3), 4));
-    }
 }

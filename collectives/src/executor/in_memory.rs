@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use chorus_kernels::{finish_avg, reduce, reduce_into, DType, ReduceOp};
 
 use super::machine::{Action, Dest, Layout, Machine, Needs, Reduce, Region};
+use super::Did;
 use crate::schedule::{Buf, Schedule};
 use crate::{Cause, Error, Fault};
 
@@ -47,6 +48,8 @@ pub(super) struct Outcome {
     pub slots: Vec<(usize, usize)>,
     /// Actions each rank took.
     pub actions: Vec<usize>,
+    /// What each rank did (see [`Did`]).
+    pub did: Vec<Vec<Did>>,
 }
 
 #[derive(Debug, PartialEq)]
@@ -71,6 +74,7 @@ struct Rank {
     slots_used: Vec<bool>,
     staged: usize,
     actions: usize,
+    did: Vec<Did>,
 }
 
 /// A posted send or receive waiting on one ordered pair of ranks.
@@ -182,6 +186,7 @@ impl World<'_> {
             slots_used: vec![false; call.depth.max(1)],
             staged: 0,
             actions: 0,
+            did: Vec::new(),
         }
     }
 
@@ -267,6 +272,7 @@ impl World<'_> {
             let rank = &mut self.ranks[r];
             rank.state = State::Runnable;
             if let Some(reduction) = rank.machine.complete(id) {
+                rank.did.push(Did::Reduced(reduction));
                 rank.reduce(call, reduction)?;
             }
             return Ok(());
@@ -278,6 +284,7 @@ impl World<'_> {
             .machine
             .next(call.steps[r].as_slice(), |&id| completed[id as usize])?;
         rank.actions += 1;
+        rank.did.extend(Did::act(action));
         if self.fail_at == Some((r, rank.actions - 1)) {
             return Err(Error::Internal(format!("failure injected into {action:?}")));
         }
@@ -330,11 +337,13 @@ impl World<'_> {
             results: Vec::new(),
             slots: Vec::new(),
             actions: Vec::new(),
+            did: Vec::new(),
         };
         for rank in self.ranks {
             let used = rank.slots_used.iter().filter(|&&u| u).count();
             outcome.slots.push((used, rank.staged));
             outcome.actions.push(rank.actions);
+            outcome.did.push(rank.did);
             outcome.results.push(match rank.error {
                 Some(error) => Err(error),
                 None => Ok(rank.output),
@@ -394,7 +403,13 @@ impl Rank {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::{recursive, ring, tree, Loc, Step};
+    use crate::algorithm::{Algorithm, Collective};
+    use crate::cost::simulate;
+    use crate::cost::{EvalConfig, LinkModel, Network};
+    use crate::executor::PIPELINE_DEPTH;
+    use crate::schedule::plan::{self, Drive, Messages, Placement, Shape};
+    use crate::schedule::{extent, recursive, ring, tree, Loc, Step};
+    use crate::tuner::Tuner;
 
     type Generator = fn(usize, usize, usize, usize) -> Schedule;
 
@@ -745,5 +760,122 @@ mod tests {
             let got = m.next(&steps[..], |_| false);
             assert!(matches!(got, Err(Error::Internal(_))), "{steps:?}: {got:?}");
         }
+    }
+
+    /// Every plan's messages, as the communicator makes them on `w` ranks (hosts of two
+    /// ranks, for the hierarchical all-reduce): a barrier, and each collective by each of
+    /// its algorithms on a small size (exchanges, where the algorithm is made of them) and a
+    /// chunked one.
+    fn plans(w: usize) -> Vec<(String, Vec<Messages>)> {
+        let hosts: Vec<Vec<usize>> = (0..w)
+            .collect::<Vec<_>>()
+            .chunks(2)
+            .map(<[usize]>::to_vec)
+            .collect();
+        let mut routes: Vec<(Option<Collective>, Algorithm)> = vec![(None, Algorithm::Direct)];
+        for c in Collective::ALL {
+            routes.extend(Tuner::candidates(c).iter().map(|&a| (Some(c), a)));
+        }
+        routes.push((Some(Collective::AllReduce), Algorithm::Hierarchical));
+        let mut plans = Vec::new();
+        for (collective, a) in routes {
+            for (count, chunk) in [(2 * w, 1 << 20), (24 * w, 8)] {
+                let shape = Shape {
+                    collective,
+                    count,
+                    elem: 4,
+                    root: w / 2,
+                    chunk,
+                    counts: None,
+                    on_windows: false,
+                };
+                let messages = (0..w)
+                    .map(|rank| {
+                        let at = Placement {
+                            rank,
+                            world: w,
+                            hosts: &hosts,
+                            machines: hosts.len(),
+                            shared_memory: false,
+                        };
+                        plan::messages(&shape, a, &at)
+                            .expect("a candidate implements its collective")
+                    })
+                    .collect();
+                plans.push((
+                    format!("{collective:?} by {a:?}, {count} elements in chunks of {chunk}"),
+                    messages,
+                ));
+            }
+        }
+        plans
+    }
+
+    #[test]
+    fn the_simulator_does_what_this_driver_does_for_every_plan() {
+        let config = EvalConfig {
+            elem_bytes: 4,
+            depth: PIPELINE_DEPTH,
+            ..EvalConfig::default()
+        };
+        let net = Network::flat(LinkModel::shared_memory());
+        let mut drives = (0, 0);
+        for w in [2, 3, 4, 5, 8] {
+            for (what, messages) in plans(w) {
+                let steps: Vec<Schedule> = messages.iter().map(|m| m.steps.clone()).collect();
+                let len = |buf| steps.iter().map(|s| extent(s, buf) * 4).max().unwrap_or(0);
+                let call = Call {
+                    dtype: DType::F32,
+                    op: ReduceOp::Sum,
+                    depth: PIPELINE_DEPTH,
+                    in_place: false,
+                    inputs: vec![vec![0; len(Buf::Input)]; w],
+                    output_len: len(Buf::Output),
+                    steps: steps.clone(),
+                };
+                let simulated = simulate::trace(w, &net, &config, |r| steps[r].clone())
+                    .unwrap_or_else(|e| panic!("{what} W={w}: {e}"));
+                for order in ORDERS {
+                    let driven = run(&call, order, None, 1 << 20);
+                    for (r, result) in driven.results.iter().enumerate() {
+                        assert!(result.is_ok(), "{what} W={w} rank {r}: {result:?}");
+                        assert_eq!(
+                            simulated[r], driven.did[r],
+                            "{what} W={w} {order:?} rank {r}"
+                        );
+                    }
+                }
+                // The executor runs a program planned as exchanges pair by pair: a pair's
+                // send is posted after the pair before has ended (reduced, if staged), as
+                // the machine too runs it.
+                for (r, m) in messages.iter().enumerate() {
+                    match m.drive {
+                        Drive::Machine => drives.0 += 1,
+                        Drive::Exchanges => {
+                            drives.1 += 1;
+                            let mut open = false;
+                            for did in &simulated[r] {
+                                match did {
+                                    Did::Act(Action::Send { .. }) => {
+                                        assert!(
+                                            !open,
+                                            "{what} W={w} rank {r}: a send within a pair"
+                                        );
+                                        open = true;
+                                    }
+                                    Did::Act(Action::Recv {
+                                        into: Dest::Region(_),
+                                        ..
+                                    })
+                                    | Did::Reduced(_) => open = false,
+                                    _ => {}
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(drives.0 > 0 && drives.1 > 0, "both drives: {drives:?}");
     }
 }

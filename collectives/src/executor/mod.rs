@@ -21,7 +21,27 @@ use crate::Error;
 
 pub use buffers::Buffers;
 pub(crate) use drive::{execute, failed};
+#[cfg(test)]
+pub(crate) use machine::Reduce;
 pub(crate) use machine::{Action, Dest, Layout, Machine, Program};
+
+/// What a driver did with its machine's actions, as the tests compare drivers: every action
+/// but a wait (how many waits there are depends on when requests complete), and every
+/// staged chunk reduced.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Did {
+    Act(Action),
+    Reduced(Reduce),
+}
+
+#[cfg(test)]
+impl Did {
+    /// `action`, unless it is a wait.
+    pub(crate) fn act(action: Action) -> Option<Did> {
+        (!matches!(action, Action::Wait { .. })).then_some(Did::Act(action))
+    }
+}
 
 /// Staging slots a call uses (receive-and-reduce chunks in flight at once): the pipeline
 /// depth of the communicator, and the cost evaluator's default.
@@ -97,6 +117,7 @@ mod tests {
     use chorus_transport::{Direction, TransportError};
 
     use super::*;
+    use crate::schedule::plan::Messages;
     use crate::schedule::{Buf, Loc, Step};
 
     /// A transport whose requests never complete; records whether it was aborted.
@@ -188,11 +209,11 @@ mod tests {
             buf: Buf::Output,
             range: 0..out.len(),
         };
-        let steps = [Step::Recv { peer: 1, into }, Step::Fence];
+        let steps = vec![Step::Recv { peer: 1, into }, Step::Fence];
         execute(
             &job(Some(transport), deadline, watch),
             &Buffers::new(None, out),
-            &steps,
+            &Messages::of(steps, 1),
             &mut Workspace::default(),
         )
     }
@@ -204,11 +225,11 @@ mod tests {
             buf: Buf::Input,
             range: 0..4,
         };
-        let steps = [Step::Send { peer: 1, from }, Step::Fence];
+        let steps = vec![Step::Send { peer: 1, from }, Step::Fence];
         let err = execute(
             &job(None, Instant::now(), None),
             &Buffers::new(None, &mut out),
-            &steps,
+            &Messages::of(steps, 1),
             &mut Workspace::default(),
         )
         .unwrap_err();

@@ -11,6 +11,7 @@ pub mod barrier;
 pub mod broadcast;
 pub mod gather;
 pub mod hierarchical;
+pub mod plan;
 pub mod recursive;
 pub mod reduce;
 pub mod reduce_scatter;
@@ -76,6 +77,13 @@ impl Loc {
     /// Whether the range is empty.
     pub fn is_empty(&self) -> bool {
         self.range.is_empty()
+    }
+
+    /// Whether this range and `other` share an element of one buffer.
+    pub fn overlaps(&self, other: &Loc) -> bool {
+        self.buf == other.buf
+            && self.range.start < other.range.end
+            && other.range.start < self.range.end
     }
 }
 

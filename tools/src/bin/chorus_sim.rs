@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use chorus::cost::{evaluate, ready_above, schedule_for, EvalConfig, LinkModel, Network};
-use chorus::schedule::hierarchical;
+use chorus::cost::{evaluate, EvalConfig, LinkModel, Network};
+use chorus::schedule::plan::{self, Placement, Shape};
 use chorus::tuner::{Algorithm, Collective, Forced, Path, Topology, Tuner, TIE_MARGIN};
 use chorus_tools::perf::parse_size;
 use clap::Parser;
@@ -277,7 +277,7 @@ fn network(args: &Args) -> Result<Network, String> {
 
 /// The tuner's pick among the message algorithms for `bytes`.
 fn pick(tuner: &Tuner, c: Collective, bytes: usize, w: usize) -> Algorithm {
-    match tuner.plan(Some(c), bytes, w, false).path {
+    match tuner.pick(Some(c), bytes, w, false).path {
         Path::Messages(a) => a,
         // The mailbox (one host, small calls) is not simulated: the flat pick stands in.
         Path::Mailbox | Path::Window => tuner.choose(c, bytes, w),
@@ -300,12 +300,27 @@ fn cell(
         .step_by(args.ranks_per_host)
         .map(|first| (first..(first + args.ranks_per_host).min(w)).collect())
         .collect();
-    // As the communicator shapes them: handshakes where the ranks span hosts.
-    let ready_above = ready_above(hosts.len(), ELEM);
-    let make = |r: usize| match a {
-        Algorithm::Hierarchical => hierarchical::all_reduce_on(r, &hosts, count, chunk),
-        _ => schedule_for(c, a, r, w, count, chunk, args.root, ready_above)
-            .expect("a candidate implements c"),
+    // The communicator's plan of the call, by `a`, on these hosts.
+    let shape = Shape {
+        collective: Some(c),
+        count,
+        elem: ELEM,
+        root: args.root,
+        chunk,
+        counts: None,
+        on_windows: false,
+    };
+    let make = |rank: usize| {
+        let at = Placement {
+            rank,
+            world: w,
+            hosts: &hosts,
+            machines: hosts.len(),
+            shared_memory: hosts.len() == 1 && w > 1,
+        };
+        plan::messages(&shape, a, &at)
+            .expect("a candidate implements c")
+            .steps
     };
     let closed = || Cell {
         time: tuner.estimate(c, a, bytes, w),
