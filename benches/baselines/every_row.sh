@@ -13,10 +13,10 @@
 #
 # Usage (release tools built; Open MPI's mpirun and mpi4py, and PyTorch for Gloo, installed):
 #   cargo build --release -p chorus-tools
-#   for r in 1 2 3; do benches/baselines/every_row.sh > round-$r.txt; done
-#   python3 benches/baselines/every_row_table.py round-*.txt   # the tables of benches/RESULTS.md
+#   for r in 1 2 3; do benches/baselines/every_row.sh > benches/results/every-row/round-$r.txt; done
+#   python3 benches/baselines/regenerate.py   # benches/RESULTS.md's tables and plot from them
 # Environment: BIN (target/release), PYTHON (/usr/bin/python3: Debian's, with torch, mpi4py
-# and chorus_torch), TORCH2 (unset), PARTS (the parts to run, of "shm tcp torch": all).
+# and chorus_torch), TORCH2 (unset), PARTS (the parts to run, of "shm tcp torch sweep": all).
 # Chorus's lines are the perf tools' columns: size, time and busbw out of place, time and busbw
 # in place; the baselines' are collective_bench.py's: call, bytes, time (us), algbw, busbw.
 # A command that fails or runs past 10 minutes is named in a "-- failed" line, and the round
@@ -31,7 +31,7 @@ CALLS=(--ops allreduce,broadcast,barrier --sizes 8,64M)
 # (the kernel is still spreading the spinning ranks over the cores; ranks pinned to cores show
 # no such start): every library's small calls are timed after about a second of warm-up.
 WARM=(--warmup-seconds 1)
-PARTS=${PARTS:-shm tcp torch}
+PARTS=${PARTS:-shm tcp torch sweep}
 
 # Runs a command with a time limit; says so if it fails.
 run() { timeout 600 "$@" || echo "-- failed ($?): $*"; }
@@ -84,6 +84,21 @@ tcp() {
     done
 }
 
+# The all-reduce at W=4 from 8 B to 64 MiB, for the plot of bus bandwidth against size:
+# Chorus over shared memory, Open MPI's vader and Gloo (TCP over loopback, its only way).
+SWEEP=8,64,512,4K,32K,256K,2M,16M,64M
+sweep() {
+    echo "-- chorus shm W=4 all-reduce sweep"
+    run env -u CHORUS_TRANSPORT "$BIN/allreduce_perf" -b 8 -e 64M -f 8 -n 50 -w 10 -c 0 -np 4 | row
+    echo "-- open mpi vader W=4 sweep"
+    run mpirun --allow-run-as-root --oversubscribe -np 4 --mca btl vader,self \
+        "$PYTHON" "$BENCH" --backend mpi --ops allreduce --sizes $SWEEP -n 50 -w 10 --small-iters 2000 |
+        grep -v '^#'
+    echo "-- gloo W=4 sweep"
+    run "$PYTHON" "$BENCH" --backend gloo -np 4 --ops allreduce --sizes $SWEEP -n 50 -w 10 \
+        --small-iters 2000 | grep -v '^#'
+}
+
 # The rows through torch.distributed's chorus backend (Gloo's are in the TCP part).
 torch() {
     for python in "$PYTHON" ${TORCH2:+"$TORCH2"}; do
@@ -99,7 +114,7 @@ echo "== $(date +%T), load average $(cut -d' ' -f1 /proc/loadavg)"
 echo "-- machine: $(nproc) cores; $(lscpu | awk -F: '/^(Model name|L1d|L2|L3)/ {gsub(/^ +/, "", $2); printf "%s %s; ", $1, $2}')"
 for part in $PARTS; do
     case $part in
-        shm | tcp | torch) "$part" ;;
-        *) echo "-- unknown part $part (PARTS takes shm, tcp and torch)" ;;
+        shm | tcp | torch | sweep) "$part" ;;
+        *) echo "-- unknown part $part (PARTS takes shm, tcp, torch and sweep)" ;;
     esac
 done

@@ -1,8 +1,10 @@
 //! The documentation's links: every relative link in README.md, docs/ and benches/RESULTS.md
-//! names a file that exists, and an anchor names a heading of that file.
+//! names a file that exists, and an anchor names a heading of that file; and the results
+//! document's generated parts are what the raw rounds kept beside it give.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 /// The documents checked, from the workspace root.
 fn documents(root: &Path) -> Vec<PathBuf> {
@@ -107,4 +109,23 @@ fn anchors_follow_githubs_rule() {
         "one-call-from-the-entry-point"
     );
     assert_eq!(anchor("`chorusrun`"), "chorusrun");
+}
+
+#[test]
+fn the_results_document_is_what_its_rounds_give() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let script = root.join("benches/baselines/regenerate.py");
+    let out = match Command::new("python3").arg(&script).arg("--check").output() {
+        Ok(out) => out,
+        Err(e) => {
+            eprintln!("skipping: no python3 to run {} ({e})", script.display());
+            return;
+        }
+    };
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
