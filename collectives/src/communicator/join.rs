@@ -12,11 +12,10 @@ use chorus_transport::store::{PrefixStore, Store, StoreError, StoreServer, TcpSt
 use chorus_transport::tcp::TcpConfig;
 use chorus_transport::{RouteConfig, RoutedTransport};
 
+use super::faults::{Lineage, Monitor, SetUp};
 use super::lifeline::Lifeline;
-use super::lookout::Lookout;
-use super::monitor::{Lineage, Monitor};
 use super::shared::Windows;
-use super::{prepare, roll_call, Communicator, Inner, Issue, State};
+use super::{prepare, Communicator, Inner, Issue, State};
 use crate::config::MAX_WORLD_SIZE;
 use crate::executor::Workspace;
 use crate::tuner::{Topology, Tuner};
@@ -130,11 +129,8 @@ impl Communicator {
                 ..ShmConfig::default()
             },
         };
-        // A process that cannot claim its rank is not of this job: it fails alone.
-        roll_call::claim(&store, &config)?;
-        let lookout = Lookout::start(&config, &prefix, &client)?;
-        let set_up = (|| {
-            roll_call::compare(&store, &config)?;
+        let set_up = SetUp::begin(&store, &config, &prefix, &client)?;
+        let links = set_up.run(&store, &config, || {
             let own = match &lifeline {
                 None => Some(Lifeline::server(&config.auth)?),
                 Some(_) => None,
@@ -164,8 +160,7 @@ impl Communicator {
                 server,
                 lifeline,
             })
-        })();
-        let links = lookout.finish(&store, set_up)?;
+        })?;
         tracing::info!(rank, world_size = config.world_size, nsocks = config.nsocks, %prefix, "communicator ready");
         Ok(Communicator::assemble(config, Some(links), lineage))
     }

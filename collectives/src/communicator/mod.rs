@@ -5,15 +5,13 @@
 //! are blocking or asynchronous, and whichever thread issues them.
 
 mod collectives;
+mod faults;
 mod join;
 mod lifeline;
-mod lookout;
 mod mailbox;
 mod meeting;
-mod monitor;
 mod p2p;
 mod prepare;
-mod roll_call;
 mod shared;
 mod shrink;
 mod split;
@@ -37,9 +35,9 @@ use crate::tuner::Tuner;
 use crate::{Cause, Config, Error, Fault, Result};
 
 pub(crate) use crate::call::{CallInfo, CallKind};
+use faults::{Monitor, Watcher};
 use join::connect_store;
 use lifeline::Lifeline;
-use monitor::{Monitor, Watcher};
 pub use p2p::{Group, Messages};
 use prepare::{Call, Route};
 pub use shared::SharedBuffer;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use chorus_kernels::Element;
 use chorus_transport::{Request, Transport, TransportError};
 
-use super::monitor::ranks;
+use super::faults::ranks;
 use super::{CallKind, Communicator, Inner, Work};
 use crate::{Cause, Error, Fault, Result};
 

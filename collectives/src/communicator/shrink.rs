@@ -26,9 +26,8 @@ use std::time::{Duration, Instant};
 
 use chorus_transport::store::{PrefixStore, Store};
 
+use super::faults::{self, Lineage};
 use super::lifeline::Lifeline;
-use super::lookout;
-use super::monitor::Lineage;
 use super::{Communicator, Inner};
 use crate::{Cause, Error, Fault, Result, StoreKind};
 
@@ -178,7 +177,7 @@ impl SetUpWatch {
                     };
                     let fault = Fault::new(Cause::LeftDuringSetUp, Some(gone), 0)
                         .saying("its process is gone: its lifeline no longer answers");
-                    if let Err(e) = lookout::post(&store, &fault) {
+                    if let Err(e) = faults::post(&store, &fault) {
                         tracing::debug!(error = %e, "shrink: cannot fail the set-up");
                     }
                     return;

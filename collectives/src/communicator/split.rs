@@ -4,13 +4,13 @@
 //! Every rank publishes (color, key, host) in the rendezvous store; ranks
 //! sharing a color form a new communicator, numbered by (key, old rank),
 //! with its own connections, so it runs concurrently with its parent. Faults
-//! travel between them: see [`Monitor`](super::monitor::Monitor).
+//! travel between them: see [`Monitor`](super::faults::Monitor).
 
 use std::sync::Arc;
 
 use chorus_transport::store::{PrefixStore, Store};
 
-use super::monitor::Lineage;
+use super::faults::Lineage;
 use super::{lock, Communicator};
 use crate::{Error, Result};
 

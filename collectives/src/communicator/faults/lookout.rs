@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 
 use chorus_transport::store::{PrefixStore, Presence, Store, StoreError};
 
-use super::{connect_store, lock};
+use crate::communicator::{connect_store, lock};
 use crate::{Cause, Config, Error, Fault, Result};
 
 /// The key that names the first rank to fail or leave during set-up.
@@ -99,7 +99,7 @@ impl Lookout {
 
 /// Posts `fault` as what failed the set-up under `store`'s prefix, unless a fault was posted
 /// first: every rank's lookout then fails its set-up with it.
-pub(super) fn post<S: Store + ?Sized>(store: &S, fault: &Fault) -> Result<(), StoreError> {
+pub(crate) fn post<S: Store + ?Sized>(store: &S, fault: &Fault) -> Result<(), StoreError> {
     match store.add(FAILED, 1)? {
         1 => store.set(LEFT, fault.encode().as_bytes()),
         _ => Ok(()),

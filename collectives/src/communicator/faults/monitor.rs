@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use chorus_transport::store::{PrefixStore, Store, StoreError};
 use chorus_transport::{Transport, TransportError};
 
-use super::{connect_store, lock, CallInfo, Inner};
+use crate::communicator::{connect_store, lock, CallInfo, Inner};
 use crate::executor::Watch;
 use crate::{Cause, Config, Error, Fault, StoreKind};
 
@@ -99,8 +99,8 @@ impl Status {
     }
 }
 
-/// Where a communicator made from another ([`split`](super::Communicator::split),
-/// [`shrink`](super::Communicator::shrink)) sits in its job.
+/// Where a communicator made from another ([`split`](crate::Communicator::split),
+/// [`shrink`](crate::Communicator::shrink)) sits in its job.
 pub(crate) struct Lineage {
     /// The monitor of the communicator it was split from (none for a shrunk one: faults do
     /// not travel between a communicator and the one its survivors made).
@@ -518,7 +518,7 @@ impl Survey {
 }
 
 /// "rank 3" or "ranks 1, 2".
-pub(super) fn ranks(list: &[usize]) -> String {
+pub(crate) fn ranks(list: &[usize]) -> String {
     let names: Vec<String> = list.iter().map(usize::to_string).collect();
     match list {
         [one] => format!("rank {one}"),
