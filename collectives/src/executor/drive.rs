@@ -5,10 +5,10 @@
 use chorus_kernels::{reduce, reduce_into, ReduceOp};
 use chorus_transport::{Request, Transport, TransportError};
 
-use super::machine::{overlaps, Action, Dest, Layout, Machine, Needs, Reduce, Region};
+use super::machine::{Action, Dest, Layout, Machine, Needs, Reduce, Region};
 use super::{Buffers, Job, Watch, Workspace};
 use crate::schedule::plan::{Drive, Messages, EXCHANGE_BYTES};
-use crate::schedule::{Buf, Step};
+use crate::schedule::{overlaps, Buf, Step};
 use crate::Error;
 
 /// Runs `messages` to completion, as they are planned to be driven (by the machine when

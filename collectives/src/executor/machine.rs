@@ -13,7 +13,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use crate::schedule::{scratch_len, Buf, Loc, Step};
+use crate::schedule::{overlaps, scratch_len, Buf, Loc, Step};
 use crate::Error;
 
 /// A byte range of one buffer, checked to lie within it.
@@ -155,10 +155,6 @@ impl<R> Pending<R> {
             Kind::Recv => false,
         }
     }
-}
-
-pub(crate) fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
-    a.start < b.end && b.start < a.end
 }
 
 /// One rank's executor for one call at a time; `R` is the driver's handle of a posted request.

@@ -81,10 +81,13 @@ impl Loc {
 
     /// Whether this range and `other` share an element of one buffer.
     pub fn overlaps(&self, other: &Loc) -> bool {
-        self.buf == other.buf
-            && self.range.start < other.range.end
-            && other.range.start < self.range.end
+        self.buf == other.buf && overlaps(&self.range, &other.range)
     }
+}
+
+/// Whether ranges `a` and `b` share an element.
+pub(crate) fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end
 }
 
 /// One step of a rank's program.
