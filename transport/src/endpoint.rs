@@ -10,24 +10,21 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::request::Progress;
-use crate::{Direction, Exchange, Request, Transport, TransportError};
+use crate::{Exchange, Payload, Request, Transport, TransportError};
 
 /// A progress engine behind an [`Endpoint`].
 pub(crate) trait Engine: Progress + 'static {
-    /// Queues a send (reading `buf`) or a receive (writing it) of `len` bytes with `peer`,
-    /// and moves what can move now.
+    /// Queues `payload` with `peer` and moves what can move now.
     ///
     /// # Safety
     ///
-    /// `buf..buf+len` must stay valid (and, for a receive, unaliased) until the request
-    /// completes or the engine is aborted.
+    /// As for [`Transport::post`]: the payload's memory stays valid (and, for a receive,
+    /// unaliased) until the request completes or the engine is aborted.
     unsafe fn post(
         &self,
         peer: usize,
-        direction: Direction,
         tag: u64,
-        buf: *mut u8,
-        len: usize,
+        payload: Payload<'_>,
     ) -> Result<Request, TransportError>;
 
     /// Takes a [`Transport::sendrecv`] whose bytes the engine can move at once, returning
@@ -109,29 +106,14 @@ impl<E: Engine> Transport for Endpoint<E> {
         self.world_size
     }
 
-    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
-        let buf = data.as_ptr().cast_mut();
-        // SAFETY: the caller keeps `data` valid until completion or abort (trait contract), and
-        // a send only reads it.
-        let req = unsafe {
-            self.engine
-                .post(peer, Direction::Send, tag, buf, data.len())
-        };
-        req.map(|r| r.with_progress(self.engine.clone()))
-    }
-
-    unsafe fn irecv(
+    unsafe fn post(
         &self,
         peer: usize,
         tag: u64,
-        buf: &mut [u8],
+        payload: Payload<'_>,
     ) -> Result<Request, TransportError> {
-        let len = buf.len();
-        // SAFETY: the caller keeps `buf` valid and unaliased until completion or abort.
-        let req = unsafe {
-            self.engine
-                .post(peer, Direction::Recv, tag, buf.as_mut_ptr(), len)
-        };
+        // SAFETY: the caller's guarantee, passed on.
+        let req = unsafe { self.engine.post(peer, tag, payload) };
         req.map(|r| r.with_progress(self.engine.clone()))
     }
 
@@ -192,24 +174,14 @@ macro_rules! through_endpoint {
                 self.$field.world_size()
             }
 
-            unsafe fn isend(
+            unsafe fn post(
                 &self,
                 peer: usize,
                 tag: u64,
-                data: &[u8],
+                payload: $crate::Payload<'_>,
             ) -> Result<$crate::Request, $crate::TransportError> {
                 // SAFETY: the caller's guarantee is passed on unchanged.
-                unsafe { self.$field.isend(peer, tag, data) }
-            }
-
-            unsafe fn irecv(
-                &self,
-                peer: usize,
-                tag: u64,
-                buf: &mut [u8],
-            ) -> Result<$crate::Request, $crate::TransportError> {
-                // SAFETY: the caller's guarantee is passed on unchanged.
-                unsafe { self.$field.irecv(peer, tag, buf) }
+                unsafe { self.$field.post(peer, tag, payload) }
             }
 
             fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, $crate::TransportError> {

@@ -26,4 +26,4 @@ mod transport;
 pub use error::TransportError;
 pub use request::{Completion, CompletionPool, Direction, Idle, Progress, Request};
 pub use routed::{host_identity, RouteConfig, RoutedTransport, TransportKind};
-pub use transport::{wait_all, Exchange, LinkCost, Transport};
+pub use transport::{wait_all, Exchange, LinkCost, Payload, Transport};

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::shm::{ShmConfig, ShmTransport};
 use crate::store::{Store, StoreError};
 use crate::tcp::{TcpConfig, TcpTransport};
-use crate::{Exchange, LinkCost, Request, Transport, TransportError};
+use crate::{Exchange, LinkCost, Payload, Request, Transport, TransportError};
 
 /// Which transports a job may use (`CHORUS_TRANSPORT`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -306,19 +306,14 @@ impl Transport for RoutedTransport {
         self.world_size
     }
 
-    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
-        // SAFETY: the caller's guarantee is passed on unchanged.
-        unsafe { self.to(peer)?.isend(peer, tag, data) }
-    }
-
-    unsafe fn irecv(
+    unsafe fn post(
         &self,
         peer: usize,
         tag: u64,
-        buf: &mut [u8],
+        payload: Payload<'_>,
     ) -> Result<Request, TransportError> {
         // SAFETY: the caller's guarantee is passed on unchanged.
-        unsafe { self.to(peer)?.irecv(peer, tag, buf) }
+        unsafe { self.to(peer)?.post(peer, tag, payload) }
     }
 
     fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {

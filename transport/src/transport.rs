@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::{Request, TransportError};
+use crate::{Direction, Request, TransportError};
 
 /// What one message over a link costs, in the alpha-beta model a tuner uses:
 /// `latency + bytes / bandwidth` seconds.
@@ -53,6 +53,24 @@ pub trait Transport: Send + Sync {
     /// The number of ranks connected by this transport.
     fn world_size(&self) -> usize;
 
+    /// Posts `payload` (a send's bytes or a receive's buffer) with `peer`, labelled `tag`: the
+    /// one way into a transport, behind [`isend`](Transport::isend) and
+    /// [`irecv`](Transport::irecv).
+    ///
+    /// Fails at once if `peer` is out of range or its connection has failed.
+    ///
+    /// # Safety
+    ///
+    /// The payload's memory must stay valid until the returned request has completed or
+    /// `abort` has returned; a send's bytes must not be written meanwhile, and a receive's
+    /// buffer must not be read or written by anyone else.
+    unsafe fn post(
+        &self,
+        peer: usize,
+        tag: u64,
+        payload: Payload<'_>,
+    ) -> Result<Request, TransportError>;
+
     /// Posts a send of `data` to `peer`, labelled with `tag`.
     ///
     /// Fails at once if `peer` is out of range or its connection has failed.
@@ -61,7 +79,10 @@ pub trait Transport: Send + Sync {
     ///
     /// `data` must stay valid and unmodified until the returned request has
     /// completed or `abort` has returned.
-    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError>;
+    unsafe fn isend(&self, peer: usize, tag: u64, data: &[u8]) -> Result<Request, TransportError> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.post(peer, tag, Payload::Send(data)) }
+    }
 
     /// Posts a receive of exactly `buf.len()` bytes from `peer`, labelled `tag`.
     ///
@@ -76,7 +97,10 @@ pub trait Transport: Send + Sync {
         peer: usize,
         tag: u64,
         buf: &mut [u8],
-    ) -> Result<Request, TransportError>;
+    ) -> Result<Request, TransportError> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.post(peer, tag, Payload::Recv(buf)) }
+    }
 
     /// Looks at the next message from `peer` that no posted receive has claimed, without taking
     /// it: `Some((tag, len))` (`len` in bytes) once its header has arrived, `None` until then.
@@ -124,6 +148,47 @@ pub trait Transport: Send + Sync {
     ) -> Result<Exchange, TransportError> {
         // SAFETY: the caller's guarantee, passed on.
         unsafe { Exchange::posted(self, to, from, tag, data, buf) }
+    }
+}
+
+/// What one posted message moves: the bytes a send reads, or the buffer a receive fills.
+#[derive(Debug)]
+pub enum Payload<'a> {
+    /// A send of these bytes.
+    Send(&'a [u8]),
+    /// A receive of exactly this many bytes, into this buffer.
+    Recv(&'a mut [u8]),
+}
+
+impl Payload<'_> {
+    /// Which way the bytes move.
+    pub fn direction(&self) -> Direction {
+        match self {
+            Payload::Send(_) => Direction::Send,
+            Payload::Recv(_) => Direction::Recv,
+        }
+    }
+
+    /// How many bytes move.
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::Send(data) => data.len(),
+            Payload::Recv(buf) => buf.len(),
+        }
+    }
+
+    /// Whether no bytes move.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The memory as an engine keeps it until the message completes: its direction, start
+    /// and length (a send's start is only ever read through).
+    pub(crate) fn raw(self) -> (Direction, *mut u8, usize) {
+        match self {
+            Payload::Send(data) => (Direction::Send, data.as_ptr().cast_mut(), data.len()),
+            Payload::Recv(buf) => (Direction::Recv, buf.as_mut_ptr(), buf.len()),
+        }
     }
 }
 

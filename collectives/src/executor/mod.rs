@@ -114,7 +114,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
-    use chorus_transport::{Direction, TransportError};
+    use chorus_transport::{Payload, TransportError};
 
     use super::*;
     use crate::schedule::plan::Messages;
@@ -135,22 +135,13 @@ mod tests {
             2
         }
 
-        unsafe fn isend(
+        unsafe fn post(
             &self,
             peer: usize,
             _: u64,
-            data: &[u8],
+            payload: Payload<'_>,
         ) -> Result<Request, TransportError> {
-            Ok(Request::new(peer, Direction::Send, data.len()).0)
-        }
-
-        unsafe fn irecv(
-            &self,
-            peer: usize,
-            _: u64,
-            buf: &mut [u8],
-        ) -> Result<Request, TransportError> {
-            Ok(Request::new(peer, Direction::Recv, buf.len()).0)
+            Ok(Request::new(peer, payload.direction(), payload.len()).0)
         }
 
         fn probe(&self, _: usize) -> Result<Option<(u64, usize)>, TransportError> {

@@ -30,7 +30,7 @@ use super::wake::{self, Liveness};
 use crate::matching::{self, MessageId};
 use crate::peers::Peers;
 use crate::request::{Completion, Direction, Idle, Progress, Request};
-use crate::TransportError;
+use crate::{Payload, TransportError};
 
 /// How long a failing receive waits for pieces the sender is still writing
 /// into its buffer (each takes microseconds) before it warns that it waits.
@@ -318,11 +318,10 @@ impl crate::endpoint::Engine for Shared {
     unsafe fn post(
         &self,
         peer: usize,
-        direction: Direction,
         tag: u64,
-        buf: *mut u8,
-        len: usize,
+        payload: Payload<'_>,
     ) -> Result<Request, TransportError> {
+        let (direction, buf, len) = payload.raw();
         // SAFETY: the caller keeps `buf` valid (and unaliased for a receive) until completion or
         // abort (this trait's contract).
         unsafe { self.lock().post(peer, direction, tag, buf, len) }

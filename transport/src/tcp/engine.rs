@@ -22,7 +22,7 @@ use super::poller::{Poller, Sleeper, Watch};
 use crate::matching;
 use crate::peers::Peers;
 use crate::request::{Completion, CompletionPool, Direction, Idle, Progress, Request};
-use crate::{Exchange, TransportError};
+use crate::{Exchange, Payload, TransportError};
 
 /// Longest a blocked waiter sleeps before it looks at its request again (a request can also be
 /// completed by another thread, or failed by an abort that does not shut the sockets).
@@ -126,11 +126,10 @@ impl crate::endpoint::Engine for Shared {
     unsafe fn post(
         &self,
         peer: usize,
-        direction: Direction,
         tag: u64,
-        buf: *mut u8,
-        len: usize,
+        payload: Payload<'_>,
     ) -> Result<Request, TransportError> {
+        let (direction, buf, len) = payload.raw();
         let mut engine = self.lock();
         // SAFETY: the caller keeps `buf` valid (and unaliased for a receive) until completion or
         // abort (this trait's contract).
