@@ -4,6 +4,7 @@ use std::fmt;
 
 use chorus_kernels::{DType, ReduceOp};
 
+use crate::algorithm::Collective;
 use crate::Error;
 
 /// The kinds of call, as message tags carry them and errors name them.
@@ -61,6 +62,22 @@ impl CallKind {
             CallKind::Gather => "gather",
             CallKind::Scatter => "scatter",
             CallKind::PointToPoint => "send/recv",
+        }
+    }
+
+    /// The collective the schedules and the tuner know this call as; `None` for a barrier
+    /// and for point-to-point groups.
+    pub(crate) fn collective(self) -> Option<Collective> {
+        match self {
+            CallKind::AllReduce => Some(Collective::AllReduce),
+            CallKind::Broadcast => Some(Collective::Broadcast),
+            CallKind::Reduce => Some(Collective::Reduce),
+            CallKind::AllGather => Some(Collective::AllGather),
+            CallKind::ReduceScatter => Some(Collective::ReduceScatter),
+            CallKind::AllToAll => Some(Collective::AllToAll),
+            CallKind::Gather => Some(Collective::Gather),
+            CallKind::Scatter => Some(Collective::Scatter),
+            CallKind::Barrier | CallKind::PointToPoint => None,
         }
     }
 
@@ -225,6 +242,19 @@ mod tests {
         }
         for garbage in ["", "1,2", "99,0,0,0,0", "1,0,0,0,x", "1,99,0,0,0"] {
             assert_eq!(CallInfo::decode(garbage), None, "{garbage:?}");
+        }
+    }
+
+    #[test]
+    fn every_collective_has_the_tuners_name_but_barriers_and_send_recv() {
+        for kind in CallKind::ALL {
+            match kind {
+                CallKind::Barrier | CallKind::PointToPoint => assert_eq!(kind.collective(), None),
+                _ => {
+                    let c = kind.collective().expect("a collective");
+                    assert_eq!(c.name(), kind.name().replace('_', ""));
+                }
+            }
         }
     }
 }

@@ -19,7 +19,6 @@ use chorus_kernels::DType;
 use super::shared::WindowCall;
 use super::CallInfo;
 use super::{lock, CallKind, Inner};
-use crate::algorithm::Collective;
 use crate::executor::Buffers;
 use crate::schedule::plan::{self, Messages, Placement, Plan, Shape};
 use crate::tuner::Pick;
@@ -75,21 +74,6 @@ impl Decisions {
     }
 }
 
-/// The tuner's name for the collective `kind` is (`None`: a barrier).
-fn collective(kind: CallKind) -> Option<Collective> {
-    match kind {
-        CallKind::AllReduce => Some(Collective::AllReduce),
-        CallKind::Broadcast => Some(Collective::Broadcast),
-        CallKind::Reduce => Some(Collective::Reduce),
-        CallKind::AllGather => Some(Collective::AllGather),
-        CallKind::ReduceScatter => Some(Collective::ReduceScatter),
-        CallKind::AllToAll => Some(Collective::AllToAll),
-        CallKind::Gather => Some(Collective::Gather),
-        CallKind::Scatter => Some(Collective::Scatter),
-        CallKind::Barrier | CallKind::PointToPoint => None,
-    }
-}
-
 impl Inner {
     /// Call `info` on `bufs`, ready to run: the route and algorithm the tuner picks.
     pub(super) fn prepare<'a>(&self, info: CallInfo, bufs: Buffers<'a>) -> Result<Call<'a>> {
@@ -139,7 +123,7 @@ impl Inner {
         counts: Option<(&[usize], &[usize])>,
     ) -> Result<Plan> {
         let w = self.config.world_size;
-        let collective = collective(info.kind);
+        let collective = info.kind.collective();
         // nccl-tests' size: the buffer of all-reduce, broadcast and reduce, the whole
         // of the other collectives' blocks.
         let count = match (info.kind, counts) {
@@ -256,18 +240,5 @@ mod tests {
         };
         let d = kept.get_or_decide(on_windows, || Ok(Plan::Window));
         assert!(matches!(d, Ok(Plan::Window)), "{d:?}");
-    }
-
-    #[test]
-    fn every_collective_has_the_tuners_name_but_barriers_and_send_recv() {
-        for kind in CallKind::ALL {
-            match kind {
-                CallKind::Barrier | CallKind::PointToPoint => assert_eq!(collective(kind), None),
-                _ => {
-                    let c = collective(kind).expect("a collective");
-                    assert_eq!(c.name(), kind.name().replace('_', ""));
-                }
-            }
-        }
     }
 }

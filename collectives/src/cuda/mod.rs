@@ -113,14 +113,9 @@ impl DeviceCall {
         }
     }
 
+    /// The call's name, as users write it.
     fn name(self) -> &'static str {
-        match self {
-            DeviceCall::AllReduce(_) => "all_reduce",
-            DeviceCall::Broadcast { .. } => "broadcast",
-            DeviceCall::Reduce { .. } => "reduce",
-            DeviceCall::AllGather => "all_gather",
-            DeviceCall::ReduceScatter(_) => "reduce_scatter",
-        }
+        self.host().0.name()
     }
 
     /// The host collective's description: kind, operator and root.
