@@ -48,6 +48,7 @@
 //! [`Error::InvalidArgument`]: the call is driven from the host, so a graph could not
 //! replay it.
 
+mod gpu;
 mod host;
 mod ipc;
 mod local;
@@ -173,7 +174,7 @@ struct Order {
 
 enum Path {
     Ipc(ipc::Peers),
-    Staged(staged::Staging),
+    Staged(staged::Staging<Device>),
 }
 
 impl std::fmt::Debug for CudaCommunicator {

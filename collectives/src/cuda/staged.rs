@@ -2,8 +2,8 @@
 //!
 //! A call is cut into chunks, and two chunks are in flight, one per slot: while one chunk
 //! is on the wire, the other's copies and kernels run. Copies between the device and the
-//! pinned buffers run on a stream of their own, kernels on the caller's stream, and events
-//! order the two.
+//! pinned buffers run on a queue of their own, kernels on the caller's, and events order
+//! the two.
 //!
 //! * Broadcast and all-gather, which only move bytes, run each chunk through the host
 //!   collective: copied into a pinned buffer, run, copied back.
@@ -14,16 +14,15 @@
 //!   last step each rank holds one segment of the result: reduce-scatter is done there,
 //!   all-reduce all-gathers the segments and reduce gathers them to the root, through the
 //!   host collective.
+//!
+//! The device is a [`Gpu`]: a CUDA device in use, and in the tests a device of host memory
+//! whose queues run only when waited for, which checks the ordering too.
 
 use std::sync::Arc;
 
-use chorus_kernels::cuda::cudarc::driver::CudaEvent;
-use chorus_kernels::cuda::memory::{
-    copy_on_device, copy_to_device, copy_to_host, DeviceAlloc, Pinned,
-};
-use chorus_kernels::cuda::{CudaError, CudaStream, Device};
 use chorus_kernels::ReduceOp;
 
+use super::gpu::{Gpu, HostBuffer};
 use super::{agree, slice, slice_width, DeviceCall, Job};
 use crate::communicator::CallKind;
 use crate::{Communicator, Result};
@@ -33,29 +32,29 @@ const STAGE_BYTES: usize = 4 << 20;
 /// The tag of the ring's messages (the communicator is this path's own).
 const RING_TAG: u32 = 0;
 
-pub(super) struct Staging {
-    slots: [Slot; 2],
+pub(super) struct Staging<G: Gpu> {
+    slots: [Slot<G>; 2],
     /// Bytes of each pinned buffer and of each slot's device buffer.
     room: usize,
     /// Runs the copies between the device and the pinned buffers.
-    copies: Arc<CudaStream>,
-    /// Recorded on the caller's stream as a call starts; the copy stream waits for it.
-    start: CudaEvent,
+    copies: Arc<G::Queue>,
+    /// Recorded on the caller's queue as a call starts; the copy queue waits for it.
+    start: G::Event,
 }
 
-struct Slot {
+struct Slot<G: Gpu> {
     /// What this rank sends, or gives the host collective.
-    input: Pinned,
+    input: G::Pinned,
     /// What this rank receives, or gets from the host collective.
-    output: Pinned,
+    output: G::Pinned,
     /// Device memory for a received partial result, reduced in place.
-    partial: DeviceAlloc,
-    /// Recorded on the copy stream once `input` holds what is to be sent.
-    ready: CudaEvent,
-    /// Recorded on the copy stream once `output` has been copied into `partial`.
-    landed: CudaEvent,
-    /// Recorded on the caller's stream after each kernel of the slot.
-    reduced: CudaEvent,
+    partial: G::Scratch,
+    /// Recorded on the copy queue once `input` holds what is to be sent.
+    ready: G::Event,
+    /// Recorded on the copy queue once `output` has been copied into `partial`.
+    landed: G::Event,
+    /// Recorded on the caller's queue after each kernel of the slot.
+    reduced: G::Event,
 }
 
 /// One chunk: bytes `offset..offset + len` of every rank block the call touches.
@@ -65,87 +64,80 @@ struct Chunk {
     len: usize,
 }
 
-impl Staging {
-    /// Buffers for calls on `world` ranks; the device's context must be current.
-    pub fn new(device: &Device, world: usize) -> Result<Staging> {
+impl<G: Gpu> Staging<G> {
+    /// Buffers for calls on `world` ranks; a CUDA device's context must be current.
+    pub fn new(gpu: &G, world: usize) -> Result<Staging<G>> {
+        Staging::sized(gpu, world, STAGE_BYTES)
+    }
+
+    /// As [`new`](Self::new), with pinned buffers of `bytes` (or the least that works).
+    fn sized(gpu: &G, world: usize, bytes: usize) -> Result<Staging<G>> {
         // Room for `world` blocks of two 16-byte units at least: every chunk holds an
         // element, with room for the ring's segments to be rounded up to 16 bytes.
-        let room = STAGE_BYTES.max(world.saturating_mul(32));
-        let event = || {
-            device
-                .context()
-                .new_event(None)
-                .map_err(CudaError::driver("creating an event"))
-        };
-        let slot = || -> Result<Slot, CudaError> {
+        let room = bytes.max(world.saturating_mul(32));
+        let slot = || -> Result<Slot<G>> {
             Ok(Slot {
-                input: Pinned::new(room)?,
-                output: Pinned::new(room)?,
-                partial: DeviceAlloc::new(room)?,
-                ready: event()?,
-                landed: event()?,
-                reduced: event()?,
+                input: gpu.pinned(room)?,
+                output: gpu.pinned(room)?,
+                partial: gpu.scratch(room)?,
+                ready: gpu.event()?,
+                landed: gpu.event()?,
+                reduced: gpu.event()?,
             })
         };
         Ok(Staging {
             slots: [slot()?, slot()?],
             room,
-            copies: device.new_stream()?,
-            start: event()?,
+            copies: gpu.queue()?,
+            start: gpu.event()?,
         })
     }
 
-    pub fn run(
-        &mut self,
-        comm: &Communicator,
-        device: &Device,
-        job: Job,
-        stream: &Arc<CudaStream>,
-    ) -> Result<()> {
+    /// Runs `job` on `comm`'s ranks, ordered after the work enqueued on `stream` before it;
+    /// returns once the call's copies and kernels have run.
+    pub fn run(&mut self, comm: &Communicator, gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
         if comm.world_size() == 1 && !matches!(job.call, DeviceCall::Broadcast { .. }) {
-            return alone(job, stream);
+            return alone(gpu, job, stream);
         }
-        self.start
-            .record(stream)
-            .map_err(CudaError::driver("recording an event"))?;
-        self.copies
-            .wait(&self.start)
-            .map_err(CudaError::driver("ordering the copy stream"))?;
+        gpu.record(&self.start, stream)?;
+        gpu.wait(&self.copies, &self.start)?;
         match job.call {
-            DeviceCall::Broadcast { .. } | DeviceCall::AllGather => self.moves(comm, job),
+            DeviceCall::Broadcast { .. } | DeviceCall::AllGather => self.moves(comm, gpu, job),
             DeviceCall::AllReduce(op)
             | DeviceCall::Reduce { op, .. }
-            | DeviceCall::ReduceScatter(op) => self.reduction(comm, device, job, op, stream),
+            | DeviceCall::ReduceScatter(op) => self.reduction(comm, gpu, job, op, stream),
         }?;
-        self.copies
-            .synchronize()
-            .map_err(CudaError::driver("waiting for the copies"))?;
-        stream
-            .synchronize()
-            .map_err(CudaError::driver("waiting for the stream"))?;
-        Ok(())
+        gpu.finish(&self.copies)?;
+        gpu.finish(stream)
     }
 
     /// Broadcast and all-gather: each chunk through the host collective.
-    fn moves(&mut self, comm: &Communicator, job: Job) -> Result<()> {
+    fn moves(&mut self, comm: &Communicator, gpu: &G, job: Job) -> Result<()> {
         let chunks = chunks(job, comm.world_size(), self.room);
         for (slot, chunk) in chunks.iter().take(2).enumerate() {
-            self.stage_in(slot, comm, job, *chunk)?;
+            self.stage_in(slot, comm, gpu, job, *chunk)?;
         }
         for (i, chunk) in chunks.iter().enumerate() {
             let slot = i % 2;
-            self.slots[slot].wait_ready()?;
+            gpu.wait_event(&self.slots[slot].ready)?;
             self.host_step(slot, comm, job, *chunk)?;
-            self.stage_out(slot, comm, job, *chunk)?;
+            self.stage_out(slot, comm, gpu, job, *chunk)?;
             if let Some(next) = chunks.get(i + 2) {
-                self.stage_in(slot, comm, job, *next)?;
+                self.stage_in(slot, comm, gpu, job, *next)?;
             }
         }
         Ok(())
     }
 
     /// Enqueues the copies of `chunk`'s input into slot `slot` and records its event.
-    fn stage_in(&mut self, slot: usize, comm: &Communicator, job: Job, chunk: Chunk) -> Result<()> {
+    fn stage_in(
+        &mut self,
+        slot: usize,
+        comm: &Communicator,
+        gpu: &G,
+        job: Job,
+        chunk: Chunk,
+    ) -> Result<()> {
         let slot = &mut self.slots[slot];
         let source = match job.call {
             DeviceCall::Broadcast { root } if root != comm.rank() => None,
@@ -154,12 +146,9 @@ impl Staging {
         if let Some(src) = source {
             // SAFETY: `src` lies in the caller's input (the call's lengths were checked);
             // the slot's buffer holds `room >= len` bytes and is not read until `ready` fires.
-            unsafe { copy_to_host(slot.input.at(0), src, chunk.len, &self.copies)? };
+            unsafe { gpu.to_host(slot.input.at(0), src, chunk.len, &self.copies)? };
         }
-        slot.ready
-            .record(&self.copies)
-            .map_err(CudaError::driver("recording an event"))?;
-        Ok(())
+        gpu.record(&slot.ready, &self.copies)
     }
 
     /// Runs the host collective on slot `slot`, whose input has arrived.
@@ -188,6 +177,7 @@ impl Staging {
         &mut self,
         slot: usize,
         comm: &Communicator,
+        gpu: &G,
         job: Job,
         chunk: Chunk,
     ) -> Result<()> {
@@ -205,8 +195,8 @@ impl Staging {
         for (dst, src) in copies {
             // SAFETY: `dst` lies in the caller's output (lengths checked); `src` is a chunk
             // of the slot, which is not written again before `ready` fires after this copy
-            // (the copy stream runs in order).
-            unsafe { copy_to_device(dst, src, chunk.len, &self.copies)? };
+            // (the copy queue runs in order).
+            unsafe { gpu.to_device(dst, src, chunk.len, &self.copies)? };
         }
         Ok(())
     }
@@ -215,14 +205,14 @@ impl Staging {
     fn reduction(
         &mut self,
         comm: &Communicator,
-        device: &Device,
+        gpu: &G,
         job: Job,
         op: ReduceOp,
-        stream: &CudaStream,
+        stream: &G::Queue,
     ) -> Result<()> {
         agree(comm, job)?;
         let (rank, world) = (comm.rank(), comm.world_size());
-        let copies = &*self.copies;
+        let queues = (&*self.copies, stream);
         for pair in chunks(job, world, self.room).chunks(2) {
             let rings: Vec<Ring> = pair
                 .iter()
@@ -235,11 +225,11 @@ impl Staging {
                 .collect();
             for (slot, ring) in self.slots.iter_mut().zip(&rings) {
                 let (src, len) = ring.own(ring.sent(0));
-                slot.stage(src, len, copies)?;
+                slot.stage(gpu, src, len, queues.0)?;
             }
             for step in 0..world - 1 {
                 for (slot, ring) in self.slots.iter_mut().zip(&rings) {
-                    slot.step(comm, device, ring, step, op, (copies, stream))?;
+                    slot.step(comm, gpu, ring, step, op, queues)?;
                 }
             }
             if matches!(job.call, DeviceCall::ReduceScatter(_)) {
@@ -247,40 +237,29 @@ impl Staging {
             }
             for (slot, ring) in self.slots.iter_mut().zip(&rings) {
                 let len = ring.segment(rank).1;
-                slot.stage(ring.result(&slot.partial), len, copies)?;
+                let result = ring.result(G::address(&slot.partial));
+                slot.stage(gpu, result, len, queues.0)?;
             }
             for (slot, ring) in self.slots.iter_mut().zip(&rings) {
-                slot.wait_ready()?;
-                slot.gather(comm, ring, copies)?;
+                gpu.wait_event(&slot.ready)?;
+                slot.gather(comm, gpu, ring, queues.0)?;
             }
         }
         Ok(())
     }
 }
 
-impl Slot {
-    fn wait_ready(&self) -> Result<()> {
-        self.ready
-            .synchronize()
-            .map_err(CudaError::driver("waiting for a copy to the host"))?;
-        Ok(())
-    }
-
+impl<G: Gpu> Slot<G> {
     /// Enqueues the copy of `len` bytes at device address `src` into `input`, after the
     /// slot's kernels, and records `ready`.
-    fn stage(&mut self, src: u64, len: usize, copies: &CudaStream) -> Result<()> {
-        copies
-            .wait(&self.reduced)
-            .map_err(CudaError::driver("ordering the copy stream"))?;
+    fn stage(&mut self, gpu: &G, src: u64, len: usize, copies: &G::Queue) -> Result<()> {
+        gpu.wait(copies, &self.reduced)?;
         if len > 0 {
             // SAFETY: `src` holds `len <= room` bytes (a segment of the caller's buffers or
             // of `partial`); `input` is not read until `ready` fires after the copy.
-            unsafe { copy_to_host(self.input.at(0), src, len, copies)? };
+            unsafe { gpu.to_host(self.input.at(0), src, len, copies)? };
         }
-        self.ready
-            .record(copies)
-            .map_err(CudaError::driver("recording an event"))?;
-        Ok(())
+        gpu.record(&self.ready, copies)
     }
 
     /// Ring step `step`: sends the staged partial on, receives the previous rank's,
@@ -288,65 +267,59 @@ impl Slot {
     fn step(
         &mut self,
         comm: &Communicator,
-        device: &Device,
+        gpu: &G,
         ring: &Ring,
         step: usize,
         op: ReduceOp,
-        (copies, stream): (&CudaStream, &CudaStream),
+        (copies, stream): (&G::Queue, &G::Queue),
     ) -> Result<()> {
         let (rank, world) = (ring.rank, ring.world);
         let sending = ring.segment(ring.sent(step)).1;
         let (own, len) = ring.own(ring.sent(step + 1));
-        self.wait_ready()?;
+        gpu.wait_event(&self.ready)?;
         let (input, output) = (&self.input, &mut self.output);
         comm.group(|g| {
             g.send(input.bytes(sending), (rank + 1) % world, RING_TAG);
             g.recv(output.bytes_mut(len), (rank + world - 1) % world, RING_TAG);
         })?;
         let last = step + 2 == world;
-        let partial = self.partial.ptr();
+        let partial = G::address(&self.partial);
         if len > 0 {
-            let dst = if last {
-                ring.result(&self.partial)
-            } else {
-                partial
-            };
-            copies
-                .wait(&self.reduced)
-                .map_err(CudaError::driver("ordering the copy stream"))?;
+            let dst = if last { ring.result(partial) } else { partial };
+            gpu.wait(copies, &self.reduced)?;
             // SAFETY: `partial` holds `room >= len` bytes and no kernel reads it until
             // `landed` fires; `output` is not received into again before `ready` fires,
-            // after this copy on the same stream.
-            unsafe { copy_to_device(partial, self.output.at(0), len, copies)? };
-            self.landed
-                .record(copies)
-                .map_err(CudaError::driver("recording an event"))?;
-            stream
-                .wait(&self.landed)
-                .map_err(CudaError::driver("ordering the stream"))?;
+            // after this copy on the same queue.
+            unsafe { gpu.to_device(partial, self.output.at(0), len, copies)? };
+            gpu.record(&self.landed, copies)?;
+            gpu.wait(stream, &self.landed)?;
             // SAFETY: `dst`, `partial` and `own` each address `len` bytes (the result's
             // segment, the slot's buffer, the caller's input segment); `dst` overlaps
             // `own` only by being equal to it (an all-reduce in place).
             unsafe {
-                device.reduce_into_raw(op, ring.job.dtype, [dst, partial, own], len, stream)?;
+                gpu.reduce(op, ring.job.dtype, [dst, partial, own], len, stream)?;
                 if last && op == ReduceOp::Avg {
-                    device.finish_avg_raw(ring.job.dtype, dst, len, world, stream)?;
+                    gpu.finish_avg(ring.job.dtype, dst, len, world, stream)?;
                 }
             }
-            self.reduced
-                .record(stream)
-                .map_err(CudaError::driver("recording an event"))?;
+            gpu.record(&self.reduced, stream)?;
         }
         if last {
             Ok(())
         } else {
-            self.stage(partial, len, copies)
+            self.stage(gpu, partial, len, copies)
         }
     }
 
     /// All-reduce and reduce, after the ring: gathers the staged segment of every rank
     /// through the host collective and copies the others' segments into the output.
-    fn gather(&mut self, comm: &Communicator, ring: &Ring, copies: &CudaStream) -> Result<()> {
+    fn gather(
+        &mut self,
+        comm: &Communicator,
+        gpu: &G,
+        ring: &Ring,
+        copies: &G::Queue,
+    ) -> Result<()> {
         let job = ring.job;
         let width = slice_width(ring.chunk.len, job.dtype, ring.world);
         let count = width / job.dtype.size();
@@ -365,16 +338,10 @@ impl Slot {
         for q in (0..ring.world).filter(|&q| Some(q) != mine) {
             let (at, len) = ring.segment(q);
             if len > 0 {
+                let (dst, src) = (job.output + at as u64, self.output.at(q * width));
                 // SAFETY: segment `q` lies in the caller's output; the pinned bytes are not
-                // written again before `ready` fires after this copy (same stream).
-                unsafe {
-                    copy_to_device(
-                        job.output + at as u64,
-                        self.output.at(q * width),
-                        len,
-                        copies,
-                    )?
-                };
+                // written again before `ready` fires after this copy (same queue).
+                unsafe { gpu.to_device(dst, src, len, copies)? };
             }
         }
         Ok(())
@@ -417,25 +384,22 @@ impl Ring {
 
     /// Where this rank's reduced segment goes: its place in the output, or, for a reduce
     /// (whose outputs other than the root's stay untouched), the slot's device buffer.
-    fn result(&self, partial: &DeviceAlloc) -> u64 {
+    fn result(&self, partial: u64) -> u64 {
         match self.job.call {
             DeviceCall::ReduceScatter(_) => self.job.output + self.chunk.offset as u64,
-            DeviceCall::Reduce { .. } => partial.ptr(),
+            DeviceCall::Reduce { .. } => partial,
             _ => self.job.output + self.segment(self.rank).0 as u64,
         }
     }
 }
 
 /// A reduction on one rank: the input is the result.
-fn alone(job: Job, stream: &CudaStream) -> Result<()> {
+fn alone<G: Gpu>(gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
     if job.input != job.output && job.block > 0 {
         // SAFETY: both addresses hold `block` bytes of the caller's buffers.
-        unsafe { copy_on_device(job.output, job.input, job.block, stream)? };
+        unsafe { gpu.on_device(job.output, job.input, job.block, stream)? };
     }
-    stream
-        .synchronize()
-        .map_err(CudaError::driver("waiting for the stream"))?;
-    Ok(())
+    gpu.finish(stream)
 }
 
 /// The chunks of `job`: every chunk fits a pinned buffer of `room` bytes with all the
@@ -461,7 +425,11 @@ fn chunks(job: Job, world: usize, room: usize) -> Vec<Chunk> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::cuda::gpu::lazy::{Buffer, LazyGpu, Queue};
+    use crate::{Config, StoreServer, TransportKind};
     use chorus_kernels::DType;
 
     fn job(call: DeviceCall, dtype: DType, block: usize) -> Job {
@@ -527,5 +495,237 @@ mod tests {
                 assert_eq!(sorted.len(), world - 1);
             }
         }
+    }
+
+    /// Runs `each` on `world` ranks of one job, each on a thread with its own communicator
+    /// over loopback TCP; what each gave, in rank order.
+    fn on_ranks<T: Send>(world: usize, each: impl Fn(&Communicator) -> T + Sync) -> Vec<T> {
+        let server = StoreServer::bind(([127, 0, 0, 1], 0).into()).expect("a store");
+        let port = server.local_addr().port();
+        let mut server = Some(server);
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = (0..world)
+                .map(|rank| {
+                    let (server, each) = (server.take().filter(|_| rank == 0), &each);
+                    scope.spawn(move || {
+                        let mut config = Config::new(rank, world, "127.0.0.1", port);
+                        config.transport = TransportKind::Tcp;
+                        config.timeout = Duration::from_secs(60);
+                        let comm = Communicator::with_store_server(config, server, "staged")
+                            .expect("joined");
+                        each(&comm)
+                    })
+                })
+                .collect();
+            let done = ranks.into_iter().map(|r| r.join().expect("a rank"));
+            done.collect()
+        })
+    }
+
+    /// Rank `rank`'s input element `i`: small whole numbers, exact in every type used.
+    fn element(rank: usize, i: usize) -> i64 {
+        (rank as i64 + 1) * 100 + (i % 97) as i64
+    }
+
+    fn encode(values: impl IntoIterator<Item = i64>, dtype: DType) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for v in values {
+            match dtype {
+                DType::I32 => bytes.extend_from_slice(&(v as i32).to_ne_bytes()),
+                DType::F64 => bytes.extend_from_slice(&(v as f64).to_ne_bytes()),
+                _ => unreachable!("the tests use i32 and f64"),
+            }
+        }
+        bytes
+    }
+
+    /// What rank `rank`'s output holds after `call` on `world` ranks of `count` elements
+    /// each; `None` where it is left as it was.
+    fn expected(
+        call: DeviceCall,
+        dtype: DType,
+        world: usize,
+        rank: usize,
+        count: usize,
+    ) -> Option<Vec<u8>> {
+        let sum = |i: usize| (0..world).map(|r| element(r, i)).sum::<i64>();
+        let values: Vec<i64> = match call {
+            DeviceCall::AllReduce(ReduceOp::Avg) => {
+                return Some(
+                    (0..count)
+                        .flat_map(|i| (sum(i) as f64 / world as f64).to_ne_bytes())
+                        .collect(),
+                )
+            }
+            DeviceCall::AllReduce(_) => (0..count).map(sum).collect(),
+            DeviceCall::Reduce { root, .. } if root == rank => (0..count).map(sum).collect(),
+            DeviceCall::Reduce { .. } => return None,
+            DeviceCall::Broadcast { root } => (0..count).map(|i| element(root, i)).collect(),
+            DeviceCall::AllGather => (0..world * count)
+                .map(|i| element(i / count, i % count))
+                .collect(),
+            DeviceCall::ReduceScatter(_) => (0..count).map(|i| sum(rank * count + i)).collect(),
+        };
+        Some(encode(values, dtype))
+    }
+
+    /// Runs `call` through the staged path on a lazy device, at every `world`, with pinned
+    /// buffers of `room` bytes, in place and apart, the caller's queue lazy and eager, and
+    /// checks every rank's output.
+    fn check(call: DeviceCall, dtype: DType, count: usize, room: usize) {
+        let cases = [(false, false), (true, false), (false, true), (true, true)];
+        for (world, (in_place, eager)) in (2..=4).flat_map(|w| cases.map(|c| (w, c))) {
+            let outputs = on_ranks(world, |comm| {
+                let rank = comm.rank();
+                let (inputs, outputs) = match call {
+                    DeviceCall::AllGather => (1, world),
+                    DeviceCall::ReduceScatter(_) => (world, 1),
+                    _ => (1, 1),
+                };
+                let size = dtype.size();
+                let input = encode((0..inputs * count).map(|i| element(rank, i)), dtype);
+                // Untouched outputs keep this pattern.
+                let mut output = Buffer::new(outputs * count * size);
+                output.bytes_mut(outputs * count * size).fill(0xA5);
+                let mut input_buf = Buffer::new(input.len());
+                input_buf.bytes_mut(input.len()).copy_from_slice(&input);
+                let block = count * size;
+                let (input_at, output_at) = match (in_place, call) {
+                    (false, _) => (input_buf.address(), output.address()),
+                    (true, DeviceCall::AllGather) => {
+                        let mine = &mut output.bytes_mut(world * block)[rank * block..];
+                        mine[..block].copy_from_slice(&input);
+                        (output.address() + (rank * block) as u64, output.address())
+                    }
+                    (true, DeviceCall::ReduceScatter(_)) => (
+                        input_buf.address(),
+                        input_buf.address() + (rank * block) as u64,
+                    ),
+                    (true, _) => {
+                        output.bytes_mut(block).copy_from_slice(&input);
+                        (output.address(), output.address())
+                    }
+                };
+                let job = Job {
+                    call,
+                    dtype,
+                    block,
+                    input: input_at,
+                    output: output_at,
+                };
+                let gpu = LazyGpu;
+                let mut staging = Staging::sized(&gpu, world, room).expect("staging");
+                let stream = match eager {
+                    true => Arc::new(Queue::eager()),
+                    false => gpu.queue().expect("a queue"),
+                };
+                let before = output.bytes(outputs * block).to_vec();
+                // The input is written by work on the caller's queue, enqueued before the
+                // call: the call must read it after that work.
+                let len = inputs * block;
+                let mut source = Buffer::new(len);
+                // SAFETY: `input_at` addresses `len` bytes of this rank's buffers, which
+                // nothing borrows while these lines run.
+                let input_bytes =
+                    unsafe { std::slice::from_raw_parts_mut(input_at as *mut u8, len) };
+                source.bytes_mut(len).copy_from_slice(input_bytes);
+                input_bytes.fill(0x5A);
+                // SAFETY: both hold `len` bytes and live until the call has ended.
+                unsafe { gpu.to_device(input_at, source.at(0), len, &stream) }.expect("a copy");
+                staging.run(comm, &gpu, job, &stream).expect("the call");
+                let got = match (in_place, call) {
+                    (true, DeviceCall::ReduceScatter(_)) => {
+                        input_buf.bytes(world * block)[rank * block..][..block].to_vec()
+                    }
+                    _ => output.bytes(outputs * block).to_vec(),
+                };
+                (got, before)
+            });
+            for (rank, (got, before)) in outputs.into_iter().enumerate() {
+                let want = expected(call, dtype, world, rank, count).unwrap_or(before);
+                assert!(
+                    got == want,
+                    "{call:?} on {world} ranks, {} place, caller's queue {}: rank {rank} \
+                         got a wrong result",
+                    if in_place { "in" } else { "out of" },
+                    if eager { "eager" } else { "lazy" }
+                );
+            }
+        }
+    }
+
+    /// A room of 256 bytes cuts 1,000 elements into many chunks, so both slots take turns.
+    const ROOM: usize = 256;
+
+    #[test]
+    fn the_staged_reductions_give_every_rank_its_result() {
+        check(DeviceCall::AllReduce(ReduceOp::Sum), DType::I32, 1000, ROOM);
+        check(DeviceCall::AllReduce(ReduceOp::Avg), DType::F64, 333, ROOM);
+        check(
+            DeviceCall::Reduce {
+                op: ReduceOp::Sum,
+                root: 1,
+            },
+            DType::I32,
+            1000,
+            ROOM,
+        );
+        check(
+            DeviceCall::ReduceScatter(ReduceOp::Sum),
+            DType::I32,
+            500,
+            ROOM,
+        );
+    }
+
+    #[test]
+    fn the_staged_moves_give_every_rank_its_result() {
+        check(DeviceCall::Broadcast { root: 1 }, DType::I32, 1000, ROOM);
+        check(DeviceCall::AllGather, DType::I32, 500, ROOM);
+    }
+
+    #[test]
+    fn a_call_of_one_chunk_and_an_empty_call_work_too() {
+        check(
+            DeviceCall::AllReduce(ReduceOp::Sum),
+            DType::I32,
+            7,
+            STAGE_BYTES,
+        );
+        check(DeviceCall::AllGather, DType::I32, 0, ROOM);
+    }
+
+    #[test]
+    fn the_lazy_device_runs_nothing_before_it_is_waited_for() {
+        let gpu = LazyGpu;
+        let (copies, device) = (gpu.queue().unwrap(), Buffer::new(16));
+        let mut host = Buffer::new(16);
+        let done = gpu.event().unwrap();
+        // SAFETY: both buffers hold 16 bytes and live past the copy, which runs while no
+        // other borrow of them is live (writing `host` before it runs is this test's point).
+        unsafe {
+            gpu.to_host(host.at(0), device.address(), 16, &copies)
+                .unwrap()
+        };
+        gpu.record(&done, &copies).unwrap();
+        host.bytes_mut(16).fill(7);
+        gpu.wait_event(&done).unwrap();
+        assert_eq!(
+            host.bytes(16),
+            [0; 16],
+            "the copy ran when waited for, not before"
+        );
+        // A queue told to wait for another's event runs that one's work first.
+        let (other, late) = (gpu.queue().unwrap(), Buffer::new(16));
+        host.bytes_mut(16).fill(9);
+        // SAFETY: as above.
+        unsafe {
+            gpu.to_device(late.address(), host.at(0), 16, &copies)
+                .unwrap()
+        };
+        gpu.record(&done, &copies).unwrap();
+        gpu.wait(&other, &done).unwrap();
+        gpu.finish(&other).unwrap();
+        assert_eq!(late.bytes(16), [9; 16]);
     }
 }
