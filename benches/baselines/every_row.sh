@@ -16,7 +16,8 @@
 #   for r in 1 2 3; do benches/baselines/every_row.sh > benches/results/every-row/round-$r.txt; done
 #   python3 benches/baselines/regenerate.py   # benches/RESULTS.md's tables and plot from them
 # Environment: BIN (target/release), PYTHON (/usr/bin/python3: Debian's, with torch, mpi4py
-# and chorus_torch), TORCH2 (unset), PARTS (the parts to run, of "shm tcp torch sweep": all).
+# and chorus_torch), TORCH2 (unset), PARTS (the parts to run, of "shm tcp torch sweep": all;
+# "chorus" runs Chorus's shm and tcp rows alone, as before_after.sh does).
 # Chorus's lines are the perf tools' columns: size, time and busbw out of place, time and busbw
 # in place; the baselines' are collective_bench.py's: call, bytes, time (us), algbw, busbw.
 # A command that fails or runs past 10 minutes is named in a "-- failed" line, and the round
@@ -84,6 +85,13 @@ tcp() {
     done
 }
 
+# Chorus's rows alone, both transports, for comparing two builds of it (before_after.sh).
+chorus_only() {
+    for transport in shm tcp; do
+        for w in 2 4; do chorus "$transport" "$w"; done
+    done
+}
+
 # The all-reduce at W=4 from 8 B to 64 MiB, for the plot of bus bandwidth against size:
 # Chorus over shared memory, Open MPI's vader and Gloo (TCP over loopback, its only way).
 SWEEP=8,64,512,4K,32K,256K,2M,16M,64M
@@ -115,6 +123,7 @@ echo "-- machine: $(nproc) cores; $(lscpu | awk -F: '/^(Model name|L1d|L2|L3)/ {
 for part in $PARTS; do
     case $part in
         shm | tcp | torch | sweep) "$part" ;;
-        *) echo "-- unknown part $part (PARTS takes shm, tcp, torch and sweep)" ;;
+        chorus) chorus_only ;;
+        *) echo "-- unknown part $part (PARTS takes shm, tcp, torch, sweep and chorus)" ;;
     esac
 done
