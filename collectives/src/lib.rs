@@ -66,6 +66,7 @@ mod guides {
 pub use call::{CallInfo, CallKind};
 pub use chorus_kernels::{bf16, f16, DType, Element, ReduceOp};
 pub use chorus_transport::auth::Auth;
+pub use chorus_transport::pages;
 /// Chorus's rendezvous store server, for [`Communicator::with_store_server`].
 pub use chorus_transport::store::StoreServer;
 pub use chorus_transport::TransportKind;

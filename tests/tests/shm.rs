@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use chorus_launch::{LaunchReport, PortReservation};
 use chorus_tests::{
-    assert_identical_digests, assert_success, reduction_pairs, run, CHORUS_TEST_RANKS_PER_HOST,
-    CHORUS_TEST_SHARED,
+    assert_identical_digests, assert_success, reduction_pairs, run, CHORUS_TEST_PAGES,
+    CHORUS_TEST_RANKS_PER_HOST, CHORUS_TEST_SHARED,
 };
 
 const WORKER: &str = env!("CARGO_BIN_EXE_chorus-test-worker");
@@ -202,6 +202,58 @@ fn single_copies_when_asked_carry_every_collective() {
     let report = run(4, worker(), &["more", "0,1,7,1000,65543"], &env);
     assert_success(&report);
     assert!(report.ranks.iter().all(|r| r.stdout.contains("more ok")));
+}
+
+/// Every shared-memory route on private buffers the kernel puts on huge pages, as numpy's
+/// are: the all-reduce and broadcast matrices at W = 2 and 4, through the slots and through
+/// single copies, the small calls through the mailboxes. Where transparent huge pages are
+/// on, the large buffers must have got some; where they are off, the test says so.
+#[test]
+fn every_route_carries_buffers_on_huge_pages() {
+    let mut huge = 0;
+    for single_copy in ["0", "65536"] {
+        let env = [
+            (CHORUS_TEST_PAGES, "huge"),
+            ("CHORUS_SHM_SINGLE_COPY", single_copy),
+        ];
+        for world in [2, 4] {
+            let report = run(world, worker(), &["all_reduce", "7,524309"], &env);
+            assert_success(&report);
+            let digests = assert_identical_digests(&report);
+            assert_eq!(digests, reduction_pairs().count() * 2 * 2, "W={world}");
+            huge += huge_page_bytes(&report);
+            let report = run(world, worker(), &["broadcast", "7,524309"], &env);
+            assert_success(&report);
+            assert_eq!(assert_identical_digests(&report), world * 4 * 2 * 2);
+            huge += huge_page_bytes(&report);
+        }
+    }
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled");
+    match thp.as_deref().unwrap_or("") {
+        on if on.contains("[always]") || on.contains("[madvise]") => {
+            assert!(
+                huge > 0,
+                "no buffer advised onto huge pages got any (THP: {on})"
+            )
+        }
+        off => eprintln!(
+            "NOTE: transparent huge pages are off here ({}): the routes ran on small pages",
+            off.trim()
+        ),
+    }
+}
+
+/// The bytes on huge pages that the ranks' `pages` lines report.
+fn huge_page_bytes(report: &LaunchReport) -> u64 {
+    let lines = report.ranks.iter().flat_map(|r| r.stdout.lines());
+    let huge = lines.filter_map(|l| {
+        l.strip_prefix("pages ")?
+            .split(' ')
+            .next()?
+            .parse::<u64>()
+            .ok()
+    });
+    huge.sum()
 }
 
 #[test]

@@ -15,6 +15,7 @@ pub mod auth;
 mod endpoint;
 mod error;
 mod matching;
+pub mod pages;
 mod peers;
 mod request;
 mod routed;

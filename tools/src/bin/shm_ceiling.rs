@@ -42,7 +42,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use std::time::Instant;
 
-use chorus_tools::perf::buffer::advise_huge_pages;
 use chorus_transport::shm::ShmConfig;
 use clap::Parser;
 
@@ -97,8 +96,15 @@ fn main() -> io::Result<()> {
     let mut peer = Peer::start(args.hugepages)?;
     let src = buffer(1, args.hugepages);
     let mut dst = buffer(2, args.hugepages);
-    let pages = if args.hugepages { "huge" } else { "small" };
-    println!("buffers   64 MiB each, on {pages} pages");
+    let advice = match args.hugepages {
+        true => "advised onto huge pages",
+        false => "not advised",
+    };
+    let got = match chorus::pages::huge_bytes(&src) {
+        Ok(bytes) => format!("{} MiB of the source on huge pages", bytes >> 20),
+        Err(e) => format!("pages unknown: {e}"),
+    };
+    println!("buffers   64 MiB each, {advice}; {got}");
     let n = args.rounds;
     let rate = |seconds: f64| LEN as f64 / seconds / 1e9;
     let one = rate(median(n, || Ok(timed(|| dst.copy_from_slice(&src))))?);
@@ -547,7 +553,7 @@ fn copy(
 fn buffer(fill: u8, huge_pages: bool) -> Vec<u8> {
     let mut v = vec![0u8; LEN];
     if huge_pages {
-        advise_huge_pages(&v);
+        chorus::pages::advise_huge(&v);
     }
     v.fill(fill);
     v

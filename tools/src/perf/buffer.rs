@@ -26,7 +26,7 @@ impl Buffer {
         // applies to every page as it is first touched.
         let words = vec![0; len.div_ceil(8)];
         if huge_pages {
-            advise_huge_pages(&words);
+            chorus::pages::advise_huge(&words);
         }
         Buffer::Private(words)
     }
@@ -66,20 +66,6 @@ impl Buffer {
             Buffer::Shared(s) => s,
         };
         &mut bytemuck::cast_slice_mut(words)[..len]
-    }
-}
-
-/// Asks the kernel to back the whole pages of `memory` with transparent huge pages, as
-/// numpy does for its arrays; best before anything touches them. A hint only: where THP is
-/// off (`/sys/kernel/mm/transparent_hugepage/enabled`) nothing changes.
-pub fn advise_huge_pages<T>(memory: &[T]) {
-    const PAGE: usize = 4096;
-    let start = (memory.as_ptr() as usize).next_multiple_of(PAGE);
-    let end = (memory.as_ptr() as usize + std::mem::size_of_val(memory)) & !(PAGE - 1);
-    if end > start {
-        // SAFETY: MADV_HUGEPAGE on whole pages inside this allocation changes only how the
-        // kernel backs them, never what they hold.
-        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
     }
 }
 

@@ -223,7 +223,11 @@ fn exercise<T: Element + Value>(
 /// (failing unless shared when all ranks are on one shared-memory host), else a vector.
 fn buffer<T: Element>(comm: &Communicator, len: usize) -> Result<Buffer<T>, String> {
     if std::env::var(chorus_tests::CHORUS_TEST_SHARED).as_deref() != Ok("1") {
-        return Ok(Buffer::Private(vec![T::zeroed(); len]));
+        let mut private = vec![T::zeroed(); len];
+        if std::env::var(chorus_tests::CHORUS_TEST_PAGES).as_deref() == Ok("huge") {
+            on_huge_pages(&mut private)?;
+        }
+        return Ok(Buffer::Private(private));
     }
     let buf = comm.alloc_shared(len).map_err(|e| e.to_string())?;
     let one_host = std::env::var_os(chorus_tests::CHORUS_TEST_RANKS_PER_HOST).is_none()
@@ -236,6 +240,19 @@ fn buffer<T: Element>(comm: &Communicator, len: usize) -> Result<Buffer<T>, Stri
         ));
     }
     Ok(Buffer::Shared(buf))
+}
+
+/// Advises `memory` (zeroed, untouched) onto huge pages, touches it, and for 2 MiB or more
+/// says how much of it the kernel put on them.
+fn on_huge_pages<T: Element>(memory: &mut [T]) -> Result<(), String> {
+    chorus::pages::advise_huge(memory);
+    memory.fill(T::zeroed());
+    let bytes = std::mem::size_of_val(memory);
+    if bytes >= 2 << 20 {
+        let huge = chorus::pages::huge_bytes(memory).map_err(|e| e.to_string())?;
+        println!("pages {huge} of {bytes}");
+    }
+    Ok(())
 }
 
 /// A test's memory: a vector, or a buffer every rank maps.

@@ -1,0 +1,179 @@
+//! The pages under a buffer: asking the kernel for transparent huge pages, and finding out
+//! how much of a range sits on them.
+//!
+//! A copy between processes pins every page it touches, so what a large message costs
+//! depends on the pages of the buffer it is in: 4 KiB pages or 2 MiB ones. Linux tells
+//! which through the `PAGEMAP_SCAN` ioctl on `/proc/self/pagemap` (Linux 6.7 and later),
+//! which walks the page tables of a range and reports the runs of huge pages in it, in a
+//! few microseconds a megabyte of small pages and far less on huge ones.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::Mutex;
+
+/// The size of a base page on the platforms Chorus runs on.
+const PAGE: usize = 4096;
+
+/// Asks the kernel to back the whole pages of `memory` with transparent huge pages
+/// (`madvise(MADV_HUGEPAGE)`), as numpy does for its arrays; best before anything touches
+/// them. A hint only: where THP is off (`/sys/kernel/mm/transparent_hugepage/enabled`)
+/// nothing changes.
+pub fn advise_huge<T>(memory: &[T]) {
+    let start = (memory.as_ptr() as usize).next_multiple_of(PAGE);
+    let end = (memory.as_ptr() as usize + std::mem::size_of_val(memory)) & !(PAGE - 1);
+    if end > start {
+        // SAFETY: MADV_HUGEPAGE on whole pages inside this allocation changes only how the
+        // kernel backs them, never what they hold.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+}
+
+/// How many bytes of `memory`'s pages are huge pages (rounded out to whole base pages).
+///
+/// Fails with [`io::ErrorKind::Unsupported`] where the kernel cannot tell (before Linux
+/// 6.7, or `/proc` not mounted).
+pub fn huge_bytes<T>(memory: &[T]) -> io::Result<usize> {
+    let start = memory.as_ptr() as usize & !(PAGE - 1);
+    let end = (memory.as_ptr() as usize + std::mem::size_of_val(memory)).next_multiple_of(PAGE);
+    let pagemap = pagemap()?;
+    let mut regions = [Region::default(); 16];
+    let mut arg = ScanArg {
+        size: std::mem::size_of::<ScanArg>() as u64,
+        start: start as u64,
+        end: end as u64,
+        vec: regions.as_mut_ptr() as u64,
+        vec_len: regions.len() as u64,
+        category_mask: PAGE_IS_HUGE,
+        return_mask: PAGE_IS_HUGE,
+        ..ScanArg::default()
+    };
+    let mut huge = 0;
+    loop {
+        // SAFETY: `arg` is a valid `pm_scan_arg` whose `vec` points at `regions`, which
+        // holds `vec_len` entries; the ioctl only reads page tables of this process.
+        let found = unsafe { libc::ioctl(pagemap.as_raw_fd(), PAGEMAP_SCAN, &mut arg) };
+        let found = match found {
+            n if n >= 0 => n as usize,
+            _ => {
+                let error = io::Error::last_os_error();
+                return Err(match error.raw_os_error() {
+                    Some(libc::ENOTTY | libc::EINVAL) => unsupported(),
+                    _ => error,
+                });
+            }
+        };
+        huge += regions[..found]
+            .iter()
+            .map(|r| (r.end - r.start) as usize)
+            .sum::<usize>();
+        if found < regions.len() || arg.walk_end >= arg.end {
+            return Ok(huge);
+        }
+        arg.start = arg.walk_end;
+    }
+}
+
+fn unsupported() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        "the kernel cannot tell a range's page sizes (PAGEMAP_SCAN needs Linux 6.7)",
+    )
+}
+
+/// This process's `/proc/self/pagemap`, opened once per process (a forked child opens its
+/// own: the parent's would describe the parent's pages).
+fn pagemap() -> io::Result<File> {
+    static OPEN: Mutex<Option<(u32, File)>> = Mutex::new(None);
+    let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    match &*open {
+        Some((owner, file)) if *owner == pid => file.try_clone(),
+        _ => {
+            let file = File::open("/proc/self/pagemap").map_err(|_| unsupported())?;
+            *open = Some((pid, file.try_clone()?));
+            Ok(file)
+        }
+    }
+}
+
+/// `PAGEMAP_SCAN`: `_IOWR('f', 16, struct pm_scan_arg)` of Linux's `linux/fs.h`.
+const PAGEMAP_SCAN: libc::Ioctl = (3 << 30 | (96 << 16) | (b'f' as u32) << 8 | 16) as libc::Ioctl;
+/// The category of pages that are parts of huge pages.
+const PAGE_IS_HUGE: u64 = 1 << 6;
+
+/// `struct pm_scan_arg`.
+#[repr(C)]
+#[derive(Default)]
+struct ScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+/// `struct page_region`: a run of pages of the same categories.
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct Region {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This machine's transparent huge page setting: `always`, `madvise` or `never`.
+    fn thp() -> String {
+        let enabled = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled");
+        let enabled = enabled.unwrap_or_default();
+        let chosen = enabled.split('[').nth(1).and_then(|s| s.split(']').next());
+        chosen.unwrap_or("never").to_string()
+    }
+
+    #[test]
+    fn the_scan_tells_huge_pages_from_small_ones() {
+        const LEN: usize = 16 << 20;
+        let small = vec![1u8; LEN];
+        let huge = match huge_bytes(&small) {
+            Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                eprintln!("SKIPPED: {e}");
+                return;
+            }
+            other => other.expect("a scan"),
+        };
+        if thp() != "always" {
+            assert_eq!(huge, 0, "memory nobody advised is on small pages");
+        }
+        let mut advised = vec![0u8; LEN];
+        advise_huge(&advised);
+        advised.fill(1);
+        let got = huge_bytes(&advised).expect("a scan");
+        match thp().as_str() {
+            // The whole 2 MiB pages inside the buffer: all but at most one at each end.
+            "always" | "madvise" => {
+                assert!(got >= LEN - (4 << 20), "{got} of {LEN} bytes on huge pages")
+            }
+            other => eprintln!("transparent huge pages are {other} here: {got} bytes on them"),
+        }
+        assert!(got <= LEN + 2 * PAGE);
+    }
+
+    #[test]
+    fn an_empty_range_has_no_huge_pages() {
+        match huge_bytes::<u8>(&[]) {
+            Ok(bytes) => assert_eq!(bytes, 0),
+            Err(e) => assert_eq!(e.kind(), io::ErrorKind::Unsupported),
+        }
+    }
+}
