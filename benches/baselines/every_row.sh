@@ -17,7 +17,8 @@
 #   python3 benches/baselines/regenerate.py   # benches/RESULTS.md's tables and plot from them
 # Environment: BIN (target/release), PYTHON (/usr/bin/python3: Debian's, with torch, mpi4py
 # and chorus_torch), TORCH2 (unset), PARTS (the parts to run, of "shm tcp torch sweep": all;
-# "chorus" runs Chorus's shm and tcp rows alone, as before_after.sh does).
+# "chorus" runs Chorus's shm and tcp rows alone, as before_after.sh does), PAGES (the page
+# sizes of the shared-memory part's private buffers, of "small huge": both).
 # Chorus's lines are the perf tools' columns: size, time and busbw out of place, time and busbw
 # in place; the baselines' are collective_bench.py's: call, bytes, time (us), algbw, busbw.
 # A command that fails or runs past 10 minutes is named in a "-- failed" line, and the round
@@ -33,6 +34,8 @@ CALLS=(--ops allreduce,broadcast,barrier --sizes 8,64M)
 # no such start): every library's small calls are timed after about a second of warm-up.
 WARM=(--warmup-seconds 1)
 PARTS=${PARTS:-shm tcp torch sweep}
+PAGES=${PAGES:-small huge}
+BENCH_ARGS=()
 
 # Runs a command with a time limit; says so if it fails.
 run() { timeout 600 "$@" || echo "-- failed ($?): $*"; }
@@ -40,37 +43,58 @@ run() { timeout 600 "$@" || echo "-- failed ($?): $*"; }
 # The data line of a perf tool's table: size, then both times and both bus bandwidths.
 row() { awk 'NF >= 12 && $1 ~ /^[0-9]+$/ { print $1, $6, $8, $10, $12 }'; }
 
-# Chorus's four rows at W ranks over `transport` (shm: the default, tcp: CHORUS_TRANSPORT=tcp).
+# Chorus's four rows at W ranks over `transport` (shm: the default, tcp: CHORUS_TRANSPORT=tcp);
+# with `huge` as the third argument, its 64 MiB rows alone on buffers advised onto huge pages
+# (titles ending ", huge pages").
 chorus() {
-    local transport=$1 w=$2 env=(env -u CHORUS_TRANSPORT)
+    local transport=$1 w=$2 pages=${3:-small} env=(env -u CHORUS_TRANSPORT) flag=() tail=""
     [[ $transport == tcp ]] && env=(env CHORUS_TRANSPORT=tcp)
-    echo "-- chorus $transport W=$w all-reduce 8 B"
-    run "${env[@]}" "$BIN/allreduce_perf" -b 8 -e 8 -n 20000 -w 300000 -c 0 -np "$w" | row
-    echo "-- chorus $transport W=$w all-reduce 64 MiB"
-    run "${env[@]}" "$BIN/allreduce_perf" -b 64M -e 64M -n 10 -w 2 -c 0 -np "$w" | row
-    echo "-- chorus $transport W=$w broadcast 64 MiB"
-    run "${env[@]}" "$BIN/broadcast_perf" -b 64M -e 64M -n 10 -w 2 -c 0 -np "$w" | row
-    echo "-- chorus $transport W=$w barrier"
-    run "${env[@]}" "$BIN/barrier_perf" -n 100000 -w 300000 -c 0 -np "$w" | row
+    [[ $pages == huge ]] && flag=(--hugepages) tail=", huge pages"
+    if [[ $pages == small ]]; then
+        echo "-- chorus $transport W=$w all-reduce 8 B"
+        run "${env[@]}" "$BIN/allreduce_perf" -b 8 -e 8 -n 20000 -w 300000 -c 0 -np "$w" | row
+    fi
+    echo "-- chorus $transport W=$w all-reduce 64 MiB$tail"
+    run "${env[@]}" "$BIN/allreduce_perf" -b 64M -e 64M -n 10 -w 2 -c 0 -np "$w" "${flag[@]}" | row
+    echo "-- chorus $transport W=$w broadcast 64 MiB$tail"
+    run "${env[@]}" "$BIN/broadcast_perf" -b 64M -e 64M -n 10 -w 2 -c 0 -np "$w" "${flag[@]}" | row
+    if [[ $pages == small ]]; then
+        echo "-- chorus $transport W=$w barrier"
+        run "${env[@]}" "$BIN/barrier_perf" -n 100000 -w 300000 -c 0 -np "$w" | row
+    fi
 }
 
-# Open MPI with the byte transfer layers given, W ranks.
+# Open MPI with the byte transfer layers given, W ranks; CALLS and BENCH_ARGS name the calls.
 mpi() {
     local w=$1 btl=$2
     shift 2
     run mpirun --allow-run-as-root --oversubscribe -np "$w" --mca btl "$btl" "$@" \
-        "$PYTHON" "$BENCH" --backend mpi "${CALLS[@]}" "${WARM[@]}" --small-iters 20000 |
-        grep -v '^#'
+        "$PYTHON" "$BENCH" --backend mpi "${CALLS[@]}" "${WARM[@]}" --small-iters 20000 \
+        "${BENCH_ARGS[@]}" | grep -v '^#'
 }
 
+# Shared memory on each page size of PAGES: on huge pages, the 64 MiB rows alone, both
+# libraries' private buffers advised onto them, and shm_ceiling's copies on them too.
 shm() {
-    echo "-- shm_ceiling"
-    run "$BIN/shm_ceiling" -n 3
-    for w in 2 4; do
-        chorus shm "$w"
-        echo "-- open mpi vader W=$w"
-        mpi "$w" vader,self
+    for pages in $PAGES; do
+        local tail="" flag=()
+        [[ $pages == huge ]] && tail=", huge pages" flag=(--hugepages)
+        echo "-- shm_ceiling$tail"
+        run "$BIN/shm_ceiling" -n 3 "${flag[@]}"
+        for w in 2 4; do
+            chorus shm "$w" "$pages"
+            echo "-- open mpi vader W=$w$tail"
+            vader "$w" "$pages"
+        done
     done
+}
+
+# Open MPI's vader rows at W ranks; on huge pages the 64 MiB rows alone, numpy's arrays left
+# on the huge pages it asks for.
+vader() {
+    local w=$1 pages=$2
+    [[ $pages == huge ]] && local CALLS=(--ops allreduce,broadcast --sizes 64M) BENCH_ARGS=(--hugepages)
+    mpi "$w" vader,self
 }
 
 tcp() {

@@ -5,8 +5,9 @@ the other library, and against the ceiling the probes measured in the same round
     for r in 1 2 3; do benches/baselines/every_row.sh > round-$r.txt; done
     python3 benches/baselines/every_row_table.py round-*.txt
 
-Prints the machine's traits in each round, the table of every row (shared memory, then TCP)
-and the torch backend's rows beside vader's. A figure a round lacks (a part not run, a
+Prints the machine's traits in each round, the table of every row (shared memory on small
+pages, then its 64 MiB rows on huge pages where the rounds have them, then TCP) and the torch
+backend's rows beside vader's. A figure a round lacks (a part not run, a
 command that failed) is left out of its median; a row no round has is left out.
 """
 
@@ -171,24 +172,31 @@ def percent(value):
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
-def shm_rows(m, w):
-    vader = f"open mpi vader W={w}"
+HUGE = ", huge pages"
+
+
+def shm_rows(m, w, pages=""):
+    """The shared-memory rows at W=w; with pages=HUGE, the 64 MiB rows on huge pages (both
+    libraries' buffers, and the bounds', advised onto them)."""
+    vader = f"open mpi vader W={w}{pages}"
     shm = f"chorus shm W={w}"
+    ceiling = "shm_ceiling" + pages
+    on = " on huge pages" if pages else ""
     row(f"shm all-reduce W={w}, 8 B (us)", True, (m.baseline(vader, "allreduce", 8), ""),
-        m.chorus(shm + " all-reduce 8 B"))
+        m.chorus(shm + " all-reduce 8 B" + pages))
     if w == 4:
-        floor = m.probe("shm_ceiling", r"meet +W=4 .*: ([\d.]+) us")
+        floor = m.probe(ceiling, r"meet +W=4 .*: ([\d.]+) us")
         row("shm barrier W=4 (us)", True, (m.baseline(vader, "barrier", 0), ""),
-            m.chorus(shm + " barrier", (0,)), floor)
-    bound = m.probe("shm_ceiling", rf"W={w} all-reduce .*<= ([\d.]+)")
-    row(f"shm all-reduce W={w}, 64 MiB (GB/s)", False,
+            m.chorus(shm + " barrier" + pages, (0,)), floor)
+    bound = m.probe(ceiling, rf"W={w} all-reduce .*<= ([\d.]+)")
+    row(f"shm all-reduce W={w}, 64 MiB{on} (GB/s)", False,
         (m.baseline(vader, "allreduce", 64 << 20), ""),
-        m.chorus(shm + " all-reduce 64 MiB"), bound * 2, fmt(median(bound[0])))
+        m.chorus(shm + " all-reduce 64 MiB" + pages), bound * 2, fmt(median(bound[0])))
     in_place, out_of_place = m.probe(
-        "shm_ceiling", rf"W={w} broadcast .*<= ([\d.]+) GB/s in place, ([\d.]+)", 2)
-    row(f"shm broadcast W={w}, 64 MiB (GB/s)", False,
+        ceiling, rf"W={w} broadcast .*<= ([\d.]+) GB/s in place, ([\d.]+)", 2)
+    row(f"shm broadcast W={w}, 64 MiB{on} (GB/s)", False,
         (m.baseline(vader, "broadcast", 64 << 20), ""),
-        m.chorus(shm + " broadcast 64 MiB"), [out_of_place, in_place])
+        m.chorus(shm + " broadcast 64 MiB" + pages), [out_of_place, in_place])
 
 
 def tcp_rows(m, w):
@@ -237,6 +245,8 @@ def every_row(rounds):
     print("|---|---|---|---|---|---|")
     for w in (2, 4):
         shm_rows(m, w)
+    for w in (2, 4):
+        shm_rows(m, w, HUGE)
     for w in (2, 4):
         tcp_rows(m, w)
     print()
