@@ -33,7 +33,8 @@ pub fn init_logging() {
 pub const CHORUS_TEST_SHARED: &str = "CHORUS_TEST_SHARED";
 /// The test worker's variable: `huge` makes it advise its private buffers onto transparent
 /// huge pages (`madvise(MADV_HUGEPAGE)`) and say, for each buffer of 2 MiB or more, how many
-/// of its bytes are on them (a line `pages <huge bytes> of <bytes>`).
+/// of its bytes are on them (a line `pages <huge bytes> of <bytes>`, or `pages unknown: why`
+/// where the kernel cannot tell).
 pub const CHORUS_TEST_PAGES: &str = "CHORUS_TEST_PAGES";
 /// The test worker's variable: ranks per simulated host (each group of this many consecutive
 /// ranks gets a host id of its own).

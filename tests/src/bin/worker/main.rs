@@ -249,8 +249,11 @@ fn on_huge_pages<T: Element>(memory: &mut [T]) -> Result<(), String> {
     memory.fill(T::zeroed());
     let bytes = std::mem::size_of_val(memory);
     if bytes >= 2 << 20 {
-        let huge = chorus::pages::huge_bytes(memory).map_err(|e| e.to_string())?;
-        println!("pages {huge} of {bytes}");
+        match chorus::pages::huge_bytes(memory) {
+            Ok(huge) => println!("pages {huge} of {bytes}"),
+            Err(e) if e.kind() == std::io::ErrorKind::Unsupported => println!("pages unknown: {e}"),
+            Err(e) => return Err(format!("cannot tell the pages of {bytes} bytes: {e}")),
+        }
     }
     Ok(())
 }
