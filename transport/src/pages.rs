@@ -36,7 +36,8 @@ pub fn advise_huge<T>(memory: &[T]) {
 pub fn huge_bytes<T>(memory: &[T]) -> io::Result<usize> {
     let start = memory.as_ptr() as usize & !(PAGE - 1);
     let end = (memory.as_ptr() as usize + std::mem::size_of_val(memory)).next_multiple_of(PAGE);
-    let pagemap = pagemap()?;
+    let mut pagemap = PAGEMAP.lock().unwrap_or_else(|p| p.into_inner());
+    let pagemap = open_pagemap(&mut pagemap)?;
     let mut regions = [Region::default(); 16];
     let mut arg = ScanArg {
         size: std::mem::size_of::<ScanArg>() as u64,
@@ -58,7 +59,7 @@ pub fn huge_bytes<T>(memory: &[T]) -> io::Result<usize> {
             _ => {
                 let error = io::Error::last_os_error();
                 return Err(match error.raw_os_error() {
-                    Some(libc::ENOTTY | libc::EINVAL) => unsupported(),
+                    Some(libc::ENOTTY) => unsupported(),
                     _ => error,
                 });
             }
@@ -81,20 +82,18 @@ fn unsupported() -> io::Error {
     )
 }
 
-/// This process's `/proc/self/pagemap`, opened once per process (a forked child opens its
-/// own: the parent's would describe the parent's pages).
-fn pagemap() -> io::Result<File> {
-    static OPEN: Mutex<Option<(u32, File)>> = Mutex::new(None);
-    let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+/// This process's `/proc/self/pagemap` and the process that opened it.
+static PAGEMAP: Mutex<Option<(u32, File)>> = Mutex::new(None);
+
+/// The pagemap in `open`, opened once per process (a forked child opens its own: the
+/// parent's would describe the parent's pages).
+fn open_pagemap(open: &mut Option<(u32, File)>) -> io::Result<&File> {
     let pid = std::process::id();
-    match &*open {
-        Some((owner, file)) if *owner == pid => file.try_clone(),
-        _ => {
-            let file = File::open("/proc/self/pagemap").map_err(|_| unsupported())?;
-            *open = Some((pid, file.try_clone()?));
-            Ok(file)
-        }
+    if !matches!(open, Some((owner, _)) if *owner == pid) {
+        let file = File::open("/proc/self/pagemap").map_err(|_| unsupported())?;
+        *open = Some((pid, file));
     }
+    Ok(&open.as_ref().expect("opened above").1)
 }
 
 /// `PAGEMAP_SCAN`: `_IOWR('f', 16, struct pm_scan_arg)` of Linux's `linux/fs.h`.
