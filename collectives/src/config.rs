@@ -4,6 +4,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use chorus_transport::auth::Auth;
+use chorus_transport::shm::SingleCopy;
 use chorus_transport::TransportKind;
 
 use crate::env::{bad, optional, Lookup};
@@ -52,9 +53,9 @@ pub struct Config {
     /// This rank's host identity: ranks with equal ones use shared memory (`CHORUS_HOST_ID`);
     /// hostname, boot id and namespaces if unset.
     pub host_id: Option<String>,
-    /// Smallest message that shared memory moves with one copy, read straight from the
-    /// sender's memory (`CHORUS_SHM_SINGLE_COPY`, bytes; 0, the default, turns it off).
-    pub shm_single_copy: usize,
+    /// Which sends shared memory moves in one copy, read straight from the sender's memory
+    /// (`CHORUS_SHM_SINGLE_COPY`): by default, those from caller buffers on huge pages.
+    pub shm_single_copy: SingleCopy,
     /// Fraction of `timeout` after which a waiting collective reports which ranks hold it
     /// up (`CHORUS_WATCHDOG`; 0 turns the report off).
     pub watchdog: f64,
@@ -72,9 +73,6 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 pub const DEFAULT_NSOCKS: usize = 1;
 /// Default pipeline chunk in bytes.
 pub const DEFAULT_CHUNK_BYTES: usize = 512 << 10;
-/// Default smallest message moved by a single copy over shared memory: none. Two copies
-/// through the ring's slots, which stay in cache, beat pinning the sender's small pages.
-pub const DEFAULT_SHM_SINGLE_COPY: usize = 0;
 /// Default fraction of the timeout after which the watchdog reports a stalled collective.
 pub const DEFAULT_WATCHDOG: f64 = 0.5;
 /// Largest world size read from the environment: rendezvous and transports keep state per
@@ -109,7 +107,7 @@ impl Config {
             socket_addr: None,
             transport: TransportKind::Auto,
             host_id: None,
-            shm_single_copy: DEFAULT_SHM_SINGLE_COPY,
+            shm_single_copy: SingleCopy::default(),
             watchdog: DEFAULT_WATCHDOG,
             auth: Auth::default(),
             store: StoreKind::Chorus,

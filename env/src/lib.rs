@@ -151,7 +151,8 @@ pub const CHORUS_SOCKET_ADDR: &str = "CHORUS_SOCKET_ADDR";
 pub const CHORUS_TRANSPORT: &str = "CHORUS_TRANSPORT";
 /// This rank's host identity (ranks with equal ones use shared memory).
 pub const CHORUS_HOST_ID: &str = "CHORUS_HOST_ID";
-/// Smallest message shared memory moves with one copy, in bytes (0: never).
+/// Which sends shared memory moves in one copy: `huge` (from buffers on huge pages), a size
+/// in bytes (every send that large), or `0` (never).
 pub const CHORUS_SHM_SINGLE_COPY: &str = "CHORUS_SHM_SINGLE_COPY";
 /// Fraction of the timeout after which a waiting collective reports who holds it up.
 pub const CHORUS_WATCHDOG: &str = "CHORUS_WATCHDOG";

@@ -14,6 +14,8 @@ use std::sync::Mutex;
 
 /// The size of a base page on the platforms Chorus runs on.
 const PAGE: usize = 4096;
+/// The size of a transparent huge page there.
+const HUGE: usize = 2 << 20;
 
 /// Asks the kernel to back the whole pages of `memory` with transparent huge pages
 /// (`madvise(MADV_HUGEPAGE)`), as numpy does for its arrays; best before anything touches
@@ -34,44 +36,95 @@ pub fn advise_huge<T>(memory: &[T]) {
 /// Fails with [`io::ErrorKind::Unsupported`] where the kernel cannot tell (before Linux
 /// 6.7, or `/proc` not mounted).
 pub fn huge_bytes<T>(memory: &[T]) -> io::Result<usize> {
-    let start = memory.as_ptr() as usize & !(PAGE - 1);
-    let end = (memory.as_ptr() as usize + std::mem::size_of_val(memory)).next_multiple_of(PAGE);
-    let mut pagemap = PAGEMAP.lock().unwrap_or_else(|p| p.into_inner());
-    let pagemap = open_pagemap(&mut pagemap)?;
+    let (start, end) = pages_of(memory);
     let mut regions = [Region::default(); 16];
-    let mut arg = ScanArg {
-        size: std::mem::size_of::<ScanArg>() as u64,
-        start: start as u64,
-        end: end as u64,
-        vec: regions.as_mut_ptr() as u64,
-        vec_len: regions.len() as u64,
-        category_mask: PAGE_IS_HUGE,
-        return_mask: PAGE_IS_HUGE,
-        ..ScanArg::default()
-    };
+    let mut scan = Scan::new(start, end, &mut regions);
     let mut huge = 0;
     loop {
-        // SAFETY: `arg` is a valid `pm_scan_arg` whose `vec` points at `regions`, which
-        // holds `vec_len` entries; the ioctl only reads page tables of this process.
-        let found = unsafe { libc::ioctl(pagemap.as_raw_fd(), PAGEMAP_SCAN, &mut arg) };
-        let found = match found {
-            n if n >= 0 => n as usize,
-            _ => {
-                let error = io::Error::last_os_error();
-                return Err(match error.raw_os_error() {
-                    Some(libc::ENOTTY) => unsupported(),
-                    _ => error,
-                });
-            }
-        };
-        huge += regions[..found]
+        let found = scan.next()?;
+        huge += found
             .iter()
             .map(|r| (r.end - r.start) as usize)
             .sum::<usize>();
-        if found < regions.len() || arg.walk_end >= arg.end {
+        if found.len() < scan.arg.vec_len as usize || scan.arg.walk_end >= scan.arg.end {
             return Ok(huge);
         }
-        arg.start = arg.walk_end;
+        scan.arg.start = scan.arg.walk_end;
+    }
+}
+
+/// Whether `memory` lies on huge pages: every whole 2 MiB frame inside it, or, where it
+/// spans none, every page it touches. The ends outside whole frames do not count, as a
+/// large array's first and last megabytes seldom sit on huge pages.
+///
+/// One walk of the page tables that stops at the first small page: one system call, a
+/// couple of microseconds (a few more for 64 MiB on huge pages).
+///
+/// Fails as [`huge_bytes`] does.
+pub fn on_huge_pages<T>(memory: &[T]) -> io::Result<bool> {
+    let (at, len) = (memory.as_ptr() as usize, std::mem::size_of_val(memory));
+    let (mut start, mut end) = (at.next_multiple_of(HUGE), (at + len) & !(HUGE - 1));
+    if start >= end {
+        (start, end) = pages_of(memory);
+    }
+    if start == end {
+        return Ok(false);
+    }
+    let mut region = [Region::default()];
+    let mut scan = Scan::new(start, end, &mut region);
+    // The first page that is not huge, if any.
+    scan.arg.category_inverted = PAGE_IS_HUGE;
+    scan.arg.max_pages = 1;
+    Ok(scan.next()?.is_empty())
+}
+
+/// The base pages `memory` touches, as a range of addresses.
+fn pages_of<T>(memory: &[T]) -> (usize, usize) {
+    let start = memory.as_ptr() as usize & !(PAGE - 1);
+    let end = (memory.as_ptr() as usize + std::mem::size_of_val(memory)).next_multiple_of(PAGE);
+    (start, end)
+}
+
+/// One `PAGEMAP_SCAN` of this process's pages, reporting runs of pages in `regions`;
+/// by default it looks for huge pages.
+struct Scan<'a> {
+    arg: ScanArg,
+    regions: &'a mut [Region],
+}
+
+impl Scan<'_> {
+    fn new(start: usize, end: usize, regions: &mut [Region]) -> Scan<'_> {
+        let arg = ScanArg {
+            size: std::mem::size_of::<ScanArg>() as u64,
+            start: start as u64,
+            end: end as u64,
+            vec: regions.as_mut_ptr() as u64,
+            vec_len: regions.len() as u64,
+            category_mask: PAGE_IS_HUGE,
+            return_mask: PAGE_IS_HUGE,
+            ..ScanArg::default()
+        };
+        Scan { arg, regions }
+    }
+
+    /// Walks from `arg.start` until `regions` is full, `max_pages` are found or the range
+    /// ends (`arg.walk_end` tells where it stopped); returns the runs found.
+    fn next(&mut self) -> io::Result<&[Region]> {
+        let mut pagemap = PAGEMAP.lock().unwrap_or_else(|p| p.into_inner());
+        let pagemap = open_pagemap(&mut pagemap)?;
+        // SAFETY: `arg` is a valid `pm_scan_arg` whose `vec` points at `regions`, which
+        // holds `vec_len` entries; the ioctl only reads page tables of this process.
+        let found = unsafe { libc::ioctl(pagemap.as_raw_fd(), PAGEMAP_SCAN, &mut self.arg) };
+        match found {
+            n if n >= 0 => Ok(&self.regions[..n as usize]),
+            _ => {
+                let error = io::Error::last_os_error();
+                Err(match error.raw_os_error() {
+                    Some(libc::ENOTTY) => unsupported(),
+                    _ => error,
+                })
+            }
+        }
     }
 }
 
@@ -144,12 +197,8 @@ mod tests {
     fn the_scan_tells_huge_pages_from_small_ones() {
         const LEN: usize = 16 << 20;
         let small = vec![1u8; LEN];
-        let huge = match huge_bytes(&small) {
-            Err(e) if e.kind() == io::ErrorKind::Unsupported => {
-                eprintln!("SKIPPED: {e}");
-                return;
-            }
-            other => other.expect("a scan"),
+        let Some(huge) = supported(huge_bytes(&small)) else {
+            return;
         };
         if thp() != "always" {
             assert_eq!(huge, 0, "memory nobody advised is on small pages");
@@ -166,6 +215,66 @@ mod tests {
             other => eprintln!("transparent huge pages are {other} here: {got} bytes on them"),
         }
         assert!(got <= LEN + 2 * PAGE);
+    }
+
+    #[test]
+    fn a_buffer_is_on_huge_pages_when_its_whole_frames_are() {
+        const LEN: usize = 16 << 20;
+        let small = vec![1u8; LEN];
+        let Some(on_small) = supported(on_huge_pages(&small)) else {
+            return;
+        };
+        if thp() != "always" {
+            assert!(!on_small, "memory nobody advised is on small pages");
+        }
+        let mut advised = vec![0u8; LEN];
+        advise_huge(&advised);
+        advised.fill(1);
+        let whole = on_huge_pages(&advised).expect("a scan");
+        let frame = advised.as_ptr().align_offset(HUGE);
+        let frames = &advised[frame..frame + (LEN - frame) / HUGE * HUGE];
+        let huge = huge_bytes(frames).expect("a scan");
+        assert_eq!(
+            whole,
+            huge == frames.len(),
+            "{huge} of {} bytes",
+            frames.len()
+        );
+        if !whole {
+            eprintln!(
+                "not on huge pages here (THP {}): {huge} of {LEN} bytes",
+                thp()
+            );
+            return;
+        }
+        // A message inside one 2 MiB frame, and one that spans no whole frame.
+        assert!(on_huge_pages(&advised[frame + 4096..frame + 8192]).expect("a scan"));
+        assert!(on_huge_pages(&advised[frame + 4096..frame + HUGE + 8192]).expect("a scan"));
+        // Splitting one frame into small pages is seen, wherever it lies.
+        let middle = frame + 3 * HUGE;
+        let split = &advised[middle..middle + HUGE];
+        // SAFETY: MADV_NOHUGEPAGE on whole pages of this buffer changes only how they are
+        // backed, and MADV_DONTNEED on its first page zeroes it (written again below).
+        unsafe {
+            libc::madvise(split.as_ptr() as *mut _, HUGE, libc::MADV_NOHUGEPAGE);
+            libc::madvise(split.as_ptr() as *mut _, PAGE, libc::MADV_DONTNEED);
+        }
+        advised[middle] = 2;
+        assert!(!on_huge_pages(&advised).expect("a scan"));
+        assert!(!on_huge_pages(&advised[..middle + HUGE]).expect("a scan"));
+        // Bytes that miss a few of the frame's do not hold it whole.
+        assert!(on_huge_pages(&advised[..middle + HUGE - 16]).expect("a scan"));
+    }
+
+    /// `Some` of a scan's result, or `None` after saying why the kernel cannot scan.
+    fn supported<T>(scan: io::Result<T>) -> Option<T> {
+        match scan {
+            Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                eprintln!("SKIPPED: {e}");
+                None
+            }
+            other => Some(other.expect("a scan")),
+        }
     }
 
     #[test]

@@ -156,6 +156,10 @@ pub trait Transport: Send + Sync {
 pub enum Payload<'a> {
     /// A send of these bytes.
     Send(&'a [u8]),
+    /// A send of bytes a peer on this host may read where they lie, as they sit on huge
+    /// pages: over shared memory the receiver copies them straight out of the sender's
+    /// memory (see [`SingleCopy`](crate::shm::SingleCopy)); elsewhere, a `Send`.
+    Lend(&'a [u8]),
     /// A receive of exactly this many bytes, into this buffer.
     Recv(&'a mut [u8]),
 }
@@ -164,7 +168,7 @@ impl Payload<'_> {
     /// Which way the bytes move.
     pub fn direction(&self) -> Direction {
         match self {
-            Payload::Send(_) => Direction::Send,
+            Payload::Send(_) | Payload::Lend(_) => Direction::Send,
             Payload::Recv(_) => Direction::Recv,
         }
     }
@@ -172,7 +176,7 @@ impl Payload<'_> {
     /// How many bytes move.
     pub fn len(&self) -> usize {
         match self {
-            Payload::Send(data) => data.len(),
+            Payload::Send(data) | Payload::Lend(data) => data.len(),
             Payload::Recv(buf) => buf.len(),
         }
     }
@@ -182,11 +186,18 @@ impl Payload<'_> {
         self.len() == 0
     }
 
+    /// Whether this is a [`Lend`](Payload::Lend).
+    pub fn lent(&self) -> bool {
+        matches!(self, Payload::Lend(_))
+    }
+
     /// The memory as an engine keeps it until the message completes: its direction, start
     /// and length (a send's start is only ever read through).
     pub(crate) fn raw(self) -> (Direction, *mut u8, usize) {
         match self {
-            Payload::Send(data) => (Direction::Send, data.as_ptr().cast_mut(), data.len()),
+            Payload::Send(data) | Payload::Lend(data) => {
+                (Direction::Send, data.as_ptr().cast_mut(), data.len())
+            }
             Payload::Recv(buf) => (Direction::Recv, buf.as_mut_ptr(), buf.len()),
         }
     }

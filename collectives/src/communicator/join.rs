@@ -125,7 +125,7 @@ impl Communicator {
             },
             shm: ShmConfig {
                 timeout: config.timeout,
-                single_copy: (config.shm_single_copy > 0).then_some(config.shm_single_copy),
+                single_copy: config.shm_single_copy,
                 ..ShmConfig::default()
             },
         };

@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use chorus_kernels::DType;
+use chorus_transport::shm::SingleCopy;
 
 use super::shared::WindowCall;
 use super::CallInfo;
@@ -85,9 +86,12 @@ impl Inner {
     pub(super) fn prepare_with<'a>(
         &self,
         info: CallInfo,
-        bufs: Buffers<'a>,
+        mut bufs: Buffers<'a>,
         counts: Option<(&[usize], &[usize])>,
     ) -> Result<Call<'a>> {
+        if self.may_lend(&bufs) {
+            bufs.find_huge_pages();
+        }
         let window = self.window_call(&info, &bufs);
         let key = Key {
             kind: info.kind,
@@ -113,6 +117,18 @@ impl Inner {
             }
         };
         Ok(Call { info, bufs, route })
+    }
+
+    /// Whether sends from `bufs` would be read in place by peers on this host if they lie on
+    /// huge pages (`CHORUS_SHM_SINGLE_COPY` at its default, and buffers that large): only
+    /// then is it worth asking the kernel, a few microseconds a call.
+    fn may_lend(&self, bufs: &Buffers<'_>) -> bool {
+        let SingleCopy::Lent(min) = self.config.shm_single_copy else {
+            return false;
+        };
+        let (input, output) = bufs.addresses();
+        let has_shm = self.transport.as_ref().is_some_and(|t| t.shm().is_some());
+        has_shm && input.len().max(output.len()) >= min
     }
 
     /// The plan of call `info` (on shared buffers when `on_windows`), its pick logged.

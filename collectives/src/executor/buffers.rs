@@ -3,6 +3,9 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 
+use chorus_transport::pages;
+
+use crate::schedule::Buf;
 use crate::Error;
 
 /// The caller's memory, borrowed for `'a`: raw because the transport reads and writes it
@@ -14,6 +17,9 @@ pub struct Buffers<'a> {
     pub(super) input_at: Option<usize>,
     pub(super) output: *mut u8,
     pub(super) output_len: usize,
+    /// Whether the input and the output lie on huge pages, where peers on this host read
+    /// sends from them in place ([`Payload::Lend`](chorus_transport::Payload::Lend)).
+    pub(super) huge: [bool; 2],
     /// Holds the caller's borrows for as long as the pointers are in use.
     _borrow: PhantomData<&'a mut [u8]>,
 }
@@ -31,6 +37,7 @@ impl<'a> Buffers<'a> {
             input_at,
             output: output.as_mut_ptr(),
             output_len: output.len(),
+            huge: [false; 2],
             _borrow: PhantomData,
         }
     }
@@ -51,7 +58,29 @@ impl<'a> Buffers<'a> {
             input_at: Some(offset),
             output: output.as_mut_ptr(),
             output_len: output.len(),
+            huge: [false; 2],
             _borrow: PhantomData,
+        }
+    }
+
+    /// Looks up which of the buffers lie on huge pages (see [`pages::on_huge_pages`]); a
+    /// kernel that cannot tell leaves them on small ones.
+    pub(crate) fn find_huge_pages(&mut self) {
+        let (input, output) = self.addresses();
+        self.huge = [input, output].map(|at| {
+            // SAFETY: the range is one of the caller's slices, borrowed for `'a`; the scan
+            // reads only the page tables under it, never its bytes.
+            let bytes = unsafe { std::slice::from_raw_parts(at.start as *const u8, at.len()) };
+            pages::on_huge_pages(bytes).unwrap_or(false)
+        });
+    }
+
+    /// Whether `buf` is one of the caller's buffers on huge pages.
+    pub(super) fn on_huge_pages(&self, buf: Buf) -> bool {
+        match buf {
+            Buf::Input => self.huge[0],
+            Buf::Output => self.huge[1],
+            Buf::Scratch => false,
         }
     }
 

@@ -3,7 +3,7 @@
 //! programs planned as exchanges ([`Drive::Exchanges`]) go to the transport pair by pair.
 
 use chorus_kernels::{reduce, reduce_into, ReduceOp};
-use chorus_transport::{Request, Transport, TransportError};
+use chorus_transport::{Payload, Request, Transport, TransportError};
 
 use super::machine::{Action, Dest, Layout, Machine, Needs, Reduce, Region};
 use super::{Buffers, Job, Watch, Workspace};
@@ -129,8 +129,12 @@ impl Run<'_, '_> {
                     // happens (or the transport is aborted) before `execute` returns.
                     let req = unsafe {
                         let data = std::slice::from_raw_parts(ptr.cast_const(), from.len);
+                        let payload = match self.bufs.on_huge_pages(from.buf) {
+                            true => Payload::Lend(data),
+                            false => Payload::Send(data),
+                        };
                         self.transport()?
-                            .isend(peer, self.job.tag, data)
+                            .post(peer, self.job.tag, payload)
                             .map_err(|e| Error::transport(self.job.rank, e))?
                     };
                     self.machine.posted(req);

@@ -153,6 +153,69 @@ mod tests {
         }
     }
 
+    /// A transport whose sends complete at once; records whether each was lent.
+    #[derive(Default)]
+    struct Lends {
+        lent: std::sync::Mutex<Vec<bool>>,
+    }
+
+    impl Transport for Lends {
+        fn rank(&self) -> usize {
+            0
+        }
+
+        fn world_size(&self) -> usize {
+            2
+        }
+
+        unsafe fn post(
+            &self,
+            peer: usize,
+            _: u64,
+            payload: Payload<'_>,
+        ) -> Result<Request, TransportError> {
+            self.lent.lock().unwrap().push(payload.lent());
+            let (request, completion) = Request::new(peer, payload.direction(), payload.len());
+            completion.complete(Ok(()));
+            Ok(request)
+        }
+
+        fn probe(&self, _: usize) -> Result<Option<(u64, usize)>, TransportError> {
+            Ok(None)
+        }
+
+        fn abort(&self, _: &str) {}
+    }
+
+    #[test]
+    fn sends_from_the_callers_buffers_on_huge_pages_are_lent() {
+        let input = [1u8; 8];
+        let mut out = [0u8; 8];
+        let steps: Vec<Step> = [Buf::Input, Buf::Output, Buf::Scratch]
+            .into_iter()
+            .map(|buf| Step::Send {
+                peer: 1,
+                from: Loc { buf, range: 0..8 },
+            })
+            .chain([Step::Fence])
+            .collect();
+        for huge in [[true, false], [false, true], [false, false]] {
+            let transport = Lends::default();
+            let mut bufs = Buffers::new(Some(&input), &mut out);
+            bufs.huge = huge;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            execute(
+                &job(Some(&transport), deadline, None),
+                &bufs,
+                &Messages::of(steps.clone(), 1),
+                &mut Workspace::default(),
+            )
+            .unwrap();
+            let lent = transport.lent.into_inner().unwrap();
+            assert_eq!(lent, [huge[0], huge[1], false]);
+        }
+    }
+
     /// A watchdog that panics when told of a stall, which it reports at once.
     struct PanicsWhenStalled;
 

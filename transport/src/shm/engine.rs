@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use super::cma::{self, Way};
 use super::region::{Region, Ring, SlotHeader};
 use super::wake::{self, Liveness};
+use super::SingleCopy;
 use crate::matching::{self, MessageId};
 use crate::peers::Peers;
 use crate::request::{Completion, Direction, Idle, Progress, Request};
@@ -54,6 +55,8 @@ struct Op {
     seq: u64,
     done: usize,
     chunks_left: u64,
+    /// A send the peer reads from this process's memory in one copy.
+    single: bool,
     completion: Arc<Completion>,
 }
 
@@ -84,9 +87,8 @@ struct Link {
     reading: Option<u64>,
     /// Whether this process may write the peer's memory (to help its single copies).
     helps: bool,
-    /// Sends of this many bytes or more are read by the peer from this
-    /// process's memory (`usize::MAX`: never).
-    single_copy_min: usize,
+    /// Which sends the peer reads from this process's memory (`Never` where it may not).
+    single_copy: SingleCopy,
     pid: u32,
     live: Liveness,
 }
@@ -194,7 +196,7 @@ impl Shared {
         region: Arc<Region>,
         own_local: usize,
         peers: &[PeerInfo],
-        single_copy_min: usize,
+        single_copy: SingleCopy,
     ) -> Shared {
         let mut links: Vec<Option<Link>> = (0..world_size).map(|_| None).collect();
         for p in peers {
@@ -208,10 +210,9 @@ impl Shared {
                 inflight: VecDeque::new(),
                 reading: None,
                 helps: p.writable,
-                single_copy_min: if p.single_copy {
-                    single_copy_min.max(1)
-                } else {
-                    usize::MAX
+                single_copy: match p.single_copy {
+                    true => single_copy,
+                    false => SingleCopy::Never,
                 },
                 pid: p.pid,
                 live: Liveness::watch(p.pid),
@@ -321,10 +322,11 @@ impl crate::endpoint::Engine for Shared {
         tag: u64,
         payload: Payload<'_>,
     ) -> Result<Request, TransportError> {
+        let lent = payload.lent();
         let (direction, buf, len) = payload.raw();
         // SAFETY: the caller keeps `buf` valid (and unaliased for a receive) until completion or
         // abort (this trait's contract).
-        unsafe { self.lock().post(peer, direction, tag, buf, len) }
+        unsafe { self.lock().post(peer, direction, tag, (buf, len), lent) }
     }
 
     fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
@@ -428,8 +430,8 @@ impl Engine {
         peer: usize,
         direction: Direction,
         tag: u64,
-        buf: *mut u8,
-        len: usize,
+        (buf, len): (*mut u8, usize),
+        lent: bool,
     ) -> Result<Request, TransportError> {
         let p = self.peers.usable(peer)?;
         let seq = p.next_seq(direction);
@@ -446,6 +448,7 @@ impl Engine {
             seq,
             done: 0,
             chunks_left: chunks(len, link.tx.ring.slot_bytes()),
+            single: direction == Direction::Send && link.single_copy.takes(len, lent),
             completion,
         });
         self.serve(peer);
@@ -719,7 +722,7 @@ impl Link {
             if !self.tx.ready() {
                 break;
             }
-            if op.len >= self.single_copy_min {
+            if op.single {
                 let header = SlotHeader {
                     seq: op.seq,
                     tag: op.tag,

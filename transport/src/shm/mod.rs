@@ -41,12 +41,62 @@ pub struct ShmConfig {
     pub dir: PathBuf,
     /// Bound on set-up: waiting for the other local ranks to map the file.
     pub timeout: Duration,
-    /// Where receivers read messages of at least this many bytes straight from
-    /// the sender's memory (`process_vm_readv`), if every local rank is allowed
-    /// to. `None` by default: on the small pages most buffers have, two copies
-    /// through the slots (which stay in cache) beat one that pins the sender's
-    /// pages.
-    pub single_copy: Option<usize>,
+    /// Which sends receivers read straight from the sender's memory, where every local rank
+    /// is allowed to: by default those lent from buffers on huge pages.
+    pub single_copy: SingleCopy,
+}
+
+/// Which sends a receiver copies straight out of the sender's memory (`process_vm_readv`,
+/// one copy) instead of through the slots (two copies, which stay in cache).
+///
+/// One copy pins every page it touches: on 4 KiB pages that costs more than the slots'
+/// second copy, on 2 MiB pages far less. A sender that finds its buffer on huge pages
+/// posts it as [`Payload::Lend`](crate::Payload::Lend).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SingleCopy {
+    /// None: every message goes through the slots.
+    Never,
+    /// Lent sends of at least this many bytes (the default, from [`LENT_MIN`] bytes).
+    Lent(usize),
+    /// Every send of at least this many bytes (at least one), lent or not.
+    From(usize),
+}
+
+/// The smallest lent send read in one copy by default: smaller ones cost more to set up
+/// (publishing the address, pinning the pages) than the slots' second copy.
+pub const LENT_MIN: usize = 64 << 10;
+
+impl Default for SingleCopy {
+    fn default() -> SingleCopy {
+        SingleCopy::Lent(LENT_MIN)
+    }
+}
+
+impl SingleCopy {
+    /// Whether a send of `len` bytes, `lent` or not, goes in one copy.
+    pub(crate) fn takes(self, len: usize, lent: bool) -> bool {
+        match self {
+            SingleCopy::Never => false,
+            SingleCopy::Lent(min) => lent && len >= min,
+            SingleCopy::From(min) => len >= min.max(1),
+        }
+    }
+}
+
+/// `0`: never; a size in bytes: every send of that many bytes or more; `huge`: the default.
+impl std::str::FromStr for SingleCopy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<SingleCopy, String> {
+        match s.trim() {
+            "huge" => Ok(SingleCopy::default()),
+            "0" => Ok(SingleCopy::Never),
+            bytes => match bytes.parse() {
+                Ok(min) => Ok(SingleCopy::From(min)),
+                Err(_) => Err("expected 0, a size in bytes, or huge".to_string()),
+            },
+        }
+    }
 }
 
 impl Default for ShmConfig {
@@ -56,7 +106,7 @@ impl Default for ShmConfig {
             slot_bytes: 128 << 10,
             dir: PathBuf::from("/dev/shm"),
             timeout: Duration::from_secs(300),
-            single_copy: None,
+            single_copy: SingleCopy::default(),
         }
     }
 }
@@ -124,7 +174,7 @@ impl ShmTransport {
             region,
             own_local,
             &peers,
-            config.single_copy.unwrap_or(usize::MAX),
+            config.single_copy,
         ));
         let endpoint = Endpoint::start(rank, world_size, "shm", shared.clone())?;
         let single_copies = peers.iter().any(|p| p.single_copy);
@@ -148,24 +198,28 @@ mod tests {
 
     use super::*;
     use crate::store::{StoreServer, TcpStore};
-    use crate::Transport;
+    use crate::{Payload, Transport};
 
     /// `n` transports on one host, one per thread's rank, small slots so messages span several.
     pub(super) fn pair(n: usize) -> Vec<ShmTransport> {
-        pair_in(n, ShmConfig::default().dir)
+        pair_with(n, small_slots())
     }
 
-    /// Like `pair`, with the shared file in `dir`.
-    fn pair_in(n: usize, dir: PathBuf) -> Vec<ShmTransport> {
-        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-        let port = server.local_addr().port();
-        let config = ShmConfig {
+    /// Four slots of 256 bytes, and single copies from 1000 bytes.
+    fn small_slots() -> ShmConfig {
+        ShmConfig {
             slots: 4,
             slot_bytes: 256,
             timeout: Duration::from_secs(20),
-            dir,
-            single_copy: Some(1000),
-        };
+            single_copy: SingleCopy::From(1000),
+            ..ShmConfig::default()
+        }
+    }
+
+    /// Like `pair`, with `config`.
+    fn pair_with(n: usize, config: ShmConfig) -> Vec<ShmTransport> {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = server.local_addr().port();
         let local: Vec<usize> = (0..n).collect();
         let threads: Vec<_> = (0..n)
             .map(|rank| {
@@ -382,6 +436,68 @@ mod tests {
             crate::wait_all(&recvs, deadline()).unwrap();
         });
         assert_eq!(bufs, data);
+    }
+
+    #[test]
+    fn sends_go_in_one_copy_as_configured_and_lent() {
+        let data: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+        let cases = [
+            (SingleCopy::Lent(1000), false, false),
+            (SingleCopy::Lent(1000), true, true),
+            (SingleCopy::Lent(10_000), true, false),
+            (SingleCopy::Never, true, false),
+            (SingleCopy::From(1000), false, true),
+        ];
+        for (single_copy, lent, one_copy) in cases {
+            let t = pair_with(
+                2,
+                ShmConfig {
+                    single_copy,
+                    ..small_slots()
+                },
+            );
+            let mut buf = vec![0u8; data.len()];
+            let payload = match lent {
+                true => Payload::Lend(&data),
+                false => Payload::Send(&data),
+            };
+            // This thread's next read of the sender's memory fails: only a single copy
+            // makes one.
+            cma::FAIL_READ_AFTER.set(1);
+            // SAFETY: both buffers outlive the transports, declared after them.
+            let received = unsafe {
+                let r = t[1].irecv(0, 3, &mut buf).unwrap();
+                Transport::post(&t[0], 1, 3, payload).unwrap();
+                r.wait(deadline())
+            };
+            cma::FAIL_READ_AFTER.set(0);
+            let case = format!("{single_copy:?}, lent: {lent}");
+            match received {
+                Err(TransportError::Io {
+                    peer: 0,
+                    op,
+                    source,
+                    ..
+                }) if one_copy => {
+                    assert_eq!(
+                        (op, source.raw_os_error()),
+                        ("recv", Some(libc::EPERM)),
+                        "{case}"
+                    )
+                }
+                Ok(()) if !one_copy => assert_eq!(buf, data, "{case}"),
+                other => panic!("{case}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn single_copy_settings_read_from_text() {
+        let parse = |text: &str| text.parse::<SingleCopy>();
+        assert_eq!(parse("huge"), Ok(SingleCopy::Lent(LENT_MIN)));
+        assert_eq!(parse("0"), Ok(SingleCopy::Never));
+        assert_eq!(parse(" 65536 "), Ok(SingleCopy::From(65536)));
+        assert!(parse("always").is_err());
     }
 
     #[test]
@@ -645,7 +761,13 @@ mod tests {
     fn the_file_is_gone_once_connected() {
         let dir = std::env::temp_dir().join(format!("chorus-shm-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let t = pair_in(2, dir.clone());
+        let t = pair_with(
+            2,
+            ShmConfig {
+                dir: dir.clone(),
+                ..small_slots()
+            },
+        );
         let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
         assert!(leftovers.is_empty(), "{leftovers:?}");
         // The mapping still works without the file.

@@ -15,7 +15,7 @@ use memmap2::MmapRaw;
 
 use super::cma;
 use super::region::{Layout, Region};
-use super::ShmConfig;
+use super::{ShmConfig, SingleCopy};
 use crate::store::Store;
 use crate::TransportError;
 
@@ -70,7 +70,8 @@ pub(crate) fn join(
         let (pid, probe) = text.split_once(' ').ok_or_else(bad)?;
         let pid: u32 = pid.parse().map_err(|_| bad())?;
         let probe: u64 = probe.parse().map_err(|_| bad())?;
-        readable &= config.single_copy.is_some() && (r == rank || cma::can_read(pid, probe));
+        readable &=
+            config.single_copy != SingleCopy::Never && (r == rank || cma::can_read(pid, probe));
         pids.push(pid);
     }
     store.set(&key("cma", rank), if readable { b"1" } else { b"0" })?;
@@ -234,7 +235,10 @@ mod tests {
         let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let port = server.local_addr().port();
         let config = ShmConfig {
-            single_copy: single_copy.then_some(64 << 10),
+            single_copy: match single_copy {
+                true => SingleCopy::From(64 << 10),
+                false => SingleCopy::Never,
+            },
             timeout: Duration::from_secs(20),
             ..ShmConfig::default()
         };
