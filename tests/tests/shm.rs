@@ -167,8 +167,9 @@ fn leftovers(pids: &[u32]) -> Vec<String> {
         .collect()
 }
 
-/// Single copies are off by default; asked for, messages from 64 KiB on are read straight
-/// from the sender's memory, and every collective agrees as it does through the slots.
+/// Ranks that may read each other's memory find out at set-up unless single copies are
+/// off; asked for every message from 64 KiB on, those are read straight from the sender's
+/// memory, and every collective agrees as it does through the slots.
 #[test]
 fn single_copies_when_asked_carry_every_collective() {
     let single_copies = |report: &LaunchReport, on: bool| {
@@ -183,6 +184,10 @@ fn single_copies_when_asked_carry_every_collective() {
     };
     let log = ("CHORUS_DEBUG", "chorus_transport::shm=debug");
     let report = run(2, worker(), &["all_reduce", "7"], &[log]);
+    assert_success(&report);
+    single_copies(&report, true);
+    let env = [log, ("CHORUS_SHM_SINGLE_COPY", "0")];
+    let report = run(2, worker(), &["all_reduce", "7"], &env);
     assert_success(&report);
     single_copies(&report, false);
     let env = [log, ("CHORUS_SHM_SINGLE_COPY", "65536")];
@@ -205,16 +210,18 @@ fn single_copies_when_asked_carry_every_collective() {
 }
 
 /// Every shared-memory route on private buffers the kernel puts on huge pages, as numpy's
-/// are: the all-reduce and broadcast matrices at W = 2 and 4, through the slots and through
-/// single copies, the small calls through the mailboxes. Where transparent huge pages are
-/// on, the large buffers must have got some; where they are off, the test says so.
+/// are: the all-reduce and broadcast matrices at W = 2 and 4, through the slots and, as by
+/// default, lent in single copies, the small calls through the mailboxes. Where transparent
+/// huge pages are on, the large buffers must have got some, and been lent; where they are
+/// off, the test says so.
 #[test]
 fn every_route_carries_buffers_on_huge_pages() {
     let mut huge = Some(0);
-    for single_copy in ["0", "65536"] {
+    for single_copy in ["0", "huge"] {
         let env = [
             (CHORUS_TEST_PAGES, "huge"),
             ("CHORUS_SHM_SINGLE_COPY", single_copy),
+            ("CHORUS_DEBUG", "chorus::communicator::prepare=debug"),
         ];
         for world in [2, 4] {
             let report = run(world, worker(), &["all_reduce", "7,524309"], &env);
@@ -222,6 +229,12 @@ fn every_route_carries_buffers_on_huge_pages() {
             let digests = assert_identical_digests(&report);
             assert_eq!(digests, reduction_pairs().count() * 2 * 2, "W={world}");
             let reduced = huge_page_bytes(&report);
+            let lent = report.ranks.iter().any(|r| r.stderr.contains(LENT));
+            let expected = single_copy == "huge" && reduced > Some(0);
+            assert_eq!(
+                lent, expected,
+                "W={world}, {single_copy}, {reduced:?} bytes on huge pages"
+            );
             let report = run(world, worker(), &["broadcast", "7,524309"], &env);
             assert_success(&report);
             assert_eq!(assert_identical_digests(&report), world * 4 * 2 * 2);
@@ -243,6 +256,9 @@ fn every_route_carries_buffers_on_huge_pages() {
         ),
     }
 }
+
+/// What a rank logs when it finds a call's buffers on huge pages.
+const LENT: &str = "sends from buffers on huge pages are lent";
 
 /// The bytes on huge pages that the ranks' `pages` lines report; `None` where a rank's
 /// kernel could not tell.

@@ -90,7 +90,16 @@ impl Inner {
         counts: Option<(&[usize], &[usize])>,
     ) -> Result<Call<'a>> {
         if self.may_lend(&bufs) {
-            bufs.find_huge_pages();
+            let [input, output] = bufs.find_huge_pages();
+            if input || output {
+                let rank = self.config.rank;
+                tracing::debug!(
+                    rank,
+                    input,
+                    output,
+                    "sends from buffers on huge pages are lent"
+                );
+            }
         }
         let window = self.window_call(&info, &bufs);
         let key = Key {

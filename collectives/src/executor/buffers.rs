@@ -63,9 +63,9 @@ impl<'a> Buffers<'a> {
         }
     }
 
-    /// Looks up which of the buffers lie on huge pages (see [`pages::on_huge_pages`]); a
-    /// kernel that cannot tell leaves them on small ones.
-    pub(crate) fn find_huge_pages(&mut self) {
+    /// Looks up which of the buffers lie on huge pages (see [`pages::on_huge_pages`]) and
+    /// returns it (input, output); a kernel that cannot tell leaves them on small ones.
+    pub(crate) fn find_huge_pages(&mut self) -> [bool; 2] {
         let (input, output) = self.addresses();
         self.huge = [input, output].map(|at| {
             // SAFETY: the range is one of the caller's slices, borrowed for `'a`; the scan
@@ -73,6 +73,7 @@ impl<'a> Buffers<'a> {
             let bytes = unsafe { std::slice::from_raw_parts(at.start as *const u8, at.len()) };
             pages::on_huge_pages(bytes).unwrap_or(false)
         });
+        self.huge
     }
 
     /// Whether `buf` is one of the caller's buffers on huge pages.
