@@ -28,6 +28,12 @@ use crate::{Error, Result};
 /// Decisions kept at most (a handful of gradient buckets and sync calls).
 const KEEP: usize = 16;
 
+/// The smallest call whose sends are lent when its buffers lie on huge pages: below it, a
+/// call is over before a single copy's set-up pays (a W=2 broadcast of 256 KiB on huge
+/// pages took 30-150 us lent against 20-60 through the slots; of 1 MiB, 45-190 against
+/// 140-180).
+const LEND_FROM: usize = 1 << 20;
+
 /// One call, ready to run: what it is, the memory it works on (borrowed for `'a`) and how.
 pub(crate) struct Call<'a> {
     pub info: CallInfo,
@@ -128,16 +134,15 @@ impl Inner {
         Ok(Call { info, bufs, route })
     }
 
-    /// Whether sends from `bufs` would be read in place by peers on this host if they lie on
-    /// huge pages (`CHORUS_SHM_SINGLE_COPY` at its default, and buffers that large): only
-    /// then is it worth asking the kernel, a few microseconds a call.
+    /// Whether sends from `bufs` are to be lent to peers on this host if they lie on huge
+    /// pages (`CHORUS_SHM_SINGLE_COPY` at its default, and buffers of [`LEND_FROM`] bytes or
+    /// more); only then is it worth asking the kernel, a couple of microseconds a call.
     fn may_lend(&self, bufs: &Buffers<'_>) -> bool {
-        let SingleCopy::Lent(min) = self.config.shm_single_copy else {
-            return false;
-        };
         let (input, output) = bufs.addresses();
         let has_shm = self.transport.as_ref().is_some_and(|t| t.shm().is_some());
-        has_shm && input.len().max(output.len()) >= min
+        matches!(self.config.shm_single_copy, SingleCopy::Lent(_))
+            && has_shm
+            && input.len().max(output.len()) >= LEND_FROM
     }
 
     /// The plan of call `info` (on shared buffers when `on_windows`), its pick logged.
