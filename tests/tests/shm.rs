@@ -183,9 +183,11 @@ fn single_copies_when_asked_carry_every_collective() {
         }
     };
     let log = ("CHORUS_DEBUG", "chorus_transport::shm=debug");
-    let report = run(2, worker(), &["all_reduce", "7"], &[log]);
+    // By default, an out-of-place broadcast's root lends its input, whatever its pages.
+    let report = run(2, worker(), &["broadcast", "7,300007"], &[log]);
     assert_success(&report);
     single_copies(&report, true);
+    assert_eq!(assert_identical_digests(&report), 2 * 4 * 2 * 2);
     let env = [log, ("CHORUS_SHM_SINGLE_COPY", "0")];
     let report = run(2, worker(), &["all_reduce", "7"], &env);
     assert_success(&report);

@@ -95,18 +95,7 @@ impl Inner {
         mut bufs: Buffers<'a>,
         counts: Option<(&[usize], &[usize])>,
     ) -> Result<Call<'a>> {
-        if self.may_lend(&bufs) {
-            let [input, output] = bufs.find_huge_pages();
-            if input || output {
-                let rank = self.config.rank;
-                tracing::debug!(
-                    rank,
-                    input,
-                    output,
-                    "sends from buffers on huge pages are lent"
-                );
-            }
-        }
+        bufs.lend(self.lending(&info, &bufs));
         let window = self.window_call(&info, &bufs);
         let key = Key {
             kind: info.kind,
@@ -134,15 +123,32 @@ impl Inner {
         Ok(Call { info, bufs, route })
     }
 
-    /// Whether sends from `bufs` are to be lent to peers on this host if they lie on huge
-    /// pages (`CHORUS_SHM_SINGLE_COPY` at its default, and buffers of [`LEND_FROM`] bytes or
-    /// more); only then is it worth asking the kernel, a couple of microseconds a call.
-    fn may_lend(&self, bufs: &Buffers<'_>) -> bool {
+    /// Which of call `info`'s buffers lend their sends to peers on this host (input,
+    /// output): those on huge pages, where one copy beats two through the slots, and the
+    /// input of an out-of-place broadcast's root, whose core has its own copy to make while
+    /// the others read. Only with `CHORUS_SHM_SINGLE_COPY` at its default, for calls of
+    /// [`LEND_FROM`] bytes or more; asking the kernel about the pages costs a couple of
+    /// microseconds.
+    fn lending(&self, info: &CallInfo, bufs: &Buffers<'_>) -> [bool; 2] {
         let (input, output) = bufs.addresses();
         let has_shm = self.transport.as_ref().is_some_and(|t| t.shm().is_some());
-        matches!(self.config.shm_single_copy, SingleCopy::Lent(_))
-            && has_shm
-            && input.len().max(output.len()) >= LEND_FROM
+        let lends = matches!(self.config.shm_single_copy, SingleCopy::Lent(_));
+        if !lends || !has_shm || input.len().max(output.len()) < LEND_FROM {
+            return [false; 2];
+        }
+        let [on_huge, out_on_huge] = bufs.on_huge_pages();
+        let rank = self.config.rank;
+        if on_huge || out_on_huge {
+            let (input, output) = (on_huge, out_on_huge);
+            tracing::debug!(
+                rank,
+                input,
+                output,
+                "sends from buffers on huge pages are lent"
+            );
+        }
+        let copying_root = info.kind == CallKind::Broadcast && info.root == rank && input != output;
+        [on_huge || copying_root, out_on_huge]
     }
 
     /// The plan of call `info` (on shared buffers when `on_windows`), its pick logged.

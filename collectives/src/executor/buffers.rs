@@ -17,9 +17,9 @@ pub struct Buffers<'a> {
     pub(super) input_at: Option<usize>,
     pub(super) output: *mut u8,
     pub(super) output_len: usize,
-    /// Whether the input and the output lie on huge pages, where peers on this host read
-    /// sends from them in place ([`Payload::Lend`](chorus_transport::Payload::Lend)).
-    pub(super) huge: [bool; 2],
+    /// Whether sends from the input and from the output are lent: peers on this host read
+    /// them where they lie ([`Payload::Lend`](chorus_transport::Payload::Lend)).
+    pub(super) lent: [bool; 2],
     /// Holds the caller's borrows for as long as the pointers are in use.
     _borrow: PhantomData<&'a mut [u8]>,
 }
@@ -37,7 +37,7 @@ impl<'a> Buffers<'a> {
             input_at,
             output: output.as_mut_ptr(),
             output_len: output.len(),
-            huge: [false; 2],
+            lent: [false; 2],
             _borrow: PhantomData,
         }
     }
@@ -58,29 +58,33 @@ impl<'a> Buffers<'a> {
             input_at: Some(offset),
             output: output.as_mut_ptr(),
             output_len: output.len(),
-            huge: [false; 2],
+            lent: [false; 2],
             _borrow: PhantomData,
         }
     }
 
-    /// Looks up which of the buffers lie on huge pages (see [`pages::on_huge_pages`]) and
-    /// returns it (input, output); a kernel that cannot tell leaves them on small ones.
-    pub(crate) fn find_huge_pages(&mut self) -> [bool; 2] {
+    /// Which of the buffers lie on huge pages (input, output; see
+    /// [`pages::on_huge_pages`]); a kernel that cannot tell leaves them on small ones.
+    pub(crate) fn on_huge_pages(&self) -> [bool; 2] {
         let (input, output) = self.addresses();
-        self.huge = [input, output].map(|at| {
+        [input, output].map(|at| {
             // SAFETY: the range is one of the caller's slices, borrowed for `'a`; the scan
             // reads only the page tables under it, never its bytes.
             let bytes = unsafe { std::slice::from_raw_parts(at.start as *const u8, at.len()) };
             pages::on_huge_pages(bytes).unwrap_or(false)
-        });
-        self.huge
+        })
     }
 
-    /// Whether `buf` is one of the caller's buffers on huge pages.
-    pub(super) fn on_huge_pages(&self, buf: Buf) -> bool {
+    /// Lends sends from the input and from the output as `lent` says.
+    pub(crate) fn lend(&mut self, lent: [bool; 2]) {
+        self.lent = lent;
+    }
+
+    /// Whether sends from `buf` are lent (never from the scratch).
+    pub(super) fn lends(&self, buf: Buf) -> bool {
         match buf {
-            Buf::Input => self.huge[0],
-            Buf::Output => self.huge[1],
+            Buf::Input => self.lent[0],
+            Buf::Output => self.lent[1],
             Buf::Scratch => false,
         }
     }

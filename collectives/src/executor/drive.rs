@@ -129,7 +129,7 @@ impl Run<'_, '_> {
                     // happens (or the transport is aborted) before `execute` returns.
                     let req = unsafe {
                         let data = std::slice::from_raw_parts(ptr.cast_const(), from.len);
-                        let payload = match self.bufs.on_huge_pages(from.buf) {
+                        let payload = match self.bufs.lends(from.buf) {
                             true => Payload::Lend(data),
                             false => Payload::Send(data),
                         };

@@ -188,7 +188,7 @@ mod tests {
     }
 
     #[test]
-    fn sends_from_the_callers_buffers_on_huge_pages_are_lent() {
+    fn sends_from_the_callers_buffers_are_lent_as_marked() {
         let input = [1u8; 8];
         let mut out = [0u8; 8];
         let steps: Vec<Step> = [Buf::Input, Buf::Output, Buf::Scratch]
@@ -199,10 +199,10 @@ mod tests {
             })
             .chain([Step::Fence])
             .collect();
-        for huge in [[true, false], [false, true], [false, false]] {
+        for lent in [[true, false], [false, true], [false, false]] {
             let transport = Lends::default();
             let mut bufs = Buffers::new(Some(&input), &mut out);
-            bufs.huge = huge;
+            bufs.lend(lent);
             let deadline = Instant::now() + Duration::from_secs(60);
             execute(
                 &job(Some(&transport), deadline, None),
@@ -211,8 +211,8 @@ mod tests {
                 &mut Workspace::default(),
             )
             .unwrap();
-            let lent = transport.lent.into_inner().unwrap();
-            assert_eq!(lent, [huge[0], huge[1], false]);
+            let posted = transport.lent.into_inner().unwrap();
+            assert_eq!(posted, [lent[0], lent[1], false]);
         }
     }
 
