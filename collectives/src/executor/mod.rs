@@ -120,46 +120,25 @@ mod tests {
     use crate::schedule::plan::Messages;
     use crate::schedule::{Buf, Loc, Step};
 
-    /// A transport whose requests never complete; records whether it was aborted.
+    /// A transport whose requests never complete (`stuck`) or complete at once; records
+    /// whether each send was lent and whether it was aborted.
     #[derive(Default)]
-    struct Stuck {
+    struct Fake {
+        stuck: bool,
+        lent: std::sync::Mutex<Vec<bool>>,
         aborted: AtomicBool,
     }
 
-    impl Transport for Stuck {
-        fn rank(&self) -> usize {
-            0
-        }
-
-        fn world_size(&self) -> usize {
-            2
-        }
-
-        unsafe fn post(
-            &self,
-            peer: usize,
-            _: u64,
-            payload: Payload<'_>,
-        ) -> Result<Request, TransportError> {
-            Ok(Request::new(peer, payload.direction(), payload.len()).0)
-        }
-
-        fn probe(&self, _: usize) -> Result<Option<(u64, usize)>, TransportError> {
-            Ok(None)
-        }
-
-        fn abort(&self, _: &str) {
-            self.aborted.store(true, Ordering::SeqCst);
+    impl Fake {
+        fn stuck() -> Fake {
+            Fake {
+                stuck: true,
+                ..Fake::default()
+            }
         }
     }
 
-    /// A transport whose sends complete at once; records whether each was lent.
-    #[derive(Default)]
-    struct Lends {
-        lent: std::sync::Mutex<Vec<bool>>,
-    }
-
-    impl Transport for Lends {
+    impl Transport for Fake {
         fn rank(&self) -> usize {
             0
         }
@@ -176,7 +155,9 @@ mod tests {
         ) -> Result<Request, TransportError> {
             self.lent.lock().unwrap().push(payload.lent());
             let (request, completion) = Request::new(peer, payload.direction(), payload.len());
-            completion.complete(Ok(()));
+            if !self.stuck {
+                completion.complete(Ok(()));
+            }
             Ok(request)
         }
 
@@ -184,7 +165,9 @@ mod tests {
             Ok(None)
         }
 
-        fn abort(&self, _: &str) {}
+        fn abort(&self, _: &str) {
+            self.aborted.store(true, Ordering::SeqCst);
+        }
     }
 
     #[test]
@@ -200,7 +183,7 @@ mod tests {
             .chain([Step::Fence])
             .collect();
         for lent in [[true, false], [false, true], [false, false]] {
-            let transport = Lends::default();
+            let transport = Fake::default();
             let mut bufs = Buffers::new(Some(&input), &mut out);
             bufs.lend(lent);
             let deadline = Instant::now() + Duration::from_secs(60);
@@ -254,7 +237,7 @@ mod tests {
 
     /// Runs a receive into the whole of `out` on `transport`, then waits for it.
     fn receive(
-        transport: &Stuck,
+        transport: &Fake,
         deadline: Instant,
         watch: Option<&dyn Watch>,
         out: &mut [u8],
@@ -295,7 +278,7 @@ mod tests {
 
     #[test]
     fn a_failed_call_aborts_the_transport() {
-        let transport = Stuck::default();
+        let transport = Fake::stuck();
         let err = receive(&transport, Instant::now(), None, &mut [0; 8]).unwrap_err();
         assert!(
             matches!(
@@ -312,7 +295,7 @@ mod tests {
 
     #[test]
     fn a_panic_with_a_request_in_flight_aborts_the_transport() {
-        let transport = Stuck::default();
+        let transport = Fake::stuck();
         let deadline = Instant::now() + Duration::from_secs(60);
         let panicked = catch_unwind(AssertUnwindSafe(|| {
             receive(&transport, deadline, Some(&PanicsWhenStalled), &mut [0; 8])
