@@ -6,8 +6,8 @@ the other library, and against the ceiling the probes measured in the same round
     python3 benches/baselines/every_row_table.py round-*.txt
 
 Prints the machine's traits in each round, the table of every row (shared memory on small
-pages, then its 64 MiB rows on huge pages where the rounds have them, then TCP) and the torch
-backend's rows beside vader's. A figure a round lacks (a part not run, a
+pages, then its 64 MiB rows on huge pages where the rounds have them, then TCP), those 64 MiB
+rows again with the two page sizes side by side, and the torch backend's rows beside vader's. A figure a round lacks (a part not run, a
 command that failed) is left out of its median; a row no round has is left out.
 """
 
@@ -154,14 +154,21 @@ def row(label, is_time, other, figures, ceilings=None, ceiling_text=None):
     values, name = other
     if all(f is None for figure in figures for f in figure):
         return
-    against = " / ".join(ratio(by_round(f, values, is_time)) for f in figures)
-    shares = " / ".join(percent(by_round(f, c, is_time))
-                        for f, c in zip(figures, ceilings or []))
+    against, shares = ratios(is_time, values, figures, ceilings)
     if ceiling_text is None:
         ceiling_text = pair(median(c) for c in ceilings) if ceilings else ""
     other_text = fmt(median(values)) + (f" ({name})" if name else "")
     print(f"| {label} | {other_text} | {pair(median(f) for f in figures)} | {against} "
           f"| {ceiling_text} | {shares} |")
+
+
+def ratios(is_time, values, figures, ceilings=None):
+    """Chorus's `figures` against the other's `values`, and against `ceilings` (one per
+    figure), as texts: the medians of each round's ratios."""
+    against = " / ".join(ratio(by_round(f, values, is_time)) for f in figures)
+    shares = " / ".join(percent(by_round(f, c, is_time))
+                        for f, c in zip(figures, ceilings or []))
+    return against, shares
 
 
 def ratio(value):
@@ -173,6 +180,38 @@ def percent(value):
 
 
 HUGE = ", huge pages"
+
+
+def shm_bounds(m, w, call, pages):
+    """shm_ceiling's bound on the 64 MiB `call` at W=w, out of place and in place, over
+    the rounds."""
+    ceiling = "shm_ceiling" + pages
+    if call == "all-reduce":
+        bound = m.probe(ceiling, rf"W={w} all-reduce .*<= ([\d.]+)")
+        return bound * 2
+    in_place, out_of_place = m.probe(
+        ceiling, rf"W={w} broadcast .*<= ([\d.]+) GB/s in place, ([\d.]+)", 2)
+    return [out_of_place, in_place]
+
+
+def pages_side_by_side(rounds):
+    """The 64 MiB shared-memory rows on both page sizes, side by side: Chorus against vader
+    out of place / in place, and its share of the row's bound; where the rounds ran both."""
+    m = Rounds(rounds)
+    if all(v is None for v in m.baseline(f"open mpi vader W=2{HUGE}", "allreduce", 64 << 20)):
+        return
+    print("| 64 MiB row: Chorus against vader (share of bound) | 4 KiB pages | huge pages |")
+    print("|---|---|---|")
+    for w in (2, 4):
+        for call, name in (("all-reduce", "allreduce"), ("broadcast", "broadcast")):
+            cells = []
+            for pages in ("", HUGE):
+                vader = m.baseline(f"open mpi vader W={w}{pages}", name, 64 << 20)
+                figures = m.chorus(f"chorus shm W={w} {call} 64 MiB{pages}")
+                against, shares = ratios(False, vader, figures, shm_bounds(m, w, call, pages))
+                cells.append(f"{against} ({shares})")
+            print(f"| {call} W={w} | {cells[0]} | {cells[1]} |")
+    print()
 
 
 def shm_rows(m, w, pages=""):
@@ -188,15 +227,13 @@ def shm_rows(m, w, pages=""):
         floor = m.probe(ceiling, r"meet +W=4 .*: ([\d.]+) us")
         row("shm barrier W=4 (us)", True, (m.baseline(vader, "barrier", 0), ""),
             m.chorus(shm + " barrier" + pages, (0,)), floor)
-    bound = m.probe(ceiling, rf"W={w} all-reduce .*<= ([\d.]+)")
+    bound = shm_bounds(m, w, "all-reduce", pages)
     row(f"shm all-reduce W={w}, 64 MiB{on} (GB/s)", False,
         (m.baseline(vader, "allreduce", 64 << 20), ""),
-        m.chorus(shm + " all-reduce 64 MiB" + pages), bound * 2, fmt(median(bound[0])))
-    in_place, out_of_place = m.probe(
-        ceiling, rf"W={w} broadcast .*<= ([\d.]+) GB/s in place, ([\d.]+)", 2)
+        m.chorus(shm + " all-reduce 64 MiB" + pages), bound, fmt(median(bound[0])))
     row(f"shm broadcast W={w}, 64 MiB{on} (GB/s)", False,
         (m.baseline(vader, "broadcast", 64 << 20), ""),
-        m.chorus(shm + " broadcast 64 MiB" + pages), [out_of_place, in_place])
+        m.chorus(shm + " broadcast 64 MiB" + pages), shm_bounds(m, w, "broadcast", pages))
 
 
 def tcp_rows(m, w):
@@ -286,6 +323,7 @@ def main(paths):
     rounds = [sections(p) for p in paths]
     traits(rounds)
     every_row(rounds)
+    pages_side_by_side(rounds)
     torch_rows(rounds)
 
 

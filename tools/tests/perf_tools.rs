@@ -528,7 +528,9 @@ fn more_than_one_gpu_or_thread_per_process_is_a_clear_error() {
 
 /// Runs `every_row_table.py` on `rounds` (texts of `every_row.sh` rounds), returning its output.
 fn every_row_table(rounds: &[&str]) -> String {
-    let dir = std::env::temp_dir().join(format!("chorus-every-row-{}", std::process::id()));
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("chorus-every-row-{}-{call}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let paths: Vec<_> = rounds
         .iter()
@@ -582,4 +584,19 @@ fn every_row_table_puts_each_row_beside_the_other_library_and_its_ceiling() {
         !table.contains("TCP") && !table.contains("torch"),
         "{table}"
     );
+    assert!(!table.contains("huge pages"), "{table}");
+}
+
+#[test]
+fn every_row_table_sets_the_page_sizes_side_by_side() {
+    let round = include_str!("../../benches/baselines/testdata/pages-round.txt");
+    let table = every_row_table(&[round]);
+    for line in [
+        "| shm broadcast W=2, 64 MiB on huge pages (GB/s) | 5.72 | 4.25 / 9.45 | x0.74 / x1.65 | 3.86 / 7.69 | 110% / 123% |",
+        "| 64 MiB row: Chorus against vader (share of bound) | 4 KiB pages | huge pages |",
+        "| broadcast W=2 | x0.92 / x1.89 (90% / 106%) | x0.74 / x1.65 (110% / 123%) |",
+        "| all-reduce W=4 | x1.53 / x2.19 (72% / 102%) | x1.98 / x2.47 (92% / 114%) |",
+    ] {
+        assert!(table.contains(line), "no {line:?} in\n{table}");
+    }
 }
