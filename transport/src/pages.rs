@@ -63,12 +63,13 @@ pub fn huge_bytes<T>(memory: &[T]) -> io::Result<usize> {
 /// Fails as [`huge_bytes`] does.
 pub fn on_huge_pages<T>(memory: &[T]) -> io::Result<bool> {
     let (at, len) = (memory.as_ptr() as usize, std::mem::size_of_val(memory));
+    if len == 0 {
+        // An empty slice's address need not be mapped at all.
+        return Ok(false);
+    }
     let (mut start, mut end) = (at.next_multiple_of(HUGE), (at + len) & !(HUGE - 1));
     if start >= end {
         (start, end) = pages_of(memory);
-    }
-    if start == end {
-        return Ok(false);
     }
     let mut region = [Region::default()];
     let mut scan = Scan::new(start, end, &mut region);
@@ -282,6 +283,12 @@ mod tests {
         match huge_bytes::<u8>(&[]) {
             Ok(bytes) => assert_eq!(bytes, 0),
             Err(e) => assert_eq!(e.kind(), io::ErrorKind::Unsupported),
+        }
+        assert!(!on_huge_pages::<u8>(&[]).unwrap());
+        // Memory no one has touched has no pages yet.
+        let untouched = vec![0u8; 16 << 20];
+        if let Some(huge) = supported(on_huge_pages(&untouched)) {
+            assert!(!huge);
         }
     }
 }
