@@ -127,7 +127,7 @@ impl Inner {
     /// output): those on huge pages, where one copy beats two through the slots, and the
     /// input of an out-of-place broadcast's root, whose core has its own copy to make while
     /// the others read. Only with `CHORUS_SHM_SINGLE_COPY` at its default, for calls of
-    /// [`LEND_FROM`] bytes or more; asking the kernel about the pages costs a couple of
+    /// [`LEND_FROM`] bytes or more; asking the kernel about the pages costs a few
     /// microseconds.
     fn lending(&self, info: &CallInfo, bufs: &Buffers<'_>) -> [bool; 2] {
         let (input, output) = bufs.addresses();
