@@ -10,7 +10,6 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::sync::Mutex;
 
 /// The size of a base page on the platforms Chorus runs on.
 const PAGE: usize = 4096;
@@ -31,58 +30,95 @@ pub fn advise_huge<T>(memory: &[T]) {
     }
 }
 
-/// How many bytes of `memory`'s pages are huge pages (rounded out to whole base pages).
+/// How many bytes of `memory`'s pages are huge pages (rounded out to whole base pages);
+/// opens this process's pagemap for the one scan (see [`Pagemap`] to keep it open).
 ///
 /// Fails with [`io::ErrorKind::Unsupported`] where the kernel cannot tell (before Linux
 /// 6.7, or `/proc` not mounted).
 pub fn huge_bytes<T>(memory: &[T]) -> io::Result<usize> {
-    let (start, end) = pages_of(memory);
-    let mut regions = [Region::default(); 16];
-    let mut scan = Scan::new(start, end, &mut regions);
-    let mut huge = 0;
-    loop {
-        let found = scan.next()?;
-        huge += found
-            .iter()
-            .map(|r| (r.end - r.start) as usize)
-            .sum::<usize>();
-        if found.len() < scan.arg.vec_len as usize || scan.arg.walk_end >= scan.arg.end {
-            return Ok(huge);
-        }
-        scan.arg.start = scan.arg.walk_end;
+    Pagemap::open()?.huge_bytes(memory)
+}
+
+/// Whether `memory` lies on huge pages (see [`Pagemap::on_huge_pages`]); opens this
+/// process's pagemap for the one question.
+pub fn on_huge_pages<T>(memory: &[T]) -> io::Result<bool> {
+    match memory.is_empty() {
+        true => Ok(false),
+        false => Pagemap::open()?.on_huge_pages(memory),
     }
 }
 
-/// Whether `memory` lies on huge pages: every whole 2 MiB frame inside it, or, where it
-/// spans none, every page it touches. The ends outside whole frames do not count, as a
-/// large array's first and last megabytes seldom sit on huge pages.
-///
-/// Two walks of the page tables, the first stopping at the first small page: a few
-/// microseconds.
-///
-/// Fails as [`huge_bytes`] does.
-pub fn on_huge_pages<T>(memory: &[T]) -> io::Result<bool> {
-    let (at, len) = (memory.as_ptr() as usize, std::mem::size_of_val(memory));
-    if len == 0 {
-        // An empty slice's address need not be mapped at all.
-        return Ok(false);
+/// This process's page tables, open to scans (`/proc/self/pagemap`): a file descriptor
+/// for as long as it lives.
+#[derive(Debug)]
+pub struct Pagemap {
+    file: File,
+    /// The process that opened it: a forked child's scans would describe its parent.
+    pid: u32,
+}
+
+impl Pagemap {
+    /// Opens this process's pagemap; fails with [`io::ErrorKind::Unsupported`] where
+    /// `/proc` is not mounted.
+    pub fn open() -> io::Result<Pagemap> {
+        let file = File::open("/proc/self/pagemap").map_err(|_| unsupported())?;
+        let pid = std::process::id();
+        Ok(Pagemap { file, pid })
     }
-    let (mut start, mut end) = (at.next_multiple_of(HUGE), (at + len) & !(HUGE - 1));
-    if start >= end {
-        (start, end) = pages_of(memory);
+
+    /// How many bytes of `memory`'s pages are huge pages (rounded out to whole base pages).
+    ///
+    /// Fails with [`io::ErrorKind::Unsupported`] where the kernel cannot tell (before
+    /// Linux 6.7).
+    pub fn huge_bytes<T>(&self, memory: &[T]) -> io::Result<usize> {
+        let (start, end) = pages_of(memory);
+        let mut regions = [Region::default(); 16];
+        let mut scan = Scan::new(start, end, &mut regions);
+        let mut huge = 0;
+        loop {
+            let found = scan.next(self)?;
+            huge += found
+                .iter()
+                .map(|r| (r.end - r.start) as usize)
+                .sum::<usize>();
+            if found.len() < scan.arg.vec_len as usize || scan.arg.walk_end >= scan.arg.end {
+                return Ok(huge);
+            }
+            scan.arg.start = scan.arg.walk_end;
+        }
     }
-    let mut region = [Region::default()];
-    let mut scan = Scan::new(start, end, &mut region);
-    // The first page that is not huge, if any.
-    scan.arg.category_inverted = PAGE_IS_HUGE;
-    scan.arg.max_pages = 1;
-    if !scan.next()?.is_empty() {
-        return Ok(false);
+
+    /// Whether `memory` lies on huge pages: every whole 2 MiB frame inside it, or, where it
+    /// spans none, every page it touches. The ends outside whole frames do not count, as a
+    /// large array's first and last megabytes seldom sit on huge pages.
+    ///
+    /// Two walks of the page tables, the first stopping at the first small page: a few
+    /// microseconds.
+    ///
+    /// Fails as [`huge_bytes`](Self::huge_bytes) does.
+    pub fn on_huge_pages<T>(&self, memory: &[T]) -> io::Result<bool> {
+        let (at, len) = (memory.as_ptr() as usize, std::mem::size_of_val(memory));
+        if len == 0 {
+            // An empty slice's address need not be mapped at all.
+            return Ok(false);
+        }
+        let (mut start, mut end) = (at.next_multiple_of(HUGE), (at + len) & !(HUGE - 1));
+        if start >= end {
+            (start, end) = pages_of(memory);
+        }
+        let mut region = [Region::default()];
+        let mut scan = Scan::new(start, end, &mut region);
+        // The first page that is not huge, if any.
+        scan.arg.category_inverted = PAGE_IS_HUGE;
+        scan.arg.max_pages = 1;
+        if !scan.next(self)?.is_empty() {
+            return Ok(false);
+        }
+        // None; but the walk says nothing of what it skips (device memory mapped by a
+        // driver), so the first page must be seen to be huge too.
+        let mut scan = Scan::new(start, start + PAGE, &mut region);
+        Ok(!scan.next(self)?.is_empty())
     }
-    // None; but the walk says nothing of what it skips (device memory mapped by a driver),
-    // so the first page must be seen to be huge too.
-    let mut scan = Scan::new(start, start + PAGE, &mut region);
-    Ok(!scan.next()?.is_empty())
 }
 
 /// The base pages `memory` touches, as a range of addresses.
@@ -116,12 +152,15 @@ impl Scan<'_> {
 
     /// Walks from `arg.start` until `regions` is full, `max_pages` are found or the range
     /// ends (`arg.walk_end` tells where it stopped); returns the runs found.
-    fn next(&mut self) -> io::Result<&[Region]> {
-        let mut pagemap = PAGEMAP.lock().unwrap_or_else(|p| p.into_inner());
-        let pagemap = open_pagemap(&mut pagemap)?;
+    fn next(&mut self, pagemap: &Pagemap) -> io::Result<&[Region]> {
+        if pagemap.pid != std::process::id() {
+            return Err(io::Error::other(
+                "a pagemap opened before a fork describes the parent's pages",
+            ));
+        }
         // SAFETY: `arg` is a valid `pm_scan_arg` whose `vec` points at `regions`, which
         // holds `vec_len` entries; the ioctl only reads page tables of this process.
-        let found = unsafe { libc::ioctl(pagemap.as_raw_fd(), PAGEMAP_SCAN, &mut self.arg) };
+        let found = unsafe { libc::ioctl(pagemap.file.as_raw_fd(), PAGEMAP_SCAN, &mut self.arg) };
         match found {
             n if n >= 0 => Ok(&self.regions[..n as usize]),
             _ => {
@@ -140,20 +179,6 @@ fn unsupported() -> io::Error {
         io::ErrorKind::Unsupported,
         "the kernel cannot tell a range's page sizes (PAGEMAP_SCAN needs Linux 6.7)",
     )
-}
-
-/// This process's `/proc/self/pagemap` and the process that opened it.
-static PAGEMAP: Mutex<Option<(u32, File)>> = Mutex::new(None);
-
-/// The pagemap in `open`, opened once per process (a forked child opens its own: the
-/// parent's would describe the parent's pages).
-fn open_pagemap(open: &mut Option<(u32, File)>) -> io::Result<&File> {
-    let pid = std::process::id();
-    if !matches!(open, Some((owner, _)) if *owner == pid) {
-        let file = File::open("/proc/self/pagemap").map_err(|_| unsupported())?;
-        *open = Some((pid, file));
-    }
-    Ok(&open.as_ref().expect("opened above").1)
 }
 
 /// `PAGEMAP_SCAN`: `_IOWR('f', 16, struct pm_scan_arg)` of Linux's `linux/fs.h`.

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use chorus_transport::shm::ShmConfig;
+use chorus_transport::pages::Pagemap;
+use chorus_transport::shm::{ShmConfig, SingleCopy};
 use chorus_transport::store::{PrefixStore, Store, StoreError, StoreServer, TcpStore, TorchStore};
 use chorus_transport::tcp::TcpConfig;
 use chorus_transport::{RouteConfig, RoutedTransport};
@@ -221,6 +222,13 @@ impl Communicator {
         let tuner = Tuner::new(alpha, beta, config.algo)
             .with_chunk_bytes(config.chunk_bytes)
             .with_topology(topology);
+        // Opened for the communicator's life, not for each call: a file and a syscall less
+        // a call, and no descriptor outlives the communicator.
+        let lends = matches!(config.shm_single_copy, SingleCopy::Lent(_));
+        let pagemap = match lends && transport.as_ref().is_some_and(|t| t.shm().is_some()) {
+            true => Pagemap::open().ok(),
+            false => None,
+        };
         let inner = Arc::new_cyclic(|weak| {
             let monitor = store.as_ref().and_then(|(_, prefix)| {
                 Monitor::start(&config, prefix, weak.clone(), lineage)
@@ -232,6 +240,7 @@ impl Communicator {
             Inner {
                 tuner,
                 hosts,
+                pagemap,
                 picks: Mutex::new(HashMap::new()),
                 decisions: prepare::Decisions::default(),
                 config,

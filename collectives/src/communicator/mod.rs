@@ -24,6 +24,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use chorus_kernels::{DType, ReduceOp};
+use chorus_transport::pages::Pagemap;
 use chorus_transport::shm::ShmTransport;
 use chorus_transport::store::{Store, StoreServer};
 use chorus_transport::RoutedTransport;
@@ -84,6 +85,9 @@ pub(crate) struct Inner {
     tuner: Tuner,
     /// Each host's ranks, as the transport found them (one host without a transport).
     hosts: Vec<Vec<usize>>,
+    /// This process's page tables, open while the communicator may lend the sends of
+    /// buffers on huge pages (see `prepare.rs`).
+    pagemap: Option<Pagemap>,
     /// The last pick per kind of call, to log changes.
     picks: Mutex<HashMap<CallKind, Path>>,
     /// Decisions and schedules of recent calls, reused by calls like them.

@@ -15,7 +15,6 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use chorus_kernels::DType;
-use chorus_transport::shm::SingleCopy;
 
 use super::shared::WindowCall;
 use super::CallInfo;
@@ -131,12 +130,14 @@ impl Inner {
     /// microseconds.
     fn lending(&self, info: &CallInfo, bufs: &Buffers<'_>) -> [bool; 2] {
         let (input, output) = bufs.addresses();
-        let has_shm = self.transport.as_ref().is_some_and(|t| t.shm().is_some());
-        let lends = matches!(self.config.shm_single_copy, SingleCopy::Lent(_));
-        if !lends || !has_shm || input.len().max(output.len()) < LEND_FROM {
+        // Open only where this communicator lends (see `join`).
+        let Some(pagemap) = &self.pagemap else {
+            return [false; 2];
+        };
+        if input.len().max(output.len()) < LEND_FROM {
             return [false; 2];
         }
-        let [on_huge, out_on_huge] = bufs.on_huge_pages();
+        let [on_huge, out_on_huge] = bufs.on_huge_pages(pagemap);
         let rank = self.config.rank;
         if on_huge || out_on_huge {
             let (input, output) = (on_huge, out_on_huge);

@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use chorus_transport::pages;
+use chorus_transport::pages::Pagemap;
 
 use crate::schedule::Buf;
 use crate::Error;
@@ -64,14 +64,14 @@ impl<'a> Buffers<'a> {
     }
 
     /// Which of the buffers lie on huge pages (input, output; see
-    /// [`pages::on_huge_pages`]); a kernel that cannot tell leaves them on small ones.
-    pub(crate) fn on_huge_pages(&self) -> [bool; 2] {
+    /// [`Pagemap::on_huge_pages`]); a kernel that cannot tell leaves them on small ones.
+    pub(crate) fn on_huge_pages(&self, pagemap: &Pagemap) -> [bool; 2] {
         let (input, output) = self.addresses();
         [input, output].map(|at| {
             // SAFETY: the range is one of the caller's slices, borrowed for `'a`; the scan
             // reads only the page tables under it, never its bytes.
             let bytes = unsafe { std::slice::from_raw_parts(at.start as *const u8, at.len()) };
-            pages::on_huge_pages(bytes).unwrap_or(false)
+            pagemap.on_huge_pages(bytes).unwrap_or(false)
         })
     }
 
