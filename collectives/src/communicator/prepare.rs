@@ -137,19 +137,18 @@ impl Inner {
         if input.len().max(output.len()) < LEND_FROM {
             return [false; 2];
         }
-        let [on_huge, out_on_huge] = bufs.on_huge_pages(pagemap);
+        let [in_huge, out_huge] = bufs.on_huge_pages(pagemap);
         let rank = self.config.rank;
-        if on_huge || out_on_huge {
-            let (input, output) = (on_huge, out_on_huge);
+        if in_huge || out_huge {
             tracing::debug!(
                 rank,
-                input,
-                output,
+                input = in_huge,
+                output = out_huge,
                 "sends from buffers on huge pages are lent"
             );
         }
         let copying_root = info.kind == CallKind::Broadcast && info.root == rank && input != output;
-        [on_huge || copying_root, out_on_huge]
+        [in_huge || copying_root, out_huge]
     }
 
     /// The plan of call `info` (on shared buffers when `on_windows`), its pick logged.
