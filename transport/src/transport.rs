@@ -156,9 +156,10 @@ pub trait Transport: Send + Sync {
 pub enum Payload<'a> {
     /// A send of these bytes.
     Send(&'a [u8]),
-    /// A send of bytes a peer on this host may read where they lie, as they sit on huge
-    /// pages: over shared memory the receiver copies them straight out of the sender's
-    /// memory (see [`SingleCopy`](crate::shm::SingleCopy)); elsewhere, a `Send`.
+    /// A send of bytes a peer on this host may read where they lie, the caller having
+    /// judged one copy the cheaper (they sit on huge pages, say): over shared memory the
+    /// receiver copies them straight out of the sender's memory (see
+    /// [`SingleCopy`](crate::shm::SingleCopy)); elsewhere, a `Send`.
     Lend(&'a [u8]),
     /// A receive of exactly this many bytes, into this buffer.
     Recv(&'a mut [u8]),
