@@ -67,12 +67,18 @@ impl<'a> Buffers<'a> {
     /// [`Pagemap::on_huge_pages`]); a kernel that cannot tell leaves them on small ones.
     pub(crate) fn on_huge_pages(&self, pagemap: &Pagemap) -> [bool; 2] {
         let (input, output) = self.addresses();
-        [input, output].map(|at| {
+        let huge = |at: Range<usize>| {
             // SAFETY: the range is one of the caller's slices, borrowed for `'a`; the scan
             // reads only the page tables under it, never its bytes.
             let bytes = unsafe { std::slice::from_raw_parts(at.start as *const u8, at.len()) };
             pagemap.on_huge_pages(bytes).unwrap_or(false)
-        })
+        };
+        if input == output {
+            // In place: one buffer, asked about once.
+            let both = huge(output);
+            return [both, both];
+        }
+        [huge(input), huge(output)]
     }
 
     /// Lends sends from the input and from the output as `lent` says.
