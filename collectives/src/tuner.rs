@@ -3,9 +3,11 @@
 //!
 //! A [`Tuner`] holds a link model (per-message latency `alpha`, bandwidth
 //! `beta`, see [`crate::cost`]; a communicator takes them from its transport,
-//! shared memory's 2 us and 2 GB/s on one host, TCP's [`DEFAULT_ALPHA`] = 10 us
+//! shared memory's 2 us and 3 GB/s on one host, TCP's [`DEFAULT_ALPHA`] = 10 us
 //! and [`DEFAULT_BETA`] = 1.5 GB/s across hosts), the [`Topology`] the
-//! transport found (how many hosts, whether every rank shares memory) and what
+//! transport found (how many hosts, whether every rank shares memory, and the
+//! cores of a job on one host, where a crowded host's cores bound every
+//! algorithm and stall the ring: see [`Tuner::estimate`]) and what
 //! `CHORUS_ALGO` forces ([`Forced`]). For each call, [`Tuner::pick`] estimates
 //! every row of its table ([`Tuner::table`]) and picks the cheapest [`Path`]:
 //!
@@ -34,7 +36,7 @@ use chorus_transport::shm::{ShmTransport, MAILBOX_BYTES};
 pub use crate::algorithm::Path;
 use crate::cost::{closed, LinkModel};
 
-pub use crate::cost::{DEFAULT_ALPHA, DEFAULT_BETA};
+pub use crate::cost::{CROWDED_RING, DEFAULT_ALPHA, DEFAULT_BETA};
 
 /// Parsed `CHORUS_ALGO`: one algorithm for every collective (`tree`), or
 /// per collective (`allreduce:ring,broadcast:tree`), or both (`ring,broadcast:tree`:
@@ -180,6 +182,16 @@ pub struct Topology {
     /// Whether every rank maps shared memory with every other (mailboxes and shared
     /// buffers work).
     pub shared_memory: bool,
+    /// The cores the ranks share where they are all on one host (as its transport
+    /// counted them, the same on every rank); `usize::MAX` elsewhere or unknown.
+    pub cores: usize,
+}
+
+impl Topology {
+    /// Whether every rank is on one host and they outnumber its cores.
+    pub fn crowded(&self, world_size: usize) -> bool {
+        self.hosts == 1 && world_size > self.cores
+    }
 }
 
 impl Default for Topology {
@@ -189,6 +201,7 @@ impl Default for Topology {
             hosts: usize::MAX,
             most_local: 1,
             shared_memory: false,
+            cores: usize::MAX,
         }
     }
 }
@@ -282,6 +295,10 @@ impl Tuner {
     /// `bytes` is nccl-tests' size: the buffer for all-reduce, broadcast and
     /// reduce; the whole output for all-gather and gather; the whole input
     /// for reduce-scatter and scatter; each rank's buffer for all-to-all.
+    ///
+    /// Where the ranks, all on one host, outnumber its cores, the links' estimate
+    /// becomes at least the cores' time for every byte sent, and a ring's is
+    /// [`CROWDED_RING`] times that (see `crowded`).
     pub fn estimate(&self, c: Collective, a: Algorithm, bytes: usize, world_size: usize) -> f64 {
         let t = &self.topology;
         match a {
@@ -294,8 +311,29 @@ impl Tuner {
                 }
             }
             _ => closed::estimate(&self.model, c, a, bytes, world_size, self.chunk_bytes)
-                .unwrap_or(f64::INFINITY),
+                .map_or(f64::INFINITY, |t| self.crowded(t, c, a, bytes, world_size)),
         }
+    }
+
+    /// `t`, the links' estimate, where the ranks outnumber their one host's cores: at least
+    /// the time the cores take to move every byte the ranks send between them (as the
+    /// links' `beta`); and [`CROWDED_RING`] times that for a ring, whose steps form a cycle
+    /// through every rank, so the ranks that run cannot go on without those waiting for a
+    /// core, past the few chunks the links hold (the trees and the pairwise exchanges let two
+    /// running ranks finish a step between them).
+    fn crowded(&self, t: f64, c: Collective, a: Algorithm, bytes: usize, world_size: usize) -> f64 {
+        let topology = &self.topology;
+        if !topology.crowded(world_size) {
+            return t;
+        }
+        let cores = closed::sent(c, a, bytes, world_size)
+            .map_or(0.0, |sent| sent / (topology.cores as f64 * self.model.beta));
+        let cycle = a == Algorithm::Ring
+            && matches!(
+                c,
+                Collective::AllReduce | Collective::AllGather | Collective::ReduceScatter
+            );
+        t.max(cores) * if cycle { CROWDED_RING } else { 1.0 }
     }
 
     /// The message algorithm for `c` on `bytes` over `world_size` ranks, and why (flat
@@ -647,7 +685,57 @@ mod tests {
             hosts: 1,
             most_local: 4,
             shared_memory: true,
+            cores: 4,
         })
+    }
+
+    #[test]
+    fn where_ranks_outnumber_cores_the_cores_bound_and_the_ring_stalls() {
+        let on = |cores| Tuner {
+            topology: Topology {
+                cores,
+                ..one_host().topology
+            },
+            ..one_host()
+        };
+        let all_reduce = Collective::AllReduce;
+        let estimate = |cores, a, bytes| on(cores).estimate(all_reduce, a, bytes, 4);
+        for bytes in [16 << 20, 64 << 20] {
+            // Four ranks on four cores: the ring, as on any links.
+            let roomy = on(4).pick(Some(all_reduce), bytes, 4, false);
+            assert_eq!(roomy.path, Path::Messages(Algorithm::Ring), "{bytes} B");
+            // On two, what moves the same bytes without a cycle through every rank: the
+            // tree and halving-doubling tie on the cores, and the earlier row wins.
+            let crowded = on(2).pick(Some(all_reduce), bytes, 4, false);
+            assert_eq!(crowded.path, Path::Messages(Algorithm::Tree), "{bytes} B");
+            let cores = 2.0 * 3.0 * bytes as f64 / (2.0 * on(2).model().beta);
+            let (tree, rhd) = (Algorithm::Tree, Algorithm::HalvingDoubling);
+            assert!((estimate(2, tree, bytes) - cores).abs() < 1e-9);
+            assert!((estimate(2, rhd, bytes) - cores).abs() < 1e-9);
+            let ring = estimate(2, Algorithm::Ring, bytes);
+            assert!((ring - CROWDED_RING * cores).abs() < 1e-9, "{ring}");
+            // Recursive doubling sends the whole buffer each round: dearer on the cores.
+            assert!(estimate(2, Algorithm::RecursiveDoubling, bytes) > estimate(2, tree, bytes));
+        }
+        // Small calls keep their latency: the cores' bound is below the links' estimate.
+        assert_eq!(
+            estimate(2, Algorithm::Tree, 64 << 10),
+            estimate(4, Algorithm::Tree, 64 << 10)
+        );
+        // Ranks across hosts count no shared cores.
+        let apart = Topology {
+            hosts: 2,
+            cores: 1,
+            ..Topology::default()
+        };
+        assert!(!apart.crowded(4));
+        // The all-gather has only its ring: dearer, still picked.
+        let gather = on(2).pick(Some(Collective::AllGather), 64 << 20, 4, false);
+        assert_eq!(gather.path, Path::Messages(Algorithm::Ring));
+        assert!(
+            on(2).estimate(Collective::AllGather, Algorithm::Ring, 64 << 20, 4)
+                > on(4).estimate(Collective::AllGather, Algorithm::Ring, 64 << 20, 4)
+        );
     }
 
     #[test]
@@ -726,6 +814,7 @@ mod tests {
                     hosts,
                     most_local,
                     shared_memory: false,
+                    ..Topology::default()
                 })
                 .table(Some(Collective::AllReduce), 1 << 20, 8, false)
                 .into_iter()
@@ -741,6 +830,7 @@ mod tests {
                 hosts: 2,
                 most_local: 4,
                 shared_memory: false,
+                ..Topology::default()
             });
         assert_eq!(
             forced.pick(Some(Collective::AllReduce), 8, 8, false).path,

@@ -359,6 +359,7 @@ fn on_shaped_links_the_tuner_prices_the_hierarchical_all_reduce() {
         hosts: 2,
         most_local: 2,
         shared_memory: false,
+        ..Topology::default()
     });
     for bytes in [1 << 20, 4 << 20] {
         let plan = tuner.pick(Some(Collective::AllReduce), bytes, 4, false);

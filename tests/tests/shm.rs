@@ -9,6 +9,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use chorus::tuner::{Collective, Forced, Topology, Tuner};
 use chorus_launch::{LaunchReport, PortReservation};
 use chorus_tests::{
     assert_identical_digests, assert_success, reduction_pairs, run, CHORUS_TEST_PAGES,
@@ -104,7 +105,7 @@ fn tcp_alone_still_carries_every_collective() {
 }
 
 #[test]
-fn one_host_tunes_for_shared_memory_unless_configured() {
+fn one_host_tunes_for_shared_memory_and_its_cores_unless_configured() {
     let tuned = |world: usize, env: &[(&str, &str)], expected: &str| {
         let mut env = env.to_vec();
         env.push(("CHORUS_DEBUG", "info"));
@@ -113,8 +114,37 @@ fn one_host_tunes_for_shared_memory_unless_configured() {
         for r in &report.ranks {
             assert_eq!(link_model(&r.stderr).as_deref(), Some(expected));
         }
+        report
     };
-    tuned(3, &[], "2 us per message, 2 GB/s");
+    let report = tuned(3, &[], "2 us per message, 3 GB/s");
+    // Every rank counted the cores this process may run on (the workers inherit its
+    // affinity and quota), and picked what a tuner of such a host picks.
+    let here = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let tuner = Tuner::new(2e-6, 3e9, Forced::none()).with_topology(Topology {
+        hosts: 1,
+        most_local: 3,
+        shared_memory: true,
+        cores: here,
+    });
+    for r in &report.ranks {
+        let line = logged(&r.stderr, "tuner link model: ").unwrap();
+        assert!(line.ends_with(&format!(" cores={here}")), "{line}");
+        let picks: Vec<(usize, String)> = r
+            .stderr
+            .lines()
+            .filter_map(|l| {
+                let l = l.split("allreduce ").nth(1)?;
+                let (bytes, rest) = l.split_once(" B on 3 ranks: ")?;
+                let pick = rest.split(" -> ").nth(1)?.split(' ').next()?;
+                Some((bytes.parse().ok()?, pick.to_string()))
+            })
+            .collect();
+        assert!(!picks.is_empty(), "rank {} logged no picks", r.rank);
+        for (bytes, pick) in picks {
+            let path = tuner.pick(Some(Collective::AllReduce), bytes, 3, false).path;
+            assert_eq!(path.to_string(), pick, "{bytes} B");
+        }
+    }
     let configured = [("CHORUS_ALPHA_US", "7"), ("CHORUS_BANDWIDTH_GBS", "0.5")];
     tuned(2, &configured, "7 us per message, 0.5 GB/s");
 }

@@ -528,6 +528,11 @@ fn more_than_one_gpu_or_thread_per_process_is_a_clear_error() {
 
 /// Runs `every_row_table.py` on `rounds` (texts of `every_row.sh` rounds), returning its output.
 fn every_row_table(rounds: &[&str]) -> String {
+    table("every_row_table.py", rounds)
+}
+
+/// Runs `script` of benches/baselines on `rounds` (texts of rounds), returning its output.
+fn table(script: &str, rounds: &[&str]) -> String {
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("chorus-every-row-{}-{call}", std::process::id()));
@@ -541,8 +546,9 @@ fn every_row_table(rounds: &[&str]) -> String {
             path
         })
         .collect();
-    let script =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/baselines/every_row_table.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../benches/baselines")
+        .join(script);
     let out = Command::new("python3")
         .arg(script)
         .args(&paths)
@@ -598,5 +604,33 @@ fn every_row_table_sets_the_page_sizes_side_by_side() {
         "| all-reduce W=4 | x1.53 / x2.19 (72% / 102%) | x1.98 / x2.47 (92% / 114%) |",
     ] {
         assert!(table.contains(line), "no {line:?} in\n{table}");
+    }
+}
+
+#[test]
+fn picks_table_sets_the_tuners_pick_against_the_fastest_forced() {
+    let round = |tree_oop: &str| {
+        format!(
+            "== pages=small W=4 algo=ring\n16777216 20000.0 1.26 11500.0 2.19\n\
+             == pages=small W=4 algo=tree\n16777216 {tree_oop} 1.50 12000.0 2.10\n\
+             == pages=small W=4 algo=auto\n16777216 16800.0 1.50 12600.0 2.00\n\
+             pick 16777216 tree\n\
+             == pages=huge W=4 algo=ring\n16777216 10000.0 2.52 8000.0 3.1\n\
+             -- failed: allreduce_perf W=4 algo=tree\n"
+        )
+    };
+    let rounds = [round("16000.0"), round("15000.0"), round("17000.0")];
+    let rounds: Vec<&str> = rounds.iter().map(String::as_str).collect();
+    let out = table("picks_table.py", &rounds);
+    for line in [
+        "| pages | W | size | ring | tree | pick | its own run | pick / fastest |",
+        // Medians of the three rounds; the pick, forced, is the fastest out of place and 4%
+        // behind in place (its own run is a run apart).
+        "| small | 4 | 16 MiB | 20.0 / **11.5** | **16.0** / 12.0 | tree | 16.8 / 12.6 | x1.04 |",
+        // A row whose tuner's run is missing says so rather than rating it.
+        "| huge | 4 | 16 MiB | **10.0** / **8.0** |  | ? |  |  |",
+        "Medians of 3 rounds",
+    ] {
+        assert!(out.contains(line), "no {line:?} in\n{out}");
     }
 }

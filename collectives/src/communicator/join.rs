@@ -192,15 +192,6 @@ impl Communicator {
             .map_or(chorus_transport::tcp::LINK_COST, RoutedTransport::link_cost);
         let alpha = config.alpha.unwrap_or(link.latency);
         let beta = config.beta.unwrap_or(link.bandwidth);
-        if transport.is_some() {
-            let round = |x: f64| (x * 1e3).round() / 1e3;
-            tracing::info!(
-                rank = config.rank,
-                "tuner link model: {} us per message, {} GB/s",
-                round(alpha * 1e6),
-                round(beta / 1e9)
-            );
-        }
         let hosts = match &transport {
             Some(t) => {
                 let mut hosts: Vec<Vec<usize>> = Vec::new();
@@ -214,11 +205,27 @@ impl Communicator {
             }
             None => vec![(0..config.world_size).collect()],
         };
+        let shm = transport.as_ref().and_then(RoutedTransport::shm);
         let topology = Topology {
             hosts: hosts.len(),
             most_local: hosts.iter().map(Vec::len).max().unwrap_or(1),
             shared_memory: transport.as_ref().is_some_and(RoutedTransport::all_shm),
+            // Only where every rank counted the same cores: on one host.
+            cores: match (hosts.len(), shm) {
+                (1, Some(shm)) => shm.cores(),
+                _ => usize::MAX,
+            },
         };
+        if transport.is_some() {
+            let round = |x: f64| (x * 1e3).round() / 1e3;
+            tracing::info!(
+                rank = config.rank,
+                cores = topology.cores,
+                "tuner link model: {} us per message, {} GB/s",
+                round(alpha * 1e6),
+                round(beta / 1e9)
+            );
+        }
         let tuner = Tuner::new(alpha, beta, config.algo)
             .with_chunk_bytes(config.chunk_bytes)
             .with_topology(topology);

@@ -43,6 +43,26 @@ pub fn estimate(
     })
 }
 
+/// Bytes every rank sends, summed over the ranks, for `c` by `a` on `bytes` over `world`
+/// ranks (`None` if `a` does not implement `c`, or for the hierarchical all-reduce): the
+/// work a host's cores share where its ranks outnumber them.
+pub fn sent(c: Collective, a: Algorithm, bytes: usize, world: usize) -> Option<f64> {
+    use Algorithm::*;
+    use Collective::*;
+    let (w, s) = (world.max(1) as f64, bytes as f64);
+    let (l, _) = log2_floor(world);
+    let p = f64::from(1u32 << l);
+    Some(match (c, a) {
+        // The folded ranks' whole buffer in and out, besides the power of two's exchanges.
+        (AllReduce, RecursiveDoubling) => (p * f64::from(l) + 2.0 * (w - p)) * s,
+        (AllReduce, Ring | Tree | HalvingDoubling) => 2.0 * (w - 1.0) * s,
+        (Broadcast | Reduce, Ring | Tree) | (AllGather | ReduceScatter, Ring) => (w - 1.0) * s,
+        (AllToAll, Direct) => (w - 1.0) * s,
+        (Gather | Scatter, Direct) => (w - 1.0) / w * s,
+        _ => return None,
+    })
+}
+
 /// Chunks a message of `bytes` is cut into (none for an empty one).
 pub fn chunks(bytes: f64, chunk: f64) -> f64 {
     if bytes <= 0.0 {

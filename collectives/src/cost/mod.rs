@@ -25,6 +25,12 @@ pub const DEFAULT_ALPHA: f64 = chorus_transport::tcp::LINK_COST.latency;
 /// Link bandwidth assumed when nothing is measured: 1.5 GB/s (loopback TCP, one stream).
 pub const DEFAULT_BETA: f64 = chorus_transport::tcp::LINK_COST.bandwidth;
 
+/// How many times as long a ring takes where one host's ranks outnumber its cores (see
+/// [`crate::tuner::Tuner::estimate`]): fitted to all-reduces of 16 and 64 MiB by 4 ranks on 2
+/// cores, where the ring took 1.15-1.3x as long as halving-doubling and the double binary
+/// tree, which move as many bytes.
+pub const CROWDED_RING: f64 = 1.25;
+
 /// The alpha-beta(-gamma) link model.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinkModel {

@@ -1240,6 +1240,7 @@ mod tests {
                     hosts,
                     most_local: 4,
                     shared_memory: false,
+                    ..Default::default()
                 });
             for bytes in [64 << 10, 4 << 20] {
                 let count = bytes / 4;

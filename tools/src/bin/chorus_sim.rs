@@ -55,6 +55,10 @@ struct Args {
     /// `--local-alpha-us` / `--local-gbps` links.
     #[arg(long = "ranks-per-host", default_value_t = 1)]
     ranks_per_host: usize,
+    /// Cores of the host where every rank is on one: the tuner's pick prices a ring's
+    /// stalls where the ranks outnumber them (the simulation does not); default: enough.
+    #[arg(long)]
+    cores: Option<usize>,
     /// Per-message latency between two ranks of one host, in microseconds (default: the
     /// tuner's shared memory).
     #[arg(long = "local-alpha-us")]
@@ -163,6 +167,7 @@ fn run(args: &Args) -> Result<(), String> {
             hosts,
             most_local: local.min(w),
             shared_memory: hosts == 1,
+            cores: args.cores.unwrap_or(usize::MAX),
         });
     if let Some(g) = args.gamma_gbs {
         tuner = tuner.with_gamma(g * 1e9);

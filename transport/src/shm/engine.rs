@@ -189,7 +189,8 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Builds the engine over `region` for local rank `own_local`, linked to `peers`.
+    /// Builds the engine over `region` for local rank `own_local`, linked to `peers`, on a
+    /// host whose local ranks share `cores`.
     pub fn new(
         rank: usize,
         world_size: usize,
@@ -197,6 +198,7 @@ impl Shared {
         own_local: usize,
         peers: &[PeerInfo],
         single_copy: SingleCopy,
+        cores: usize,
     ) -> Shared {
         let mut links: Vec<Option<Link>> = (0..world_size).map(|_| None).collect();
         for p in peers {
@@ -232,7 +234,7 @@ impl Shared {
             stop: AtomicBool::new(false),
             settling: Mutex::new(()),
             handoff: AtomicBool::new(false),
-            crowded: peers.len() + 1 > std::thread::available_parallelism().map_or(1, |n| n.get()),
+            crowded: peers.len() + 1 > cores,
         }
     }
 

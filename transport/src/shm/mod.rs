@@ -4,6 +4,7 @@
 //! notice a peer process that died.
 
 mod cma;
+mod cores;
 mod engine;
 mod meet;
 mod region;
@@ -23,11 +24,15 @@ pub use meet::{CallPlace, Posted, Stall};
 pub use region::MAILBOX_BYTES;
 pub use window::Window;
 
-/// What a shared-memory message costs, as measured with the perf tools on a
-/// 2-core host (forced algorithms, 8 B to 16 MiB): 2 us per message, 2 GB/s.
+/// What a shared-memory message costs through the slots or in one copy, as the
+/// all-reduces of the perf tools measure it on a 2-core host: 2 us per message
+/// (a slot's hand-over), 3 GB/s (the two copies through the slots, or the single
+/// copy out of a buffer on huge pages, with the reduction; 64 MiB by 2 ranks' ring
+/// in 21-25 ms, and by 3, 4 and 8 ranks, which outnumber the cores, as the tuner
+/// prices crowded hosts).
 pub const LINK_COST: LinkCost = LinkCost {
     latency: 2e-6,
-    bandwidth: 2e9,
+    bandwidth: 3e9,
 };
 
 /// Settings of the shared-memory transport.
@@ -126,6 +131,8 @@ pub struct ShmTransport {
     /// The engine, for windows and meetings.
     shared: Arc<Shared>,
     endpoint: Endpoint<Shared>,
+    /// The cores the local ranks share.
+    cores: usize,
 }
 
 impl ShmTransport {
@@ -175,10 +182,18 @@ impl ShmTransport {
             own_local,
             &peers,
             config.single_copy,
+            joined.cores,
         ));
         let endpoint = Endpoint::start(rank, world_size, "shm", shared.clone())?;
         let single_copies = peers.iter().any(|p| p.single_copy);
-        tracing::debug!(rank, ?local, single_copies, "shm transport connected");
+        let cores = joined.cores;
+        tracing::debug!(
+            rank,
+            ?local,
+            single_copies,
+            cores,
+            "shm transport connected"
+        );
         Ok(ShmTransport {
             rank,
             local,
@@ -186,7 +201,14 @@ impl ShmTransport {
             config: config.clone(),
             shared,
             endpoint,
+            cores,
         })
+    }
+
+    /// The cores this host's ranks may run on between them (the union of their
+    /// affinity masks, bounded by a CPU quota that binds); every local rank gets the same.
+    pub fn cores(&self) -> usize {
+        self.cores
     }
 }
 
@@ -238,6 +260,13 @@ mod tests {
 
     fn deadline() -> Instant {
         Instant::now() + Duration::from_secs(20)
+    }
+
+    #[test]
+    fn local_ranks_agree_on_the_cores_they_share() {
+        // Ranks that are threads of this process share its cores, no more.
+        let mine = cores::Cores::shared(&[cores::Cores::of_this_process()]);
+        assert!(pair(3).iter().all(|t| t.cores() == mine));
     }
 
     #[test]

@@ -14,17 +14,20 @@ use std::time::Duration;
 use memmap2::MmapRaw;
 
 use super::cma;
+use super::cores::Cores;
 use super::region::{Layout, Region};
 use super::{ShmConfig, SingleCopy};
 use crate::store::Store;
 use crate::TransportError;
 
 /// The region of a local group, and about its ranks (by local rank): their
-/// process ids, and whether each can read its peers' memory (single copy).
+/// process ids, and whether each can read its peers' memory (single copy); and
+/// the cores they share (the same count on every one of them).
 pub(crate) struct Joined {
     pub region: Region,
     pub pids: Vec<u32>,
     pub reads_peers: Vec<bool>,
+    pub cores: usize,
 }
 
 /// Creates or opens the region shared by the ranks `local` (global ranks,
@@ -59,17 +62,25 @@ pub(crate) fn join(
             .map_err(|e| TransportError::Setup(format!("{}: {e}", path.display())))?;
         (region, None)
     };
-    let me = format!("{} {}", std::process::id(), cma::probe_address());
+    let me = format!(
+        "{} {} {}",
+        std::process::id(),
+        cma::probe_address(),
+        Cores::of_this_process()
+    );
     store.set(&key("pid", rank), me.as_bytes())?;
     let mut pids = Vec::with_capacity(local.len());
+    let mut cores = Vec::with_capacity(local.len());
     let mut readable = true;
     for &r in local {
         let raw = store.get(&key("pid", r))?;
         let text = String::from_utf8_lossy(&raw);
         let bad = || TransportError::Setup(format!("rank {r} published a bad process id: {text}"));
-        let (pid, probe) = text.split_once(' ').ok_or_else(bad)?;
-        let pid: u32 = pid.parse().map_err(|_| bad())?;
-        let probe: u64 = probe.parse().map_err(|_| bad())?;
+        let mut words = text.split(' ');
+        let mut next = || words.next().ok_or_else(bad);
+        let pid: u32 = next()?.parse().map_err(|_| bad())?;
+        let probe: u64 = next()?.parse().map_err(|_| bad())?;
+        cores.push(next()?.parse::<Cores>().map_err(|_| bad())?);
         readable &=
             config.single_copy != SingleCopy::Never && (r == rank || cma::can_read(pid, probe));
         pids.push(pid);
@@ -89,6 +100,7 @@ pub(crate) fn join(
         region,
         pids,
         reads_peers,
+        cores: Cores::shared(&cores),
     })
 }
 
