@@ -141,7 +141,9 @@ fn one_host_tunes_for_shared_memory_and_its_cores_unless_configured() {
             .collect();
         assert!(!picks.is_empty(), "rank {} logged no picks", r.rank);
         for (bytes, pick) in picks {
-            let path = tuner.pick(Some(Collective::AllReduce), bytes, 3, false).path;
+            let path = tuner
+                .pick(Some(Collective::AllReduce), bytes, 3, false)
+                .path;
             assert_eq!(path.to_string(), pick, "{bytes} B");
         }
     }

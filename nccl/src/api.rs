@@ -1,0 +1,1127 @@
+//! The C entry points, with NCCL's names and signatures.
+//!
+//! # Safety
+//!
+//! The entry points that take pointers are `unsafe` to call, with NCCL's own rules: a
+//! communicator is a handle this library returned and nobody has destroyed (used by one
+//! thread at a time, but for `ncclCommGetAsyncError` and `ncclCommAbort`, which any thread
+//! may call); an out-pointer has room for what the call writes; a buffer holds the elements
+//! its count and type say and stays valid, and untouched by anyone else, until the call
+//! returns (or, inside a group, until its `ncclGroupEnd` returns).
+//!
+//! Every one catches panics and turns failures into NCCL's result codes, keeping the text
+//! for `ncclGetLastError` (per thread) and, under `NCCL_DEBUG=WARN` or `INFO`, printing it.
+//! Buffers are host memory here; the stream argument orders nothing yet and a buffer the
+//! CUDA driver calls device memory is refused by name.
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use chorus::{Communicator, DType, ReduceOp};
+
+use crate::abi::{self, NcclResult, UniqueId, SHRINK_ABORT, SPLIT_NOCOLOR, VERSION_CODE};
+use crate::comm::{Comm, Failure, Outcome};
+use crate::group::{self, Op};
+use crate::id::Rendezvous;
+use crate::memory;
+
+/// `cudaStream_t`, opaque here.
+pub type Stream = *mut c_void;
+
+thread_local! {
+    static LAST: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Keeps `text` as this thread's last error.
+pub(crate) fn remember(text: &str) {
+    let text = CString::new(text.replace('\0', " ")).unwrap_or_default();
+    LAST.with(|l| *l.borrow_mut() = text);
+}
+
+/// Runs `body` for the entry point `call`: its result, or its failure's code (the text kept
+/// and, where `NCCL_DEBUG` asks, printed), or `ncclInternalError` if it panicked.
+fn guard(call: &str, body: impl FnOnce() -> Outcome<NcclResult>) -> NcclResult {
+    let failure = match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(result)) => return result,
+        Ok(Err(f)) => f,
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Failure::new(NcclResult::InternalError, format!("panicked: {why}"))
+        }
+    };
+    let text = format!("{call}: {}", failure.text);
+    if std::env::var("NCCL_DEBUG")
+        .is_ok_and(|v| v.eq_ignore_ascii_case("warn") || v.eq_ignore_ascii_case("info"))
+    {
+        eprintln!("NCCL WARN {text}");
+    }
+    remember(&text);
+    failure.code
+}
+
+/// `guard` for a body with nothing to report but success.
+fn done(call: &str, body: impl FnOnce() -> Outcome) -> NcclResult {
+    guard(call, || body().map(|()| NcclResult::Success))
+}
+
+/// The handle behind `comm`.
+///
+/// # Safety
+/// `comm` is null or a handle this library returned and the caller has not destroyed.
+unsafe fn handle<'a>(comm: *const Comm) -> Outcome<&'a Comm> {
+    // SAFETY: as the function requires.
+    unsafe { comm.as_ref() }.ok_or_else(|| Failure::argument("comm is NULL"))
+}
+
+/// A pointer the caller must pass.
+fn given<T>(ptr: *mut T, name: &str) -> Outcome<*mut T> {
+    match ptr.is_null() {
+        true => Err(Failure::argument(format!("{name} is NULL"))),
+        false => Ok(ptr),
+    }
+}
+
+/// The CUDA device current on this thread, or -1 without one.
+fn current_device() -> c_int {
+    memory::current_device().unwrap_or(-1)
+}
+
+/// A rank argument checked against the communicator.
+fn rank_of(raw: c_int, comm: &Comm, name: &str) -> Outcome<usize> {
+    usize::try_from(raw)
+        .ok()
+        .filter(|&r| r < comm.nranks())
+        .ok_or_else(|| {
+            Failure::argument(format!(
+                "{name} {raw} is not a rank of this communicator of {}",
+                comm.nranks()
+            ))
+        })
+}
+
+/// `ncclGetVersion`: 2.30.7, the NCCL whose ABI this library implements.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> NcclResult {
+    done("ncclGetVersion", || {
+        // SAFETY: checked non-null; the caller passes a writable int.
+        unsafe { *given(version, "version")? = VERSION_CODE };
+        Ok(())
+    })
+}
+
+/// `ncclGetUniqueId`: starts this job's rendezvous store in this process.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetUniqueId(id: *mut UniqueId) -> NcclResult {
+    done("ncclGetUniqueId", || {
+        let id = given(id, "uniqueId")?;
+        let made = Rendezvous::serve().map_err(|e| Failure::new(NcclResult::SystemError, e))?;
+        // SAFETY: checked non-null; the caller passes room for an id.
+        unsafe { id.write(made.encode()) };
+        Ok(())
+    })
+}
+
+/// `ncclCommInitRank`: joins rank `rank` of `nranks`, blocking.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut *mut Comm,
+    nranks: c_int,
+    id: UniqueId,
+    rank: c_int,
+) -> NcclResult {
+    // SAFETY: as this function's caller promises; no config.
+    unsafe { ncclCommInitRankConfig(comm, nranks, id, rank, std::ptr::null_mut()) }
+}
+
+/// `ncclCommInitRankConfig`: joins rank `rank` of `nranks` with `config` (its `blocking`
+/// honoured: a non-blocking set-up returns `ncclInProgress` and finishes in the background).
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    comm: *mut *mut Comm,
+    nranks: c_int,
+    id: UniqueId,
+    rank: c_int,
+    config: *mut c_void,
+) -> NcclResult {
+    guard("ncclCommInitRankConfig", || {
+        let out = given(comm, "comm")?;
+        // SAFETY: a config is null or made by NCCL_CONFIG_INITIALIZER, as NCCL requires.
+        let settings = unsafe { abi::settings(config) }.map_err(Failure::argument)?;
+        let id = Rendezvous::decode(&id).map_err(Failure::argument)?;
+        let (nranks, rank) = match (usize::try_from(nranks), usize::try_from(rank)) {
+            (Ok(n), Ok(r)) => (n, r),
+            _ => {
+                return Err(Failure::argument(format!(
+                    "rank {rank} of {nranks}: neither may be negative"
+                )))
+            }
+        };
+        let made = Box::new(Comm::join(id, nranks, rank, current_device())?);
+        let result = if group::open() {
+            group::note_init(&made);
+            NcclResult::Success
+        } else if settings.blocking {
+            made.communicator()?;
+            NcclResult::Success
+        } else {
+            NcclResult::InProgress
+        };
+        // SAFETY: checked non-null; the caller passes room for a handle.
+        unsafe { out.write(Box::into_raw(made)) };
+        Ok(result)
+    })
+}
+
+/// `ncclCommInitAll`: `ndev` ranks in this process, one a device of `devlist` (or devices
+/// 0..ndev without one), set up together.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitAll(
+    comms: *mut *mut Comm,
+    ndev: c_int,
+    devlist: *const c_int,
+) -> NcclResult {
+    done("ncclCommInitAll", || {
+        let out = given(comms, "comms")?;
+        let n = usize::try_from(ndev)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| Failure::argument(format!("ndev {ndev} is not positive")))?;
+        let id = Rendezvous::serve().map_err(|e| Failure::new(NcclResult::SystemError, e))?;
+        let mut made = Vec::with_capacity(n);
+        for rank in 0..n {
+            let device = match devlist.is_null() {
+                // SAFETY: a device list holds ndev entries.
+                false => unsafe { *devlist.add(rank) },
+                true => rank as c_int,
+            };
+            made.push(Box::new(Comm::join(id, n, rank, device)?));
+        }
+        for comm in &made {
+            comm.communicator()?;
+        }
+        for (rank, comm) in made.into_iter().enumerate() {
+            // SAFETY: checked non-null; the caller passes room for ndev handles.
+            unsafe { out.add(rank).write(Box::into_raw(comm)) };
+        }
+        Ok(())
+    })
+}
+
+/// `ncclCommFinalize`: every call on host memory has finished by the time it returned, so
+/// there is nothing left to flush.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommFinalize(comm: *mut Comm) -> NcclResult {
+    done("ncclCommFinalize", || {
+        // SAFETY: a handle of this library, as NCCL requires.
+        unsafe { handle(comm) }?.communicator().map(drop)
+    })
+}
+
+/// `ncclCommDestroy`: frees the handle (closing the communicator's connections).
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommDestroy(comm: *mut Comm) -> NcclResult {
+    done("ncclCommDestroy", || {
+        given(comm, "comm")?;
+        // SAFETY: a handle of this library, destroyed once, as NCCL requires.
+        drop(unsafe { Box::from_raw(comm) });
+        Ok(())
+    })
+}
+
+/// `ncclCommAbort`: fails every call in flight and to come, on every rank, then frees the
+/// handle.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommAbort(comm: *mut Comm) -> NcclResult {
+    done("ncclCommAbort", || {
+        given(comm, "comm")?;
+        // SAFETY: a handle of this library, destroyed once, as NCCL requires.
+        let comm = unsafe { Box::from_raw(comm) };
+        comm.abort();
+        Ok(())
+    })
+}
+
+/// `ncclCommSplit`: ranks of the same `color` form a new communicator, ordered by `key`;
+/// `NCCL_SPLIT_NOCOLOR` takes no part (`*newcomm` is set to NULL).
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommSplit(
+    comm: *mut Comm,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut *mut Comm,
+    config: *mut c_void,
+) -> NcclResult {
+    done("ncclCommSplit", || {
+        // SAFETY: a handle of this library, as NCCL requires.
+        let comm = unsafe { handle(comm) }?;
+        let out = given(newcomm, "newcomm")?;
+        // SAFETY: as ncclCommInitRankConfig's.
+        unsafe { abi::settings(config) }.map_err(Failure::argument)?;
+        let color = match color {
+            SPLIT_NOCOLOR => None,
+            c => Some(u32::try_from(c).map_err(|_| {
+                Failure::argument(format!("color {c} is negative and not NCCL_SPLIT_NOCOLOR"))
+            })?),
+        };
+        let split = comm.communicator()?.split(color, i64::from(key))?;
+        let made = split.map_or(std::ptr::null_mut(), |c| {
+            Box::into_raw(Box::new(Comm::made(c, comm.device())))
+        });
+        // SAFETY: checked non-null; the caller passes room for a handle.
+        unsafe { out.write(made) };
+        Ok(())
+    })
+}
+
+/// `ncclCommShrink`: a new communicator of the survivors less `exclude` (ranks here), made
+/// without the dead; `NCCL_SHRINK_ABORT` first aborts this one's calls in flight.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: *mut Comm,
+    exclude: *mut c_int,
+    exclude_count: c_int,
+    newcomm: *mut *mut Comm,
+    config: *mut c_void,
+    flags: c_int,
+) -> NcclResult {
+    done("ncclCommShrink", || {
+        // SAFETY: a handle of this library, as NCCL requires.
+        let comm = unsafe { handle(comm) }?;
+        let out = given(newcomm, "newcomm")?;
+        // SAFETY: as ncclCommInitRankConfig's.
+        unsafe { abi::settings(config) }.map_err(Failure::argument)?;
+        let count = usize::try_from(exclude_count).map_err(|_| {
+            Failure::argument(format!("excludeRanksCount {exclude_count} is negative"))
+        })?;
+        let exclude: Vec<usize> = match count {
+            0 => Vec::new(),
+            // SAFETY: the list holds excludeRanksCount ranks.
+            n => unsafe { std::slice::from_raw_parts(given(exclude, "excludeRanksList")?, n) }
+                .iter()
+                .map(|&r| rank_of(r, comm, "excluded rank"))
+                .collect::<Outcome<_>>()?,
+        };
+        if flags & !SHRINK_ABORT != 0 {
+            return Err(Failure::argument(format!(
+                "shrinkFlags {flags:#x} has unknown bits"
+            )));
+        }
+        let communicator = comm.communicator()?;
+        if flags & SHRINK_ABORT != 0 {
+            communicator.abort();
+        }
+        let shrunk = communicator.shrink(&exclude)?;
+        // SAFETY: checked non-null; the caller passes room for a handle.
+        unsafe { out.write(Box::into_raw(Box::new(Comm::made(shrunk, comm.device())))) };
+        Ok(())
+    })
+}
+
+/// `ncclGetErrorString`.
+#[no_mangle]
+pub extern "C" fn ncclGetErrorString(result: c_int) -> *const c_char {
+    match NcclResult::from_raw(result) {
+        Some(r) => r.text().as_ptr(),
+        None => c"unknown result code".as_ptr(),
+    }
+}
+
+/// `ncclGetLastError`: the text of this thread's last failed call (whatever `comm`); valid
+/// until this thread's next failure.
+#[no_mangle]
+pub extern "C" fn ncclGetLastError(_comm: *mut Comm) -> *const c_char {
+    LAST.with(|l| l.borrow().as_ptr())
+}
+
+/// `ncclCommGetAsyncError`: `ncclInProgress` while a non-blocking set-up runs, then the
+/// fault that broke the communicator (a dead peer, a mismatched call, a stall), if any.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetAsyncError(
+    comm: *mut Comm,
+    error: *mut NcclResult,
+) -> NcclResult {
+    done("ncclCommGetAsyncError", || {
+        let out = given(error, "asyncError")?;
+        // SAFETY: a handle of this library, as NCCL requires.
+        let found = match unsafe { handle(comm) }?.async_error() {
+            Ok(result) => result,
+            Err(failure) => {
+                remember(&failure.text);
+                failure.code
+            }
+        };
+        // SAFETY: checked non-null; the caller passes a writable result.
+        unsafe { out.write(found) };
+        Ok(())
+    })
+}
+
+/// `ncclCommCount`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCount(comm: *const Comm, count: *mut c_int) -> NcclResult {
+    done("ncclCommCount", || {
+        // SAFETY: a handle of this library; checked non-null.
+        unsafe { *given(count, "count")? = handle(comm)?.nranks() as c_int };
+        Ok(())
+    })
+}
+
+/// `ncclCommUserRank`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommUserRank(comm: *const Comm, rank: *mut c_int) -> NcclResult {
+    done("ncclCommUserRank", || {
+        // SAFETY: a handle of this library; checked non-null.
+        unsafe { *given(rank, "rank")? = handle(comm)?.rank() as c_int };
+        Ok(())
+    })
+}
+
+/// `ncclCommCuDevice`: the CUDA device current when the communicator was made (-1 where
+/// there was none).
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCuDevice(comm: *const Comm, device: *mut c_int) -> NcclResult {
+    done("ncclCommCuDevice", || {
+        // SAFETY: a handle of this library; checked non-null.
+        unsafe { *given(device, "device")? = handle(comm)?.device() };
+        Ok(())
+    })
+}
+
+/// `ncclGroupStart`.
+#[no_mangle]
+pub extern "C" fn ncclGroupStart() -> NcclResult {
+    group::start();
+    NcclResult::Success
+}
+
+/// `ncclGroupEnd`: runs the calls of the outermost group.
+#[no_mangle]
+pub extern "C" fn ncclGroupEnd() -> NcclResult {
+    done("ncclGroupEnd", group::end)
+}
+
+/// A buffer of the caller's, as the typed slices the collectives take.
+#[derive(Clone, Copy)]
+struct Buf {
+    at: usize,
+    count: usize,
+}
+
+impl Buf {
+    /// `count` elements of `dtype` at `ptr`: checked for a null pointer, alignment, size and
+    /// device memory.
+    fn new(ptr: *const c_void, count: usize, dtype: DType, name: &str) -> Outcome<Buf> {
+        let size = dtype.size();
+        if count == 0 {
+            return Ok(Buf { at: 0, count: 0 });
+        }
+        if ptr.is_null() {
+            return Err(Failure::argument(format!(
+                "{name} is NULL for {count} elements"
+            )));
+        }
+        if (ptr as usize) % dtype_align(dtype) != 0 {
+            return Err(Failure::argument(format!(
+                "{name} {ptr:p} is not aligned to its elements of {size} bytes"
+            )));
+        }
+        count
+            .checked_mul(size)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| Failure::argument(format!("{name}: {count} elements are too many")))?;
+        memory::host(ptr, name)?;
+        Ok(Buf {
+            at: ptr as usize,
+            count,
+        })
+    }
+
+    fn bytes(self, dtype: DType) -> usize {
+        self.count * dtype.size()
+    }
+
+    /// The elements.
+    ///
+    /// # Safety
+    /// The caller's buffer holds `count` elements of `T` and stays valid for `'a`; nothing
+    /// writes it meanwhile.
+    unsafe fn get<'a, T>(self) -> &'a [T] {
+        match self.count {
+            0 => &[],
+            // SAFETY: as the function requires; `new` checked alignment and size.
+            n => unsafe { std::slice::from_raw_parts(self.at as *const T, n) },
+        }
+    }
+
+    /// The elements, to write.
+    ///
+    /// # Safety
+    /// As `get`, and nothing else reads or writes it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get_mut<'a, T>(self) -> &'a mut [T] {
+        match self.count {
+            0 => &mut [],
+            // SAFETY: as the function requires; `new` checked alignment and size.
+            n => unsafe { std::slice::from_raw_parts_mut(self.at as *mut T, n) },
+        }
+    }
+
+    /// The elements to read beside a write of `output`: borrowed where the two are apart,
+    /// copied first where they share bytes (so no reference aliases the written one).
+    ///
+    /// # Safety
+    /// As `get`.
+    unsafe fn read_beside<'a, T: Clone>(self, output: Buf, dtype: DType) -> Cow<'a, [T]> {
+        // SAFETY: as the function requires; the copy is made before any write begins.
+        let input = unsafe { self.get::<T>() };
+        match self.overlaps(output, dtype) {
+            true => Cow::Owned(input.to_vec()),
+            false => Cow::Borrowed(input),
+        }
+    }
+
+    /// Whether two buffers share bytes.
+    fn overlaps(self, other: Buf, dtype: DType) -> bool {
+        let (a, b) = (
+            self.at..self.at + self.bytes(dtype),
+            other.at..other.at + other.bytes(dtype),
+        );
+        self.count > 0 && other.count > 0 && a.start < b.end && b.start < a.end
+    }
+}
+
+fn dtype_align(dtype: DType) -> usize {
+    dtype.size().min(8)
+}
+
+/// Runs `$body` with `$T` the Rust type of `$dtype`.
+macro_rules! typed {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::F16 => {
+                type $T = chorus::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = chorus::bf16;
+                $body
+            }
+            DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            DType::U64 => {
+                type $T = u64;
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            other => return Err(chorus::Error::InvalidArgument(format!("no type {other:?}"))),
+        }
+    };
+}
+
+/// Queues or runs collective `call` on `comm`.
+fn collective(
+    comm: *const Comm,
+    call: impl FnOnce(&Communicator) -> chorus::Result<()> + Send + 'static,
+) -> Outcome {
+    // SAFETY: a handle of this library, as NCCL requires.
+    let comm = unsafe { handle(comm) }?;
+    group::submit(comm, Op::Collective(Box::new(call)))
+}
+
+fn parse_dtype(raw: c_int) -> Outcome<DType> {
+    abi::dtype(raw).map_err(Failure::argument)
+}
+
+fn parse_op(raw: c_int) -> Outcome<ReduceOp> {
+    abi::reduce_op(raw).map_err(Failure::argument)
+}
+
+fn count_of(count: usize, times: usize, name: &str) -> Outcome<usize> {
+    count
+        .checked_mul(times)
+        .ok_or_else(|| Failure::argument(format!("{name}: {count} x {times} elements overflow")))
+}
+
+/// `ncclAllReduce` (in place when `sendbuff == recvbuff`).
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclAllReduce", || {
+        let (dtype, op) = (parse_dtype(datatype)?, parse_op(op)?);
+        let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
+        let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
+        let in_place = input.at == output.at;
+        if !in_place && input.overlaps(output, dtype) {
+            return Err(Failure::argument(
+                "sendbuff and recvbuff overlap without being equal",
+            ));
+        }
+        collective(comm, move |c| {
+            typed!(dtype, T => {
+                // SAFETY: the caller's buffers, valid until the call (or its group) ends;
+                // apart unless equal (checked above), and only `output` is taken then.
+                unsafe {
+                    match in_place {
+                        true => c.all_reduce(output.get_mut::<T>(), op),
+                        false => c.all_reduce_into(input.get::<T>(), output.get_mut::<T>(), op),
+                    }
+                }
+            })
+        })
+    })
+}
+
+/// `ncclBroadcast`: `root`'s `sendbuff` into every rank's `recvbuff`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclBroadcast(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclBroadcast", || {
+        broadcast(sendbuff, recvbuff, count, datatype, root, comm)
+    })
+}
+
+/// `ncclBcast`: broadcast in place.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclBcast(
+    buff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclBcast", || {
+        broadcast(buff, buff, count, datatype, root, comm)
+    })
+}
+
+fn broadcast(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: *mut Comm,
+) -> Outcome {
+    let dtype = parse_dtype(datatype)?;
+    // SAFETY: a handle of this library, as NCCL requires.
+    let handle = unsafe { handle(comm) }?;
+    let root = rank_of(root, handle, "root")?;
+    let on_root = handle.rank() == root;
+    let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
+    // The input is read on the root only.
+    let input = match on_root {
+        true => Buf::new(sendbuff, count, dtype, "sendbuff")?,
+        false => output,
+    };
+    let in_place = input.at == output.at;
+    if !in_place && input.overlaps(output, dtype) {
+        return Err(Failure::argument(
+            "sendbuff and recvbuff overlap without being equal",
+        ));
+    }
+    collective(comm, move |c| {
+        typed!(dtype, T => {
+            // SAFETY: the caller's buffers, valid until the call (or its group) ends; apart
+            // unless equal (checked above), and only `output` is taken then.
+            unsafe {
+                match in_place {
+                    true => c.broadcast(output.get_mut::<T>(), root),
+                    false => c.broadcast_into(input.get::<T>(), output.get_mut::<T>(), root),
+                }
+            }
+        })
+    })
+}
+
+/// `ncclReduce`: every rank's `sendbuff` reduced into `root`'s `recvbuff` (read nowhere
+/// else, and NULL there if the caller likes).
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    root: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclReduce", || {
+        let (dtype, op) = (parse_dtype(datatype)?, parse_op(op)?);
+        // SAFETY: a handle of this library, as NCCL requires.
+        let handle = unsafe { handle(comm) }?;
+        let root = rank_of(root, handle, "root")?;
+        let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
+        let output = match handle.rank() == root {
+            true => Some(Buf::new(recvbuff, count, dtype, "recvbuff")?),
+            false => None,
+        };
+        if output.is_some_and(|o| o.at != input.at && o.overlaps(input, dtype)) {
+            return Err(Failure::argument(
+                "sendbuff and recvbuff overlap without being equal",
+            ));
+        }
+        collective(comm, move |c| {
+            typed!(dtype, T => {
+                // SAFETY: the caller's buffers, valid until the call (or its group) ends;
+                // apart unless equal (checked above), and only `output` is taken then.
+                unsafe {
+                    match output {
+                        Some(o) if o.at == input.at && o.count > 0 => {
+                            c.reduce(o.get_mut::<T>(), op, root)
+                        }
+                        Some(o) => c.reduce_into(input.get::<T>(), o.get_mut::<T>(), op, root),
+                        // Elsewhere the output is scratch of the library's own.
+                        None => {
+                            let input = input.get::<T>();
+                            c.reduce_into(input, &mut input.to_vec(), op, root)
+                        }
+                    }
+                }
+            })
+        })
+    })
+}
+
+/// `ncclAllGather`: every rank's `sendcount` elements, in rank order, into every
+/// `recvbuff` (in place when `sendbuff` is this rank's block of it).
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclAllGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    sendcount: usize,
+    datatype: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclAllGather", || {
+        let dtype = parse_dtype(datatype)?;
+        // SAFETY: a handle of this library, as NCCL requires.
+        let handle = unsafe { handle(comm) }?;
+        let input = Buf::new(sendbuff, sendcount, dtype, "sendbuff")?;
+        let total = count_of(sendcount, handle.nranks(), "recvbuff")?;
+        let output = Buf::new(recvbuff, total, dtype, "recvbuff")?;
+        let own = output.at + handle.rank() * sendcount * dtype.size();
+        let in_place = sendcount > 0 && input.at == own;
+        if !in_place && input.overlaps(output, dtype) {
+            return Err(Failure::argument(
+                "sendbuff overlaps recvbuff without being this rank's block of it",
+            ));
+        }
+        collective(comm, move |c| {
+            typed!(dtype, T => {
+                // SAFETY: the caller's buffers, valid until the call (or its group) ends;
+                // apart unless in place (checked above), and only `output` is taken then.
+                unsafe {
+                    match in_place {
+                        true => c.all_gather_in_place(output.get_mut::<T>()),
+                        false => c.all_gather(input.get::<T>(), output.get_mut::<T>()),
+                    }
+                }
+            })
+        })
+    })
+}
+
+/// `ncclReduceScatter`: the reduction of every rank's `sendbuff` (`recvcount` elements a
+/// rank), block `rank` of it into `recvbuff`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclReduceScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    recvcount: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclReduceScatter", || {
+        let (dtype, op) = (parse_dtype(datatype)?, parse_op(op)?);
+        // SAFETY: a handle of this library, as NCCL requires.
+        let handle = unsafe { handle(comm) }?;
+        let total = count_of(recvcount, handle.nranks(), "sendbuff")?;
+        let input = Buf::new(sendbuff, total, dtype, "sendbuff")?;
+        let output = Buf::new(recvbuff, recvcount, dtype, "recvbuff")?;
+        collective(comm, move |c| {
+            typed!(dtype, T => {
+                // SAFETY: the caller's buffers, valid until the call (or its group) ends; an
+                // input that shares bytes with the output (in place) is read from a copy.
+                unsafe {
+                    let input = input.read_beside::<T>(output, dtype);
+                    c.reduce_scatter(&input, output.get_mut::<T>(), op)
+                }
+            })
+        })
+    })
+}
+
+/// `ncclAlltoAll`: block `q` (of `count` elements) of `sendbuff` to rank `q`, and rank `q`'s
+/// into block `q` of `recvbuff`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclAlltoAll", || {
+        let dtype = parse_dtype(datatype)?;
+        // SAFETY: a handle of this library, as NCCL requires.
+        let handle = unsafe { handle(comm) }?;
+        let total = count_of(count, handle.nranks(), "buffers")?;
+        let input = Buf::new(sendbuff, total, dtype, "sendbuff")?;
+        let output = Buf::new(recvbuff, total, dtype, "recvbuff")?;
+        collective(comm, move |c| {
+            typed!(dtype, T => {
+                // SAFETY: the caller's buffers, valid until the call (or its group) ends; an
+                // input that shares bytes with the output is read from a copy.
+                unsafe {
+                    let input = input.read_beside::<T>(output, dtype);
+                    c.all_to_all(&input, output.get_mut::<T>())
+                }
+            })
+        })
+    })
+}
+
+/// `ncclGather`: every rank's `count` elements into `root`'s `recvbuff`, in rank order.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclGather", || {
+        let dtype = parse_dtype(datatype)?;
+        // SAFETY: a handle of this library, as NCCL requires.
+        let handle = unsafe { handle(comm) }?;
+        let root = rank_of(root, handle, "root")?;
+        let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
+        let output = match handle.rank() == root {
+            true => Buf::new(
+                recvbuff,
+                count_of(count, handle.nranks(), "recvbuff")?,
+                dtype,
+                "recvbuff",
+            )?,
+            false => Buf { at: 0, count: 0 },
+        };
+        collective(comm, move |c| {
+            typed!(dtype, T => {
+                // SAFETY: the caller's buffers, valid until the call (or its group) ends; an
+                // input that shares bytes with the output is read from a copy.
+                unsafe {
+                    let input = input.read_beside::<T>(output, dtype);
+                    c.gather(&input, output.get_mut::<T>(), root)
+                }
+            })
+        })
+    })
+}
+
+/// `ncclScatter`: block `q` (of `count` elements) of `root`'s `sendbuff` into rank `q`'s
+/// `recvbuff`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclScatter", || {
+        let dtype = parse_dtype(datatype)?;
+        // SAFETY: a handle of this library, as NCCL requires.
+        let handle = unsafe { handle(comm) }?;
+        let root = rank_of(root, handle, "root")?;
+        let input = match handle.rank() == root {
+            true => Buf::new(
+                sendbuff,
+                count_of(count, handle.nranks(), "sendbuff")?,
+                dtype,
+                "sendbuff",
+            )?,
+            false => Buf { at: 0, count: 0 },
+        };
+        let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
+        collective(comm, move |c| {
+            typed!(dtype, T => {
+                // SAFETY: the caller's buffers, valid until the call (or its group) ends; an
+                // input that shares bytes with the output is read from a copy.
+                unsafe {
+                    let input = input.read_beside::<T>(output, dtype);
+                    c.scatter(&input, output.get_mut::<T>(), root)
+                }
+            })
+        })
+    })
+}
+
+/// `ncclSend`: `count` elements to `peer`, matched in order with its `ncclRecv`s from here.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclSend", || {
+        let dtype = parse_dtype(datatype)?;
+        // SAFETY: a handle of this library, as NCCL requires.
+        let handle = unsafe { handle(comm) }?;
+        let peer = rank_of(peer, handle, "peer")?;
+        let data = Buf::new(sendbuff, count, dtype, "sendbuff")?;
+        let bytes = data.bytes(dtype);
+        group::submit(
+            handle,
+            Op::Send {
+                data: data.at,
+                bytes,
+                peer,
+            },
+        )
+    })
+}
+
+/// `ncclRecv`: `count` elements from `peer`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: *mut Comm,
+    _stream: Stream,
+) -> NcclResult {
+    done("ncclRecv", || {
+        let dtype = parse_dtype(datatype)?;
+        // SAFETY: a handle of this library, as NCCL requires.
+        let handle = unsafe { handle(comm) }?;
+        let peer = rank_of(peer, handle, "peer")?;
+        let buf = Buf::new(recvbuff, count, dtype, "recvbuff")?;
+        let bytes = buf.bytes(dtype);
+        group::submit(
+            handle,
+            Op::Recv {
+                buf: buf.at,
+                bytes,
+                peer,
+            },
+        )
+    })
+}
+
+/// `ncclCommRegister`: host buffers need no registration; the handle names the buffer.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommRegister(
+    comm: *const Comm,
+    buff: *mut c_void,
+    _size: usize,
+    registered: *mut *mut c_void,
+) -> NcclResult {
+    done("ncclCommRegister", || {
+        // SAFETY: a handle of this library, as NCCL requires.
+        unsafe { handle(comm) }?;
+        // SAFETY: checked non-null; the caller passes room for a handle.
+        unsafe { given(registered, "handle")?.write(buff) };
+        Ok(())
+    })
+}
+
+/// `ncclCommDeregister`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommDeregister(
+    comm: *const Comm,
+    _registered: *mut c_void,
+) -> NcclResult {
+    done("ncclCommDeregister", || {
+        // SAFETY: a handle of this library, as NCCL requires.
+        unsafe { handle(comm) }.map(drop)
+    })
+}
+
+/// The text an entry point this library cannot honour fails with.
+fn unsupported(call: &CStr) -> NcclResult {
+    done(&call.to_string_lossy(), || {
+        Err(Failure::usage(
+            "not supported by Chorus's NCCL library (see docs/nccl.md for what is)",
+        ))
+    })
+}
+
+/// Entry points NCCL programs may import that this library does not honour: each fails with
+/// `ncclInvalidUsage`, naming itself, so a program that calls one learns which.
+macro_rules! unsupported {
+    ($($name:ident($($arg:ident: $ty:ty),*);)*) => {
+        $(
+            #[doc = concat!("`", stringify!($name), "`: not supported; fails with `ncclInvalidUsage`.")]
+            #[no_mangle]
+            pub extern "C" fn $name($(_: $ty),*) -> NcclResult {
+                unsupported(&CString::new(stringify!($name)).unwrap_or_default())
+            }
+        )*
+    };
+}
+
+unsupported! {
+    ncclCommInitRankScalable(a: *mut *mut Comm, b: c_int, c: c_int, d: c_int, e: *mut UniqueId, f: *mut c_void);
+    ncclCommRevoke(a: *mut Comm, b: c_int);
+    ncclCommGetUniqueId(a: *mut Comm, b: *mut UniqueId);
+    ncclCommGrow(a: *mut Comm, b: c_int, c: *const UniqueId, d: c_int, e: *mut *mut Comm, f: *mut c_void);
+    ncclCommSuspend(a: *mut Comm, b: c_int);
+    ncclCommResume(a: *mut Comm);
+    ncclCommMemStats(a: *mut Comm, b: c_int, c: *mut u64);
+    ncclCommWindowRegister(a: *mut Comm, b: *mut c_void, c: usize, d: *mut *mut c_void, e: c_int);
+    ncclCommWindowDeregister(a: *mut Comm, b: *mut c_void);
+    ncclWinGetUserPtr(a: *mut Comm, b: *mut c_void, c: *mut *mut c_void);
+    ncclRedOpCreatePreMulSum(a: *mut c_int, b: *mut c_void, c: c_int, d: c_int, e: *mut Comm);
+    ncclRedOpDestroy(a: c_int, b: *mut Comm);
+    ncclMemAlloc(a: *mut *mut c_void, b: usize);
+    ncclMemFree(a: *mut c_void);
+    ncclPutSignal(a: *const c_void, b: usize, c: c_int, d: c_int, e: *mut c_void, f: usize, g: c_int, h: c_int, i: u32, j: *mut Comm, k: Stream);
+    ncclSignal(a: c_int, b: c_int, c: c_int, d: u32, e: *mut Comm, f: Stream);
+    ncclWaitSignal(a: c_int, b: *mut c_void, c: *mut Comm, d: Stream);
+    ncclGroupSimulateEnd(a: *mut c_void);
+    ncclDevCommCreate(a: *mut Comm, b: *const c_void, c: *mut c_void);
+    ncclDevCommDestroy(a: *mut Comm, b: *const c_void);
+    ncclCommQueryProperties(a: *mut Comm, b: *mut c_void);
+    ncclGetLsaMultimemDevicePointer(a: *mut c_void, b: usize, c: *mut *mut c_void);
+}

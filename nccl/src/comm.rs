@@ -1,0 +1,199 @@
+//! `ncclComm`: a Chorus communicator behind NCCL's handle, set up at once or in the
+//! background (a non-blocking config, or inside a group), and the errors its calls report.
+
+use std::ffi::c_int;
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::thread::JoinHandle;
+
+use chorus::{Communicator, Config};
+
+use crate::abi::NcclResult;
+use crate::id::Rendezvous;
+
+/// An error as NCCL reports it: the result code and the text `ncclGetLastError` gives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// The code the call returns.
+    pub code: NcclResult,
+    /// What went wrong, naming the call and what was wrong with it.
+    pub text: String,
+}
+
+impl Failure {
+    /// A failure of `code` saying `text`.
+    pub fn new(code: NcclResult, text: impl Into<String>) -> Failure {
+        Failure {
+            code,
+            text: text.into(),
+        }
+    }
+
+    /// An argument the caller got wrong.
+    pub fn argument(text: impl Into<String>) -> Failure {
+        Failure::new(NcclResult::InvalidArgument, text)
+    }
+
+    /// A call this library cannot honour, or one made at the wrong time.
+    pub fn usage(text: impl Into<String>) -> Failure {
+        Failure::new(NcclResult::InvalidUsage, text)
+    }
+}
+
+impl From<chorus::Error> for Failure {
+    fn from(e: chorus::Error) -> Failure {
+        Failure::new(code(&e), e.to_string())
+    }
+}
+
+/// The NCCL result closest to Chorus's error.
+fn code(e: &chorus::Error) -> NcclResult {
+    use chorus::Error::*;
+    match e {
+        InvalidArgument(_) | Config { .. } | Kernel(_) => NcclResult::InvalidArgument,
+        Mismatch(_) => NcclResult::InvalidUsage,
+        Timeout(_) => NcclResult::Timeout,
+        Transport { .. } | Store(_) | Aborted(_) | Excluded { .. } => NcclResult::RemoteError,
+        Resource { .. } => NcclResult::SystemError,
+        Internal(_) => NcclResult::InternalError,
+        Broken(inner) => code(inner),
+        #[allow(unreachable_patterns)]
+        _ => NcclResult::InternalError,
+    }
+}
+
+/// A call's outcome at the C boundary.
+pub type Outcome<T = ()> = Result<T, Failure>;
+
+/// The handle `ncclComm_t` points to.
+pub struct Comm {
+    rank: usize,
+    nranks: usize,
+    /// The CUDA device current when the communicator was made, or -1 without one.
+    device: c_int,
+    /// The communicator once set up (or why it could not be).
+    ready: OnceLock<Outcome<Communicator>>,
+    /// Its set-up, while it runs in the background.
+    joining: Mutex<Option<JoinHandle<Outcome<Communicator>>>>,
+}
+
+impl Comm {
+    /// Starts joining rank `rank` of `nranks` to the job `id` describes, in the background.
+    pub fn join(id: Rendezvous, nranks: usize, rank: usize, device: c_int) -> Outcome<Comm> {
+        if nranks == 0 || rank >= nranks {
+            return Err(Failure::argument(format!(
+                "rank {rank} is not a rank of a communicator of {nranks}"
+            )));
+        }
+        let mut config = Config::new(rank, nranks, id.addr.ip().to_string(), id.addr.port())
+            .tuned_from(|k| std::env::var(k).ok())
+            .map_err(Failure::from)?;
+        config.auth = id.auth().map_err(Failure::argument)?;
+        let server = id.take_server();
+        let prefix = format!("nccl/{}", id.job_name());
+        let joining = std::thread::Builder::new()
+            .name(format!("nccl-init-{rank}"))
+            .spawn(move || {
+                Communicator::with_store_server(config, server, &prefix).map_err(Failure::from)
+            })
+            .map_err(|e| Failure::new(NcclResult::SystemError, format!("no thread: {e}")))?;
+        Ok(Comm {
+            rank,
+            nranks,
+            device,
+            ready: OnceLock::new(),
+            joining: Mutex::new(Some(joining)),
+        })
+    }
+
+    /// A handle for `communicator`, set up already (a split or a shrink).
+    pub fn made(communicator: Communicator, device: c_int) -> Comm {
+        let comm = Comm {
+            rank: communicator.rank(),
+            nranks: communicator.world_size(),
+            device,
+            ready: OnceLock::new(),
+            joining: Mutex::new(None),
+        };
+        let _ = comm.ready.set(Ok(communicator));
+        comm
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    /// The CUDA device it was made on, or -1.
+    pub fn device(&self) -> c_int {
+        self.device
+    }
+
+    /// The communicator, waiting for its set-up if it still runs.
+    pub fn communicator(&self) -> Outcome<&Communicator> {
+        if let Some(ready) = self.ready.get() {
+            return ready.as_ref().map_err(Clone::clone);
+        }
+        let joining = self
+            .joining
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(joining) = joining {
+            let joined = joining.join().unwrap_or_else(|_| {
+                Err(Failure::new(
+                    NcclResult::InternalError,
+                    "the communicator's set-up panicked",
+                ))
+            });
+            let _ = self.ready.set(joined);
+        }
+        // Another thread joined it meanwhile, or it was joined above.
+        match self.ready.get() {
+            Some(ready) => ready.as_ref().map_err(Clone::clone),
+            None => Err(Failure::new(
+                NcclResult::InternalError,
+                "the communicator has no set-up",
+            )),
+        }
+    }
+
+    /// Whether its set-up still runs.
+    pub fn in_progress(&self) -> bool {
+        self.ready.get().is_none()
+            && self
+                .joining
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_ref()
+                .is_some_and(|j| !j.is_finished())
+    }
+
+    /// What `ncclCommGetAsyncError` reports: the set-up still running, its failure, or the
+    /// fault that broke the communicator since (a dead peer, a mismatched call, a stall).
+    pub fn async_error(&self) -> Outcome<NcclResult> {
+        if self.in_progress() {
+            return Ok(NcclResult::InProgress);
+        }
+        let communicator = self.communicator()?;
+        Ok(match communicator.failure() {
+            Some(e) => {
+                let failure = Failure::from(e);
+                crate::api::remember(&failure.text);
+                failure.code
+            }
+            None => NcclResult::Success,
+        })
+    }
+
+    /// Fails every call in flight and to come, on every rank (`ncclCommAbort`).
+    pub fn abort(&self) {
+        if let Ok(communicator) = self.communicator() {
+            communicator.abort();
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! `libnccl.so.2` on Chorus: NCCL's C API with the ABI of NCCL 2.30.7, so that a program
+//! written for NCCL (through its header, or PyTorch's `nccl` backend) runs its collectives
+//! on Chorus without a change, loaded in NCCL's place (`LD_PRELOAD`, or first on the
+//! loader's path).
+//!
+//! - [`abi`]: NCCL's types and constants as its header lays them out, and the reading of a
+//!   caller's `ncclConfig_t` whatever its header's version.
+//! - [`id`]: the unique id, which names the rendezvous store its maker serves and the job's
+//!   secret.
+//! - [`comm`]: the communicator behind `ncclComm_t`, set up at once or in the background.
+//! - [`group`]: `ncclGroupStart` / `ncclGroupEnd`, per thread.
+//! - [`api`]: the entry points.
+//!
+//! Loading the library starts nothing (no thread, no socket, not even the CUDA driver)
+//! until a call asks; no panic crosses the C boundary. The collectives run on host memory,
+//! returning when done; see `docs/nccl.md` for what is supported and how what is not fails.
+
+pub mod abi;
+pub mod api;
+pub mod comm;
+pub mod group;
+pub mod id;
+mod memory;

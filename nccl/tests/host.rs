@@ -1,0 +1,669 @@
+//! NCCL's C API on host memory, called as a C program calls it: ranks are threads of this
+//! process (one thread driving every rank inside a group, as `ncclCommInitAll` programs do,
+//! or one thread a rank), every value checked exactly.
+
+// Every unsafe block calls the C API with handles and buffers the test owns for the call
+// (or its group), as NCCL's rules ask.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
+use std::ffi::{c_int, c_void, CStr};
+use std::ptr::{null, null_mut};
+use std::time::{Duration, Instant};
+
+use nccl::abi::{NcclResult, UniqueId, API_MAGIC, UNDEF_INT, UNIQUE_ID_BYTES};
+use nccl::api::*;
+use nccl::comm::Comm;
+
+const INT32: c_int = 2;
+const FLOAT32: c_int = 7;
+const FLOAT64: c_int = 8;
+const FP8: c_int = 10;
+const SUM: c_int = 0;
+const PROD: c_int = 1;
+const MAX: c_int = 2;
+const MIN: c_int = 3;
+const AVG: c_int = 4;
+
+/// `n` ranks of one communicator, made by `ncclCommInitAll`.
+struct Ranks(Vec<*mut Comm>);
+
+impl Ranks {
+    fn new(n: usize) -> Ranks {
+        let mut comms = vec![null_mut(); n];
+        assert_eq!(
+            unsafe { ncclCommInitAll(comms.as_mut_ptr(), n as c_int, null()) },
+            NcclResult::Success,
+            "{}",
+            last()
+        );
+        Ranks(comms)
+    }
+
+    /// Runs `call(rank, comm)` for every rank inside one group, as one thread driving them.
+    fn group(&self, mut call: impl FnMut(usize, *mut Comm) -> NcclResult) {
+        assert_eq!(ncclGroupStart(), NcclResult::Success);
+        for (rank, &comm) in self.0.iter().enumerate() {
+            assert_eq!(
+                call(rank, comm),
+                NcclResult::Success,
+                "rank {rank}: {}",
+                last()
+            );
+        }
+        assert_eq!(ncclGroupEnd(), NcclResult::Success, "{}", last());
+    }
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for &c in &self.0 {
+            if !c.is_null() {
+                assert_eq!(unsafe { ncclCommDestroy(c) }, NcclResult::Success);
+            }
+        }
+    }
+}
+
+fn last() -> String {
+    // SAFETY: the library returns a C string.
+    unsafe { CStr::from_ptr(ncclGetLastError(null_mut())) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn ptr<T>(v: &[T]) -> *const c_void {
+    v.as_ptr().cast()
+}
+
+fn mut_ptr<T>(v: &mut [T]) -> *mut c_void {
+    v.as_mut_ptr().cast()
+}
+
+/// Rank r's element i: small integers, exact in every type and operator.
+fn value(rank: usize, i: usize) -> f64 {
+    ((rank * 3 + i) % 5 + 1) as f64
+}
+
+#[test]
+fn the_version_and_the_texts_are_nccls() {
+    let mut v = 0;
+    assert_eq!(unsafe { ncclGetVersion(&mut v) }, NcclResult::Success);
+    assert_eq!(v, 23007);
+    assert_eq!(
+        unsafe { ncclGetVersion(null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert!(
+        last().contains("ncclGetVersion: version is NULL"),
+        "{}",
+        last()
+    );
+    // SAFETY: the library returns C strings.
+    let text = |r| {
+        unsafe { CStr::from_ptr(ncclGetErrorString(r)) }
+            .to_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(text(0), "no error");
+    assert!(text(6).starts_with("remote process exited"));
+    assert_eq!(text(42), "unknown result code");
+}
+
+#[test]
+fn every_collective_gives_exact_values_at_every_width() {
+    for n in 1..=4 {
+        let ranks = Ranks::new(n);
+        for rank in 0..n {
+            let (mut count, mut me) = (0, 0);
+            assert_eq!(
+                unsafe { ncclCommCount(ranks.0[rank], &mut count) },
+                NcclResult::Success
+            );
+            assert_eq!(
+                unsafe { ncclCommUserRank(ranks.0[rank], &mut me) },
+                NcclResult::Success
+            );
+            assert_eq!((count, me), (n as c_int, rank as c_int));
+        }
+        all_reduce(&ranks);
+        broadcast_and_reduce(&ranks);
+        gathers_and_scatters(&ranks);
+        sends_and_receives(&ranks);
+    }
+}
+
+fn all_reduce(ranks: &Ranks) {
+    let n = ranks.0.len();
+    let len = 1000;
+    for (op, fold) in [
+        (SUM, (|a, b| a + b) as fn(f64, f64) -> f64),
+        (PROD, |a, b| a * b),
+        (MAX, f64::max),
+        (MIN, f64::min),
+        (AVG, |a, b| a + b),
+    ] {
+        let want: Vec<f64> = (0..len)
+            .map(|i| {
+                let v = (1..n).fold(value(0, i), |acc, r| fold(acc, value(r, i)));
+                if op == AVG {
+                    v / n as f64
+                } else {
+                    v
+                }
+            })
+            .collect();
+        // Out of place in f64, in place in f32 and i32 (the integers' average, truncated, is
+        // left to Chorus's own tests).
+        let inputs: Vec<Vec<f64>> = (0..n)
+            .map(|r| (0..len).map(|i| value(r, i)).collect())
+            .collect();
+        let mut outputs = vec![vec![0f64; len]; n];
+        ranks.group(|r, c| unsafe {
+            ncclAllReduce(
+                ptr(&inputs[r]),
+                mut_ptr(&mut outputs[r]),
+                len,
+                FLOAT64,
+                op,
+                c,
+                null_mut(),
+            )
+        });
+        assert!(outputs.iter().all(|o| *o == want), "f64 op {op} at W={n}");
+        let mut bufs: Vec<Vec<f32>> = inputs
+            .iter()
+            .map(|v| v.iter().map(|&x| x as f32).collect())
+            .collect();
+        ranks.group(|r, c| {
+            let p = mut_ptr(&mut bufs[r]);
+            unsafe { ncclAllReduce(p, p, len, FLOAT32, op, c, null_mut()) }
+        });
+        let want32: Vec<f32> = want.iter().map(|&x| x as f32).collect();
+        assert!(
+            bufs.iter().all(|b| *b == want32),
+            "f32 op {op} in place at W={n}"
+        );
+        if op != AVG {
+            let mut ints: Vec<Vec<i32>> = inputs
+                .iter()
+                .map(|v| v.iter().map(|&x| x as i32).collect())
+                .collect();
+            ranks.group(|r, c| {
+                let p = mut_ptr(&mut ints[r]);
+                unsafe { ncclAllReduce(p, p, len, INT32, op, c, null_mut()) }
+            });
+            let want_i: Vec<i32> = want.iter().map(|&x| x as i32).collect();
+            assert!(ints.iter().all(|b| *b == want_i), "i32 op {op} at W={n}");
+        }
+    }
+}
+
+fn broadcast_and_reduce(ranks: &Ranks) {
+    let n = ranks.0.len();
+    let len = 777;
+    let root = n - 1;
+    let data: Vec<Vec<i32>> = (0..n)
+        .map(|r| (0..len).map(|i| value(r, i) as i32).collect())
+        .collect();
+    // Out of place: only the root's input is read; in place through ncclBcast.
+    let mut outs = vec![vec![-1i32; len]; n];
+    ranks.group(|r, c| {
+        let input = if r == root { ptr(&data[r]) } else { null() };
+        unsafe {
+            ncclBroadcast(
+                input,
+                mut_ptr(&mut outs[r]),
+                len,
+                INT32,
+                root as c_int,
+                c,
+                null_mut(),
+            )
+        }
+    });
+    assert!(outs.iter().all(|o| *o == data[root]));
+    let mut bufs = data.clone();
+    ranks.group(|r, c| unsafe { ncclBcast(mut_ptr(&mut bufs[r]), len, INT32, 0, c, null_mut()) });
+    assert!(bufs.iter().all(|b| *b == data[0]));
+    // Reduce to the last rank; the others pass no output.
+    let want: Vec<i32> = (0..len).map(|i| data.iter().map(|d| d[i]).sum()).collect();
+    let mut out = vec![0i32; len];
+    ranks.group(|r, c| {
+        let output = if r == root {
+            mut_ptr(&mut out)
+        } else {
+            null_mut()
+        };
+        unsafe {
+            ncclReduce(
+                ptr(&data[r]),
+                output,
+                len,
+                INT32,
+                SUM,
+                root as c_int,
+                c,
+                null_mut(),
+            )
+        }
+    });
+    assert_eq!(out, want);
+}
+
+fn gathers_and_scatters(ranks: &Ranks) {
+    let n = ranks.0.len();
+    let k = 300;
+    let blocks: Vec<Vec<f32>> = (0..n)
+        .map(|r| (0..k).map(|i| value(r, i) as f32).collect())
+        .collect();
+    let all: Vec<f32> = blocks.concat();
+    // All-gather apart, and in place (each rank's block already in its slot).
+    let mut outs = vec![vec![0f32; n * k]; n];
+    ranks.group(|r, c| unsafe {
+        ncclAllGather(
+            ptr(&blocks[r]),
+            mut_ptr(&mut outs[r]),
+            k,
+            FLOAT32,
+            c,
+            null_mut(),
+        )
+    });
+    assert!(outs.iter().all(|o| *o == all));
+    let mut bufs: Vec<Vec<f32>> = (0..n)
+        .map(|r| {
+            let mut b = vec![0f32; n * k];
+            b[r * k..(r + 1) * k].copy_from_slice(&blocks[r]);
+            b
+        })
+        .collect();
+    ranks.group(|r, c| {
+        let base = bufs[r].as_mut_ptr();
+        // SAFETY: block r of the rank's buffer.
+        let own = unsafe { base.add(r * k) };
+        unsafe {
+            ncclAllGather(
+                own.cast_const().cast(),
+                base.cast(),
+                k,
+                FLOAT32,
+                c,
+                null_mut(),
+            )
+        }
+    });
+    assert!(bufs.iter().all(|b| *b == all));
+    // Reduce-scatter: every rank's input is `all` times (rank + 1); apart, and in place.
+    let scale: f32 = (1..=n).map(|x| x as f32).sum();
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|r| all.iter().map(|&x| x * (r + 1) as f32).collect())
+        .collect();
+    let mut outs = vec![vec![0f32; k]; n];
+    ranks.group(|r, c| unsafe {
+        ncclReduceScatter(
+            ptr(&inputs[r]),
+            mut_ptr(&mut outs[r]),
+            k,
+            FLOAT32,
+            SUM,
+            c,
+            null_mut(),
+        )
+    });
+    for (r, o) in outs.iter().enumerate() {
+        let want: Vec<f32> = blocks[r].iter().map(|&x| x * scale).collect();
+        assert_eq!(*o, want, "reduce-scatter rank {r} at W={n}");
+    }
+    let mut bufs = inputs.clone();
+    ranks.group(|r, c| {
+        let base = bufs[r].as_mut_ptr();
+        // SAFETY: block r of the rank's buffer.
+        let own = unsafe { base.add(r * k) };
+        unsafe {
+            ncclReduceScatter(
+                base.cast_const().cast(),
+                own.cast(),
+                k,
+                FLOAT32,
+                SUM,
+                c,
+                null_mut(),
+            )
+        }
+    });
+    for (r, b) in bufs.iter().enumerate() {
+        let want: Vec<f32> = blocks[r].iter().map(|&x| x * scale).collect();
+        assert_eq!(
+            b[r * k..(r + 1) * k],
+            want[..],
+            "in-place reduce-scatter rank {r}"
+        );
+    }
+    // All-to-all: block q of rank r's input holds r * 1000 + q.
+    let a2a: Vec<Vec<f64>> = (0..n)
+        .map(|r| (0..n * k).map(|i| (r * 1000 + i / k) as f64).collect())
+        .collect();
+    let mut outs = vec![vec![0f64; n * k]; n];
+    ranks.group(|r, c| unsafe {
+        ncclAlltoAll(
+            ptr(&a2a[r]),
+            mut_ptr(&mut outs[r]),
+            k,
+            FLOAT64,
+            c,
+            null_mut(),
+        )
+    });
+    for (r, o) in outs.iter().enumerate() {
+        let want: Vec<f64> = (0..n * k).map(|i| ((i / k) * 1000 + r) as f64).collect();
+        assert_eq!(*o, want);
+    }
+    // Gather to rank 0 (the others pass no output), and scatter back from it.
+    let mut gathered = vec![0f32; n * k];
+    ranks.group(|r, c| {
+        let output = if r == 0 {
+            mut_ptr(&mut gathered)
+        } else {
+            null_mut()
+        };
+        unsafe { ncclGather(ptr(&blocks[r]), output, k, FLOAT32, 0, c, null_mut()) }
+    });
+    assert_eq!(gathered, all);
+    let mut outs = vec![vec![0f32; k]; n];
+    ranks.group(|r, c| {
+        let input = if r == 0 { ptr(&gathered) } else { null() };
+        unsafe { ncclScatter(input, mut_ptr(&mut outs[r]), k, FLOAT32, 0, c, null_mut()) }
+    });
+    assert_eq!(outs, blocks);
+}
+
+fn sends_and_receives(ranks: &Ranks) {
+    let n = ranks.0.len();
+    let k = 5000;
+    // Every rank sends to the next and receives from the previous, made in either order.
+    let data: Vec<Vec<i32>> = (0..n)
+        .map(|r| (0..k).map(|i| (r * k + i) as i32).collect())
+        .collect();
+    let mut got = vec![vec![0i32; k]; n];
+    assert_eq!(ncclGroupStart(), NcclResult::Success);
+    for (r, &c) in ranks.0.iter().enumerate() {
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let send = || unsafe { ncclSend(ptr(&data[r]), k, INT32, next as c_int, c, null_mut()) };
+        let recv = |buf: &mut Vec<i32>| unsafe {
+            ncclRecv(mut_ptr(buf), k, INT32, prev as c_int, c, null_mut())
+        };
+        if r % 2 == 0 {
+            assert_eq!(send(), NcclResult::Success);
+            assert_eq!(recv(&mut got[r]), NcclResult::Success);
+        } else {
+            assert_eq!(recv(&mut got[r]), NcclResult::Success);
+            assert_eq!(send(), NcclResult::Success);
+        }
+    }
+    assert_eq!(ncclGroupEnd(), NcclResult::Success, "{}", last());
+    for r in 0..n {
+        assert_eq!(got[r], data[(r + n - 1) % n], "rank {r} at W={n}");
+    }
+}
+
+#[test]
+fn bad_arguments_fail_by_name_and_change_nothing() {
+    let ranks = Ranks::new(1);
+    let c = ranks.0[0];
+    let mut buf = vec![1f32; 8];
+    let p = mut_ptr(&mut buf);
+    assert_eq!(
+        unsafe { ncclAllReduce(p, p, 8, FP8, SUM, c, null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert!(last().contains("e4m3"), "{}", last());
+    assert_eq!(
+        unsafe { ncclAllReduce(p, p, 8, FLOAT32, 99, c, null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert!(last().contains("reduction operator 99"), "{}", last());
+    assert_eq!(
+        unsafe { ncclAllReduce(null(), p, 8, FLOAT32, SUM, c, null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert!(
+        last().contains("ncclAllReduce: sendbuff is NULL"),
+        "{}",
+        last()
+    );
+    assert_eq!(
+        unsafe { ncclAllReduce(p, p, 8, FLOAT32, SUM, null_mut(), null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert_eq!(
+        unsafe { ncclBcast(p, 8, FLOAT32, 3, c, null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert!(last().contains("root 3 is not a rank"), "{}", last());
+    // SAFETY: one float into the buffer: misaligned on purpose.
+    let odd = unsafe { buf.as_mut_ptr().cast::<u8>().add(1) }.cast::<c_void>();
+    assert_eq!(
+        unsafe { ncclAllReduce(odd, odd, 2, FLOAT32, SUM, c, null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert!(last().contains("not aligned"), "{}", last());
+    assert_eq!(buf, vec![1f32; 8]);
+    assert_eq!(ncclGroupEnd(), NcclResult::InvalidUsage);
+    // What the library cannot honour names itself.
+    let mut mem = null_mut();
+    assert_eq!(ncclMemAlloc(&mut mem, 64), NcclResult::InvalidUsage);
+    assert!(
+        last().starts_with("ncclMemAlloc: not supported"),
+        "{}",
+        last()
+    );
+    let zeros = UniqueId {
+        internal: [0; UNIQUE_ID_BYTES],
+    };
+    let mut comm = null_mut();
+    assert_eq!(
+        unsafe { ncclCommInitRank(&mut comm, 2, zeros, 0) },
+        NcclResult::InvalidArgument
+    );
+    assert!(last().contains("ncclGetUniqueId"), "{}", last());
+}
+
+/// A unique id from `ncclGetUniqueId`.
+fn unique_id() -> UniqueId {
+    let mut id = UniqueId {
+        internal: [0; UNIQUE_ID_BYTES],
+    };
+    assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, NcclResult::Success);
+    id
+}
+
+/// Comm handles cross threads as the C API lets them.
+#[derive(Clone, Copy)]
+struct Handle(*mut Comm);
+// SAFETY: NCCL's handles are used from any thread; the library's state is thread-safe.
+unsafe impl Send for Handle {}
+
+impl Handle {
+    /// The handle (a method, so closures capture the whole `Handle`, which is `Send`).
+    fn ptr(self) -> *mut Comm {
+        self.0
+    }
+}
+
+/// Rank `rank` of `n` joined on its own thread from a shared id, as multi-process programs do.
+fn join_on_threads(n: usize, config: Option<&[u8; 96]>) -> Vec<(NcclResult, Handle)> {
+    let id = unique_id();
+    let threads: Vec<_> = (0..n)
+        .map(|rank| {
+            let mut config = config.copied();
+            std::thread::spawn(move || {
+                let mut comm = null_mut();
+                let cfg = config
+                    .as_mut()
+                    .map_or(null_mut(), |c| c.as_mut_ptr().cast());
+                let result = unsafe {
+                    ncclCommInitRankConfig(&mut comm, n as c_int, id, rank as c_int, cfg)
+                };
+                (result, Handle(comm))
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+/// A config as NCCL_CONFIG_INITIALIZER writes it (2.30.7's 96 bytes), with `blocking`.
+fn config(blocking: c_int) -> [u8; 96] {
+    let mut c = [0u8; 96];
+    c[..8].copy_from_slice(&96usize.to_ne_bytes());
+    c[8..12].copy_from_slice(&API_MAGIC.to_ne_bytes());
+    c[12..16].copy_from_slice(&23007u32.to_ne_bytes());
+    for at in (16..96)
+        .step_by(4)
+        .filter(|at| ![32, 36, 48, 52].contains(at))
+    {
+        c[at..at + 4].copy_from_slice(&UNDEF_INT.to_ne_bytes());
+    }
+    c[16..20].copy_from_slice(&blocking.to_ne_bytes());
+    c
+}
+
+fn wait_async(comm: *mut Comm, until: impl Fn(NcclResult) -> bool) -> NcclResult {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut state = NcclResult::InternalError;
+        assert_eq!(
+            unsafe { ncclCommGetAsyncError(comm, &mut state) },
+            NcclResult::Success
+        );
+        if until(state) || Instant::now() > deadline {
+            return state;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn ranks_on_threads_join_blocking_or_not_and_split() {
+    let joined = join_on_threads(3, None);
+    assert!(
+        joined.iter().all(|(r, _)| *r == NcclResult::Success),
+        "{}",
+        last()
+    );
+    // Split by parity, the odd ranks out, in reverse order of rank.
+    let threads: Vec<_> = joined
+        .iter()
+        .enumerate()
+        .map(|(rank, &(_, h))| {
+            std::thread::spawn(move || {
+                let mut sub = null_mut();
+                let color = if rank % 2 == 0 { 0 } else { -1 };
+                let result = unsafe {
+                    ncclCommSplit(h.ptr(), color, -(rank as c_int), &mut sub, null_mut())
+                };
+                assert_eq!(result, NcclResult::Success, "{}", last());
+                let (mut count, mut me) = (-1, -1);
+                if !sub.is_null() {
+                    unsafe { ncclCommCount(sub, &mut count) };
+                    unsafe { ncclCommUserRank(sub, &mut me) };
+                    let mut v = [rank as f64];
+                    let p = mut_ptr(&mut v);
+                    assert_eq!(
+                        unsafe { ncclAllReduce(p, p, 1, FLOAT64, SUM, sub, null_mut()) },
+                        NcclResult::Success
+                    );
+                    assert_eq!(v[0], 2.0);
+                    assert_eq!(unsafe { ncclCommDestroy(sub) }, NcclResult::Success);
+                }
+                assert_eq!(unsafe { ncclCommDestroy(h.ptr()) }, NcclResult::Success);
+                (sub.is_null(), count, me)
+            })
+        })
+        .collect();
+    let got: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(got, vec![(false, 2, 1), (true, -1, -1), (false, 2, 0)]);
+    // Non-blocking: in progress, then ready.
+    let joined = join_on_threads(2, Some(&config(0)));
+    for &(result, h) in &joined {
+        assert!(
+            matches!(result, NcclResult::InProgress | NcclResult::Success),
+            "{result:?}"
+        );
+        assert_eq!(
+            wait_async(h.ptr(), |s| s != NcclResult::InProgress),
+            NcclResult::Success
+        );
+    }
+    for (_, h) in joined {
+        assert_eq!(unsafe { ncclCommDestroy(h.ptr()) }, NcclResult::Success);
+    }
+}
+
+#[test]
+fn an_aborted_rank_fails_the_survivors_calls_by_name_and_they_shrink() {
+    let joined = join_on_threads(3, None);
+    assert!(
+        joined.iter().all(|(r, _)| *r == NcclResult::Success),
+        "{}",
+        last()
+    );
+    let handles: Vec<Handle> = joined.iter().map(|&(_, h)| h).collect();
+    assert_eq!(
+        unsafe { ncclCommAbort(handles[2].ptr()) },
+        NcclResult::Success
+    );
+    // The survivors' next call fails naming the rank, and so does their async error after.
+    let calls: Vec<_> = handles[..2]
+        .iter()
+        .map(|&h| {
+            std::thread::spawn(move || {
+                let mut v = [1f32; 64];
+                let p = mut_ptr(&mut v);
+                let result = unsafe { ncclAllReduce(p, p, 64, FLOAT32, SUM, h.ptr(), null_mut()) };
+                (result, last())
+            })
+        })
+        .collect();
+    for call in calls {
+        let (result, text) = call.join().unwrap();
+        assert_eq!(result, NcclResult::RemoteError, "{text}");
+        assert!(
+            text.contains("ncclAllReduce") && text.contains("rank 2"),
+            "{text}"
+        );
+    }
+    for h in &handles[..2] {
+        let state = wait_async(h.ptr(), |s| s != NcclResult::Success);
+        assert_eq!(state, NcclResult::RemoteError);
+        assert!(last().contains("rank 2"), "{}", last());
+    }
+    let threads: Vec<_> = handles[..2]
+        .iter()
+        .map(|&h| {
+            std::thread::spawn(move || {
+                // The aborted rank is named: as a thread of this live process it cannot be
+                // told from a slow rank but by the agreement's timeout.
+                let (mut sub, mut exclude) = (null_mut(), [2]);
+                let result = unsafe {
+                    ncclCommShrink(h.ptr(), exclude.as_mut_ptr(), 1, &mut sub, null_mut(), 0)
+                };
+                assert_eq!(result, NcclResult::Success, "{}", last());
+                let mut v = [1i32; 100];
+                let p = mut_ptr(&mut v);
+                assert_eq!(
+                    unsafe { ncclAllReduce(p, p, 100, INT32, SUM, sub, null_mut()) },
+                    NcclResult::Success
+                );
+                let mut count = 0;
+                unsafe { ncclCommCount(sub, &mut count) };
+                assert_eq!(unsafe { ncclCommDestroy(sub) }, NcclResult::Success);
+                assert_eq!(unsafe { ncclCommDestroy(h.ptr()) }, NcclResult::Success);
+                (count, v[0])
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), (2, 2));
+    }
+}
