@@ -1124,4 +1124,5 @@ unsupported! {
     ncclDevCommDestroy(a: *mut Comm, b: *const c_void);
     ncclCommQueryProperties(a: *mut Comm, b: *mut c_void);
     ncclGetLsaMultimemDevicePointer(a: *mut c_void, b: usize, c: *mut *mut c_void);
+    ncclGetPeerDevicePointer(a: *mut c_void, b: usize, c: c_int, d: *mut *mut c_void);
 }

@@ -36,8 +36,13 @@ pub struct Rendezvous {
     pub job: [u8; 16],
 }
 
-/// Stores this process serves, by job name, until a rank of this process takes its own.
-static HOSTED: Mutex<Option<HashMap<[u8; 16], StoreServer>>> = Mutex::new(None);
+/// Stores this process serves, by job name, until a rank of this process takes its own;
+/// with the id of the process that started each (a child forked since holds a copy of the
+/// map, but not the store's threads: it joins as a client, as every other process does).
+static HOSTED: Mutex<Option<Hosted>> = Mutex::new(None);
+
+/// Each job's store, with the id of the process that started it.
+type Hosted = HashMap<[u8; 16], (u32, StoreServer)>;
 
 impl Rendezvous {
     /// Starts a store for a new job and describes it: on `NCCL_COMM_ID`'s `host:port` where
@@ -68,17 +73,20 @@ impl Rendezvous {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get_or_insert_with(HashMap::new)
-            .insert(job, server);
+            .insert(job, (std::process::id(), server));
         Ok(me)
     }
 
     /// The store this process serves for this job, the first time a rank here asks.
     pub fn take_server(&self) -> Option<StoreServer> {
-        HOSTED
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_mut()?
-            .remove(&self.job)
+        let mut hosted = HOSTED.lock().unwrap_or_else(PoisonError::into_inner);
+        let hosted = hosted.as_mut()?;
+        match hosted.get(&self.job) {
+            Some((pid, _)) if *pid == std::process::id() => {
+                hosted.remove(&self.job).map(|(_, s)| s)
+            }
+            _ => None,
+        }
     }
 
     /// What every connection of the job proves.

@@ -1,0 +1,152 @@
+/* A C program written against NVIDIA's nccl.h, run on Chorus's libnccl.so.2 by tests/c_program.rs.
+ *
+ *   check W    forks W ranks (before any NCCL call), rank 0 makes the unique id and hands it to the
+ *              others through pipes; every rank runs the calls below on host memory, checks every
+ *              value, and exits 0 only if all were right.
+ *   check layout   prints what the header says of the ABI, for the test to compare. */
+#include <nccl.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static int rank, nranks;
+
+#define CHECK(call)                                                                           \
+  do {                                                                                        \
+    ncclResult_t r_ = (call);                                                                 \
+    if (r_ != ncclSuccess) {                                                                  \
+      fprintf(stderr, "rank %d: %s failed: %s (%s)\n", rank, #call, ncclGetErrorString(r_),   \
+              ncclGetLastError(NULL));                                                        \
+      exit(2);                                                                                \
+    }                                                                                         \
+  } while (0)
+
+#define EXPECT(cond)                                                                          \
+  do {                                                                                        \
+    if (!(cond)) {                                                                            \
+      fprintf(stderr, "rank %d: line %d: %s is false\n", rank, __LINE__, #cond);              \
+      exit(3);                                                                                \
+    }                                                                                         \
+  } while (0)
+
+static void run(ncclUniqueId id) {
+  ncclComm_t comm;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  /* Odd ranks set up without blocking, and wait for it as NCCL's users do. */
+  config.blocking = rank % 2 == 0;
+  ncclResult_t init = ncclCommInitRankConfig(&comm, nranks, id, rank, &config);
+  EXPECT(init == ncclSuccess || (init == ncclInProgress && !config.blocking));
+  ncclResult_t state = init;
+  while (state == ncclInProgress) {
+    CHECK(ncclCommGetAsyncError(comm, &state));
+    usleep(1000);
+  }
+  EXPECT(state == ncclSuccess);
+  int count, me;
+  CHECK(ncclCommCount(comm, &count));
+  CHECK(ncclCommUserRank(comm, &me));
+  EXPECT(count == nranks && me == rank);
+
+  enum { N = 4099 };
+  float *in = malloc(N * sizeof(float)), *out = malloc(N * sizeof(float));
+  for (int i = 0; i < N; i++) in[i] = (float)(rank + i % 7);
+  CHECK(ncclAllReduce(in, out, N, ncclFloat, ncclSum, comm, NULL));
+  for (int i = 0; i < N; i++) EXPECT(out[i] == (float)(nranks * (nranks - 1) / 2 + nranks * (i % 7)));
+
+  int *ints = malloc(N * sizeof(int));
+  for (int i = 0; i < N; i++) ints[i] = rank == nranks - 1 ? 3 * i : -1;
+  CHECK(ncclBcast(ints, N, ncclInt, nranks - 1, comm, NULL));
+  for (int i = 0; i < N; i++) EXPECT(ints[i] == 3 * i);
+
+  /* Reduce to rank 0; the others pass no output. */
+  double mine = rank + 1, sum = 0;
+  CHECK(ncclReduce(&mine, rank == 0 ? &sum : NULL, 1, ncclDouble, ncclSum, 0, comm, NULL));
+  if (rank == 0) EXPECT(sum == nranks * (nranks + 1) / 2.0);
+
+  /* All-gather in place, then reduce-scatter it back. */
+  long long *all = calloc(nranks, sizeof(long long));
+  all[rank] = 100 + rank;
+  CHECK(ncclAllGather(all + rank, all, 1, ncclInt64, comm, NULL));
+  for (int r = 0; r < nranks; r++) EXPECT(all[r] == 100 + r);
+  long long part = 0;
+  CHECK(ncclReduceScatter(all, &part, 1, ncclInt64, ncclMax, comm, NULL));
+  EXPECT(part == 100 + rank);
+
+  /* A ring of sends and receives in one group. */
+  int to = (rank + 1) % nranks, from = (rank + nranks - 1) % nranks, got = -1, sent = 1000 + rank;
+  CHECK(ncclGroupStart());
+  CHECK(ncclSend(&sent, 1, ncclInt32, to, comm, NULL));
+  CHECK(ncclRecv(&got, 1, ncclInt32, from, comm, NULL));
+  CHECK(ncclGroupEnd());
+  EXPECT(got == 1000 + from);
+
+  /* Split by parity, ranks reversed. */
+  ncclComm_t half;
+  CHECK(ncclCommSplit(comm, rank % 2, -rank, &half, NULL));
+  int hcount, hrank;
+  CHECK(ncclCommCount(half, &hcount));
+  CHECK(ncclCommUserRank(half, &hrank));
+  EXPECT(hcount == (nranks + 1 - rank % 2) / 2);
+  float one = 1;
+  CHECK(ncclAllReduce(&one, &one, 1, ncclFloat32, ncclSum, half, NULL));
+  EXPECT(one == (float)hcount);
+  CHECK(ncclCommDestroy(half));
+
+  /* What Chorus lacks fails by name. */
+  EXPECT(ncclAllReduce(in, out, 1, ncclFloat8e4m3, ncclSum, comm, NULL) == ncclInvalidArgument);
+  EXPECT(strstr(ncclGetLastError(comm), "e4m3") != NULL);
+
+  CHECK(ncclCommFinalize(comm));
+  CHECK(ncclCommDestroy(comm));
+  printf("rank %d of %d ok\n", rank, nranks);
+}
+
+int main(int argc, char **argv) {
+  if (argc == 2 && strcmp(argv[1], "layout") == 0) {
+    int version = 0;
+    CHECK(ncclGetVersion(&version));
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 3)
+    int timeout = (int)ncclTimeout;
+#else
+    int timeout = -1;
+#endif
+    printf("header %d library %d config %zu blocking %zu commName %zu uniqueId %zu float8e4m3 %d avg %d "
+           "timeout %d\n",
+           NCCL_VERSION_CODE, version, sizeof(ncclConfig_t), offsetof(ncclConfig_t, blocking),
+           offsetof(ncclConfig_t, commName), sizeof(ncclUniqueId), (int)ncclFloat8e4m3, (int)ncclAvg,
+           timeout);
+    return 0;
+  }
+  nranks = argc == 2 ? atoi(argv[1]) : 0;
+  if (nranks < 1) return 1;
+  int pipes[64][2];
+  pid_t pids[64];
+  if (nranks > 64) return 1;
+  for (int r = 1; r < nranks; r++) {
+    if (pipe(pipes[r]) != 0) return 1;
+    pids[r] = fork();
+    if (pids[r] == 0) {
+      rank = r;
+      ncclUniqueId id;
+      if (read(pipes[r][0], &id, sizeof id) != (ssize_t)sizeof id) return 1;
+      run(id);
+      return 0;
+    }
+  }
+  rank = 0;
+  ncclUniqueId id;
+  CHECK(ncclGetUniqueId(&id));
+  for (int r = 1; r < nranks; r++)
+    if (write(pipes[r][1], &id, sizeof id) != (ssize_t)sizeof id) return 1;
+  run(id);
+  int failed = 0;
+  for (int r = 1; r < nranks; r++) {
+    int status;
+    waitpid(pids[r], &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
+  }
+  return failed;
+}
