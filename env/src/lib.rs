@@ -173,6 +173,18 @@ pub const CHORUS_PLOT_FONT: &str = "CHORUS_PLOT_FONT";
 pub const CHORUS_TORCH_PYTHON: &str = "CHORUS_TORCH_PYTHON";
 /// Tests only: the Python (with torch and pytest) for the torch backend's suite.
 pub const CHORUS_TEST_PYTHON: &str = "CHORUS_TEST_PYTHON";
+/// Tests only: `1` makes the NCCL library's C tests fail, not skip, where NVIDIA's header,
+/// a C compiler or `nm` is missing.
+pub const CHORUS_REQUIRE_NCCL_HEADER: &str = "CHORUS_REQUIRE_NCCL_HEADER";
+
+// NCCL's, as the NCCL library (`chorus-nccl`) reads them.
+
+/// `host:port` where `ncclGetUniqueId` starts the job's rendezvous store.
+pub const NCCL_COMM_ID: &str = "NCCL_COMM_ID";
+/// Which interfaces' addresses a unique id may carry (prefixes; `^` excludes, `=` exact).
+pub const NCCL_SOCKET_IFNAME: &str = "NCCL_SOCKET_IFNAME";
+/// `WARN` or `INFO`: the NCCL library prints every failure to standard error.
+pub const NCCL_DEBUG: &str = "NCCL_DEBUG";
 
 // The system's.
 

@@ -56,7 +56,7 @@ fn guard(call: &str, body: impl FnOnce() -> Outcome<NcclResult>) -> NcclResult {
         }
     };
     let text = format!("{call}: {}", failure.text);
-    if std::env::var("NCCL_DEBUG")
+    if std::env::var(chorus_env::NCCL_DEBUG)
         .is_ok_and(|v| v.eq_ignore_ascii_case("warn") || v.eq_ignore_ascii_case("info"))
     {
         eprintln!("NCCL WARN {text}");

@@ -50,7 +50,7 @@ impl Rendezvous {
     pub fn serve() -> Result<Rendezvous, String> {
         let secret = random()?;
         let job = random()?;
-        let fixed = std::env::var("NCCL_COMM_ID").ok();
+        let fixed = std::env::var(chorus_env::NCCL_COMM_ID).ok();
         let addr = match &fixed {
             Some(spec) => parse_comm_id(spec)?,
             None => SocketAddr::new(host_addr(), 0),
@@ -171,7 +171,7 @@ fn parse_comm_id(spec: &str) -> Result<SocketAddr, String> {
 /// and has an IPv4 address (of those `NCCL_SOCKET_IFNAME` allows: comma-separated name
 /// prefixes, `^` to exclude them, `=` for exact names), else loopback.
 pub fn host_addr() -> IpAddr {
-    let filter = std::env::var("NCCL_SOCKET_IFNAME").unwrap_or_default();
+    let filter = std::env::var(chorus_env::NCCL_SOCKET_IFNAME).unwrap_or_default();
     let mut found = None;
     // SAFETY: getifaddrs fills a list that freeifaddrs releases; each entry is read while
     // the list is alive.

@@ -9,7 +9,7 @@ use std::process::Command;
 
 /// Where torch's Python keeps its packages, or why there is none.
 fn site_packages() -> Result<PathBuf, String> {
-    let python = std::env::var("CHORUS_TORCH_PYTHON")
+    let python = std::env::var(chorus_env::CHORUS_TORCH_PYTHON)
         .map_err(|_| "CHORUS_TORCH_PYTHON is not set (a Python with torch 2.x)".to_string())?;
     let out = Command::new(&python)
         .args([
@@ -24,7 +24,7 @@ fn site_packages() -> Result<PathBuf, String> {
 /// Skips the test, saying why, unless skipping is an error here.
 fn skip(why: &str) {
     assert!(
-        std::env::var("CHORUS_REQUIRE_NCCL_HEADER").as_deref() != Ok("1"),
+        std::env::var(chorus_env::CHORUS_REQUIRE_NCCL_HEADER).as_deref() != Ok("1"),
         "CHORUS_REQUIRE_NCCL_HEADER=1, but {why}"
     );
     eprintln!("skipping: {why}");
