@@ -19,7 +19,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use chorus::{Communicator, DType, ReduceOp};
+use chorus::{Communicator, DType, Element, ReduceOp};
 
 use crate::abi::{self, NcclResult, UniqueId, SHRINK_ABORT, SPLIT_NOCOLOR, VERSION_CODE};
 use crate::comm::{Comm, Failure, Outcome};
@@ -542,64 +542,91 @@ fn dtype_align(dtype: DType) -> usize {
     dtype.size().min(8)
 }
 
-/// Runs `$body` with `$T` the Rust type of `$dtype`.
-macro_rules! typed {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            DType::F16 => {
-                type $T = chorus::f16;
-                $body
-            }
-            DType::BF16 => {
-                type $T = chorus::bf16;
-                $body
-            }
-            DType::I8 => {
-                type $T = i8;
-                $body
-            }
-            DType::U8 => {
-                type $T = u8;
-                $body
-            }
-            DType::I32 => {
-                type $T = i32;
-                $body
-            }
-            DType::U32 => {
-                type $T = u32;
-                $body
-            }
-            DType::I64 => {
-                type $T = i64;
-                $body
-            }
-            DType::U64 => {
-                type $T = u64;
-                $body
-            }
-            #[allow(unreachable_patterns)]
-            other => return Err(chorus::Error::InvalidArgument(format!("no type {other:?}"))),
-        }
-    };
+/// A collective as the entry points describe it, with its operator and root.
+#[derive(Debug, Clone, Copy)]
+enum Collective {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    Reduce(ReduceOp, usize),
+    AllGather,
+    ReduceScatter(ReduceOp),
+    AllToAll,
+    Gather(usize),
+    Scatter(usize),
 }
 
-/// Queues or runs collective `call` on `comm`.
-fn collective(
-    comm: *const Comm,
-    call: impl FnOnce(&Communicator) -> chorus::Result<()> + Send + 'static,
-) -> Outcome {
-    // SAFETY: a handle of this library, as NCCL requires.
-    let comm = unsafe { handle(comm) }?;
-    group::submit(comm, Op::Collective(Box::new(call)))
+/// Queues or runs `call` on `comm`, from `input` into `output` (as the entry point checked
+/// them: equal, an all-gather's input at its rank's block of the output, or apart, but for
+/// the calls that read their input from a copy).
+fn submit(comm: &Comm, call: Collective, dtype: DType, input: Buf, output: Buf) -> Outcome {
+    let run = move |c: &Communicator| {
+        macro_rules! on {
+            ($($dtype:ident => $T:ty),*) => {
+                match dtype {
+                    // SAFETY: the caller's buffers, valid and untouched by others until the
+                    // call (or its group) ends.
+                    $(DType::$dtype => unsafe { run::<$T>(c, call, dtype, input, output) },)*
+                    #[allow(unreachable_patterns)]
+                    other => Err(chorus::Error::InvalidArgument(format!("no type {other:?}"))),
+                }
+            };
+        }
+        on!(F32 => f32, F64 => f64, F16 => chorus::f16, BF16 => chorus::bf16, I8 => i8,
+            U8 => u8, I32 => i32, U32 => u32, I64 => i64, U64 => u64)
+    };
+    group::submit(comm, Op::Collective(Box::new(run)))
+}
+
+/// Runs `call` on elements of `T`.
+///
+/// # Safety
+/// As `submit`'s buffers.
+unsafe fn run<T: Element>(
+    c: &Communicator,
+    call: Collective,
+    dtype: DType,
+    input: Buf,
+    output: Buf,
+) -> chorus::Result<()> {
+    use Collective::*;
+    let same = input.count > 0 && input.at == output.at;
+    // SAFETY: as the function requires; where the input and output may share bytes, only
+    // the output is taken, or the input is copied first (`read_beside`).
+    unsafe {
+        match call {
+            AllReduce(op) if same => c.all_reduce(output.get_mut::<T>(), op),
+            AllReduce(op) => c.all_reduce_into(input.get::<T>(), output.get_mut::<T>(), op),
+            Broadcast(root) if same => c.broadcast(output.get_mut::<T>(), root),
+            Broadcast(root) => c.broadcast_into(input.get::<T>(), output.get_mut::<T>(), root),
+            Reduce(op, root) if same => c.reduce(output.get_mut::<T>(), op, root),
+            // Off the root, the output is scratch of the library's own.
+            Reduce(op, root) if output.count == 0 => {
+                let input = input.get::<T>();
+                c.reduce_into(input, &mut input.to_vec(), op, root)
+            }
+            Reduce(op, root) => c.reduce_into(input.get::<T>(), output.get_mut::<T>(), op, root),
+            AllGather if input.overlaps(output, dtype) => {
+                c.all_gather_in_place(output.get_mut::<T>())
+            }
+            AllGather => c.all_gather(input.get::<T>(), output.get_mut::<T>()),
+            ReduceScatter(op) => {
+                let input = input.read_beside::<T>(output, dtype);
+                c.reduce_scatter(&input, output.get_mut::<T>(), op)
+            }
+            AllToAll => {
+                let input = input.read_beside::<T>(output, dtype);
+                c.all_to_all(&input, output.get_mut::<T>())
+            }
+            Gather(root) => {
+                let input = input.read_beside::<T>(output, dtype);
+                c.gather(&input, output.get_mut::<T>(), root)
+            }
+            Scatter(root) => {
+                let input = input.read_beside::<T>(output, dtype);
+                c.scatter(&input, output.get_mut::<T>(), root)
+            }
+        }
+    }
 }
 
 fn parse_dtype(raw: c_int) -> Outcome<DType> {
@@ -614,6 +641,31 @@ fn count_of(count: usize, times: usize, name: &str) -> Outcome<usize> {
     count
         .checked_mul(times)
         .ok_or_else(|| Failure::argument(format!("{name}: {count} x {times} elements overflow")))
+}
+
+/// Fails unless `input` and `output` are the same buffer or apart.
+fn equal_or_apart(input: Buf, output: Buf, dtype: DType) -> Outcome {
+    match input.at != output.at && input.overlaps(output, dtype) {
+        true => Err(Failure::argument(
+            "sendbuff and recvbuff overlap without being equal",
+        )),
+        false => Ok(()),
+    }
+}
+
+/// A buffer only the root passes: `count` elements at `ptr` there, none elsewhere.
+fn on_root(
+    comm: &Comm,
+    root: usize,
+    ptr: *const c_void,
+    count: usize,
+    dtype: DType,
+    name: &str,
+) -> Outcome<Buf> {
+    match comm.rank() == root {
+        true => Buf::new(ptr, count, dtype, name),
+        false => Ok(Buf { at: 0, count: 0 }),
+    }
 }
 
 /// `ncclAllReduce` (in place when `sendbuff == recvbuff`).
@@ -632,26 +684,12 @@ pub unsafe extern "C" fn ncclAllReduce(
 ) -> NcclResult {
     done("ncclAllReduce", || {
         let (dtype, op) = (parse_dtype(datatype)?, parse_op(op)?);
+        // SAFETY: a handle of this library, as NCCL requires.
+        let comm = unsafe { handle(comm) }?;
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
-        let in_place = input.at == output.at;
-        if !in_place && input.overlaps(output, dtype) {
-            return Err(Failure::argument(
-                "sendbuff and recvbuff overlap without being equal",
-            ));
-        }
-        collective(comm, move |c| {
-            typed!(dtype, T => {
-                // SAFETY: the caller's buffers, valid until the call (or its group) ends;
-                // apart unless equal (checked above), and only `output` is taken then.
-                unsafe {
-                    match in_place {
-                        true => c.all_reduce(output.get_mut::<T>(), op),
-                        false => c.all_reduce_into(input.get::<T>(), output.get_mut::<T>(), op),
-                    }
-                }
-            })
-        })
+        equal_or_apart(input, output, dtype)?;
+        submit(comm, Collective::AllReduce(op), dtype, input, output)
     })
 }
 
@@ -670,7 +708,8 @@ pub unsafe extern "C" fn ncclBroadcast(
     _stream: Stream,
 ) -> NcclResult {
     done("ncclBroadcast", || {
-        broadcast(sendbuff, recvbuff, count, datatype, root, comm)
+        // SAFETY: as this function's caller promises.
+        unsafe { broadcast(sendbuff, recvbuff, count, datatype, root, comm) }
     })
 }
 
@@ -688,11 +727,16 @@ pub unsafe extern "C" fn ncclBcast(
     _stream: Stream,
 ) -> NcclResult {
     done("ncclBcast", || {
-        broadcast(buff, buff, count, datatype, root, comm)
+        // SAFETY: as this function's caller promises.
+        unsafe { broadcast(buff, buff, count, datatype, root, comm) }
     })
 }
 
-fn broadcast(
+/// Both broadcasts.
+///
+/// # Safety
+/// As `ncclBroadcast`'s caller promises.
+unsafe fn broadcast(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
     count: usize,
@@ -702,33 +746,16 @@ fn broadcast(
 ) -> Outcome {
     let dtype = parse_dtype(datatype)?;
     // SAFETY: a handle of this library, as NCCL requires.
-    let handle = unsafe { handle(comm) }?;
-    let root = rank_of(root, handle, "root")?;
-    let on_root = handle.rank() == root;
+    let comm = unsafe { handle(comm) }?;
+    let root = rank_of(root, comm, "root")?;
     let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
     // The input is read on the root only.
-    let input = match on_root {
+    let input = match comm.rank() == root {
         true => Buf::new(sendbuff, count, dtype, "sendbuff")?,
         false => output,
     };
-    let in_place = input.at == output.at;
-    if !in_place && input.overlaps(output, dtype) {
-        return Err(Failure::argument(
-            "sendbuff and recvbuff overlap without being equal",
-        ));
-    }
-    collective(comm, move |c| {
-        typed!(dtype, T => {
-            // SAFETY: the caller's buffers, valid until the call (or its group) ends; apart
-            // unless equal (checked above), and only `output` is taken then.
-            unsafe {
-                match in_place {
-                    true => c.broadcast(output.get_mut::<T>(), root),
-                    false => c.broadcast_into(input.get::<T>(), output.get_mut::<T>(), root),
-                }
-            }
-        })
-    })
+    equal_or_apart(input, output, dtype)?;
+    submit(comm, Collective::Broadcast(root), dtype, input, output)
 }
 
 /// `ncclReduce`: every rank's `sendbuff` reduced into `root`'s `recvbuff` (read nowhere
@@ -750,37 +777,12 @@ pub unsafe extern "C" fn ncclReduce(
     done("ncclReduce", || {
         let (dtype, op) = (parse_dtype(datatype)?, parse_op(op)?);
         // SAFETY: a handle of this library, as NCCL requires.
-        let handle = unsafe { handle(comm) }?;
-        let root = rank_of(root, handle, "root")?;
+        let comm = unsafe { handle(comm) }?;
+        let root = rank_of(root, comm, "root")?;
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
-        let output = match handle.rank() == root {
-            true => Some(Buf::new(recvbuff, count, dtype, "recvbuff")?),
-            false => None,
-        };
-        if output.is_some_and(|o| o.at != input.at && o.overlaps(input, dtype)) {
-            return Err(Failure::argument(
-                "sendbuff and recvbuff overlap without being equal",
-            ));
-        }
-        collective(comm, move |c| {
-            typed!(dtype, T => {
-                // SAFETY: the caller's buffers, valid until the call (or its group) ends;
-                // apart unless equal (checked above), and only `output` is taken then.
-                unsafe {
-                    match output {
-                        Some(o) if o.at == input.at && o.count > 0 => {
-                            c.reduce(o.get_mut::<T>(), op, root)
-                        }
-                        Some(o) => c.reduce_into(input.get::<T>(), o.get_mut::<T>(), op, root),
-                        // Elsewhere the output is scratch of the library's own.
-                        None => {
-                            let input = input.get::<T>();
-                            c.reduce_into(input, &mut input.to_vec(), op, root)
-                        }
-                    }
-                }
-            })
-        })
+        let output = on_root(comm, root, recvbuff, count, dtype, "recvbuff")?;
+        equal_or_apart(input, output, dtype)?;
+        submit(comm, Collective::Reduce(op, root), dtype, input, output)
     })
 }
 
@@ -801,34 +803,22 @@ pub unsafe extern "C" fn ncclAllGather(
     done("ncclAllGather", || {
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
-        let handle = unsafe { handle(comm) }?;
+        let comm = unsafe { handle(comm) }?;
         let input = Buf::new(sendbuff, sendcount, dtype, "sendbuff")?;
-        let total = count_of(sendcount, handle.nranks(), "recvbuff")?;
+        let total = count_of(sendcount, comm.nranks(), "recvbuff")?;
         let output = Buf::new(recvbuff, total, dtype, "recvbuff")?;
-        let own = output.at + handle.rank() * sendcount * dtype.size();
-        let in_place = sendcount > 0 && input.at == own;
-        if !in_place && input.overlaps(output, dtype) {
+        let own = output.at + comm.rank() * sendcount * dtype.size();
+        if input.overlaps(output, dtype) && input.at != own {
             return Err(Failure::argument(
                 "sendbuff overlaps recvbuff without being this rank's block of it",
             ));
         }
-        collective(comm, move |c| {
-            typed!(dtype, T => {
-                // SAFETY: the caller's buffers, valid until the call (or its group) ends;
-                // apart unless in place (checked above), and only `output` is taken then.
-                unsafe {
-                    match in_place {
-                        true => c.all_gather_in_place(output.get_mut::<T>()),
-                        false => c.all_gather(input.get::<T>(), output.get_mut::<T>()),
-                    }
-                }
-            })
-        })
+        submit(comm, Collective::AllGather, dtype, input, output)
     })
 }
 
 /// `ncclReduceScatter`: the reduction of every rank's `sendbuff` (`recvcount` elements a
-/// rank), block `rank` of it into `recvbuff`.
+/// rank), block `rank` of it into `recvbuff` (which may lie inside `sendbuff`).
 ///
 /// # Safety
 /// As NCCL requires (see the module's documentation).
@@ -845,20 +835,11 @@ pub unsafe extern "C" fn ncclReduceScatter(
     done("ncclReduceScatter", || {
         let (dtype, op) = (parse_dtype(datatype)?, parse_op(op)?);
         // SAFETY: a handle of this library, as NCCL requires.
-        let handle = unsafe { handle(comm) }?;
-        let total = count_of(recvcount, handle.nranks(), "sendbuff")?;
+        let comm = unsafe { handle(comm) }?;
+        let total = count_of(recvcount, comm.nranks(), "sendbuff")?;
         let input = Buf::new(sendbuff, total, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, recvcount, dtype, "recvbuff")?;
-        collective(comm, move |c| {
-            typed!(dtype, T => {
-                // SAFETY: the caller's buffers, valid until the call (or its group) ends; an
-                // input that shares bytes with the output (in place) is read from a copy.
-                unsafe {
-                    let input = input.read_beside::<T>(output, dtype);
-                    c.reduce_scatter(&input, output.get_mut::<T>(), op)
-                }
-            })
-        })
+        submit(comm, Collective::ReduceScatter(op), dtype, input, output)
     })
 }
 
@@ -879,20 +860,11 @@ pub unsafe extern "C" fn ncclAlltoAll(
     done("ncclAlltoAll", || {
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
-        let handle = unsafe { handle(comm) }?;
-        let total = count_of(count, handle.nranks(), "buffers")?;
+        let comm = unsafe { handle(comm) }?;
+        let total = count_of(count, comm.nranks(), "buffers")?;
         let input = Buf::new(sendbuff, total, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, total, dtype, "recvbuff")?;
-        collective(comm, move |c| {
-            typed!(dtype, T => {
-                // SAFETY: the caller's buffers, valid until the call (or its group) ends; an
-                // input that shares bytes with the output is read from a copy.
-                unsafe {
-                    let input = input.read_beside::<T>(output, dtype);
-                    c.all_to_all(&input, output.get_mut::<T>())
-                }
-            })
-        })
+        submit(comm, Collective::AllToAll, dtype, input, output)
     })
 }
 
@@ -913,28 +885,12 @@ pub unsafe extern "C" fn ncclGather(
     done("ncclGather", || {
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
-        let handle = unsafe { handle(comm) }?;
-        let root = rank_of(root, handle, "root")?;
+        let comm = unsafe { handle(comm) }?;
+        let root = rank_of(root, comm, "root")?;
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
-        let output = match handle.rank() == root {
-            true => Buf::new(
-                recvbuff,
-                count_of(count, handle.nranks(), "recvbuff")?,
-                dtype,
-                "recvbuff",
-            )?,
-            false => Buf { at: 0, count: 0 },
-        };
-        collective(comm, move |c| {
-            typed!(dtype, T => {
-                // SAFETY: the caller's buffers, valid until the call (or its group) ends; an
-                // input that shares bytes with the output is read from a copy.
-                unsafe {
-                    let input = input.read_beside::<T>(output, dtype);
-                    c.gather(&input, output.get_mut::<T>(), root)
-                }
-            })
-        })
+        let total = count_of(count, comm.nranks(), "recvbuff")?;
+        let output = on_root(comm, root, recvbuff, total, dtype, "recvbuff")?;
+        submit(comm, Collective::Gather(root), dtype, input, output)
     })
 }
 
@@ -956,28 +912,12 @@ pub unsafe extern "C" fn ncclScatter(
     done("ncclScatter", || {
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
-        let handle = unsafe { handle(comm) }?;
-        let root = rank_of(root, handle, "root")?;
-        let input = match handle.rank() == root {
-            true => Buf::new(
-                sendbuff,
-                count_of(count, handle.nranks(), "sendbuff")?,
-                dtype,
-                "sendbuff",
-            )?,
-            false => Buf { at: 0, count: 0 },
-        };
+        let comm = unsafe { handle(comm) }?;
+        let root = rank_of(root, comm, "root")?;
+        let total = count_of(count, comm.nranks(), "sendbuff")?;
+        let input = on_root(comm, root, sendbuff, total, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
-        collective(comm, move |c| {
-            typed!(dtype, T => {
-                // SAFETY: the caller's buffers, valid until the call (or its group) ends; an
-                // input that shares bytes with the output is read from a copy.
-                unsafe {
-                    let input = input.read_beside::<T>(output, dtype);
-                    c.scatter(&input, output.get_mut::<T>(), root)
-                }
-            })
-        })
+        submit(comm, Collective::Scatter(root), dtype, input, output)
     })
 }
 
@@ -995,19 +935,9 @@ pub unsafe extern "C" fn ncclSend(
     _stream: Stream,
 ) -> NcclResult {
     done("ncclSend", || {
-        let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let handle = unsafe { handle(comm) }?;
-        let peer = rank_of(peer, handle, "peer")?;
-        let data = Buf::new(sendbuff, count, dtype, "sendbuff")?;
-        let bytes = data.bytes(dtype);
-        group::submit(
-            handle,
-            Op::Send {
-                data: data.at,
-                bytes,
-                peer,
-            },
+        // SAFETY: as this function's caller promises.
+        unsafe { message(sendbuff, count, datatype, peer, comm, "sendbuff") }.and_then(
+            |(comm, data, bytes, peer)| group::submit(comm, Op::Send { data, bytes, peer }),
         )
     })
 }
@@ -1026,21 +956,30 @@ pub unsafe extern "C" fn ncclRecv(
     _stream: Stream,
 ) -> NcclResult {
     done("ncclRecv", || {
-        let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let handle = unsafe { handle(comm) }?;
-        let peer = rank_of(peer, handle, "peer")?;
-        let buf = Buf::new(recvbuff, count, dtype, "recvbuff")?;
-        let bytes = buf.bytes(dtype);
-        group::submit(
-            handle,
-            Op::Recv {
-                buf: buf.at,
-                bytes,
-                peer,
-            },
-        )
+        // SAFETY: as this function's caller promises.
+        unsafe { message(recvbuff, count, datatype, peer, comm, "recvbuff") }
+            .and_then(|(comm, buf, bytes, peer)| group::submit(comm, Op::Recv { buf, bytes, peer }))
     })
+}
+
+/// A message's communicator, buffer address, bytes and peer, checked.
+///
+/// # Safety
+/// As `ncclSend`'s and `ncclRecv`'s callers promise.
+unsafe fn message<'a>(
+    ptr: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: *mut Comm,
+    name: &str,
+) -> Outcome<(&'a Comm, usize, usize, usize)> {
+    let dtype = parse_dtype(datatype)?;
+    // SAFETY: a handle of this library, as NCCL requires.
+    let comm = unsafe { handle(comm) }?;
+    let peer = rank_of(peer, comm, "peer")?;
+    let buf = Buf::new(ptr, count, dtype, name)?;
+    Ok((comm, buf.at, buf.bytes(dtype), peer))
 }
 
 /// `ncclCommRegister`: host buffers need no registration; the handle names the buffer.
