@@ -40,6 +40,27 @@ pub(crate) fn remember(text: &str) {
     LAST.with(|l| *l.borrow_mut() = text);
 }
 
+/// Whether `NCCL_DEBUG` asks for failures (`WARN`) or also Chorus's decisions (`INFO`).
+fn debug(level: &str) -> bool {
+    let set = std::env::var(chorus_env::NCCL_DEBUG).unwrap_or_default();
+    set.eq_ignore_ascii_case(level) || (level == "WARN" && set.eq_ignore_ascii_case("INFO"))
+}
+
+/// Under `NCCL_DEBUG=INFO`, Chorus's log on standard error, once per process: each kind of
+/// call's path and algorithm as the tuner picks them (unless the program logs through
+/// `tracing` itself).
+fn log_decisions() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if debug("INFO") {
+        ONCE.call_once(|| {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter("chorus=info")
+                .with_writer(std::io::stderr)
+                .try_init();
+        });
+    }
+}
+
 /// Runs `body` for the entry point `call`: its result, or its failure's code (the text kept
 /// and, where `NCCL_DEBUG` asks, printed), or `ncclInternalError` if it panicked.
 fn guard(call: &str, body: impl FnOnce() -> Outcome<NcclResult>) -> NcclResult {
@@ -56,9 +77,7 @@ fn guard(call: &str, body: impl FnOnce() -> Outcome<NcclResult>) -> NcclResult {
         }
     };
     let text = format!("{call}: {}", failure.text);
-    if std::env::var(chorus_env::NCCL_DEBUG)
-        .is_ok_and(|v| v.eq_ignore_ascii_case("warn") || v.eq_ignore_ascii_case("info"))
-    {
+    if debug("WARN") {
         eprintln!("NCCL WARN {text}");
     }
     remember(&text);
@@ -174,6 +193,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
                 )))
             }
         };
+        log_decisions();
         let made = Box::new(Comm::join(id, nranks, rank, current_device())?);
         let result = if group::open() {
             group::note_init(&made);
@@ -208,6 +228,7 @@ pub unsafe extern "C" fn ncclCommInitAll(
             .filter(|&n| n > 0)
             .ok_or_else(|| Failure::argument(format!("ndev {ndev} is not positive")))?;
         let id = Rendezvous::serve().map_err(|e| Failure::new(NcclResult::SystemError, e))?;
+        log_decisions();
         let mut made = Vec::with_capacity(n);
         for rank in 0..n {
             let device = match devlist.is_null() {

@@ -126,6 +126,23 @@ fn a_c_program_on_nvidias_header_runs_on_this_library() {
             );
         }
     }
+    // NCCL_DEBUG=INFO: the tuner's pick for the program's all-reduce, and its failed call.
+    let out = Command::new(&exe)
+        .arg("2")
+        .env("NCCL_DEBUG", "INFO")
+        .env("CHORUS_TIMEOUT", "60")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("allreduce 16396 B on 2 ranks: ") && stderr.contains(" -> "),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("NCCL WARN ncclAllReduce: data type 10 (ncclFloat8e4m3)"),
+        "{stderr}"
+    );
 }
 
 /// The `nccl*` functions `nm` lists for `lib`, defined (`--defined-only`) or needed.
