@@ -26,6 +26,7 @@ use crate::comm::{Comm, Failure, Outcome};
 use crate::group::{self, Op};
 use crate::id::Rendezvous;
 use crate::memory;
+use crate::premul::{scaled, PreMulSum, Scalar, Scale};
 
 /// `cudaStream_t`, opaque here.
 pub type Stream = *mut c_void;
@@ -563,14 +564,35 @@ fn dtype_align(dtype: DType) -> usize {
     dtype.size().min(8)
 }
 
+/// A reduction: one of Chorus's, or a pre-multiplied sum made on the communicator.
+#[derive(Debug, Clone, Copy)]
+enum Reduction {
+    Builtin(ReduceOp),
+    PreMulSum(PreMulSum),
+}
+
+impl Reduction {
+    /// Chorus's operator, and the scalar the input is multiplied by first, if any.
+    ///
+    /// # Safety
+    /// As [`PreMulSum::scalar`].
+    unsafe fn resolve<T: Element>(self) -> (ReduceOp, Option<T>) {
+        match self {
+            Reduction::Builtin(op) => (op, None),
+            // SAFETY: as the function requires.
+            Reduction::PreMulSum(p) => (ReduceOp::Sum, Some(unsafe { p.scalar::<T>() })),
+        }
+    }
+}
+
 /// A collective as the entry points describe it, with its operator and root.
 #[derive(Debug, Clone, Copy)]
 enum Collective {
-    AllReduce(ReduceOp),
+    AllReduce(Reduction),
     Broadcast(usize),
-    Reduce(ReduceOp, usize),
+    Reduce(Reduction, usize),
     AllGather,
-    ReduceScatter(ReduceOp),
+    ReduceScatter(Reduction),
     AllToAll,
     Gather(usize),
     Scatter(usize),
@@ -602,7 +624,7 @@ fn submit(comm: &Comm, call: Collective, dtype: DType, input: Buf, output: Buf) 
 ///
 /// # Safety
 /// As `submit`'s buffers.
-unsafe fn run<T: Element>(
+unsafe fn run<T: Scale>(
     c: &Communicator,
     call: Collective,
     dtype: DType,
@@ -615,23 +637,39 @@ unsafe fn run<T: Element>(
     // the output is taken, or the input is copied first (`read_beside`).
     unsafe {
         match call {
-            AllReduce(op) if same => c.all_reduce(output.get_mut::<T>(), op),
-            AllReduce(op) => c.all_reduce_into(input.get::<T>(), output.get_mut::<T>(), op),
+            AllReduce(r) => match r.resolve::<T>() {
+                (op, None) if same => c.all_reduce(output.get_mut::<T>(), op),
+                (op, None) => c.all_reduce_into(input.get::<T>(), output.get_mut::<T>(), op),
+                (op, Some(by)) => {
+                    let input = scaled(input.get::<T>(), by);
+                    c.all_reduce_into(&input, output.get_mut::<T>(), op)
+                }
+            },
             Broadcast(root) if same => c.broadcast(output.get_mut::<T>(), root),
             Broadcast(root) => c.broadcast_into(input.get::<T>(), output.get_mut::<T>(), root),
-            Reduce(op, root) if same => c.reduce(output.get_mut::<T>(), op, root),
-            // Off the root, the output is scratch of the library's own.
-            Reduce(op, root) if output.count == 0 => {
-                let input = input.get::<T>();
-                c.reduce_into(input, &mut input.to_vec(), op, root)
+            Reduce(r, root) => {
+                let (op, by) = r.resolve::<T>();
+                let input: Cow<'_, [T]> = match by {
+                    None if same => return c.reduce(output.get_mut::<T>(), op, root),
+                    None => Cow::Borrowed(input.get::<T>()),
+                    Some(by) => Cow::Owned(scaled(input.get::<T>(), by)),
+                };
+                match output.count {
+                    // Off the root, the output is scratch of the library's own.
+                    0 => c.reduce_into(&input, &mut input.to_vec(), op, root),
+                    _ => c.reduce_into(&input, output.get_mut::<T>(), op, root),
+                }
             }
-            Reduce(op, root) => c.reduce_into(input.get::<T>(), output.get_mut::<T>(), op, root),
             AllGather if input.overlaps(output, dtype) => {
                 c.all_gather_in_place(output.get_mut::<T>())
             }
             AllGather => c.all_gather(input.get::<T>(), output.get_mut::<T>()),
-            ReduceScatter(op) => {
-                let input = input.read_beside::<T>(output, dtype);
+            ReduceScatter(r) => {
+                let (op, by) = r.resolve::<T>();
+                let input = match by {
+                    None => input.read_beside::<T>(output, dtype),
+                    Some(by) => Cow::Owned(scaled(input.get::<T>(), by)),
+                };
                 c.reduce_scatter(&input, output.get_mut::<T>(), op)
             }
             AllToAll => {
@@ -654,8 +692,12 @@ fn parse_dtype(raw: c_int) -> Outcome<DType> {
     abi::dtype(raw).map_err(Failure::argument)
 }
 
-fn parse_op(raw: c_int) -> Outcome<ReduceOp> {
-    abi::reduce_op(raw).map_err(Failure::argument)
+/// Operator `raw` for a call of `dtype` on `comm`: Chorus's, or one made on `comm`.
+fn parse_op(raw: c_int, dtype: DType, comm: &Comm) -> Outcome<Reduction> {
+    match abi::reduce_op(raw) {
+        Ok(op) => Ok(Reduction::Builtin(op)),
+        Err(_) => comm.ops().get(raw, dtype).map(Reduction::PreMulSum),
+    }
 }
 
 fn count_of(count: usize, times: usize, name: &str) -> Outcome<usize> {
@@ -704,9 +746,10 @@ pub unsafe extern "C" fn ncclAllReduce(
     _stream: Stream,
 ) -> NcclResult {
     done("ncclAllReduce", || {
-        let (dtype, op) = (parse_dtype(datatype)?, parse_op(op)?);
+        let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
+        let op = parse_op(op, dtype, comm)?;
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
         equal_or_apart(input, output, dtype)?;
@@ -796,9 +839,10 @@ pub unsafe extern "C" fn ncclReduce(
     _stream: Stream,
 ) -> NcclResult {
     done("ncclReduce", || {
-        let (dtype, op) = (parse_dtype(datatype)?, parse_op(op)?);
+        let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
+        let op = parse_op(op, dtype, comm)?;
         let root = rank_of(root, comm, "root")?;
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
         let output = on_root(comm, root, recvbuff, count, dtype, "recvbuff")?;
@@ -854,9 +898,10 @@ pub unsafe extern "C" fn ncclReduceScatter(
     _stream: Stream,
 ) -> NcclResult {
     done("ncclReduceScatter", || {
-        let (dtype, op) = (parse_dtype(datatype)?, parse_op(op)?);
+        let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
+        let op = parse_op(op, dtype, comm)?;
         let total = count_of(recvcount, comm.nranks(), "sendbuff")?;
         let input = Buf::new(sendbuff, total, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, recvcount, dtype, "recvbuff")?;
@@ -1003,6 +1048,57 @@ unsafe fn message<'a>(
     Ok((comm, buf.at, buf.bytes(dtype), peer))
 }
 
+/// `ncclRedOpCreatePreMulSum`: an operator of `comm` that sums every rank's input
+/// multiplied by `*scalar` (of `datatype`), read now (`ncclScalarHostImmediate`) or by each
+/// call (`ncclScalarDevice`: an address in host memory here).
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
+    op: *mut c_int,
+    scalar: *mut c_void,
+    datatype: c_int,
+    residence: c_int,
+    comm: *mut Comm,
+) -> NcclResult {
+    done("ncclRedOpCreatePreMulSum", || {
+        let out = given(op, "op")?;
+        let dtype = parse_dtype(datatype)?;
+        // SAFETY: a handle of this library, as NCCL requires.
+        let comm = unsafe { handle(comm) }?;
+        let at = Buf::new(scalar, 1, dtype, "scalar")?;
+        let scalar = match residence {
+            // SAFETY: `at` holds one element of `dtype`, checked.
+            1 => Scalar::value(unsafe {
+                std::slice::from_raw_parts(at.at as *const u8, dtype.size())
+            }),
+            0 => Scalar::At(at.at),
+            other => {
+                return Err(Failure::argument(format!(
+                    "residence {other} is not an ncclScalarResidence_t"
+                )))
+            }
+        };
+        let made = comm.ops().create(PreMulSum { dtype, scalar });
+        // SAFETY: checked non-null; the caller passes a writable operator.
+        unsafe { out.write(made) };
+        Ok(())
+    })
+}
+
+/// `ncclRedOpDestroy`: forgets an operator `ncclRedOpCreatePreMulSum` made on `comm`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, comm: *mut Comm) -> NcclResult {
+    done("ncclRedOpDestroy", || {
+        // SAFETY: a handle of this library, as NCCL requires.
+        unsafe { handle(comm) }?.ops().destroy(op)
+    })
+}
+
 /// `ncclCommRegister`: host buffers need no registration; the handle names the buffer.
 ///
 /// # Safety
@@ -1072,8 +1168,6 @@ unsupported! {
     ncclCommWindowRegister(a: *mut Comm, b: *mut c_void, c: usize, d: *mut *mut c_void, e: c_int);
     ncclCommWindowDeregister(a: *mut Comm, b: *mut c_void);
     ncclWinGetUserPtr(a: *mut Comm, b: *mut c_void, c: *mut *mut c_void);
-    ncclRedOpCreatePreMulSum(a: *mut c_int, b: *mut c_void, c: c_int, d: c_int, e: *mut Comm);
-    ncclRedOpDestroy(a: c_int, b: *mut Comm);
     ncclMemAlloc(a: *mut *mut c_void, b: usize);
     ncclMemFree(a: *mut c_void);
     ncclPutSignal(a: *const c_void, b: usize, c: c_int, d: c_int, e: *mut c_void, f: usize, g: c_int, h: c_int, i: u32, j: *mut Comm, k: Stream);

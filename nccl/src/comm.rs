@@ -9,6 +9,7 @@ use chorus::{Communicator, Config};
 
 use crate::abi::NcclResult;
 use crate::id::Rendezvous;
+use crate::premul::Ops;
 
 /// An error as NCCL reports it: the result code and the text `ncclGetLastError` gives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +75,8 @@ pub struct Comm {
     ready: OnceLock<Outcome<Communicator>>,
     /// Its set-up, while it runs in the background.
     joining: Mutex<Option<JoinHandle<Outcome<Communicator>>>>,
+    /// The reduction operators made on it.
+    ops: Ops,
 }
 
 impl Comm {
@@ -102,6 +105,7 @@ impl Comm {
             device,
             ready: OnceLock::new(),
             joining: Mutex::new(Some(joining)),
+            ops: Ops::default(),
         })
     }
 
@@ -113,6 +117,7 @@ impl Comm {
             device,
             ready: OnceLock::new(),
             joining: Mutex::new(None),
+            ops: Ops::default(),
         };
         let _ = comm.ready.set(Ok(communicator));
         comm
@@ -126,6 +131,11 @@ impl Comm {
     /// The number of ranks.
     pub fn nranks(&self) -> usize {
         self.nranks
+    }
+
+    /// The reduction operators made on it.
+    pub fn ops(&self) -> &Ops {
+        &self.ops
     }
 
     /// The CUDA device it was made on, or -1.

@@ -9,6 +9,7 @@
 //!   secret.
 //! - [`comm`]: the communicator behind `ncclComm_t`, set up at once or in the background.
 //! - [`group`]: `ncclGroupStart` / `ncclGroupEnd`, per thread.
+//! - [`premul`]: the operators `ncclRedOpCreatePreMulSum` makes.
 //! - [`api`]: the entry points.
 //!
 //! Loading the library starts nothing (no thread, no socket, not even the CUDA driver)
@@ -21,3 +22,4 @@ pub mod comm;
 pub mod group;
 pub mod id;
 mod memory;
+pub mod premul;

@@ -667,3 +667,97 @@ fn an_aborted_rank_fails_the_survivors_calls_by_name_and_they_shrink() {
         assert_eq!(t.join().unwrap(), (2, 2));
     }
 }
+
+#[test]
+fn pre_multiplied_sums_scale_every_input_first() {
+    let n = 3;
+    let ranks = Ranks::new(n);
+    let len = 500;
+    // Every rank makes its operator: a half read now, and a scalar read by each call.
+    let mut half = vec![0.5f32];
+    let mut ops = vec![0; n];
+    for (r, &c) in ranks.0.iter().enumerate() {
+        let made =
+            unsafe { ncclRedOpCreatePreMulSum(&mut ops[r], mut_ptr(&mut half), FLOAT32, 1, c) };
+        assert_eq!(made, NcclResult::Success, "{}", last());
+    }
+    half[0] = 7.0; // read when made: no effect
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|r| (0..n * len).map(|i| value(r, i) as f32).collect())
+        .collect();
+    let sum = |i: usize| (0..n).map(|r| value(r, i)).sum::<f64>() as f32;
+    let mut outs = vec![vec![0f32; n * len]; n];
+    ranks.group(|r, c| unsafe {
+        ncclAllReduce(
+            ptr(&inputs[r]),
+            mut_ptr(&mut outs[r]),
+            n * len,
+            FLOAT32,
+            ops[r],
+            c,
+            null_mut(),
+        )
+    });
+    let want: Vec<f32> = (0..n * len).map(|i| 0.5 * sum(i)).collect();
+    assert!(outs.iter().all(|o| *o == want));
+    let mut parts = vec![vec![0f32; len]; n];
+    ranks.group(|r, c| unsafe {
+        ncclReduceScatter(
+            ptr(&inputs[r]),
+            mut_ptr(&mut parts[r]),
+            len,
+            FLOAT32,
+            ops[r],
+            c,
+            null_mut(),
+        )
+    });
+    for (r, p) in parts.iter().enumerate() {
+        assert_eq!(p[..], want[r * len..(r + 1) * len]);
+    }
+    // An operator of f32 serves f32 calls only, and is gone once destroyed.
+    let mut doubles = vec![1f64; 4];
+    let p = mut_ptr(&mut doubles);
+    let c = ranks.0[0];
+    assert_eq!(
+        unsafe { ncclAllReduce(p, p, 4, FLOAT64, ops[0], c, null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert!(last().contains("made for F32"), "{}", last());
+    for (r, &c) in ranks.0.iter().enumerate() {
+        assert_eq!(unsafe { ncclRedOpDestroy(ops[r], c) }, NcclResult::Success);
+    }
+    let mut v = [1f32];
+    let p = mut_ptr(&mut v);
+    assert_eq!(
+        unsafe { ncclAllReduce(p, p, 1, FLOAT32, ops[0], c, null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert!(
+        last().contains(&format!("operator {} is not one", ops[0])),
+        "{}",
+        last()
+    );
+    // Read by each call: the scalar's value when the reduction runs.
+    let mut scale = vec![1.0f64];
+    let mut made = vec![0; n];
+    for (r, &c) in ranks.0.iter().enumerate() {
+        let at = mut_ptr(&mut scale);
+        assert_eq!(
+            unsafe { ncclRedOpCreatePreMulSum(&mut made[r], at, FLOAT64, 0, c) },
+            NcclResult::Success
+        );
+    }
+    scale[0] = 3.0;
+    let mut root_out = vec![0f64; 2];
+    let inputs: Vec<Vec<f64>> = (0..n).map(|r| vec![r as f64 + 1.0; 2]).collect();
+    ranks.group(|r, c| unsafe {
+        let out = if r == 1 {
+            mut_ptr(&mut root_out)
+        } else {
+            null_mut()
+        };
+        ncclReduce(ptr(&inputs[r]), out, 2, FLOAT64, made[r], 1, c, null_mut())
+    });
+    assert_eq!(root_out, vec![3.0 * 6.0; 2]);
+}
