@@ -11,8 +11,9 @@
 //!
 //! Every one catches panics and turns failures into NCCL's result codes, keeping the text
 //! for `ncclGetLastError` (per thread) and, under `NCCL_DEBUG=WARN` or `INFO`, printing it.
-//! Buffers are host memory here; the stream argument orders nothing yet and a buffer the
-//! CUDA driver calls device memory is refused by name.
+//! Buffers are host memory here, and a call returns when it is done; where there is a CUDA
+//! driver, a buffer it calls device memory is refused by name, and so is a call on a stream
+//! being captured into a graph.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -743,9 +744,10 @@ pub unsafe extern "C" fn ncclAllReduce(
     datatype: c_int,
     op: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclAllReduce", || {
+        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -769,9 +771,10 @@ pub unsafe extern "C" fn ncclBroadcast(
     datatype: c_int,
     root: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclBroadcast", || {
+        memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
         unsafe { broadcast(sendbuff, recvbuff, count, datatype, root, comm) }
     })
@@ -788,9 +791,10 @@ pub unsafe extern "C" fn ncclBcast(
     datatype: c_int,
     root: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclBcast", || {
+        memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
         unsafe { broadcast(buff, buff, count, datatype, root, comm) }
     })
@@ -836,9 +840,10 @@ pub unsafe extern "C" fn ncclReduce(
     op: c_int,
     root: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclReduce", || {
+        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -863,9 +868,10 @@ pub unsafe extern "C" fn ncclAllGather(
     sendcount: usize,
     datatype: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclAllGather", || {
+        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -895,9 +901,10 @@ pub unsafe extern "C" fn ncclReduceScatter(
     datatype: c_int,
     op: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclReduceScatter", || {
+        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -921,9 +928,10 @@ pub unsafe extern "C" fn ncclAlltoAll(
     count: usize,
     datatype: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclAlltoAll", || {
+        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -946,9 +954,10 @@ pub unsafe extern "C" fn ncclGather(
     datatype: c_int,
     root: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclGather", || {
+        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -973,9 +982,10 @@ pub unsafe extern "C" fn ncclScatter(
     datatype: c_int,
     root: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclScatter", || {
+        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -998,9 +1008,10 @@ pub unsafe extern "C" fn ncclSend(
     datatype: c_int,
     peer: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclSend", || {
+        memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
         unsafe { message(sendbuff, count, datatype, peer, comm, "sendbuff") }.and_then(
             |(comm, data, bytes, peer)| group::submit(comm, Op::Send { data, bytes, peer }),
@@ -1019,9 +1030,10 @@ pub unsafe extern "C" fn ncclRecv(
     datatype: c_int,
     peer: c_int,
     comm: *mut Comm,
-    _stream: Stream,
+    stream: Stream,
 ) -> NcclResult {
     done("ncclRecv", || {
+        memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
         unsafe { message(recvbuff, count, datatype, peer, comm, "recvbuff") }
             .and_then(|(comm, buf, bytes, peer)| group::submit(comm, Op::Recv { buf, bytes, peer }))

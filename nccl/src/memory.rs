@@ -16,6 +16,7 @@ const DEVICE: c_uint = 2;
 type Init = unsafe extern "C" fn(c_uint) -> c_int;
 type PointerAttribute = unsafe extern "C" fn(*mut c_void, c_int, u64) -> c_int;
 type CtxDevice = unsafe extern "C" fn(*mut c_int) -> c_int;
+type IsCapturing = unsafe extern "C" fn(*mut c_void, *mut c_uint) -> c_int;
 
 /// The driver, initialised, or `None` where there is none.
 fn driver() -> Option<&'static Library> {
@@ -61,4 +62,27 @@ pub fn current_device() -> Option<c_int> {
     let mut device = -1;
     // SAFETY: writes one int.
     (unsafe { get(&mut device) } == 0).then_some(device)
+}
+
+/// Fails if `stream` is being captured into a CUDA graph: Chorus's calls are driven by the
+/// host, so a graph could not replay them.
+pub fn not_capturing(stream: *mut c_void) -> Outcome {
+    let Some(lib) = driver() else { return Ok(()) };
+    if stream.is_null() {
+        return Ok(());
+    }
+    // SAFETY: cuStreamIsCapturing's signature.
+    let Ok(query) = (unsafe { lib.get::<IsCapturing>(b"cuStreamIsCapturing\0") }) else {
+        return Ok(());
+    };
+    let mut status: c_uint = 0;
+    // SAFETY: `stream` is the caller's CUDA stream; the status is one unsigned int.
+    let asked = unsafe { query(stream, &mut status) };
+    match asked == 0 && status != 0 {
+        true => Err(Failure::usage(
+            "called while its stream is captured into a CUDA graph: Chorus's calls are driven \
+             by the host, and a graph cannot replay them",
+        )),
+        false => Ok(()),
+    }
 }

@@ -53,7 +53,7 @@ impl PreMulSum {
     }
 }
 
-/// The operators a communicator's rank made, by their value less [`FIRST`].
+/// The operators a communicator's rank made, by their value less `ncclNumOps` (5).
 #[derive(Debug, Default)]
 pub struct Ops(Mutex<Vec<Option<PreMulSum>>>);
 
