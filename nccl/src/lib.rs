@@ -8,7 +8,8 @@
 //! - [`id`]: the unique id, which names the rendezvous store its maker serves and the job's
 //!   secret.
 //! - [`comm`]: the communicator behind `ncclComm_t`, set up at once or in the background.
-//! - [`group`]: `ncclGroupStart` / `ncclGroupEnd`, per thread.
+//! - `group`: `ncclGroupStart` / `ncclGroupEnd`, per thread (crate-private: what it
+//!   queues holds the caller's addresses, which only the `unsafe` entry points vouch for).
 //! - [`premul`]: the operators `ncclRedOpCreatePreMulSum` makes.
 //! - [`api`]: the entry points.
 //!
@@ -19,7 +20,7 @@
 pub mod abi;
 pub mod api;
 pub mod comm;
-pub mod group;
+mod group;
 pub mod id;
 mod memory;
 pub mod premul;
