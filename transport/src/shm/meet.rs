@@ -194,15 +194,60 @@ impl ShmTransport {
         deadline: Instant,
         stall: Option<Stall<'_>>,
     ) -> Result<(), TransportError> {
-        let region = self.shared.region();
-        let own = region.meeting(self.own_local);
+        let (target, before) = self.arrive(place, inline);
+        let met = self.await_peers(place, target, deadline, stall);
+        if met.is_err() {
+            self.withdraw(target, before);
+        }
+        met
+    }
+
+    /// Writes this rank's arrival at its next meeting, in the call `place`, with `inline`
+    /// posted bytes; returns the meeting (its epoch) and the epoch its turn held before.
+    fn arrive(&self, place: &CallPlace, inline: Option<&[u64; INLINE_WORDS]>) -> (u32, u32) {
+        let own = self.shared.region().meeting(self.own_local);
         let target = own.epoch().wrapping_add(1);
         let turn = own.turn(target);
+        let before = turn.epoch.load(Relaxed);
         place.write(turn, inline);
-        turn.epoch.store(target, SeqCst);
-        if own.sleepers.load(SeqCst) > 0 {
+        self.set_epoch(turn, target);
+        (target, before)
+    }
+
+    /// Takes back this rank's arrival at meeting `target`, whose turn held `before`: it failed
+    /// there (aborted, timed out, or a peer will not come), so a peer that comes later waits
+    /// and learns why rather than completing the call with a rank that gave up on it. A peer
+    /// that saw the arrival first has met.
+    fn withdraw(&self, target: u32, before: u32) {
+        let own = self.shared.region().meeting(self.own_local);
+        self.set_epoch(own.turn(target), before);
+    }
+
+    /// Stores `epoch` in this rank's `turn` and wakes the peers sleeping on it.
+    fn set_epoch(&self, turn: &Turn<'_>, epoch: u32) {
+        turn.epoch.store(epoch, SeqCst);
+        if self
+            .shared
+            .region()
+            .meeting(self.own_local)
+            .sleepers
+            .load(SeqCst)
+            > 0
+        {
             wake::futex_wake(turn.epoch);
         }
+    }
+
+    /// Waits until every local rank has arrived at meeting `target` of the call `place`, as
+    /// [`meet`](Self::meet) describes.
+    fn await_peers(
+        &self,
+        place: &CallPlace,
+        target: u32,
+        deadline: Instant,
+        stall: Option<Stall<'_>>,
+    ) -> Result<(), TransportError> {
+        let region = self.shared.region();
         let mut polls = 0u32;
         let mut started = None; // from the first slow look: a fast meeting reads no clock
         let mut stall = stall;
@@ -513,7 +558,7 @@ impl<'a> Meeting<'a> {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::super::tests::pair;
+    use super::super::tests::{deadline, pair};
     use super::CallPlace;
     use crate::{Transport, TransportError};
 
@@ -527,24 +572,46 @@ mod tests {
         };
         let epoch = |local: usize| t[0].shared.region().meeting(local).epoch();
         let target = epoch(0).wrapping_add(1);
-        std::thread::scope(|s| {
-            // Rank 1 arrives, then leaves while it waits for rank 0 (its own meeting fails).
-            let waiting =
-                s.spawn(|| t[1].meet(&place, Instant::now() + Duration::from_secs(20), None));
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while epoch(1) != target {
-                assert!(Instant::now() < deadline, "rank 1 never arrived");
-                std::thread::yield_now();
-            }
-            t[1].abort("finished and left");
-            assert!(waiting.join().unwrap().is_err());
-        });
+        // Rank 1 arrives, then leaves: as a rank does that met (rank 0 arrived just after
+        // rank 0's last look) and finished the call.
+        assert_eq!(t[1].arrive(&place, None).0, target);
+        t[1].abort("finished and left");
         // Rank 0 looks at rank 1 only now, as when its last poll came just before the arrival.
         t[0].check_peer(1, 1, &place, target).unwrap();
         // A peer that left without arriving has not.
         let err = t[0]
             .check_peer(1, 1, &place, target.wrapping_add(1))
             .unwrap_err();
+        assert!(
+            matches!(err, TransportError::PeerClosed { peer: 1 }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_rank_whose_meeting_failed_has_not_met() {
+        let t = pair(2);
+        let place = CallPlace {
+            tag: 5 << 32,
+            meets: true,
+            ..CallPlace::default()
+        };
+        let soon = || Instant::now() + Duration::from_millis(50);
+        // Rank 1 arrives, waits for rank 0 in vain and gives up.
+        let err = t[1].meet(&place, soon(), None).unwrap_err();
+        assert!(
+            matches!(err, TransportError::Timeout { peer: 0, .. }),
+            "{err}"
+        );
+        // Rank 0 comes later and does not find it there.
+        let err = t[0].meet(&place, soon(), None).unwrap_err();
+        assert!(
+            matches!(err, TransportError::Timeout { peer: 1, .. }),
+            "{err}"
+        );
+        // Once rank 1 has left, rank 0 names it.
+        t[1].abort("gave up");
+        let err = t[0].meet(&place, deadline(), None).unwrap_err();
         assert!(
             matches!(err, TransportError::PeerClosed { peer: 1 }),
             "{err}"

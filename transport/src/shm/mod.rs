@@ -258,7 +258,7 @@ mod tests {
         out
     }
 
-    fn deadline() -> Instant {
+    pub(super) fn deadline() -> Instant {
         Instant::now() + Duration::from_secs(20)
     }
 
