@@ -11,9 +11,11 @@
 //!
 //! Every one catches panics and turns failures into NCCL's result codes, keeping the text
 //! for `ncclGetLastError` (per thread) and, under `NCCL_DEBUG=WARN` or `INFO`, printing it.
-//! Buffers are host memory here, and a call returns when it is done; where there is a CUDA
-//! driver, a buffer it calls device memory is refused by name, and so is a call on a stream
-//! being captured into a graph.
+//! Where the communicator orders calls on streams (every rank had a current CUDA device when
+//! it was made, and the library was built with the `cuda` feature), a call is issued on its
+//! stream and returns at once; its buffers must stay valid until the stream has passed it.
+//! Elsewhere buffers are host memory, and a call returns when it is done; device memory is
+//! refused there by name. A call on a stream being captured into a graph is refused.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -24,7 +26,7 @@ use chorus::{Communicator, DType, Element, ReduceOp};
 
 use crate::abi::{self, NcclResult, UniqueId, SHRINK_ABORT, SPLIT_NOCOLOR, VERSION_CODE};
 use crate::comm::{Comm, Failure, Outcome};
-use crate::group::{self, Op};
+use crate::group::{self, Message, Op};
 use crate::id::Rendezvous;
 use crate::memory;
 use crate::premul::{scaled, PreMulSum, Scalar, Scale};
@@ -251,8 +253,8 @@ pub unsafe extern "C" fn ncclCommInitAll(
     })
 }
 
-/// `ncclCommFinalize`: every call on host memory has finished by the time it returned, so
-/// there is nothing left to flush.
+/// `ncclCommFinalize`: waits for the communicator's set-up and for every call issued on a
+/// stream to end; fails with the first that failed.
 ///
 /// # Safety
 /// As NCCL requires (see the module's documentation).
@@ -260,11 +262,12 @@ pub unsafe extern "C" fn ncclCommInitAll(
 pub unsafe extern "C" fn ncclCommFinalize(comm: *mut Comm) -> NcclResult {
     done("ncclCommFinalize", || {
         // SAFETY: a handle of this library, as NCCL requires.
-        unsafe { handle(comm) }?.communicator().map(drop)
+        unsafe { handle(comm) }?.joined()?.finish()
     })
 }
 
-/// `ncclCommDestroy`: frees the handle (closing the communicator's connections).
+/// `ncclCommDestroy`: waits for the calls issued on streams to end (as `ncclCommFinalize`),
+/// then frees the handle, closing the communicator's connections.
 ///
 /// # Safety
 /// As NCCL requires (see the module's documentation).
@@ -273,7 +276,11 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: *mut Comm) -> NcclResult {
     done("ncclCommDestroy", || {
         given(comm, "comm")?;
         // SAFETY: a handle of this library, destroyed once, as NCCL requires.
-        drop(unsafe { Box::from_raw(comm) });
+        let comm = unsafe { Box::from_raw(comm) };
+        // Their failures were the calls' to report; the handle goes either way.
+        if let Ok(joined) = comm.joined() {
+            let _ = joined.finish();
+        }
         Ok(())
     })
 }
@@ -320,9 +327,10 @@ pub unsafe extern "C" fn ncclCommSplit(
             })?),
         };
         let split = comm.communicator()?.split(color, i64::from(key))?;
-        let made = split.map_or(std::ptr::null_mut(), |c| {
-            Box::into_raw(Box::new(Comm::made(c, comm.device())))
-        });
+        let made = match split {
+            Some(c) => Box::into_raw(Box::new(Comm::made(c, comm.device())?)),
+            None => std::ptr::null_mut(),
+        };
         // SAFETY: checked non-null; the caller passes room for a handle.
         unsafe { out.write(made) };
         Ok(())
@@ -370,8 +378,9 @@ pub unsafe extern "C" fn ncclCommShrink(
             communicator.abort();
         }
         let shrunk = communicator.shrink(&exclude)?;
+        let made = Box::new(Comm::made(shrunk, comm.device())?);
         // SAFETY: checked non-null; the caller passes room for a handle.
-        unsafe { out.write(Box::into_raw(Box::new(Comm::made(shrunk, comm.device())))) };
+        unsafe { out.write(Box::into_raw(made)) };
         Ok(())
     })
 }
@@ -476,15 +485,24 @@ pub extern "C" fn ncclGroupEnd() -> NcclResult {
 struct Buf {
     at: usize,
     count: usize,
+    /// Whether it is CUDA device memory.
+    device: bool,
 }
 
+/// No buffer (a root's argument off the root).
+const NONE: Buf = Buf {
+    at: 0,
+    count: 0,
+    device: false,
+};
+
 impl Buf {
-    /// `count` elements of `dtype` at `ptr`: checked for a null pointer, alignment, size and
-    /// device memory.
+    /// `count` elements of `dtype` at `ptr`: checked for a null pointer, alignment and size,
+    /// and asked whether it is device memory.
     fn new(ptr: *const c_void, count: usize, dtype: DType, name: &str) -> Outcome<Buf> {
         let size = dtype.size();
         if count == 0 {
-            return Ok(Buf { at: 0, count: 0 });
+            return Ok(NONE);
         }
         if ptr.is_null() {
             return Err(Failure::argument(format!(
@@ -500,10 +518,10 @@ impl Buf {
             .checked_mul(size)
             .filter(|&b| b <= isize::MAX as usize)
             .ok_or_else(|| Failure::argument(format!("{name}: {count} elements are too many")))?;
-        memory::host(ptr, name)?;
         Ok(Buf {
             at: ptr as usize,
             count,
+            device: memory::is_device(ptr),
         })
     }
 
@@ -601,24 +619,151 @@ enum Collective {
 
 /// Queues or runs `call` on `comm`, from `input` into `output` (as the entry point checked
 /// them: equal, an all-gather's input at its rank's block of the output, or apart, but for
-/// the calls that read their input from a copy).
-fn submit(comm: &Comm, call: Collective, dtype: DType, input: Buf, output: Buf) -> Outcome {
-    let run = move |c: &Communicator| {
-        macro_rules! on {
-            ($($dtype:ident => $T:ty),*) => {
-                match dtype {
-                    // SAFETY: the caller's buffers, valid and untouched by others until the
-                    // call (or its group) ends.
-                    $(DType::$dtype => unsafe { run::<$T>(c, call, dtype, input, output) },)*
-                    #[allow(unreachable_patterns)]
-                    other => Err(chorus::Error::InvalidArgument(format!("no type {other:?}"))),
-                }
-            };
-        }
-        on!(F32 => f32, F64 => f64, F16 => chorus::f16, BF16 => chorus::bf16, I8 => i8,
-            U8 => u8, I32 => i32, U32 => u32, I64 => i64, U64 => u64)
+/// the calls that read their input from a copy), in the order of `stream`.
+fn submit(
+    comm: &Comm,
+    call: Collective,
+    dtype: DType,
+    (input, output): (Buf, Buf),
+    stream: Stream,
+) -> Outcome {
+    if input.count > 0 && output.count > 0 && input.device != output.device {
+        let kind = |b: Buf| if b.device { "device" } else { "host" };
+        return Err(Failure::argument(format!(
+            "sendbuff is {} memory and recvbuff {} memory: both must be the same",
+            kind(input),
+            kind(output)
+        )));
+    }
+    let stream = stream as usize;
+    let issue = move |comm: &Comm| issue(comm, call, dtype, (input, output), stream);
+    group::submit(comm, Op::Collective(Box::new(issue)))
+}
+
+/// Issues `call` on `stream` where the communicator orders calls on streams; runs it now
+/// otherwise (host memory only).
+fn issue(
+    comm: &Comm,
+    call: Collective,
+    dtype: DType,
+    (input, output): (Buf, Buf),
+    stream: usize,
+) -> Outcome {
+    let joined = comm.joined()?;
+    let device = input.device || output.device;
+    #[cfg(feature = "cuda")]
+    if let Some(ordered) = &joined.ordered {
+        return match device {
+            false => ordered.host(
+                stream,
+                Box::new(move |c| on_host(c, call, dtype, input, output)),
+            ),
+            // SAFETY: the caller's device buffers, valid and written by nothing else until
+            // the call has ended on its stream (NCCL's rule).
+            true => unsafe { on_device(ordered, call, dtype, (input, output), stream) },
+        };
+    }
+    let _ = stream;
+    match device {
+        true => Err(Failure::usage(memory::NO_DEVICE_CALLS)),
+        false => on_host(&joined.communicator, call, dtype, input, output).map_err(Failure::from),
+    }
+}
+
+/// Runs `call` on host memory, on this thread.
+fn on_host(
+    c: &Communicator,
+    call: Collective,
+    dtype: DType,
+    input: Buf,
+    output: Buf,
+) -> chorus::Result<()> {
+    macro_rules! on {
+        ($($dtype:ident => $T:ty),*) => {
+            match dtype {
+                // SAFETY: the caller's buffers (or page-locked copies of them), valid and
+                // untouched by others until the call ends.
+                $(DType::$dtype => unsafe { run::<$T>(c, call, dtype, input, output) },)*
+                #[allow(unreachable_patterns)]
+                other => Err(chorus::Error::InvalidArgument(format!("no type {other:?}"))),
+            }
+        };
+    }
+    on!(F32 => f32, F64 => f64, F16 => chorus::f16, BF16 => chorus::bf16, I8 => i8,
+        U8 => u8, I32 => i32, U32 => u32, I64 => i64, U64 => u64)
+}
+
+/// Issues `call` on device memory: on the device path where Chorus has one for it, else as
+/// host collectives on page-locked copies.
+///
+/// # Safety
+/// The caller's device buffers stay valid, and written by nothing else, until the call has
+/// ended on its stream.
+#[cfg(feature = "cuda")]
+unsafe fn on_device(
+    ordered: &crate::ordered::Ordered,
+    call: Collective,
+    dtype: DType,
+    (input, output): (Buf, Buf),
+    stream: usize,
+) -> Outcome {
+    if let Some((on, count, at)) = device_call(call, input, output) {
+        // SAFETY: as the function requires.
+        return unsafe { ordered.device(on, dtype, at, count, stream) };
+    }
+    use chorus::cuda::Staged;
+    let mut memory = Vec::new();
+    if input.count > 0 {
+        memory.push(Staged::Input(input.at as u64, input.bytes(dtype)));
+    }
+    if output.count > 0 {
+        memory.push(Staged::Output(output.at as u64, output.bytes(dtype)));
+    }
+    let on_copies = move |c: &Communicator, pieces: &mut [&mut [u8]]| {
+        let mut copies = pieces.iter_mut().map(|p| p.as_mut_ptr() as usize);
+        let mut host = |b: Buf| match b.count {
+            0 => NONE,
+            _ => Buf {
+                at: copies.next().unwrap_or_default(),
+                device: false,
+                ..b
+            },
+        };
+        let (input, output) = (host(input), host(output));
+        on_host(c, call, dtype, input, output)
     };
-    group::submit(comm, Op::Collective(Box::new(run)))
+    // SAFETY: as the function requires.
+    unsafe { ordered.staged(memory, stream, Box::new(on_copies)) }
+}
+
+/// The device path's form of `call` (the call, its count per block, the input and output
+/// addresses), where it has one: the five collectives it implements, with Chorus's own
+/// operators.
+#[cfg(feature = "cuda")]
+fn device_call(
+    call: Collective,
+    input: Buf,
+    output: Buf,
+) -> Option<(chorus::cuda::DeviceCall, usize, (usize, usize))> {
+    use chorus::cuda::DeviceCall as On;
+    use Reduction::Builtin;
+    let both = (input.at, output.at);
+    Some(match call {
+        Collective::AllReduce(Builtin(op)) => (On::AllReduce(op), output.count, both),
+        Collective::Broadcast(root) => (On::Broadcast { root }, output.count, both),
+        Collective::Reduce(Builtin(op), root) => {
+            // Off the root the output stays untouched: the input stands in for a NULL one.
+            let output = if output.count == 0 {
+                input.at
+            } else {
+                output.at
+            };
+            (On::Reduce { op, root }, input.count, (input.at, output))
+        }
+        Collective::AllGather => (On::AllGather, input.count, both),
+        Collective::ReduceScatter(Builtin(op)) => (On::ReduceScatter(op), output.count, both),
+        _ => return None,
+    })
 }
 
 /// Runs `call` on elements of `T`.
@@ -728,7 +873,7 @@ fn on_root(
 ) -> Outcome<Buf> {
     match comm.rank() == root {
         true => Buf::new(ptr, count, dtype, name),
-        false => Ok(Buf { at: 0, count: 0 }),
+        false => Ok(NONE),
     }
 }
 
@@ -755,7 +900,13 @@ pub unsafe extern "C" fn ncclAllReduce(
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
         equal_or_apart(input, output, dtype)?;
-        submit(comm, Collective::AllReduce(op), dtype, input, output)
+        submit(
+            comm,
+            Collective::AllReduce(op),
+            dtype,
+            (input, output),
+            stream,
+        )
     })
 }
 
@@ -776,7 +927,7 @@ pub unsafe extern "C" fn ncclBroadcast(
     done("ncclBroadcast", || {
         memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
-        unsafe { broadcast(sendbuff, recvbuff, count, datatype, root, comm) }
+        unsafe { broadcast(sendbuff, recvbuff, count, datatype, root, comm, stream) }
     })
 }
 
@@ -796,7 +947,7 @@ pub unsafe extern "C" fn ncclBcast(
     done("ncclBcast", || {
         memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
-        unsafe { broadcast(buff, buff, count, datatype, root, comm) }
+        unsafe { broadcast(buff, buff, count, datatype, root, comm, stream) }
     })
 }
 
@@ -811,6 +962,7 @@ unsafe fn broadcast(
     datatype: c_int,
     root: c_int,
     comm: *mut Comm,
+    stream: Stream,
 ) -> Outcome {
     let dtype = parse_dtype(datatype)?;
     // SAFETY: a handle of this library, as NCCL requires.
@@ -823,7 +975,13 @@ unsafe fn broadcast(
         false => output,
     };
     equal_or_apart(input, output, dtype)?;
-    submit(comm, Collective::Broadcast(root), dtype, input, output)
+    submit(
+        comm,
+        Collective::Broadcast(root),
+        dtype,
+        (input, output),
+        stream,
+    )
 }
 
 /// `ncclReduce`: every rank's `sendbuff` reduced into `root`'s `recvbuff` (read nowhere
@@ -852,7 +1010,13 @@ pub unsafe extern "C" fn ncclReduce(
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
         let output = on_root(comm, root, recvbuff, count, dtype, "recvbuff")?;
         equal_or_apart(input, output, dtype)?;
-        submit(comm, Collective::Reduce(op, root), dtype, input, output)
+        submit(
+            comm,
+            Collective::Reduce(op, root),
+            dtype,
+            (input, output),
+            stream,
+        )
     })
 }
 
@@ -884,7 +1048,7 @@ pub unsafe extern "C" fn ncclAllGather(
                 "sendbuff overlaps recvbuff without being this rank's block of it",
             ));
         }
-        submit(comm, Collective::AllGather, dtype, input, output)
+        submit(comm, Collective::AllGather, dtype, (input, output), stream)
     })
 }
 
@@ -912,7 +1076,13 @@ pub unsafe extern "C" fn ncclReduceScatter(
         let total = count_of(recvcount, comm.nranks(), "sendbuff")?;
         let input = Buf::new(sendbuff, total, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, recvcount, dtype, "recvbuff")?;
-        submit(comm, Collective::ReduceScatter(op), dtype, input, output)
+        submit(
+            comm,
+            Collective::ReduceScatter(op),
+            dtype,
+            (input, output),
+            stream,
+        )
     })
 }
 
@@ -938,7 +1108,7 @@ pub unsafe extern "C" fn ncclAlltoAll(
         let total = count_of(count, comm.nranks(), "buffers")?;
         let input = Buf::new(sendbuff, total, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, total, dtype, "recvbuff")?;
-        submit(comm, Collective::AllToAll, dtype, input, output)
+        submit(comm, Collective::AllToAll, dtype, (input, output), stream)
     })
 }
 
@@ -965,7 +1135,13 @@ pub unsafe extern "C" fn ncclGather(
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
         let total = count_of(count, comm.nranks(), "recvbuff")?;
         let output = on_root(comm, root, recvbuff, total, dtype, "recvbuff")?;
-        submit(comm, Collective::Gather(root), dtype, input, output)
+        submit(
+            comm,
+            Collective::Gather(root),
+            dtype,
+            (input, output),
+            stream,
+        )
     })
 }
 
@@ -993,7 +1169,13 @@ pub unsafe extern "C" fn ncclScatter(
         let total = count_of(count, comm.nranks(), "sendbuff")?;
         let input = on_root(comm, root, sendbuff, total, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
-        submit(comm, Collective::Scatter(root), dtype, input, output)
+        submit(
+            comm,
+            Collective::Scatter(root),
+            dtype,
+            (input, output),
+            stream,
+        )
     })
 }
 
@@ -1013,9 +1195,8 @@ pub unsafe extern "C" fn ncclSend(
     done("ncclSend", || {
         memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
-        unsafe { message(sendbuff, count, datatype, peer, comm, "sendbuff") }.and_then(
-            |(comm, data, bytes, peer)| group::submit(comm, Op::Send { data, bytes, peer }),
-        )
+        unsafe { message(sendbuff, count, datatype, peer, comm, stream, "sendbuff") }
+            .and_then(|(comm, m)| group::submit(comm, Op::Send(m)))
     })
 }
 
@@ -1035,8 +1216,8 @@ pub unsafe extern "C" fn ncclRecv(
     done("ncclRecv", || {
         memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
-        unsafe { message(recvbuff, count, datatype, peer, comm, "recvbuff") }
-            .and_then(|(comm, buf, bytes, peer)| group::submit(comm, Op::Recv { buf, bytes, peer }))
+        unsafe { message(recvbuff, count, datatype, peer, comm, stream, "recvbuff") }
+            .and_then(|(comm, m)| group::submit(comm, Op::Recv(m)))
     })
 }
 
@@ -1050,14 +1231,22 @@ unsafe fn message<'a>(
     datatype: c_int,
     peer: c_int,
     comm: *mut Comm,
+    stream: Stream,
     name: &str,
-) -> Outcome<(&'a Comm, usize, usize, usize)> {
+) -> Outcome<(&'a Comm, Message)> {
     let dtype = parse_dtype(datatype)?;
     // SAFETY: a handle of this library, as NCCL requires.
     let comm = unsafe { handle(comm) }?;
     let peer = rank_of(peer, comm, "peer")?;
     let buf = Buf::new(ptr, count, dtype, name)?;
-    Ok((comm, buf.at, buf.bytes(dtype), peer))
+    let message = Message {
+        at: buf.at,
+        bytes: buf.bytes(dtype),
+        peer,
+        device: buf.device,
+        stream: stream as usize,
+    };
+    Ok((comm, message))
 }
 
 /// `ncclRedOpCreatePreMulSum`: an operator of `comm` that sums every rank's input
@@ -1109,6 +1298,33 @@ pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, comm: *mut Comm) -> NcclRes
         // SAFETY: a handle of this library, as NCCL requires.
         unsafe { handle(comm) }?.ops().destroy(op)
     })
+}
+
+/// `ncclMemAlloc`: `size` bytes of device memory on the current device, or, where there is
+/// no CUDA driver or no current device, page-aligned host memory (which the calls take as
+/// host buffers); NULL for zero bytes.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> NcclResult {
+    done("ncclMemAlloc", || {
+        let out = given(ptr, "ptr")?;
+        let made = memory::alloc(size)?;
+        // SAFETY: checked non-null; the caller passes room for a pointer.
+        unsafe { out.write(made) };
+        Ok(())
+    })
+}
+
+/// `ncclMemFree`: frees what `ncclMemAlloc` returned (nothing for NULL).
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation): `ptr` is NULL or from `ncclMemAlloc`,
+/// freed once, and no call in flight uses it.
+#[no_mangle]
+pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> NcclResult {
+    done("ncclMemFree", || memory::free(ptr))
 }
 
 /// `ncclCommRegister`: host buffers need no registration; the handle names the buffer.
@@ -1180,8 +1396,6 @@ unsupported! {
     ncclCommWindowRegister(a: *mut Comm, b: *mut c_void, c: usize, d: *mut *mut c_void, e: c_int);
     ncclCommWindowDeregister(a: *mut Comm, b: *mut c_void);
     ncclWinGetUserPtr(a: *mut Comm, b: *mut c_void, c: *mut *mut c_void);
-    ncclMemAlloc(a: *mut *mut c_void, b: usize);
-    ncclMemFree(a: *mut c_void);
     ncclPutSignal(a: *const c_void, b: usize, c: c_int, d: c_int, e: *mut c_void, f: usize, g: c_int, h: c_int, i: u32, j: *mut Comm, k: Stream);
     ncclSignal(a: c_int, b: c_int, c: c_int, d: u32, e: *mut Comm, f: Stream);
     ncclWaitSignal(a: c_int, b: *mut c_void, c: *mut Comm, d: Stream);

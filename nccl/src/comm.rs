@@ -65,6 +65,52 @@ fn code(e: &chorus::Error) -> NcclResult {
 /// A call's outcome at the C boundary.
 pub type Outcome<T = ()> = Result<T, Failure>;
 
+/// A communicator once set up: Chorus's, and where every rank has a CUDA device (and the
+/// library was built with the `cuda` feature), the device communicator that orders calls on
+/// the caller's streams.
+pub struct Joined {
+    /// The host communicator.
+    pub communicator: Communicator,
+    /// Calls ordered on CUDA streams, where every rank had a device when it was made.
+    #[cfg(feature = "cuda")]
+    pub(crate) ordered: Option<crate::ordered::Ordered>,
+}
+
+impl Joined {
+    /// Sets `communicator` up for calls on `device`'s streams where every rank has a
+    /// device (collective: every rank of `communicator` calls it).
+    fn new(communicator: Communicator, device: c_int) -> Outcome<Joined> {
+        #[cfg(feature = "cuda")]
+        let ordered = crate::ordered::Ordered::make(&communicator, device)?;
+        #[cfg(not(feature = "cuda"))]
+        let _ = device;
+        Ok(Joined {
+            communicator,
+            #[cfg(feature = "cuda")]
+            ordered,
+        })
+    }
+
+    /// The first failure of a call issued on a stream that has ended since (none without
+    /// streams).
+    fn stream_failure(&self) -> Option<Failure> {
+        #[cfg(feature = "cuda")]
+        if let Some(ordered) = &self.ordered {
+            return ordered.failure();
+        }
+        None
+    }
+
+    /// Waits for every call issued on a stream to end; fails with the first that failed.
+    pub fn finish(&self) -> Outcome {
+        #[cfg(feature = "cuda")]
+        if let Some(ordered) = &self.ordered {
+            return ordered.finish();
+        }
+        Ok(())
+    }
+}
+
 /// The handle `ncclComm_t` points to.
 pub struct Comm {
     rank: usize,
@@ -72,9 +118,9 @@ pub struct Comm {
     /// The CUDA device current when the communicator was made, or -1 without one.
     device: c_int,
     /// The communicator once set up (or why it could not be).
-    ready: OnceLock<Outcome<Communicator>>,
+    ready: OnceLock<Outcome<Joined>>,
     /// Its set-up, while it runs in the background.
-    joining: Mutex<Option<JoinHandle<Outcome<Communicator>>>>,
+    joining: Mutex<Option<JoinHandle<Outcome<Joined>>>>,
     /// The reduction operators made on it.
     ops: Ops,
 }
@@ -96,7 +142,8 @@ impl Comm {
         let joining = std::thread::Builder::new()
             .name(format!("nccl-init-{rank}"))
             .spawn(move || {
-                Communicator::with_store_server(config, server, &prefix).map_err(Failure::from)
+                let communicator = Communicator::with_store_server(config, server, &prefix)?;
+                Joined::new(communicator, device)
             })
             .map_err(|e| Failure::new(NcclResult::SystemError, format!("no thread: {e}")))?;
         Ok(Comm {
@@ -109,8 +156,9 @@ impl Comm {
         })
     }
 
-    /// A handle for `communicator`, set up already (a split or a shrink).
-    pub fn made(communicator: Communicator, device: c_int) -> Comm {
+    /// A handle for `communicator`, set up already (a split or a shrink); collective over
+    /// its ranks where they have devices.
+    pub fn made(communicator: Communicator, device: c_int) -> Outcome<Comm> {
         let comm = Comm {
             rank: communicator.rank(),
             nranks: communicator.world_size(),
@@ -119,8 +167,8 @@ impl Comm {
             joining: Mutex::new(None),
             ops: Ops::default(),
         };
-        let _ = comm.ready.set(Ok(communicator));
-        comm
+        let _ = comm.ready.set(Ok(Joined::new(communicator, device)?));
+        Ok(comm)
     }
 
     /// This rank.
@@ -143,8 +191,13 @@ impl Comm {
         self.device
     }
 
-    /// The communicator, waiting for its set-up if it still runs.
+    /// The host communicator, waiting for its set-up if it still runs.
     pub fn communicator(&self) -> Outcome<&Communicator> {
+        self.joined().map(|j| &j.communicator)
+    }
+
+    /// The communicator set up, waiting for its set-up if it still runs.
+    pub fn joined(&self) -> Outcome<&Joined> {
         if let Some(ready) = self.ready.get() {
             return ready.as_ref().map_err(Clone::clone);
         }
@@ -184,15 +237,20 @@ impl Comm {
     }
 
     /// What `ncclCommGetAsyncError` reports: the set-up still running, its failure, or the
-    /// fault that broke the communicator since (a dead peer, a mismatched call, a stall).
+    /// fault that broke the communicator since (a dead peer, a mismatched call, a stall, a
+    /// call on a stream that failed after it was issued).
     pub fn async_error(&self) -> Outcome<NcclResult> {
         if self.in_progress() {
             return Ok(NcclResult::InProgress);
         }
-        let communicator = self.communicator()?;
-        Ok(match communicator.failure() {
-            Some(e) => {
-                let failure = Failure::from(e);
+        let joined = self.joined()?;
+        let found = joined
+            .communicator
+            .failure()
+            .map(Failure::from)
+            .or_else(|| joined.stream_failure());
+        Ok(match found {
+            Some(failure) => {
                 crate::api::remember(&failure.text);
                 failure.code
             }

@@ -10,32 +10,35 @@ use chorus::Communicator;
 
 use crate::comm::{Comm, Failure, Outcome};
 
-/// A collective waiting for its group's end; it owns what it needs of the caller's buffers
-/// as addresses, which the caller keeps valid until the group ends.
-pub type Collective = Box<dyn FnOnce(&Communicator) -> chorus::Result<()> + Send>;
+/// A collective waiting for its group's end: it issues the call on the communicator (run
+/// at once, or on its stream); it holds the caller's buffers as addresses, which the caller
+/// keeps valid until the group ends (and, on a stream, until the call has ended there).
+pub type Collective = Box<dyn FnOnce(&Comm) -> Outcome + Send>;
 
 /// A call waiting for its group's end.
 pub enum Op {
-    /// A collective, run in order with the communicator's others.
+    /// A collective, issued in order with the communicator's others.
     Collective(Collective),
-    /// A send of `bytes` at `data` to `peer`.
-    Send {
-        /// Address of the bytes.
-        data: usize,
-        /// How many.
-        bytes: usize,
-        /// To which rank.
-        peer: usize,
-    },
-    /// A receive of `bytes` into `buf` from `peer`.
-    Recv {
-        /// Address of the buffer.
-        buf: usize,
-        /// How many bytes.
-        bytes: usize,
-        /// From which rank.
-        peer: usize,
-    },
+    /// A send of the message's bytes.
+    Send(Message),
+    /// A receive into the message's buffer.
+    Recv(Message),
+}
+
+/// A send's bytes or a receive's buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Message {
+    /// Address of the bytes.
+    pub at: usize,
+    /// How many.
+    pub bytes: usize,
+    /// To or from which rank.
+    pub peer: usize,
+    /// Whether they are CUDA device memory.
+    pub device: bool,
+    /// The CUDA stream the call is ordered on (its raw handle; read where calls are).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub stream: usize,
 }
 
 /// This thread's open groups.
@@ -171,44 +174,100 @@ fn panicked() -> Failure {
 
 /// One communicator's share of a group: its collectives in order, then its messages at once.
 fn run_on(comm: &Comm, ops: Vec<Op>) -> Outcome {
-    let communicator = comm.communicator()?;
     let mut sends = Vec::new();
     let mut recvs = Vec::new();
     for op in ops {
         match op {
-            Op::Collective(call) => call(communicator)?,
-            Op::Send { data, bytes, peer } => sends.push((data, bytes, peer)),
-            Op::Recv { buf, bytes, peer } => recvs.push((buf, bytes, peer)),
+            Op::Collective(call) => call(comm)?,
+            Op::Send(m) => sends.push(m),
+            Op::Recv(m) => recvs.push(m),
         }
     }
     if sends.is_empty() && recvs.is_empty() {
         return Ok(());
     }
-    for &(_, _, peer) in sends.iter().chain(&recvs) {
-        if peer >= comm.nranks() {
-            return Err(Failure::argument(format!(
-                "peer {peer} is not a rank of this communicator of {}",
-                comm.nranks()
-            )));
-        }
+    let joined = comm.joined()?;
+    #[cfg(feature = "cuda")]
+    if let Some(ordered) = &joined.ordered {
+        return exchange_ordered(ordered, sends, recvs);
     }
-    let posted: chorus::Result<()> = communicator.group(|g| {
-        for &(data, bytes, peer) in &sends {
-            // SAFETY: the caller keeps its buffers valid and unchanged until the group ends.
+    match sends.iter().chain(&recvs).any(|m| m.device) {
+        true => Err(Failure::usage(crate::memory::NO_DEVICE_CALLS)),
+        false => post(&joined.communicator, &sends, &recvs).map_err(Failure::from),
+    }
+}
+
+/// Posts `sends` and `recvs`, in host memory, at once.
+fn post(c: &Communicator, sends: &[Message], recvs: &[Message]) -> chorus::Result<()> {
+    c.group(|g| {
+        for m in sends {
+            // SAFETY: the caller keeps its buffers valid and unchanged until the messages
+            // have gone (the group's end, or the call's end on its stream).
             g.send(
-                unsafe { std::slice::from_raw_parts(data as *const u8, bytes) },
-                peer,
+                unsafe { std::slice::from_raw_parts(m.at as *const u8, m.bytes) },
+                m.peer,
                 TAG,
             );
         }
-        for &(buf, bytes, peer) in &recvs {
+        for m in recvs {
             // SAFETY: as above, and no other call of the group writes a receive's buffer.
             g.recv(
-                unsafe { std::slice::from_raw_parts_mut(buf as *mut u8, bytes) },
-                peer,
+                unsafe { std::slice::from_raw_parts_mut(m.at as *mut u8, m.bytes) },
+                m.peer,
                 TAG,
             );
         }
-    });
-    posted.map_err(Failure::from)
+    })
+}
+
+/// Issues a group's messages on their stream, the device memory among them through
+/// page-locked copies.
+#[cfg(feature = "cuda")]
+fn exchange_ordered(
+    ordered: &crate::ordered::Ordered,
+    sends: Vec<Message>,
+    recvs: Vec<Message>,
+) -> Outcome {
+    use chorus::cuda::Staged;
+    let mut streams = sends.iter().chain(&recvs).map(|m| m.stream);
+    let stream = streams.next().unwrap_or_default();
+    if streams.any(|s| s != stream) {
+        return Err(Failure::usage(
+            "the sends and receives of one group on one communicator are on different \
+             streams: Chorus orders them on one",
+        ));
+    }
+    let mut memory = Vec::new();
+    memory.extend(
+        sends
+            .iter()
+            .filter(|m| m.device)
+            .map(|m| Staged::Input(m.at as u64, m.bytes)),
+    );
+    memory.extend(
+        recvs
+            .iter()
+            .filter(|m| m.device)
+            .map(|m| Staged::Output(m.at as u64, m.bytes)),
+    );
+    if memory.is_empty() {
+        return ordered.host(stream, Box::new(move |c| post(c, &sends, &recvs)));
+    }
+    let on_copies = move |c: &Communicator, pieces: &mut [&mut [u8]]| {
+        let mut copies = pieces.iter_mut().map(|p| p.as_mut_ptr() as usize);
+        let mut host = |m: &Message| match m.device {
+            true => Message {
+                at: copies.next().unwrap_or_default(),
+                device: false,
+                ..*m
+            },
+            false => *m,
+        };
+        let sends: Vec<_> = sends.iter().map(&mut host).collect();
+        let recvs: Vec<_> = recvs.iter().map(&mut host).collect();
+        post(c, &sends, &recvs)
+    };
+    // SAFETY: the caller's device buffers stay valid, and written by nothing else, until the
+    // call has ended on its stream (NCCL's rule).
+    unsafe { ordered.staged(memory, stream, Box::new(on_copies)) }
 }

@@ -11,11 +11,16 @@
 //! - `group`: `ncclGroupStart` / `ncclGroupEnd`, per thread (crate-private: what it
 //!   queues holds the caller's addresses, which only the `unsafe` entry points vouch for).
 //! - [`premul`]: the operators `ncclRedOpCreatePreMulSum` makes.
+//! - `ordered` (cargo feature `cuda`): calls ordered on the caller's CUDA streams, on device
+//!   memory and host memory alike (crate-private, as `group` is).
 //! - [`api`]: the entry points.
 //!
 //! Loading the library starts nothing (no thread, no socket, not even the CUDA driver)
-//! until a call asks; no panic crosses the C boundary. The collectives run on host memory,
-//! returning when done; see `docs/nccl.md` for what is supported and how what is not fails.
+//! until a call asks; no panic crosses the C boundary. Where every rank had a current CUDA
+//! device when its communicator was made (and the library was built with `cuda`), each call
+//! is issued on its stream and returns at once, as NCCL's do; elsewhere calls run on host
+//! memory and return when done. See `docs/nccl.md` for what is supported and how what is
+//! not fails.
 
 pub mod abi;
 pub mod api;
@@ -23,4 +28,6 @@ pub mod comm;
 mod group;
 pub mod id;
 mod memory;
+#[cfg(feature = "cuda")]
+mod ordered;
 pub mod premul;

@@ -1,80 +1,112 @@
-//! What the CUDA driver says of a buffer and of the calling thread, where there is a driver:
-//! opened the first time a call asks, so loading this library does nothing.
+//! What the CUDA driver says of a buffer and of the calling thread, and the memory
+//! `ncclMemAlloc` hands out: the driver is opened the first time a call asks (so loading
+//! this library does nothing), and its entry points are looked up once.
 
+use std::alloc::Layout;
+use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock, PoisonError};
 
-use libloading::{Library, Symbol};
+use libloading::Library;
 
+use crate::abi::NcclResult;
 use crate::comm::{Failure, Outcome};
 
 /// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`.
 const MEMORY_TYPE: c_int = 2;
 /// `CU_MEMORYTYPE_DEVICE`.
 const DEVICE: c_uint = 2;
+/// The alignment of host memory `ncclMemAlloc` hands out where there is no device: a page,
+/// as the driver's allocations are at least.
+const HOST_ALIGN: usize = 4096;
+
+/// Why a call on device memory fails where calls cannot be ordered on streams.
+#[cfg(feature = "cuda")]
+pub const NO_DEVICE_CALLS: &str = "a buffer is CUDA device memory, but this communicator \
+    orders no calls on streams: some rank had no current CUDA device when it was made";
+/// Why a call on device memory fails in a library built without the device path.
+#[cfg(not(feature = "cuda"))]
+pub const NO_DEVICE_CALLS: &str = "a buffer is CUDA device memory, which this build of the \
+    library does not move: build it with `--features cuda` (see docs/nccl.md)";
 
 type Init = unsafe extern "C" fn(c_uint) -> c_int;
 type PointerAttribute = unsafe extern "C" fn(*mut c_void, c_int, u64) -> c_int;
 type CtxDevice = unsafe extern "C" fn(*mut c_int) -> c_int;
 type IsCapturing = unsafe extern "C" fn(*mut c_void, *mut c_uint) -> c_int;
+type MemAlloc = unsafe extern "C" fn(*mut u64, usize) -> c_int;
+type MemFree = unsafe extern "C" fn(u64) -> c_int;
 
-/// The driver, initialised, or `None` where there is none.
-fn driver() -> Option<&'static Library> {
-    static DRIVER: OnceLock<Option<Library>> = OnceLock::new();
-    DRIVER
-        .get_or_init(|| {
-            // SAFETY: libcuda's initialisers only set up the driver.
-            let lib = unsafe { Library::new("libcuda.so.1") }.ok()?;
-            // SAFETY: cuInit's signature; it may be called any number of times.
-            let init: Symbol<Init> = unsafe { lib.get(b"cuInit\0") }.ok()?;
-            // SAFETY: as above.
-            (unsafe { init(0) } == 0).then_some(())?;
-            Some(lib)
-        })
-        .as_ref()
+/// The driver's entry points this library asks, resolved once.
+struct Driver {
+    pointer_attribute: PointerAttribute,
+    ctx_device: CtxDevice,
+    is_capturing: Option<IsCapturing>,
+    mem_alloc: MemAlloc,
+    mem_free: MemFree,
+    /// Keeps the entry points loaded.
+    _lib: Library,
 }
 
-/// Fails, naming `name`, if `ptr` is CUDA device memory, which this library does not move yet.
-pub fn host(ptr: *const c_void, name: &str) -> Outcome {
-    let Some(lib) = driver() else { return Ok(()) };
-    // SAFETY: cuPointerGetAttribute's signature.
-    let Ok(attribute) = (unsafe { lib.get::<PointerAttribute>(b"cuPointerGetAttribute\0") }) else {
-        return Ok(());
-    };
+/// The driver, initialised, or `None` where there is none.
+fn driver() -> Option<&'static Driver> {
+    static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
+    DRIVER.get_or_init(open).as_ref()
+}
+
+fn open() -> Option<Driver> {
+    // SAFETY: libcuda's initialisers only set up the driver.
+    let lib = unsafe { Library::new("libcuda.so.1") }.ok()?;
+    // SAFETY: each symbol is looked up with the driver API's signature for that name; the
+    // pointers are kept beside the library, which stays loaded.
+    unsafe {
+        let init = *lib.get::<Init>(b"cuInit\0").ok()?;
+        (init(0) == 0).then_some(())?;
+        Some(Driver {
+            pointer_attribute: *lib.get(b"cuPointerGetAttribute\0").ok()?,
+            ctx_device: *lib.get(b"cuCtxGetDevice\0").ok()?,
+            is_capturing: lib.get(b"cuStreamIsCapturing\0").ok().map(|s| *s),
+            mem_alloc: *lib.get(b"cuMemAlloc_v2\0").ok()?,
+            mem_free: *lib.get(b"cuMemFree_v2\0").ok()?,
+            _lib: lib,
+        })
+    }
+}
+
+/// Whether there is a CUDA driver, initialised.
+#[cfg(feature = "cuda")]
+pub fn has_driver() -> bool {
+    driver().is_some()
+}
+
+/// Whether `ptr` is CUDA device memory (never, where there is no driver).
+pub fn is_device(ptr: *const c_void) -> bool {
+    let Some(driver) = driver() else { return false };
     let mut kind: c_uint = 0;
     // SAFETY: the attribute is a CUmemorytype (an unsigned int) written into `kind`; any
     // address may be asked about (pageable host memory answers with an error).
-    let found = unsafe { attribute((&mut kind as *mut c_uint).cast(), MEMORY_TYPE, ptr as u64) };
-    match found == 0 && kind == DEVICE {
-        true => Err(Failure::usage(format!(
-            "{name} {ptr:p} is CUDA device memory, which this library does not move yet: \
-             host memory only (see docs/nccl.md)"
-        ))),
-        false => Ok(()),
-    }
+    let found = unsafe {
+        (driver.pointer_attribute)((&mut kind as *mut c_uint).cast(), MEMORY_TYPE, ptr as u64)
+    };
+    found == 0 && kind == DEVICE
 }
 
 /// The device of the calling thread's current CUDA context, if there is one.
 pub fn current_device() -> Option<c_int> {
-    let lib = driver()?;
-    // SAFETY: cuCtxGetDevice's signature.
-    let get: Symbol<CtxDevice> = unsafe { lib.get(b"cuCtxGetDevice\0") }.ok()?;
+    let driver = driver()?;
     let mut device = -1;
     // SAFETY: writes one int.
-    (unsafe { get(&mut device) } == 0).then_some(device)
+    (unsafe { (driver.ctx_device)(&mut device) } == 0).then_some(device)
 }
 
 /// Fails if `stream` is being captured into a CUDA graph: Chorus's calls are driven by the
 /// host, so a graph could not replay them.
 pub fn not_capturing(stream: *mut c_void) -> Outcome {
-    let Some(lib) = driver() else { return Ok(()) };
+    let Some(query) = driver().and_then(|d| d.is_capturing) else {
+        return Ok(());
+    };
     if stream.is_null() {
         return Ok(());
     }
-    // SAFETY: cuStreamIsCapturing's signature.
-    let Ok(query) = (unsafe { lib.get::<IsCapturing>(b"cuStreamIsCapturing\0") }) else {
-        return Ok(());
-    };
     let mut status: c_uint = 0;
     // SAFETY: `stream` is the caller's CUDA stream; the status is one unsigned int.
     let asked = unsafe { query(stream, &mut status) };
@@ -85,4 +117,74 @@ pub fn not_capturing(stream: *mut c_void) -> Outcome {
         )),
         false => Ok(()),
     }
+}
+
+/// Host allocations `ncclMemAlloc` made (where there was no device), by address.
+fn host_blocks() -> &'static Mutex<HashMap<usize, Layout>> {
+    static BLOCKS: OnceLock<Mutex<HashMap<usize, Layout>>> = OnceLock::new();
+    BLOCKS.get_or_init(Mutex::default)
+}
+
+/// `bytes` of memory for buffers of collectives (`ncclMemAlloc`): device memory on the
+/// calling thread's current device, or, where there is no driver or no current device,
+/// page-aligned host memory (which this library's calls take as host buffers). Null for
+/// zero bytes.
+pub fn alloc(bytes: usize) -> Outcome<*mut c_void> {
+    if bytes == 0 {
+        return Ok(std::ptr::null_mut());
+    }
+    if let Some(driver) = driver().filter(|_| current_device().is_some()) {
+        let mut at = 0u64;
+        // SAFETY: writes one device address.
+        let made = unsafe { (driver.mem_alloc)(&mut at, bytes) };
+        return match made {
+            0 => Ok(at as *mut c_void),
+            code => Err(Failure::new(
+                NcclResult::UnhandledCudaError,
+                format!("cuMemAlloc of {bytes} bytes failed with CUDA error {code}"),
+            )),
+        };
+    }
+    let layout = Layout::from_size_align(bytes, HOST_ALIGN)
+        .map_err(|_| Failure::argument(format!("size {bytes} is too large")))?;
+    // SAFETY: the layout's size is not zero.
+    let at = unsafe { std::alloc::alloc_zeroed(layout) };
+    if at.is_null() {
+        return Err(Failure::new(
+            NcclResult::SystemError,
+            format!("no host memory for {bytes} bytes"),
+        ));
+    }
+    lock(host_blocks()).insert(at as usize, layout);
+    Ok(at.cast())
+}
+
+/// Frees what [`alloc`] returned (`ncclMemFree`); nothing for null.
+pub fn free(ptr: *mut c_void) -> Outcome {
+    if ptr.is_null() {
+        return Ok(());
+    }
+    if let Some(layout) = lock(host_blocks()).remove(&(ptr as usize)) {
+        // SAFETY: allocated by `alloc` with this layout, and freed once (removed above).
+        unsafe { std::alloc::dealloc(ptr.cast(), layout) };
+        return Ok(());
+    }
+    let Some(driver) = driver().filter(|_| is_device(ptr)) else {
+        return Err(Failure::argument(format!(
+            "{ptr:p} is not memory ncclMemAlloc returned"
+        )));
+    };
+    // SAFETY: device memory, as the driver says; freeing memory not from cuMemAlloc fails
+    // with an error code rather than harm.
+    match unsafe { (driver.mem_free)(ptr as u64) } {
+        0 => Ok(()),
+        code => Err(Failure::new(
+            NcclResult::UnhandledCudaError,
+            format!("cuMemFree of {ptr:p} failed with CUDA error {code}"),
+        )),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -451,10 +451,16 @@ fn bad_arguments_fail_by_name_and_change_nothing() {
     assert_eq!(buf, vec![1f32; 8]);
     assert_eq!(ncclGroupEnd(), NcclResult::InvalidUsage);
     // What the library cannot honour names itself.
-    let mut mem = null_mut();
-    assert_eq!(ncclMemAlloc(&mut mem, 64), NcclResult::InvalidUsage);
+    assert_eq!(ncclCommSuspend(c, 0), NcclResult::InvalidUsage);
     assert!(
-        last().starts_with("ncclMemAlloc: not supported"),
+        last().starts_with("ncclCommSuspend: not supported"),
+        "{}",
+        last()
+    );
+    // Memory ncclMemAlloc did not hand out is not freed.
+    assert_eq!(unsafe { ncclMemFree(p) }, NcclResult::InvalidArgument);
+    assert!(
+        last().contains("not memory ncclMemAlloc returned"),
         "{}",
         last()
     );
@@ -760,4 +766,40 @@ fn pre_multiplied_sums_scale_every_input_first() {
         ncclReduce(ptr(&inputs[r]), out, 2, FLOAT64, made[r], 1, c, null_mut())
     });
     assert_eq!(root_out, vec![3.0 * 6.0; 2]);
+}
+
+/// Without a CUDA device, ncclMemAlloc hands out zeroed, page-aligned host memory that the
+/// calls take as buffers, and ncclMemFree gives it back.
+#[test]
+fn memory_from_nccl_mem_alloc_carries_calls() {
+    let ranks = Ranks::new(2);
+    let n = 1024;
+    let mut bufs = [null_mut(); 2];
+    for b in &mut bufs {
+        assert_eq!(
+            unsafe { ncclMemAlloc(b, n * 4) },
+            NcclResult::Success,
+            "{}",
+            last()
+        );
+        assert_eq!(*b as usize % 4096, 0);
+        let floats = unsafe { std::slice::from_raw_parts_mut(b.cast::<f32>(), n) };
+        assert!(floats.iter().all(|&x| x == 0.0));
+    }
+    for (rank, b) in bufs.iter().enumerate() {
+        let floats = unsafe { std::slice::from_raw_parts_mut(b.cast::<f32>(), n) };
+        floats.iter_mut().for_each(|x| *x = rank as f32 + 1.0);
+    }
+    ranks.group(|rank, comm| unsafe {
+        ncclAllReduce(bufs[rank], bufs[rank], n, FLOAT32, SUM, comm, null_mut())
+    });
+    for b in bufs {
+        let floats = unsafe { std::slice::from_raw_parts(b.cast::<f32>(), n) };
+        assert!(floats.iter().all(|&x| x == 3.0), "{:?}", &floats[..4]);
+        assert_eq!(unsafe { ncclMemFree(b) }, NcclResult::Success, "{}", last());
+    }
+    let mut none = null_mut::<c_void>();
+    assert_eq!(unsafe { ncclMemAlloc(&mut none, 0) }, NcclResult::Success);
+    assert!(none.is_null());
+    assert_eq!(unsafe { ncclMemFree(none) }, NcclResult::Success);
 }
