@@ -127,6 +127,25 @@ fn a_c_program_on_nvidias_header_runs_on_this_library() {
         }
     }
     // NCCL_DEBUG=INFO: the tuner's pick for the program's all-reduce, and its failed call.
+    // A rank killed: the survivors' next call and async error name it, and they shrink.
+    let out = Command::new(&exe)
+        .args(["kill", "3"])
+        .env("CHORUS_TIMEOUT", "60")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kill: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!("rank {r} of 3 survived")),
+            "{stdout}"
+        );
+    }
     let out = Command::new(&exe)
         .arg("2")
         .env("NCCL_DEBUG", "INFO")

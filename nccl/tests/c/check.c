@@ -3,12 +3,16 @@
  *   check W    forks W ranks (before any NCCL call), rank 0 makes the unique id and hands it to the
  *              others through pipes; every rank runs the calls below on host memory, checks every
  *              value, and exits 0 only if all were right.
+ *   check kill W   the same W ranks make one all-reduce; then the last rank kills itself, and the
+ *              survivors' next call fails, their async error names it, and they shrink to a
+ *              communicator of their own and all-reduce on it.
  *   check layout   prints what the header says of the ABI, for the test to compare. */
 #include <nccl.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -104,6 +108,40 @@ static void run(ncclUniqueId id) {
   printf("rank %d of %d ok\n", rank, nranks);
 }
 
+/* One rank of `check kill`: the last rank dies after the first all-reduce. */
+static void survive(ncclUniqueId id) {
+  ncclComm_t comm;
+  CHECK(ncclCommInitRank(&comm, nranks, id, rank));
+  int victim = nranks - 1, one = 1;
+  CHECK(ncclAllReduce(&one, &one, 1, ncclInt32, ncclSum, comm, NULL));
+  EXPECT(one == nranks);
+  if (rank == victim) raise(SIGKILL);
+  one = 1;
+  ncclResult_t after = ncclAllReduce(&one, &one, 1, ncclInt32, ncclSum, comm, NULL);
+  EXPECT(after == ncclRemoteError);
+  ncclResult_t state;
+  CHECK(ncclCommGetAsyncError(comm, &state));
+  EXPECT(state == ncclRemoteError);
+  char named[32];
+  snprintf(named, sizeof named, "rank %d", victim);
+  if (strstr(ncclGetLastError(comm), named) == NULL) {
+    fprintf(stderr, "rank %d: the async error does not name %s: %s\n", rank, named, ncclGetLastError(comm));
+    exit(3);
+  }
+  ncclComm_t survivors;
+  CHECK(ncclCommShrink(comm, NULL, 0, &survivors, NULL, NCCL_SHRINK_DEFAULT));
+  int count, me;
+  CHECK(ncclCommCount(survivors, &count));
+  CHECK(ncclCommUserRank(survivors, &me));
+  EXPECT(count == nranks - 1 && me == rank);
+  int mine = rank + 1;
+  CHECK(ncclAllReduce(&mine, &mine, 1, ncclInt32, ncclSum, survivors, NULL));
+  EXPECT(mine == (nranks - 1) * nranks / 2);
+  CHECK(ncclCommAbort(comm));
+  CHECK(ncclCommDestroy(survivors));
+  printf("rank %d of %d survived\n", rank, nranks);
+}
+
 int main(int argc, char **argv) {
   if (argc == 2 && strcmp(argv[1], "layout") == 0) {
     int version = 0;
@@ -120,8 +158,10 @@ int main(int argc, char **argv) {
            timeout);
     return 0;
   }
-  nranks = argc == 2 ? atoi(argv[1]) : 0;
-  if (nranks < 1) return 1;
+  int kill = argc == 3 && strcmp(argv[1], "kill") == 0;
+  nranks = argc == 2 ? atoi(argv[1]) : kill ? atoi(argv[2]) : 0;
+  if (nranks < 1 || (kill && nranks < 3)) return 1;
+  void (*body)(ncclUniqueId) = kill ? survive : run;
   int pipes[64][2];
   pid_t pids[64];
   if (nranks > 64) return 1;
@@ -132,7 +172,7 @@ int main(int argc, char **argv) {
       rank = r;
       ncclUniqueId id;
       if (read(pipes[r][0], &id, sizeof id) != (ssize_t)sizeof id) return 1;
-      run(id);
+      body(id);
       return 0;
     }
   }
@@ -141,12 +181,13 @@ int main(int argc, char **argv) {
   CHECK(ncclGetUniqueId(&id));
   for (int r = 1; r < nranks; r++)
     if (write(pipes[r][1], &id, sizeof id) != (ssize_t)sizeof id) return 1;
-  run(id);
+  body(id);
   int failed = 0;
   for (int r = 1; r < nranks; r++) {
     int status;
     waitpid(pids[r], &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
+    int killed = kill && r == nranks - 1;
+    if (killed ? !WIFSIGNALED(status) : !WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
   }
   return failed;
 }
