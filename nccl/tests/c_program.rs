@@ -60,33 +60,62 @@ fn headers(site: &Path) -> Result<Vec<PathBuf>, String> {
 
 /// `check.c` built against the header, linked to this library under NCCL's soname.
 fn build(site: &Path) -> Result<PathBuf, String> {
+    compile(site, "check", &[])
+}
+
+/// Compiles `tests/c/NAME.c` against the headers and this library (plus `libs`), into an
+/// executable beside a `libnccl.so.2` that is this library.
+fn compile(site: &Path, name: &str, libs: &[String]) -> Result<PathBuf, String> {
     let includes = headers(site)?;
     let dir = std::env::temp_dir().join(format!("chorus-nccl-c-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let soname = dir.join("libnccl.so.2");
     let _ = std::fs::remove_file(&soname);
     std::os::unix::fs::symlink(library(), &soname).unwrap();
-    let exe = dir.join("check");
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/check.c");
+    let exe = dir.join(name);
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
     let mut cc = Command::new("cc");
     for i in &includes {
         cc.arg("-I").arg(i);
     }
     let out = cc
+        .args(["-Wall", "-Werror"])
         .arg(&source)
         .arg("-o")
         .arg(&exe)
         .arg(format!("-L{}", dir.display()))
         .arg("-l:libnccl.so.2")
+        .args(libs)
         .arg(format!("-Wl,-rpath,{}", dir.display()))
         .output()
         .map_err(|e| format!("no C compiler (cc): {e}"))?;
     assert!(
         out.status.success(),
-        "cc failed:\n{}",
+        "cc {name}.c failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(exe)
+}
+
+/// The program tools/gpu-check.sh runs on device memory compiles and links against CUDA's
+/// runtime and this library (it runs only where there is a GPU).
+#[test]
+fn the_device_program_builds() {
+    let built = site_packages().and_then(|site| {
+        let runtime = site.join("nvidia/cu13/lib");
+        if !runtime.join("libcudart.so.13").exists() {
+            return Err(format!("no {}/libcudart.so.13", runtime.display()));
+        }
+        let libs = [
+            format!("-L{}", runtime.display()),
+            "-l:libcudart.so.13".to_string(),
+        ];
+        compile(&site, "device", &libs)
+    });
+    match built {
+        Ok(exe) => assert!(exe.exists()),
+        Err(why) => skip(&why),
+    }
 }
 
 #[test]
