@@ -3,6 +3,7 @@
 #
 #   tools/gpu-check.sh build [DIR]   build the release binaries into DIR (default
 #                                    target/gpu-check), on any x86-64 Linux machine with cargo
+#                                    (NCCL_TESTS_SRC=PATH also copies nccl-tests' source)
 #   tools/gpu-check.sh run [DIR]     on a machine with an NVIDIA GPU (no Rust needed): run the
 #                                    checks from DIR's binaries, print one table
 #
@@ -30,6 +31,16 @@
 #                         calls on CPU tensors against Gloo's, and the time a 64 MiB
 #                         all_reduce(async_op=True) on CUDA tensors takes to return
 #                         (torch_overlap_bench.py)
+#   NCCL API on Chorus    libnccl.so.2 (chorus-nccl, --features cuda): nccl/tests/c/device.c,
+#                         compiled there with nvcc, runs every call on device memory at W = 2
+#                         and 4 (and the time a 64 MiB all-reduce takes to return); its 8 B and
+#                         64 MiB all-reduce timed on Chorus's library and on NVIDIA's (the
+#                         nvidia-nccl wheel's, NCCL_MULTI_RANK_GPU_ENABLE=1), with and without
+#                         MPS; torch's "nccl" backend on Chorus's library (LD_PRELOAD):
+#                         nccl/tests/torch_collectives.py's collectives, and DDP of the ToyModel
+#                         and an MLP ending with the parameters the chorus backend gives; and
+#                         nccl-tests' all_reduce_perf (-t 2 -g 1) built there from the source
+#                         that `build` copied (NCCL_TESTS_SRC: a git checkout or bare mirror)
 set -uo pipefail
 
 mode=${1:-}
@@ -62,7 +73,18 @@ build() {
     mkdir -p "$dir"/torch/chorus_torch
     cp python/chorus_torch/*.py "$dir"/torch/chorus_torch/
     cp target/release/lib_chorus.so "$dir"/torch/chorus_torch/_chorus.abi3.so
-    strip --strip-debug "$dir"/* "$dir"/torch/chorus_torch/_chorus.abi3.so 2>/dev/null || true
+    # NCCL's C API on Chorus, the programs that call it, and nccl-tests' source to build there.
+    cargo build --release -p chorus-nccl --features cuda
+    mkdir -p "$dir"/nccl
+    cp target/release/libnccl.so "$dir"/nccl/libnccl.so.2
+    cp nccl/tests/c/device.c nccl/tests/torch_collectives.py "$dir"/nccl/
+    if [ -n "${NCCL_TESTS_SRC:-}" ]; then
+        rm -rf "$dir"/nccl-tests && mkdir -p "$dir"/nccl-tests
+        git --git-dir "$(git -C "$NCCL_TESTS_SRC" rev-parse --absolute-git-dir)" archive HEAD |
+            tar -x -C "$dir"/nccl-tests
+    fi
+    strip --strip-debug "$dir"/* "$dir"/torch/chorus_torch/_chorus.abi3.so "$dir"/nccl/libnccl.so.2 \
+        2>/dev/null || true
     du -sh "$dir"
 }
 
@@ -82,6 +104,82 @@ check() {
     last_detail="${took}s"
     echo "== $name: $status in ${took}s" >&2
     [ $rc -eq 0 ] || tail -20 "$out" >&2
+}
+
+# The rows of NCCL's C API on Chorus (see the header).
+nccl_rows() {
+    local nvidia here=$(realpath "$dir"/nccl) exe
+    nvidia=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null)
+    if [ -z "$nvidia" ] || [ ! -f "$nvidia/include/nccl.h" ] || ! command -v nvcc >/dev/null; then
+        row "NCCL API on Chorus" "n/a" "no nvcc, or no nvidia-nccl wheel (nccl.h) for python3 here"
+        return
+    fi
+    exe=$here/device
+    check "nccl device build" 120 nvcc -O2 -I"$nvidia/include" "$here/device.c" -o "$exe" \
+        -L"$here" -l:libnccl.so.2
+    [ "$status" = ok ] || { row "NCCL API on Chorus" "$status" "nvcc device.c failed"; return; }
+    for world in 2 4; do
+        check "nccl device check $world" 180 env LD_LIBRARY_PATH="$here" "$exe" check $world
+        row "NCCL API device W=$world" "$status" "$(grep -c ' ok: ' "$last_out") ranks ok; $(grep -o 'returned in [0-9]* us and finished in [0-9]* us' "$last_out" | head -1)"
+    done
+    # Side by side: the same program on NVIDIA's library (several ranks on one GPU need its
+    # NCCL_MULTI_RANK_GPU_ENABLE) and on Chorus's.
+    local mps=
+    for round in plain mps; do
+        if [ $round = mps ]; then
+            command -v nvidia-cuda-mps-control >/dev/null || break
+            export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+            CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+            nvidia-cuda-mps-control -d || break
+            mps=" MPS"
+        fi
+        for bytes in 8 67108864; do
+            local iters=200 line="" both=ok
+            [ $bytes = 8 ] || iters=20
+            for lib in chorus nvidia; do
+                local path=$here
+                [ $lib = chorus ] || path=$nvidia/lib
+                check "nccl bench $lib $bytes$round" 120 env LD_LIBRARY_PATH="$path" NCCL_MULTI_RANK_GPU_ENABLE=1 \
+                    "$exe" bench 2 $bytes $iters
+                [ "$status" = ok ] || both=$status
+                line+="$lib $(grep -o 'time_us=[0-9.]* busbw_GBps=[0-9.]*' "$last_out" || echo "$status")  "
+            done
+            row "NCCL all-reduce $bytes W=2$mps" "$both" "$line"
+        done
+        if [ $round = mps ]; then
+            echo quit | nvidia-cuda-mps-control
+            unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+        fi
+    done
+    # torch's "nccl" backend on this library, against the chorus backend's parameters.
+    if [ -n "$torch" ]; then
+        check "torch nccl on chorus" 300 env LD_PRELOAD="$here/libnccl.so.2" NCCL_DEBUG=INFO \
+            python3 -m torch.distributed.run --standalone --nproc-per-node 2 "$here"/torch_collectives.py \
+            --backend nccl --device cuda
+        local on_nccl=$last_out nccl_status=$status
+        check "torch chorus backend" 300 env PYTHONPATH="$torch" python3 -m torch.distributed.run \
+            --standalone --nproc-per-node 2 "$here"/torch_collectives.py --backend chorus --device cuda
+        local same=no
+        [ "$(grep -o 'toy [0-9.]* mlp [0-9.]*' "$on_nccl" | sort -u)" = "$(grep -o 'toy [0-9.]* mlp [0-9.]*' "$last_out" | sort -u)" ] && same=yes
+        row "torch nccl on Chorus" "$nccl_status" "$(grep -c 'every collective ok' "$on_nccl") ranks' collectives ok; DDP toy+MLP as chorus backend: $same; Chorus's log lines: $(grep -c ' on 2 ranks: ' "$on_nccl")"
+    fi
+    # nccl-tests' all_reduce_perf, two ranks as threads of one process on the one GPU.
+    if [ -d "$dir"/nccl-tests/src ]; then
+        local home
+        home=$(mktemp -d)
+        mkdir -p "$home"/lib && ln -s "$nvidia/include" "$home"/include
+        ln -s "$here/libnccl.so.2" "$home"/lib/libnccl.so
+        check "nccl-tests build" 300 make -C "$dir"/nccl-tests/src -j 16 MPI=0 NCCL_HOME="$home" \
+            CUDA_HOME="$(dirname "$(dirname "$(command -v nvcc)")")" \
+            NVCC_GENCODE="-gencode=arch=compute_90,code=sm_90" BUILDDIR="$home"/build "$home"/build/all_reduce_perf
+        if [ "$status" = ok ]; then
+            check "nccl-tests all_reduce" 180 env LD_LIBRARY_PATH="$here" NCCL_TESTS_DEVICE=0 \
+                "$home"/build/all_reduce_perf -b 8 -e 64M -f 8 -t 2 -g 1 -c 1
+        fi
+        row "nccl-tests all_reduce" "$status" "$(grep -o 'Out of bounds values : [0-9]* [A-Z]*' "$last_out"); $(grep -o 'Avg bus bandwidth *: [0-9.]*' "$last_out")"
+    else
+        row "nccl-tests all_reduce" "n/a" "no source copied (NCCL_TESTS_SRC at build)"
+    fi
 }
 
 run() {
@@ -191,6 +289,8 @@ run() {
     else
         row "torch backend, CUDA" "n/a" "no python3 with torch on CUDA and pytest here"
     fi
+
+    nccl_rows
 
     echo
     printf '%-24s %-6s %s\n' check status result

@@ -591,15 +591,19 @@ enum Reduction {
 }
 
 impl Reduction {
-    /// Chorus's operator, and the scalar the input is multiplied by first, if any.
+    /// Chorus's operator, and the scalar the input is multiplied by first, if any (a
+    /// scalar in device memory that cannot be read fails the call).
     ///
     /// # Safety
     /// As [`PreMulSum::scalar`].
-    unsafe fn resolve<T: Element>(self) -> (ReduceOp, Option<T>) {
+    unsafe fn resolve<T: Element>(self) -> chorus::Result<(ReduceOp, Option<T>)> {
         match self {
-            Reduction::Builtin(op) => (op, None),
+            Reduction::Builtin(op) => Ok((op, None)),
             // SAFETY: as the function requires.
-            Reduction::PreMulSum(p) => (ReduceOp::Sum, Some(unsafe { p.scalar::<T>() })),
+            Reduction::PreMulSum(p) => match unsafe { p.scalar::<T>() } {
+                Ok(by) => Ok((ReduceOp::Sum, Some(by))),
+                Err(e) => Err(chorus::Error::InvalidArgument(e)),
+            },
         }
     }
 }
@@ -783,7 +787,7 @@ unsafe fn run<T: Scale>(
     // the output is taken, or the input is copied first (`read_beside`).
     unsafe {
         match call {
-            AllReduce(r) => match r.resolve::<T>() {
+            AllReduce(r) => match r.resolve::<T>()? {
                 (op, None) if same => c.all_reduce(output.get_mut::<T>(), op),
                 (op, None) => c.all_reduce_into(input.get::<T>(), output.get_mut::<T>(), op),
                 (op, Some(by)) => {
@@ -794,7 +798,7 @@ unsafe fn run<T: Scale>(
             Broadcast(root) if same => c.broadcast(output.get_mut::<T>(), root),
             Broadcast(root) => c.broadcast_into(input.get::<T>(), output.get_mut::<T>(), root),
             Reduce(r, root) => {
-                let (op, by) = r.resolve::<T>();
+                let (op, by) = r.resolve::<T>()?;
                 let input: Cow<'_, [T]> = match by {
                     None if same => return c.reduce(output.get_mut::<T>(), op, root),
                     None => Cow::Borrowed(input.get::<T>()),
@@ -811,7 +815,7 @@ unsafe fn run<T: Scale>(
             }
             AllGather => c.all_gather(input.get::<T>(), output.get_mut::<T>()),
             ReduceScatter(r) => {
-                let (op, by) = r.resolve::<T>();
+                let (op, by) = r.resolve::<T>()?;
                 let input = match by {
                     None => input.read_beside::<T>(output, dtype),
                     Some(by) => Cow::Owned(scaled(input.get::<T>(), by)),
@@ -1270,10 +1274,17 @@ pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
         let comm = unsafe { handle(comm) }?;
         let at = Buf::new(scalar, 1, dtype, "scalar")?;
         let scalar = match residence {
-            // SAFETY: `at` holds one element of `dtype`, checked.
+            1 if at.device => {
+                let mut bytes = [0u8; 8];
+                memory::read_device(at.at, &mut bytes[..dtype.size()])
+                    .map_err(|e| Failure::argument(format!("scalar: {e}")))?;
+                Scalar::Value(bytes)
+            }
+            // SAFETY: `at` holds one element of `dtype` in host memory, checked.
             1 => Scalar::value(unsafe {
                 std::slice::from_raw_parts(at.at as *const u8, dtype.size())
             }),
+            0 if at.device => Scalar::OnDevice(at.at),
             0 => Scalar::At(at.at),
             other => {
                 return Err(Failure::argument(format!(

@@ -12,6 +12,8 @@ use libloading::Library;
 use crate::abi::NcclResult;
 use crate::comm::{Failure, Outcome};
 
+/// `CU_POINTER_ATTRIBUTE_CONTEXT`.
+const CONTEXT: c_int = 1;
 /// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`.
 const MEMORY_TYPE: c_int = 2;
 /// `CU_MEMORYTYPE_DEVICE`.
@@ -35,6 +37,9 @@ type CtxDevice = unsafe extern "C" fn(*mut c_int) -> c_int;
 type IsCapturing = unsafe extern "C" fn(*mut c_void, *mut c_uint) -> c_int;
 type MemAlloc = unsafe extern "C" fn(*mut u64, usize) -> c_int;
 type MemFree = unsafe extern "C" fn(u64) -> c_int;
+type CtxPush = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CtxPop = unsafe extern "C" fn(*mut *mut c_void) -> c_int;
+type CopyToHost = unsafe extern "C" fn(*mut c_void, u64, usize) -> c_int;
 
 /// The driver's entry points this library asks, resolved once.
 struct Driver {
@@ -43,6 +48,9 @@ struct Driver {
     is_capturing: Option<IsCapturing>,
     mem_alloc: MemAlloc,
     mem_free: MemFree,
+    ctx_push: CtxPush,
+    ctx_pop: CtxPop,
+    copy_to_host: CopyToHost,
     /// Keeps the entry points loaded.
     _lib: Library,
 }
@@ -67,6 +75,9 @@ fn open() -> Option<Driver> {
             is_capturing: lib.get(b"cuStreamIsCapturing\0").ok().map(|s| *s),
             mem_alloc: *lib.get(b"cuMemAlloc_v2\0").ok()?,
             mem_free: *lib.get(b"cuMemFree_v2\0").ok()?,
+            ctx_push: *lib.get(b"cuCtxPushCurrent_v2\0").ok()?,
+            ctx_pop: *lib.get(b"cuCtxPopCurrent_v2\0").ok()?,
+            copy_to_host: *lib.get(b"cuMemcpyDtoH_v2\0").ok()?,
             _lib: lib,
         })
     }
@@ -88,6 +99,44 @@ pub fn is_device(ptr: *const c_void) -> bool {
         (driver.pointer_attribute)((&mut kind as *mut c_uint).cast(), MEMORY_TYPE, ptr as u64)
     };
     found == 0 && kind == DEVICE
+}
+
+/// Copies `to.len()` bytes of device memory at `from` into `to`, waiting for the copy, in
+/// the memory's own context (whatever context the calling thread has).
+pub fn read_device(from: usize, to: &mut [u8]) -> Result<(), String> {
+    let driver = driver().ok_or("no CUDA driver")?;
+    let mut context: *mut c_void = std::ptr::null_mut();
+    // SAFETY: the attribute is a CUcontext (a pointer) written into `context`.
+    let asked = unsafe {
+        (driver.pointer_attribute)(
+            (&mut context as *mut *mut c_void).cast(),
+            CONTEXT,
+            from as u64,
+        )
+    };
+    if asked != 0 || context.is_null() {
+        return Err(format!(
+            "{from:#x} is not device memory (CUDA error {asked})"
+        ));
+    }
+    // SAFETY: the context that owns the memory, current on this thread for the copy only; the
+    // copy writes `to.len()` bytes into `to`.
+    unsafe {
+        match (driver.ctx_push)(context) {
+            0 => {}
+            code => return Err(format!("cuCtxPushCurrent failed with CUDA error {code}")),
+        }
+        let copied = (driver.copy_to_host)(to.as_mut_ptr().cast(), from as u64, to.len());
+        let mut popped = std::ptr::null_mut();
+        (driver.ctx_pop)(&mut popped);
+        match copied {
+            0 => Ok(()),
+            code => Err(format!(
+                "cuMemcpyDtoH of {} bytes failed with CUDA error {code}",
+                to.len()
+            )),
+        }
+    }
 }
 
 /// The device of the calling thread's current CUDA context, if there is one.

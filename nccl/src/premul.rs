@@ -17,8 +17,10 @@ const FIRST: c_int = 5;
 pub enum Scalar {
     /// Its bytes, read when the operator was made (`ncclScalarHostImmediate`).
     Value([u8; 8]),
-    /// Its address, read by each call (`ncclScalarDevice`; host memory here).
+    /// Its address in host memory, read by each call (`ncclScalarDevice`).
     At(usize),
+    /// Its address in device memory, read by each call (`ncclScalarDevice`).
+    OnDevice(usize),
 }
 
 impl Scalar {
@@ -40,16 +42,24 @@ pub struct PreMulSum {
 }
 
 impl PreMulSum {
-    /// The scalar as a `T` (the operator's own type, checked when the call was made).
+    /// The scalar as a `T` (the operator's own type, checked when the call was made); fails
+    /// if device memory cannot be read.
     ///
     /// # Safety
     /// A scalar read at each call lies at its address, valid, as NCCL requires.
-    pub unsafe fn scalar<T: Element>(&self) -> T {
-        match self.scalar {
-            Scalar::Value(bytes) => bytemuck::pod_read_unaligned(&bytes[..size_of::<T>()]),
+    pub unsafe fn scalar<T: Element>(&self) -> Result<T, String> {
+        let bytes = match self.scalar {
+            Scalar::Value(bytes) => bytes,
             // SAFETY: as the function requires.
-            Scalar::At(at) => unsafe { (at as *const T).read_unaligned() },
-        }
+            Scalar::At(at) => return Ok(unsafe { (at as *const T).read_unaligned() }),
+            Scalar::OnDevice(at) => {
+                let mut bytes = [0u8; 8];
+                crate::memory::read_device(at, &mut bytes[..size_of::<T>()])
+                    .map_err(|e| format!("reading the scalar at {at:#x}: {e}"))?;
+                bytes
+            }
+        };
+        Ok(bytemuck::pod_read_unaligned(&bytes[..size_of::<T>()]))
     }
 }
 
@@ -146,7 +156,7 @@ mod tests {
         let op = ops.get(a, DType::F32).unwrap();
         // SAFETY: a value read when made.
         let scalar = unsafe { op.scalar::<f32>() };
-        assert_eq!(scalar, 0.5);
+        assert_eq!(scalar, Ok(0.5));
         assert!(ops
             .get(a, DType::F64)
             .unwrap_err()
