@@ -77,7 +77,7 @@ build() {
     cargo build --release -p chorus-nccl --features cuda
     mkdir -p "$dir"/nccl
     cp target/release/libnccl.so "$dir"/nccl/libnccl.so.2
-    cp nccl/tests/c/device.c nccl/tests/torch_collectives.py "$dir"/nccl/
+    cp nccl/tests/c/device.c nccl/tests/c/ranks.h nccl/tests/torch_collectives.py "$dir"/nccl/
     if [ -n "${NCCL_TESTS_SRC:-}" ]; then
         rm -rf "$dir"/nccl-tests && mkdir -p "$dir"/nccl-tests
         git --git-dir "$(git -C "$NCCL_TESTS_SRC" rev-parse --absolute-git-dir)" archive HEAD |

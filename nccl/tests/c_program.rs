@@ -136,18 +136,7 @@ fn a_c_program_on_nvidias_header_runs_on_this_library() {
     );
     assert_eq!(layout, expected, "the header is NCCL {header}");
     for w in 1..=4 {
-        let out = Command::new(&exe)
-            .arg(w.to_string())
-            .env("CHORUS_TIMEOUT", "60")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "W={w}: {}\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let (stdout, _) = run_ok(&exe, &[&w.to_string()], &[]);
         for r in 0..w {
             assert!(
                 stdout.contains(&format!("rank {r} of {w} ok")),
@@ -155,34 +144,16 @@ fn a_c_program_on_nvidias_header_runs_on_this_library() {
             );
         }
     }
-    // NCCL_DEBUG=INFO: the tuner's pick for the program's all-reduce, and its failed call.
     // A rank killed: the survivors' next call and async error name it, and they shrink.
-    let out = Command::new(&exe)
-        .args(["kill", "3"])
-        .env("CHORUS_TIMEOUT", "60")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "kill: {}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (stdout, _) = run_ok(&exe, &["kill", "3"], &[]);
     for r in 0..2 {
         assert!(
             stdout.contains(&format!("rank {r} of 3 survived")),
             "{stdout}"
         );
     }
-    let out = Command::new(&exe)
-        .arg("2")
-        .env("NCCL_DEBUG", "INFO")
-        .env("CHORUS_TIMEOUT", "60")
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    // NCCL_DEBUG=INFO: the tuner's pick for the program's all-reduce, and its failed call.
+    let (_, stderr) = run_ok(&exe, &["2"], &[("NCCL_DEBUG", "INFO")]);
     assert!(
         stderr.contains("allreduce 16396 B on 2 ranks: ") && stderr.contains(" -> "),
         "{stderr}"
@@ -191,6 +162,27 @@ fn a_c_program_on_nvidias_header_runs_on_this_library() {
         stderr.contains("NCCL WARN ncclAllReduce: data type 10 (ncclFloat8e4m3)"),
         "{stderr}"
     );
+}
+
+/// Runs `exe` with `args` and `env` (and a 60 s timeout for Chorus's waits), asserting that it
+/// succeeded; its standard output and error.
+fn run_ok(exe: &Path, args: &[&str], env: &[(&str, &str)]) -> (String, String) {
+    let out = Command::new(exe)
+        .args(args)
+        .envs(env.iter().copied())
+        .env("CHORUS_TIMEOUT", "60")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(
+        out.status.success(),
+        "{args:?}: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+    (stdout, stderr)
 }
 
 /// The `nccl*` functions `nm` lists for `lib`, defined (`--defined-only`) or needed.

@@ -7,34 +7,11 @@
  *              survivors' next call fails, their async error names it, and they shrink to a
  *              communicator of their own and all-reduce on it.
  *   check layout   prints what the header says of the ABI, for the test to compare. */
-#include <nccl.h>
-#include <stddef.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
+#include <stddef.h>
+#include <string.h>
 
-static int rank, nranks;
-
-#define CHECK(call)                                                                           \
-  do {                                                                                        \
-    ncclResult_t r_ = (call);                                                                 \
-    if (r_ != ncclSuccess) {                                                                  \
-      fprintf(stderr, "rank %d: %s failed: %s (%s)\n", rank, #call, ncclGetErrorString(r_),   \
-              ncclGetLastError(NULL));                                                        \
-      exit(2);                                                                                \
-    }                                                                                         \
-  } while (0)
-
-#define EXPECT(cond)                                                                          \
-  do {                                                                                        \
-    if (!(cond)) {                                                                            \
-      fprintf(stderr, "rank %d: line %d: %s is false\n", rank, __LINE__, #cond);              \
-      exit(3);                                                                                \
-    }                                                                                         \
-  } while (0)
+#include "ranks.h"
 
 static void run(ncclUniqueId id) {
   ncclComm_t comm;
@@ -158,36 +135,8 @@ int main(int argc, char **argv) {
            timeout);
     return 0;
   }
-  int kill = argc == 3 && strcmp(argv[1], "kill") == 0;
-  nranks = argc == 2 ? atoi(argv[1]) : kill ? atoi(argv[2]) : 0;
-  if (nranks < 1 || (kill && nranks < 3)) return 1;
-  void (*body)(ncclUniqueId) = kill ? survive : run;
-  int pipes[64][2];
-  pid_t pids[64];
-  if (nranks > 64) return 1;
-  for (int r = 1; r < nranks; r++) {
-    if (pipe(pipes[r]) != 0) return 1;
-    pids[r] = fork();
-    if (pids[r] == 0) {
-      rank = r;
-      ncclUniqueId id;
-      if (read(pipes[r][0], &id, sizeof id) != (ssize_t)sizeof id) return 1;
-      body(id);
-      return 0;
-    }
-  }
-  rank = 0;
-  ncclUniqueId id;
-  CHECK(ncclGetUniqueId(&id));
-  for (int r = 1; r < nranks; r++)
-    if (write(pipes[r][1], &id, sizeof id) != (ssize_t)sizeof id) return 1;
-  body(id);
-  int failed = 0;
-  for (int r = 1; r < nranks; r++) {
-    int status;
-    waitpid(pids[r], &status, 0);
-    int killed = kill && r == nranks - 1;
-    if (killed ? !WIFSIGNALED(status) : !WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
-  }
-  return failed;
+  int killing = argc == 3 && strcmp(argv[1], "kill") == 0;
+  nranks = argc == 2 ? atoi(argv[1]) : killing ? atoi(argv[2]) : 0;
+  if (nranks < 1 || (killing && nranks < 3)) return 1;
+  return run_ranks(killing ? survive : run, killing ? nranks - 1 : -1);
 }

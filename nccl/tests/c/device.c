@@ -10,25 +10,10 @@
  *   device bench W BYTES ITERS  times an in-place float all-reduce of BYTES bytes with CUDA events
  *                               (after warm-up): rank 0 prints the median of five rounds. */
 #include <cuda_runtime.h>
-#include <nccl.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/time.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-static int rank, nranks;
-
-#define CHECK(call)                                                                           \
-  do {                                                                                        \
-    ncclResult_t r_ = (call);                                                                 \
-    if (r_ != ncclSuccess) {                                                                  \
-      fprintf(stderr, "rank %d: %s failed: %s (%s)\n", rank, #call, ncclGetErrorString(r_),   \
-              ncclGetLastError(NULL));                                                        \
-      exit(2);                                                                                \
-    }                                                                                         \
-  } while (0)
+#include "ranks.h"
 
 #define CUDA(call)                                                                            \
   do {                                                                                        \
@@ -36,14 +21,6 @@ static int rank, nranks;
     if (e_ != cudaSuccess) {                                                                  \
       fprintf(stderr, "rank %d: %s failed: %s\n", rank, #call, cudaGetErrorString(e_));       \
       exit(4);                                                                                \
-    }                                                                                         \
-  } while (0)
-
-#define EXPECT(cond)                                                                          \
-  do {                                                                                        \
-    if (!(cond)) {                                                                            \
-      fprintf(stderr, "rank %d: line %d: %s is false\n", rank, __LINE__, #cond);              \
-      exit(3);                                                                                \
     }                                                                                         \
   } while (0)
 
@@ -217,31 +194,5 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: device check W | device bench W BYTES ITERS\n");
     return 1;
   }
-  int pipes[64][2];
-  pid_t pids[64];
-  /* Ranks fork before any CUDA call: a CUDA context does not survive fork. */
-  for (int r = 1; r < nranks; r++) {
-    if (pipe(pipes[r]) != 0) return 1;
-    pids[r] = fork();
-    if (pids[r] == 0) {
-      rank = r;
-      ncclUniqueId id;
-      if (read(pipes[r][0], &id, sizeof id) != (ssize_t)sizeof id) return 1;
-      body(id);
-      return 0;
-    }
-  }
-  rank = 0;
-  ncclUniqueId id;
-  CHECK(ncclGetUniqueId(&id));
-  for (int r = 1; r < nranks; r++)
-    if (write(pipes[r][1], &id, sizeof id) != (ssize_t)sizeof id) return 1;
-  body(id);
-  int failed = 0;
-  for (int r = 1; r < nranks; r++) {
-    int status;
-    waitpid(pids[r], &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
-  }
-  return failed;
+  return run_ranks(body, -1);
 }
