@@ -109,6 +109,18 @@ fn a_killed_rank_is_named_by_every_survivor() {
                 "rank {rank} waited for the timeout: {error}"
             );
         }
+        // Rank 0, the store's host, waits at its end for every rank's goodbye (the grace
+        // period: 5 s here), but not for a rank whose process is gone.
+        if victim != 0 {
+            let after = report.ranks[0]
+                .elapsed
+                .saturating_sub(report.ranks[victim].elapsed);
+            assert!(
+                after < Duration::from_secs(4),
+                "rank 0 ended {after:?} after rank {victim} was killed\n{}",
+                ctx()
+            );
+        }
     }
 }
 

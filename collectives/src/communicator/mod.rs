@@ -228,7 +228,14 @@ impl Drop for Communicator {
                 let own = 1 + usize::from(lifeline.is_some_and(|l| Arc::ptr_eq(&l.server, s)));
                 Arc::strong_count(s) == own
             });
-            monitor.stop(hosts_store);
+            // A rank whose process is gone says no goodbye: the store's host waits not for it.
+            let gone = self
+                .failure()
+                .as_ref()
+                .and_then(Error::fault)
+                .filter(|f| matches!(f.cause, Cause::PeerClosed | Cause::LeftDuringSetUp))
+                .and_then(|f| f.culprit);
+            monitor.stop(hosts_store, gone);
         }
     }
 }

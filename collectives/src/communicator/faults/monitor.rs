@@ -182,12 +182,16 @@ impl Monitor {
 
     /// Lets the listener go (it exits at its next event or tick) and says goodbye.
     ///
-    /// The store's host (`hosts_store`) first waits, up to the grace period, for every rank's
-    /// goodbye, so ranks that are failing can still read the alarm that explains why.
-    pub fn stop(&self, hosts_store: bool) {
+    /// The store's host (`hosts_store`) first waits, up to the grace period, for the goodbye
+    /// of every rank but `gone` (the job's rank of one whose process is known to be gone), so
+    /// ranks that are failing can still read the alarm that explains why.
+    pub fn stop(&self, hosts_store: bool, gone: Option<usize>) {
         self.stop.store(true, Ordering::Release);
         if self.store.set(&format!("bye/{}", self.rank), b"").is_ok() && hosts_store {
-            let keys: Vec<String> = (0..self.world_size).map(|r| format!("bye/{r}")).collect();
+            let keys: Vec<String> = (0..self.world_size)
+                .filter(|&r| Some(self.job_rank(r)) != gone)
+                .map(|r| format!("bye/{r}"))
+                .collect();
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
             if let Err(e) = self.store.wait(&keys, self.grace) {
                 tracing::debug!(rank = self.rank, error = %e, "closing the store before every rank said goodbye");
