@@ -185,33 +185,83 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
     config: *mut c_void,
 ) -> NcclResult {
     guard("ncclCommInitRankConfig", || {
-        let out = given(comm, "comm")?;
-        // SAFETY: a config is null or made by NCCL_CONFIG_INITIALIZER, as NCCL requires.
-        let settings = unsafe { abi::settings(config) }.map_err(Failure::argument)?;
-        let id = Rendezvous::decode(&id).map_err(Failure::argument)?;
-        let (nranks, rank) = match (usize::try_from(nranks), usize::try_from(rank)) {
-            (Ok(n), Ok(r)) => (n, r),
-            _ => {
-                return Err(Failure::argument(format!(
-                    "rank {rank} of {nranks}: neither may be negative"
-                )))
-            }
-        };
-        log_decisions();
-        let made = Box::new(Comm::join(id, nranks, rank, current_device())?);
-        let result = if group::open() {
-            group::note_init(&made);
-            NcclResult::Success
-        } else if settings.blocking {
-            made.communicator()?;
-            NcclResult::Success
-        } else {
-            NcclResult::InProgress
-        };
-        // SAFETY: checked non-null; the caller passes room for a handle.
-        unsafe { out.write(Box::into_raw(made)) };
-        Ok(result)
+        // SAFETY: as this function's caller promises.
+        unsafe { init_rank(comm, nranks, id, rank, config) }
     })
+}
+
+/// `ncclCommInitRankScalable`: as `ncclCommInitRankConfig`, given `nId` unique ids that
+/// every rank passes alike. Chorus's store needs one: every rank joins through the first,
+/// and the stores the others started in this process close.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation): `commIds` holds `nId` ids.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankScalable(
+    comm: *mut *mut Comm,
+    nranks: c_int,
+    rank: c_int,
+    n_id: c_int,
+    ids: *mut UniqueId,
+    config: *mut c_void,
+) -> NcclResult {
+    guard("ncclCommInitRankScalable", || {
+        let ids = given(ids, "commIds")?;
+        let n = usize::try_from(n_id)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| Failure::argument(format!("nId {n_id} is not positive")))?;
+        // SAFETY: the caller passes nId ids.
+        let ids = unsafe { std::slice::from_raw_parts(ids, n) };
+        for other in &ids[1..] {
+            drop(
+                Rendezvous::decode(other)
+                    .map_err(Failure::argument)?
+                    .take_server(),
+            );
+        }
+        // SAFETY: as this function's caller promises.
+        unsafe { init_rank(comm, nranks, ids[0], rank, config) }
+    })
+}
+
+/// Both rank-by-rank set-ups: rank `rank` of `nranks` joins the job `id` names, with `config`.
+///
+/// # Safety
+/// As `ncclCommInitRankConfig`'s caller promises.
+unsafe fn init_rank(
+    comm: *mut *mut Comm,
+    nranks: c_int,
+    id: UniqueId,
+    rank: c_int,
+    config: *mut c_void,
+) -> Outcome<NcclResult> {
+    let out = given(comm, "comm")?;
+    // SAFETY: a config is null or made by NCCL_CONFIG_INITIALIZER, as NCCL requires.
+    let settings = unsafe { abi::settings(config) }.map_err(Failure::argument)?;
+    let id = Rendezvous::decode(&id).map_err(Failure::argument)?;
+    let (nranks, rank) = match (usize::try_from(nranks), usize::try_from(rank)) {
+        (Ok(n), Ok(r)) => (n, r),
+        _ => {
+            return Err(Failure::argument(format!(
+                "rank {rank} of {nranks}: neither may be negative"
+            )))
+        }
+    };
+    log_decisions();
+    let made = Box::new(Comm::join(id, nranks, rank, current_device())?);
+    let result = if group::open() {
+        group::note_init(&made);
+        NcclResult::Success
+    } else if settings.blocking {
+        made.communicator()?;
+        NcclResult::Success
+    } else {
+        NcclResult::InProgress
+    };
+    // SAFETY: checked non-null; the caller passes room for a handle.
+    unsafe { out.write(Box::into_raw(made)) };
+    Ok(result)
 }
 
 /// `ncclCommInitAll`: `ndev` ranks in this process, one a device of `devlist` (or devices
@@ -1397,7 +1447,6 @@ macro_rules! unsupported {
 }
 
 unsupported! {
-    ncclCommInitRankScalable(a: *mut *mut Comm, b: c_int, c: c_int, d: c_int, e: *mut UniqueId, f: *mut c_void);
     ncclCommRevoke(a: *mut Comm, b: c_int);
     ncclCommGetUniqueId(a: *mut Comm, b: *mut UniqueId);
     ncclCommGrow(a: *mut Comm, b: c_int, c: *const UniqueId, d: c_int, e: *mut *mut Comm, f: *mut c_void);

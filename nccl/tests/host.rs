@@ -803,3 +803,43 @@ fn memory_from_nccl_mem_alloc_carries_calls() {
     assert!(none.is_null());
     assert_eq!(unsafe { ncclMemFree(none) }, NcclResult::Success);
 }
+
+/// ncclCommInitRankScalable: several ids, passed alike by every rank, make one communicator;
+/// a count of ids that is not positive is refused by name.
+#[test]
+fn ranks_join_through_several_ids() {
+    let ids = [unique_id(), unique_id()];
+    let n = 3;
+    let threads: Vec<_> = (0..n)
+        .map(|rank| {
+            let mut ids = ids;
+            std::thread::spawn(move || {
+                let mut comm = null_mut();
+                let result = unsafe {
+                    ncclCommInitRankScalable(&mut comm, n, rank, 2, ids.as_mut_ptr(), null_mut())
+                };
+                assert_eq!(result, NcclResult::Success, "rank {rank}: {}", last());
+                let mut x = [rank as f32 + 1.0; 4];
+                let p = mut_ptr(&mut x);
+                let sum = unsafe { ncclAllReduce(p, p, 4, FLOAT32, SUM, comm, null_mut()) };
+                assert_eq!(sum, NcclResult::Success, "rank {rank}: {}", last());
+                assert_eq!(x, [6.0; 4]);
+                assert_eq!(unsafe { ncclCommDestroy(comm) }, NcclResult::Success);
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let mut comm = null_mut();
+    let mut ids = ids;
+    assert_eq!(
+        unsafe { ncclCommInitRankScalable(&mut comm, 2, 0, 0, ids.as_mut_ptr(), null_mut()) },
+        NcclResult::InvalidArgument
+    );
+    assert!(
+        last().starts_with("ncclCommInitRankScalable: nId 0"),
+        "{}",
+        last()
+    );
+}
