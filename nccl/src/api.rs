@@ -327,9 +327,12 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: *mut Comm) -> NcclResult {
         given(comm, "comm")?;
         // SAFETY: a handle of this library, destroyed once, as NCCL requires.
         let comm = unsafe { Box::from_raw(comm) };
-        // Their failures were the calls' to report; the handle goes either way.
-        if let Ok(joined) = comm.joined() {
-            let _ = joined.finish();
+        // Their failures were the calls' to report; the handle goes either way (a set-up
+        // still running goes on in the background, and ends with nothing to serve).
+        if !comm.in_progress() {
+            if let Ok(joined) = comm.joined() {
+                let _ = joined.finish();
+            }
         }
         Ok(())
     })
@@ -710,7 +713,9 @@ fn issue(
         return match device {
             false => ordered.host(
                 stream,
-                Box::new(move |c| on_host(c, call, dtype, input, output)),
+                // SAFETY: the caller's host buffers, valid and untouched by others until the
+                // call has ended on its stream (NCCL's rule).
+                Box::new(move |c| unsafe { on_host(c, call, dtype, input, output) }),
             ),
             // SAFETY: the caller's device buffers, valid and written by nothing else until
             // the call has ended on its stream (NCCL's rule).
@@ -720,12 +725,19 @@ fn issue(
     let _ = stream;
     match device {
         true => Err(Failure::usage(memory::NO_DEVICE_CALLS)),
-        false => on_host(&joined.communicator, call, dtype, input, output).map_err(Failure::from),
+        // SAFETY: the caller's host buffers, valid and untouched by others until the call (or
+        // its group) ends.
+        false => unsafe { on_host(&joined.communicator, call, dtype, input, output) }
+            .map_err(Failure::from),
     }
 }
 
 /// Runs `call` on host memory, on this thread.
-fn on_host(
+///
+/// # Safety
+/// `input` and `output` address host memory holding their elements, valid and untouched by
+/// anyone else until this returns.
+unsafe fn on_host(
     c: &Communicator,
     call: Collective,
     dtype: DType,
@@ -735,8 +747,7 @@ fn on_host(
     macro_rules! on {
         ($($dtype:ident => $T:ty),*) => {
             match dtype {
-                // SAFETY: the caller's buffers (or page-locked copies of them), valid and
-                // untouched by others until the call ends.
+                // SAFETY: as the function requires.
                 $(DType::$dtype => unsafe { run::<$T>(c, call, dtype, input, output) },)*
                 #[allow(unreachable_patterns)]
                 other => Err(chorus::Error::InvalidArgument(format!("no type {other:?}"))),
@@ -784,7 +795,8 @@ unsafe fn on_device(
             },
         };
         let (input, output) = (host(input), host(output));
-        on_host(c, call, dtype, input, output)
+        // SAFETY: page-locked copies of the caller's buffers, this call's own until it ends.
+        unsafe { on_host(c, call, dtype, input, output) }
     };
     // SAFETY: as the function requires.
     unsafe { ordered.staged(memory, stream, Box::new(on_copies)) }

@@ -193,16 +193,20 @@ fn run_on(comm: &Comm, ops: Vec<Op>) -> Outcome {
     }
     match sends.iter().chain(&recvs).any(|m| m.device) {
         true => Err(Failure::usage(crate::memory::NO_DEVICE_CALLS)),
-        false => post(&joined.communicator, &sends, &recvs).map_err(Failure::from),
+        // SAFETY: the caller keeps its buffers valid and unchanged until the group ends.
+        false => unsafe { post(&joined.communicator, &sends, &recvs) }.map_err(Failure::from),
     }
 }
 
 /// Posts `sends` and `recvs`, in host memory, at once.
-fn post(c: &Communicator, sends: &[Message], recvs: &[Message]) -> chorus::Result<()> {
+///
+/// # Safety
+/// Every message addresses host memory of its length, valid until this returns, which
+/// nothing else writes meanwhile (nor reads, for a receive's).
+unsafe fn post(c: &Communicator, sends: &[Message], recvs: &[Message]) -> chorus::Result<()> {
     c.group(|g| {
         for m in sends {
-            // SAFETY: the caller keeps its buffers valid and unchanged until the messages
-            // have gone (the group's end, or the call's end on its stream).
+            // SAFETY: as the function requires.
             g.send(
                 unsafe { std::slice::from_raw_parts(m.at as *const u8, m.bytes) },
                 m.peer,
@@ -210,7 +214,7 @@ fn post(c: &Communicator, sends: &[Message], recvs: &[Message]) -> chorus::Resul
             );
         }
         for m in recvs {
-            // SAFETY: as above, and no other call of the group writes a receive's buffer.
+            // SAFETY: as the function requires.
             g.recv(
                 unsafe { std::slice::from_raw_parts_mut(m.at as *mut u8, m.bytes) },
                 m.peer,
@@ -251,7 +255,12 @@ fn exchange_ordered(
             .map(|m| Staged::Output(m.at as u64, m.bytes)),
     );
     if memory.is_empty() {
-        return ordered.host(stream, Box::new(move |c| post(c, &sends, &recvs)));
+        // SAFETY: the caller keeps its buffers valid and unchanged until the call has ended
+        // on its stream (NCCL's rule).
+        return ordered.host(
+            stream,
+            Box::new(move |c| unsafe { post(c, &sends, &recvs) }),
+        );
     }
     let on_copies = move |c: &Communicator, pieces: &mut [&mut [u8]]| {
         let mut copies = pieces.iter_mut().map(|p| p.as_mut_ptr() as usize);
@@ -265,7 +274,9 @@ fn exchange_ordered(
         };
         let sends: Vec<_> = sends.iter().map(&mut host).collect();
         let recvs: Vec<_> = recvs.iter().map(&mut host).collect();
-        post(c, &sends, &recvs)
+        // SAFETY: the caller's host buffers or page-locked copies of its device buffers, as
+        // for the call above.
+        unsafe { post(c, &sends, &recvs) }
     };
     // SAFETY: the caller's device buffers stay valid, and written by nothing else, until the
     // call has ended on its stream (NCCL's rule).
