@@ -676,7 +676,8 @@ enum Collective {
 
 /// Queues or runs `call` on `comm`, from `input` into `output` (as the entry point checked
 /// them: equal, an all-gather's input at its rank's block of the output, or apart, but for
-/// the calls that read their input from a copy), in the order of `stream`.
+/// the calls that read their input from a copy), in the order of `stream`, which must not
+/// be under graph capture.
 fn submit(
     comm: &Comm,
     call: Collective,
@@ -684,6 +685,7 @@ fn submit(
     (input, output): (Buf, Buf),
     stream: Stream,
 ) -> Outcome {
+    memory::not_capturing(stream)?;
     if input.count > 0 && output.count > 0 && input.device != output.device {
         let kind = |b: Buf| if b.device { "device" } else { "host" };
         return Err(Failure::argument(format!(
@@ -958,7 +960,6 @@ pub unsafe extern "C" fn ncclAllReduce(
     stream: Stream,
 ) -> NcclResult {
     done("ncclAllReduce", || {
-        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -991,7 +992,6 @@ pub unsafe extern "C" fn ncclBroadcast(
     stream: Stream,
 ) -> NcclResult {
     done("ncclBroadcast", || {
-        memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
         unsafe { broadcast(sendbuff, recvbuff, count, datatype, root, comm, stream) }
     })
@@ -1011,7 +1011,6 @@ pub unsafe extern "C" fn ncclBcast(
     stream: Stream,
 ) -> NcclResult {
     done("ncclBcast", || {
-        memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
         unsafe { broadcast(buff, buff, count, datatype, root, comm, stream) }
     })
@@ -1067,7 +1066,6 @@ pub unsafe extern "C" fn ncclReduce(
     stream: Stream,
 ) -> NcclResult {
     done("ncclReduce", || {
-        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -1101,7 +1099,6 @@ pub unsafe extern "C" fn ncclAllGather(
     stream: Stream,
 ) -> NcclResult {
     done("ncclAllGather", || {
-        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -1134,7 +1131,6 @@ pub unsafe extern "C" fn ncclReduceScatter(
     stream: Stream,
 ) -> NcclResult {
     done("ncclReduceScatter", || {
-        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -1167,7 +1163,6 @@ pub unsafe extern "C" fn ncclAlltoAll(
     stream: Stream,
 ) -> NcclResult {
     done("ncclAlltoAll", || {
-        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -1193,7 +1188,6 @@ pub unsafe extern "C" fn ncclGather(
     stream: Stream,
 ) -> NcclResult {
     done("ncclGather", || {
-        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -1227,7 +1221,6 @@ pub unsafe extern "C" fn ncclScatter(
     stream: Stream,
 ) -> NcclResult {
     done("ncclScatter", || {
-        memory::not_capturing(stream)?;
         let dtype = parse_dtype(datatype)?;
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
@@ -1259,7 +1252,6 @@ pub unsafe extern "C" fn ncclSend(
     stream: Stream,
 ) -> NcclResult {
     done("ncclSend", || {
-        memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
         unsafe { message(sendbuff, count, datatype, peer, comm, stream, "sendbuff") }
             .and_then(|(comm, m)| group::submit(comm, Op::Send(m)))
@@ -1280,14 +1272,14 @@ pub unsafe extern "C" fn ncclRecv(
     stream: Stream,
 ) -> NcclResult {
     done("ncclRecv", || {
-        memory::not_capturing(stream)?;
         // SAFETY: as this function's caller promises.
         unsafe { message(recvbuff, count, datatype, peer, comm, stream, "recvbuff") }
             .and_then(|(comm, m)| group::submit(comm, Op::Recv(m)))
     })
 }
 
-/// A message's communicator, buffer address, bytes and peer, checked.
+/// A message's communicator and its buffer, peer and stream, checked (the stream not under
+/// graph capture).
 ///
 /// # Safety
 /// As `ncclSend`'s and `ncclRecv`'s callers promise.
@@ -1300,6 +1292,7 @@ unsafe fn message<'a>(
     stream: Stream,
     name: &str,
 ) -> Outcome<(&'a Comm, Message)> {
+    memory::not_capturing(stream)?;
     let dtype = parse_dtype(datatype)?;
     // SAFETY: a handle of this library, as NCCL requires.
     let comm = unsafe { handle(comm) }?;

@@ -2,13 +2,14 @@
 //! background (a non-blocking config, or inside a group), and the errors its calls report.
 
 use std::ffi::c_int;
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use chorus::{Communicator, Config};
 
 use crate::abi::NcclResult;
 use crate::id::Rendezvous;
+use crate::lock;
 use crate::premul::Ops;
 
 /// An error as NCCL reports it: the result code and the text `ncclGetLastError` gives.
@@ -201,11 +202,7 @@ impl Comm {
         if let Some(ready) = self.ready.get() {
             return ready.as_ref().map_err(Clone::clone);
         }
-        let joining = self
-            .joining
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let joining = lock(&self.joining).take();
         if let Some(joining) = joining {
             let joined = joining.join().unwrap_or_else(|_| {
                 Err(Failure::new(
@@ -228,10 +225,7 @@ impl Comm {
     /// Whether its set-up still runs.
     pub fn in_progress(&self) -> bool {
         self.ready.get().is_none()
-            && self
-                .joining
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
+            && lock(&self.joining)
                 .as_ref()
                 .is_some_and(|j| !j.is_finished())
     }

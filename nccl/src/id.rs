@@ -16,11 +16,12 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 
 use chorus::{Auth, StoreServer};
 
 use crate::abi::{UniqueId, UNIQUE_ID_BYTES};
+use crate::lock;
 
 const MAGIC: &[u8; 4] = b"CHRS";
 const LAYOUT: u8 = 1;
@@ -69,9 +70,7 @@ impl Rendezvous {
             addr: SocketAddr::new(addr.ip(), server.local_addr().port()),
             ..me
         };
-        HOSTED
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        lock(&HOSTED)
             .get_or_insert_with(HashMap::new)
             .insert(job, (std::process::id(), server));
         Ok(me)
@@ -79,7 +78,7 @@ impl Rendezvous {
 
     /// The store this process serves for this job, the first time a rank here asks.
     pub fn take_server(&self) -> Option<StoreServer> {
-        let mut hosted = HOSTED.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut hosted = lock(&HOSTED);
         let hosted = hosted.as_mut()?;
         match hosted.get(&self.job) {
             Some((pid, _)) if *pid == std::process::id() => {

@@ -31,3 +31,9 @@ mod memory;
 #[cfg(feature = "cuda")]
 mod ordered;
 pub mod premul;
+
+/// Locks `m`, taking over a lock a panicking thread left (the state behind every lock here
+/// stays whole between statements, so a panic elsewhere does not make it wrong).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

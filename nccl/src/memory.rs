@@ -5,12 +5,13 @@
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void};
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{Mutex, OnceLock};
 
 use libloading::Library;
 
 use crate::abi::NcclResult;
 use crate::comm::{Failure, Outcome};
+use crate::lock;
 
 /// `CU_POINTER_ATTRIBUTE_CONTEXT`.
 const CONTEXT: c_int = 1;
@@ -232,8 +233,4 @@ pub fn free(ptr: *mut c_void) -> Outcome {
             format!("cuMemFree of {ptr:p} failed with CUDA error {code}"),
         )),
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

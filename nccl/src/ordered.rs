@@ -11,7 +11,7 @@
 //! communicator refuses fails at once.
 
 use std::ffi::c_int;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use chorus::cuda::cudarc::driver::sys;
 use chorus::cuda::{
@@ -20,6 +20,7 @@ use chorus::cuda::{
 use chorus::{Communicator, DType, ReduceOp};
 
 use crate::comm::{Failure, Outcome};
+use crate::lock;
 
 /// A communicator's device side: the device communicator, and its calls in flight.
 pub struct Ordered {
@@ -156,8 +157,4 @@ impl Ordered {
         all.into_iter().for_each(|w| self.note(w.wait()));
         lock(&self.failed).clone().map_or(Ok(()), Err)
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -3,11 +3,12 @@
 //! gradients); run as Chorus's sum over a scaled copy of the input.
 
 use std::ffi::c_int;
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 
 use chorus::{bf16, f16, DType, Element};
 
 use crate::comm::{Failure, Outcome};
+use crate::lock;
 
 /// `ncclNumOps`: the first value of an operator a communicator makes.
 const FIRST: c_int = 5;
@@ -70,7 +71,7 @@ pub struct Ops(Mutex<Vec<Option<PreMulSum>>>);
 impl Ops {
     /// A new operator's value.
     pub fn create(&self, op: PreMulSum) -> c_int {
-        let mut ops = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut ops = lock(&self.0);
         let slot = match ops.iter().position(Option::is_none) {
             Some(free) => free,
             None => {
@@ -97,13 +98,13 @@ impl Ops {
     /// Forgets the operator of value `raw`.
     pub fn destroy(&self, raw: c_int) -> Outcome {
         self.find(raw)?;
-        let mut ops = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut ops = lock(&self.0);
         ops[(raw - FIRST) as usize] = None;
         Ok(())
     }
 
     fn find(&self, raw: c_int) -> Outcome<PreMulSum> {
-        let ops = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let ops = lock(&self.0);
         usize::try_from(raw - FIRST)
             .ok()
             .and_then(|i| ops.get(i).copied().flatten())
