@@ -206,7 +206,7 @@ run() {
     done
 
     check "collectives" 300 "$dir"/cuda-tests --test-threads 1 --nocapture
-    row "collectives W=1,2,4" "$status" "$(grep -c 'device collectives ok' "$last_out") rank runs ok; ipc and staged ($last_detail)"
+    row "collectives W=1,2,4" "$status" "$(grep -c 'device collectives ok' "$last_out") rank runs ok of 20; ipc, staged (1, 2, 4 ranks), hierarchical (2 ranks, 2x2) ($last_detail)"
     row "shrink W=3 -> 2" "$status" "$(grep -c 'shrunk ok: rank [0-9] of 2' "$last_out") survivor runs ok of 4; ipc and staged"
     row "stream order (async)" "$status" "$(grep -o 'all_reduce_async returned in [0-9]* us, the work ahead [a-z ]*' "$last_out" | head -1); $(grep -c 'stream order: a failed call released' "$last_out") failed-call releases; $(grep -c 'stream order: a call under graph capture refused' "$last_out") capture refusals; $(grep -c 'streams cannot wait on memory' "$last_out") runs without stream waits"
 
@@ -236,6 +236,14 @@ run() {
                     --standalone --nproc-per-node $world "$dir"/chorus-cuda-worker bench ipc 64
                 row "all-reduce ipc MPS W=$world" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1)"
             done
+            # Four ranks as two hosts of two (the worker sets CHORUS_HOST_ID): the hierarchical
+            # path against staging over TCP, as a job across hosts would take them.
+            check "bench hierarchical mps 4" 120 env CHORUS_CUDA_PATH=hierarchical "$dir"/chorusrun \
+                --standalone --nproc-per-node 4 "$dir"/chorus-cuda-worker bench hierarchical 64
+            row "all-reduce hierarchical 2x2 MPS W=4" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1)"
+            check "bench staged tcp mps 4" 120 env CHORUS_CUDA_PATH=staged CHORUS_TRANSPORT=tcp "$dir"/chorusrun \
+                --standalone --nproc-per-node 4 "$dir"/chorus-cuda-worker bench staged 64
+            row "all-reduce staged TCP MPS W=4" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1)"
             check "allreduce_perf mps 2" 120 "$dir"/allreduce_perf --device cuda -np 2 -b 16 -e 64M -f 4
             row "allreduce_perf MPS -np 2" "$status" "$(grep -E '^ +67108864' "$last_out" | head -1 | tr -s ' ')"
             if [ -n "$torch" ]; then

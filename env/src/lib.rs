@@ -16,8 +16,8 @@ pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
 /// take every variable that starts with it).
 pub const CHORUS_PREFIX: &str = "CHORUS_";
 
-/// Which path the device collectives take: `auto` (default), `ipc` or `staged` (feature
-/// `cuda`; module `chorus::cuda`).
+/// Which path the device collectives take: `auto` (default), `ipc`, `staged` or
+/// `hierarchical` (feature `cuda`; module `chorus::cuda`).
 pub const CHORUS_CUDA_PATH: &str = "CHORUS_CUDA_PATH";
 
 // torchrun's contract (set by chorusrun, torchrun, or by hand).
@@ -149,7 +149,8 @@ pub const CHORUS_CHUNK_BYTES: &str = "CHORUS_CHUNK_BYTES";
 pub const CHORUS_SOCKET_ADDR: &str = "CHORUS_SOCKET_ADDR";
 /// `auto`, `tcp` or `shm`.
 pub const CHORUS_TRANSPORT: &str = "CHORUS_TRANSPORT";
-/// This rank's host identity (ranks with equal ones use shared memory).
+/// This rank's host identity (ranks with equal ones use shared memory, and their device
+/// collectives CUDA IPC).
 pub const CHORUS_HOST_ID: &str = "CHORUS_HOST_ID";
 /// Which sends shared memory moves in one copy: `huge` (from buffers on huge pages), a size
 /// in bytes (every send that large), or `0` (never).

@@ -55,12 +55,14 @@ impl Devices {
         })
     }
 
-    /// How device data moves between the ranks ("ipc" or "staged"), once a call has chosen.
+    /// How device data moves between the ranks ("ipc", "staged" or "hierarchical"), once a
+    /// call has chosen.
     pub fn path(&self) -> Option<&'static str> {
         let slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
         slot.as_ref().map(|dev| match dev.path() {
             DevicePath::Ipc => "ipc",
             DevicePath::Staged => "staged",
+            DevicePath::Hierarchical => "hierarchical",
         })
     }
 }

@@ -1,5 +1,6 @@
 //! Collectives on CUDA device buffers across real processes, every rank on the machine's
-//! first GPU(s): both paths (CUDA IPC and pinned-host staging) at 1, 2 and 4 ranks. Each
+//! first GPU(s): every path (CUDA IPC and pinned-host staging at 1, 2 and 4 ranks, the
+//! hierarchical path at 2 ranks on one host and 4 as two hosts of two). Each
 //! rank checks its outputs against the host's result. Without a GPU the workers print a
 //! skip line, shown here; `CHORUS_REQUIRE_CUDA=1` makes that a failure.
 #![cfg(feature = "cuda")]
@@ -50,6 +51,17 @@ fn device_collectives_match_the_host_through_staging() {
             &["check", "staged"],
             "device collectives ok",
         ) {
+            return;
+        }
+    }
+}
+
+/// Ranks `2h` and `2h + 1` count as host `h` (the worker sets their `CHORUS_HOST_ID`).
+#[test]
+fn device_collectives_match_the_host_through_the_hierarchical_path() {
+    for world in [2, 4] {
+        let args = ["check", "hierarchical"];
+        if !on_gpu(world, "hierarchical", &args, "device collectives ok") {
             return;
         }
     }

@@ -1,13 +1,15 @@
-//! What the staged path asks of a GPU: page-locked host buffers, device scratch memory,
-//! copies between the two, the reduction kernels, and queues of work ordered by events.
+//! What the device paths ask of a GPU: page-locked host buffers, device scratch memory
+//! that other processes of the host can map (CUDA IPC), copies between them, the reduction
+//! kernels, and queues of work ordered by events.
 //!
 //! [`Gpu`] is implemented for a CUDA [`Device`] (its streams are the queues) and, in the
 //! tests, by a device made of host memory whose queues run only when the host waits for
-//! them, so the staged path's data flow and its ordering are checked without a GPU.
+//! them, so every path's data flow and its ordering are checked without a GPU.
 
 use chorus_kernels::cuda::cudarc::driver::CudaEvent;
 use chorus_kernels::cuda::memory::{
-    copy_on_device, copy_to_device, copy_to_host, DeviceAlloc, Pinned,
+    copy_on_device, copy_to_device, copy_to_host, zero_on_device, DeviceAlloc, IpcHandle,
+    IpcMapping, Pinned,
 };
 use chorus_kernels::cuda::{CudaError, CudaStream, Device};
 use chorus_kernels::{DType, ReduceOp};
@@ -24,7 +26,10 @@ pub(super) trait HostBuffer: Send {
     fn bytes_mut(&mut self, len: usize) -> &mut [u8];
 }
 
-/// The operations of a device the staged path runs on. Device memory is named by its
+/// Bytes of the handle through which another process maps device memory.
+pub(super) const HANDLE: usize = IpcHandle::LEN;
+
+/// The operations of a device the device paths run on. Device memory is named by its
 /// address; work is enqueued on a queue and runs in that queue's order, after the events
 /// the queue was told to wait for.
 pub(super) trait Gpu {
@@ -36,6 +41,8 @@ pub(super) trait Gpu {
     type Event: Send;
     /// A queue of device work, run in order.
     type Queue: Send + Sync;
+    /// Another process's device memory mapped into this one, unmapped on drop.
+    type Mapping: Send;
 
     /// `len` bytes of page-locked host memory.
     fn pinned(&self, len: usize) -> Result<Self::Pinned>;
@@ -43,6 +50,12 @@ pub(super) trait Gpu {
     fn scratch(&self, len: usize) -> Result<Self::Scratch>;
     /// The device address of `scratch`.
     fn address(scratch: &Self::Scratch) -> u64;
+    /// The handle through which other processes of the host map `scratch`.
+    fn export(&self, scratch: &Self::Scratch) -> Result<[u8; HANDLE]>;
+    /// Maps the memory another process exported as `handle`.
+    fn open(&self, handle: &[u8; HANDLE]) -> Result<Self::Mapping>;
+    /// The address of a mapping in this process.
+    fn mapped(mapping: &Self::Mapping) -> u64;
     /// A new event, recorded nowhere yet.
     fn event(&self) -> Result<Self::Event>;
     /// A new queue.
@@ -82,6 +95,12 @@ pub(super) trait Gpu {
     /// Both must hold `len` bytes of device memory until the copy has run, and not overlap
     /// unless equal.
     unsafe fn on_device(&self, dst: u64, src: u64, len: usize, queue: &Self::Queue) -> Result<()>;
+    /// Enqueues the zeroing of `len` bytes at device address `dst`.
+    ///
+    /// # Safety
+    /// `dst` must hold `len` bytes of device memory until the work has run, and nothing else
+    /// may touch them meanwhile.
+    unsafe fn zero(&self, dst: u64, len: usize, queue: &Self::Queue) -> Result<()>;
     /// Enqueues `dst = a op b` over `len` bytes of `dtype` elements, `ptrs` being `[dst, a, b]`.
     ///
     /// # Safety
@@ -129,6 +148,7 @@ impl Gpu for Device {
     type Scratch = DeviceAlloc;
     type Event = CudaEvent;
     type Queue = CudaStream;
+    type Mapping = IpcMapping;
 
     fn pinned(&self, len: usize) -> Result<Pinned> {
         Ok(Pinned::new(len)?)
@@ -140,6 +160,18 @@ impl Gpu for Device {
 
     fn address(scratch: &DeviceAlloc) -> u64 {
         scratch.ptr()
+    }
+
+    fn export(&self, scratch: &DeviceAlloc) -> Result<[u8; HANDLE]> {
+        Ok(scratch.export()?.0)
+    }
+
+    fn open(&self, handle: &[u8; HANDLE]) -> Result<IpcMapping> {
+        Ok(IpcHandle(*handle).open()?)
+    }
+
+    fn mapped(mapping: &IpcMapping) -> u64 {
+        mapping.ptr()
     }
 
     fn event(&self) -> Result<CudaEvent> {
@@ -192,6 +224,11 @@ impl Gpu for Device {
         unsafe { copy_on_device(dst, src, len, queue) }.map_err(Into::into)
     }
 
+    unsafe fn zero(&self, dst: u64, len: usize, queue: &CudaStream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { zero_on_device(dst, len, queue) }.map_err(Into::into)
+    }
+
     unsafe fn reduce(
         &self,
         op: ReduceOp,
@@ -218,7 +255,8 @@ impl Gpu for Device {
 }
 
 /// A [`Gpu`] of host memory for tests, whose queues run their work as late or as early as
-/// the events allow, so that a missing wait shows as a wrong result. A lazy queue (every
+/// the events allow, so that a missing wait shows as a wrong result. Its ranks are threads
+/// of one process, so exporting memory hands out its address, which every rank can read. A lazy queue (every
 /// queue [`Gpu::queue`] makes) keeps its work until the host waits for an event or for the
 /// queue, then runs it in order, running the queues it was told to wait for up to their
 /// events first: what the host reads without having waited is stale. An eager queue
@@ -231,7 +269,7 @@ pub(super) mod lazy {
 
     use chorus_kernels::{DType, ReduceOp};
 
-    use super::{Gpu, HostBuffer};
+    use super::{Gpu, HostBuffer, HANDLE};
     use crate::Result;
 
     /// The device: it holds nothing; memory and queues are made on request.
@@ -371,6 +409,7 @@ pub(super) mod lazy {
         type Scratch = Buffer;
         type Event = Event;
         type Queue = Queue;
+        type Mapping = u64;
 
         fn pinned(&self, len: usize) -> Result<Buffer> {
             Ok(Buffer::new(len))
@@ -382,6 +421,21 @@ pub(super) mod lazy {
 
         fn address(scratch: &Buffer) -> u64 {
             scratch.address()
+        }
+
+        fn export(&self, scratch: &Buffer) -> Result<[u8; HANDLE]> {
+            let mut handle = [0; HANDLE];
+            handle[..8].copy_from_slice(&scratch.address().to_ne_bytes());
+            Ok(handle)
+        }
+
+        fn open(&self, handle: &[u8; HANDLE]) -> Result<u64> {
+            let address = handle[..8].try_into().expect("eight bytes");
+            Ok(u64::from_ne_bytes(address))
+        }
+
+        fn mapped(mapping: &u64) -> u64 {
+            *mapping
         }
 
         fn event(&self) -> Result<Event> {
@@ -442,6 +496,15 @@ pub(super) mod lazy {
                 // SAFETY: as for `to_host`.
                 unsafe { self.to_host(dst as *mut u8, src, len, queue)? };
             }
+            Ok(())
+        }
+
+        unsafe fn zero(&self, dst: u64, len: usize, queue: &Queue) -> Result<()> {
+            let dst = dst as usize;
+            queue.run(move || {
+                // SAFETY: the caller's contract.
+                unsafe { at(dst, len).fill(0) }
+            });
             Ok(())
         }
 

@@ -1,7 +1,8 @@
 //! The IPC path: ranks of one host read and reduce each other's device memory directly.
 //!
-//! Every rank allocates a scratch buffer with `cuMemAlloc`, exports it with
-//! `cuIpcGetMemHandle`, and maps every peer's with `cuIpcOpenMemHandle`. A call runs in
+//! Every rank allocates a scratch buffer (on CUDA, with `cuMemAlloc`), exports it
+//! (`cuIpcGetMemHandle`), and maps every peer's (`cuIpcOpenMemHandle`); the device is a
+//! [`Gpu`], so the tests run the path on a device of host memory. A call runs in
 //! rounds of at most half a scratch buffer, the rounds alternating between the halves.
 //! In a round each rank copies its input into its half, and after a fence the ranks read
 //! each other's halves: an all-reduce on two ranks has each rank reduce the whole round
@@ -12,90 +13,79 @@
 //! so a rank reads a peer's half only once the peer's writes to it are complete. A rank
 //! writes a half again only two rounds later, past a fence that every peer reaches only
 //! after its reads of the previous use: no fence is needed at the end of a round.
+//!
+//! The hierarchical path (`tiered`) runs its rounds through the same halves.
 
-use std::sync::Arc;
+use chorus_kernels::{DType, ReduceOp};
 
-use chorus_kernels::cuda::memory::{copy_on_device, DeviceAlloc, IpcHandle, IpcMapping};
-use chorus_kernels::cuda::{CudaError, CudaStream, Device};
-use chorus_kernels::ReduceOp;
-
+use super::gpu::{Gpu, HANDLE};
 use super::{agree, slice, DeviceCall, Job};
-use crate::env::CHORUS_CUDA_PATH;
-use crate::{Communicator, Error, Result};
+use crate::{Communicator, Result};
 
 /// Bytes of each half of a rank's scratch buffer: the most one round moves per rank.
 const HALF_BYTES: usize = 64 << 20;
-/// Bytes of the record each rank publishes: a flag, the IPC handle, the host's identity.
-const RECORD: usize = 128;
-const HANDLE: usize = IpcHandle::LEN;
-const HOST_ID: usize = RECORD - 1 - HANDLE;
 
 /// This rank's scratch buffer and every rank's, mapped into this process.
-pub(super) struct Peers {
-    scratch: DeviceAlloc,
+pub(super) struct Peers<G: Gpu> {
+    scratch: G::Scratch,
     /// The peers' scratch buffers mapped into this process (unmapped on drop).
-    mapped: Vec<IpcMapping>,
+    mapped: Vec<G::Mapping>,
     /// Every rank's scratch buffer in this process's address space (this rank's own too).
     ptrs: Vec<u64>,
+    /// Bytes of each half of every scratch buffer.
+    half_bytes: usize,
     /// The half the next round uses (every rank runs the same rounds, so all agree).
     half: usize,
 }
 
-impl Peers {
-    /// Sets up the IPC path on `comm`, or returns `None` where it cannot be used (then
-    /// every rank returns `None`). With `forced`, fails instead, naming the rank and why.
-    /// The device's context must be current.
-    pub fn connect(comm: &Communicator, forced: bool) -> Result<Option<Peers>> {
+impl<G: Gpu> Peers<G> {
+    /// Sets up the IPC path among `comm`'s ranks, which must share a host. `Ok(Err(why))`
+    /// where some rank cannot take part (every rank gets it, each with its own words).
+    /// A CUDA device's context must be current.
+    pub fn connect(comm: &Communicator, gpu: &G) -> Result<std::result::Result<Peers<G>, String>> {
+        Peers::sized(comm, gpu, HALF_BYTES)
+    }
+
+    /// As [`connect`](Self::connect), with halves of `half_bytes`.
+    pub fn sized(
+        comm: &Communicator,
+        gpu: &G,
+        half_bytes: usize,
+    ) -> Result<std::result::Result<Peers<G>, String>> {
         let (rank, world) = (comm.rank(), comm.world_size());
-        let exported = DeviceAlloc::new(2 * HALF_BYTES).and_then(|scratch| {
-            let handle = scratch.export()?;
+        let exported = gpu.scratch(2 * half_bytes).and_then(|scratch| {
+            let handle = gpu.export(&scratch)?;
             Ok((scratch, handle))
         });
-        let mut record = [0u8; RECORD];
+        let mut record = [0u8; 1 + HANDLE];
         if let Ok((_, handle)) = &exported {
             record[0] = 1;
-            record[1..=HANDLE].copy_from_slice(&handle.0);
+            record[1..].copy_from_slice(handle);
         }
-        record[1 + HANDLE..].copy_from_slice(&host_id());
-        let mut records = vec![0u8; RECORD * world];
+        let mut records = vec![0u8; record.len() * world];
         comm.all_gather(&record, &mut records)?;
-        let refuse = |reason: String| -> Result<Option<Peers>> {
-            if forced {
-                Err(Error::Config {
-                    var: CHORUS_CUDA_PATH,
-                    value: "ipc".into(),
-                    reason,
-                })
-            } else {
-                tracing::info!("device collectives take the staged path: {reason}");
-                Ok(None)
-            }
-        };
-        for (q, theirs) in records.chunks(RECORD).enumerate() {
-            if theirs[0] != 1 {
-                return refuse(format!(
-                    "rank {q} cannot export device memory through CUDA IPC"
-                ));
-            }
-            if theirs[1 + HANDLE..] != record[1 + HANDLE..] {
-                return refuse(format!("rank {q} runs on another host than rank {rank}"));
-            }
+        if let Some(q) = records
+            .chunks(record.len())
+            .position(|theirs| theirs[0] != 1)
+        {
+            return Ok(Err(format!(
+                "rank {q} cannot export device memory through CUDA IPC"
+            )));
         }
         // This rank's own record passed the check above, so the export succeeded.
         let (scratch, _) = exported?;
         let mut ptrs = Vec::with_capacity(world);
         let mut mapped = Vec::with_capacity(world);
         let mut failure = None;
-        for (q, theirs) in records.chunks(RECORD).enumerate() {
+        for (q, theirs) in records.chunks(record.len()).enumerate() {
             if q == rank {
-                ptrs.push(scratch.ptr());
+                ptrs.push(G::address(&scratch));
                 continue;
             }
-            let mut handle = IpcHandle([0; HANDLE]);
-            handle.0.copy_from_slice(&theirs[1..=HANDLE]);
-            match handle.open() {
+            let handle = theirs[1..].try_into().expect("a whole handle");
+            match gpu.open(handle) {
                 Ok(mapping) => {
-                    ptrs.push(mapping.ptr());
+                    ptrs.push(G::mapped(&mapping));
                     mapped.push(mapping);
                 }
                 Err(err) => {
@@ -109,15 +99,15 @@ impl Peers {
         let mut agreed = [u8::from(failure.is_none())];
         comm.all_reduce(&mut agreed, ReduceOp::Min)?;
         if agreed[0] == 0 {
-            return refuse(
-                failure
-                    .unwrap_or_else(|| "another rank cannot map its peers' device memory".into()),
-            );
+            return Ok(Err(failure.unwrap_or_else(|| {
+                "another rank cannot map its peers' device memory".into()
+            })));
         }
-        Ok(Some(Peers {
+        Ok(Ok(Peers {
             scratch,
             mapped,
             ptrs,
+            half_bytes,
             half: 0,
         }))
     }
@@ -132,28 +122,35 @@ impl Peers {
         }
     }
 
-    pub fn run(
-        &mut self,
-        comm: &Communicator,
-        device: &Device,
-        job: Job,
-        stream: &Arc<CudaStream>,
-    ) -> Result<()> {
+    /// Bytes of each half: the most a round moves per rank.
+    pub fn half_bytes(&self) -> usize {
+        self.half_bytes
+    }
+
+    /// The next round's half: its address in every rank's scratch buffer, and in this
+    /// rank's own. Halves alternate from round to round.
+    pub fn next_half(&mut self) -> (Vec<u64>, u64) {
+        let at = (self.half * self.half_bytes) as u64;
+        self.half ^= 1;
+        let ptrs = self.ptrs.iter().map(|p| p + at).collect();
+        (ptrs, G::address(&self.scratch) + at)
+    }
+
+    pub fn run(&mut self, comm: &Communicator, gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
         let size = job.dtype.size();
         let room = match job.call {
-            DeviceCall::ReduceScatter(_) => HALF_BYTES / comm.world_size(),
-            _ => HALF_BYTES,
+            DeviceCall::ReduceScatter(_) => self.half_bytes / comm.world_size(),
+            _ => self.half_bytes,
         };
         let step = (room / size).max(1) * size;
         for (i, offset) in (0..job.block).step_by(step).enumerate() {
-            let at = (self.half * HALF_BYTES) as u64;
-            self.half ^= 1;
+            let (ptrs, scratch) = self.next_half();
             let round = Round {
                 comm,
-                device,
+                gpu,
                 stream,
-                ptrs: self.ptrs.iter().map(|p| p + at).collect(),
-                scratch: self.scratch.ptr() + at,
+                ptrs,
+                scratch,
                 job,
                 first: i == 0,
             };
@@ -166,17 +163,14 @@ impl Peers {
                 DeviceCall::ReduceScatter(op) => round.reduce_scatter(op, offset, len)?,
             }
         }
-        stream
-            .synchronize()
-            .map_err(CudaError::driver("waiting for the stream"))?;
-        Ok(())
+        gpu.finish(stream)
     }
 }
 
-struct Round<'a> {
+struct Round<'a, G: Gpu> {
     comm: &'a Communicator,
-    device: &'a Device,
-    stream: &'a Arc<CudaStream>,
+    gpu: &'a G,
+    stream: &'a G::Queue,
     /// Every rank's half for this round.
     ptrs: Vec<u64>,
     /// This rank's half.
@@ -186,7 +180,7 @@ struct Round<'a> {
     first: bool,
 }
 
-impl Round<'_> {
+impl<G: Gpu> Round<'_, G> {
     fn all_reduce(&self, op: ReduceOp, offset: usize, len: usize) -> Result<()> {
         let (input, output) = self.at(offset);
         self.copy(self.scratch, input, len)?;
@@ -264,54 +258,33 @@ impl Round<'_> {
     /// `out = op` over every rank's scratch bytes `at..at + len`, in rank order (so every
     /// rank that computes a slice computes it alike); `Avg` divides at the end.
     fn reduce_from(&self, op: ReduceOp, out: u64, at: u64, len: usize) -> Result<()> {
-        let dtype = self.job.dtype;
         let sources: Vec<u64> = self.ptrs.iter().map(|p| p + at).collect();
-        match sources[..] {
-            [only] => self.copy(out, only, len)?,
-            [a, b, ref rest @ ..] => {
-                // SAFETY: every scratch buffer holds `at + len` bytes and is mapped here;
-                // `out` lies in the caller's output; no peer writes its scratch before the
-                // next barrier, and the stream is synchronized before that barrier.
-                unsafe {
-                    self.device
-                        .reduce_into_raw(op, dtype, [out, a, b], len, self.stream)?;
-                    for &src in rest {
-                        self.device.reduce_into_raw(
-                            op,
-                            dtype,
-                            [out, out, src],
-                            len,
-                            self.stream,
-                        )?;
-                    }
-                }
-            }
-            [] => {}
+        // SAFETY: every scratch buffer holds `at + len` bytes and is mapped here; `out` lies
+        // in the caller's output; no peer writes its scratch before the next fence, and the
+        // stream is synchronized before that fence.
+        unsafe {
+            reduce_into(
+                self.gpu,
+                self.stream,
+                (op, self.job.dtype),
+                out,
+                &sources,
+                len,
+            )
         }
-        if op == ReduceOp::Avg {
-            // SAFETY: as above, `out` holds `len` bytes of the caller's output.
-            unsafe {
-                self.device
-                    .finish_avg_raw(dtype, out, len, sources.len(), self.stream)?
-            };
-        }
-        Ok(())
     }
 
     fn copy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
         // SAFETY: the callers pass ranges inside the caller's buffers (lengths checked by
-        // the communicator) or inside scratch buffers of `SCRATCH_BYTES`; the barriers
-        // keep peers from writing what is being read.
-        unsafe { copy_on_device(dst, src, len, self.stream)? };
-        Ok(())
+        // the communicator) or inside the halves of scratch buffers; the fences keep peers
+        // from writing what is being read.
+        unsafe { self.gpu.on_device(dst, src, len, self.stream) }
     }
 
     /// Waits for this rank's queued work, then for every rank to get there; with `check`,
     /// the meeting is `agree`'s exchange, which also checks the ranks make the same call.
     fn fence(&self, check: bool) -> Result<()> {
-        self.stream
-            .synchronize()
-            .map_err(CudaError::driver("waiting for the stream"))?;
+        self.gpu.finish(self.stream)?;
         if check {
             agree(self.comm, self.job)
         } else {
@@ -320,15 +293,79 @@ impl Round<'_> {
     }
 }
 
-/// What identifies this host to its peers: the kernel's boot id (one per machine and
-/// boot), else the host name, padded with zeros.
-fn host_id() -> [u8; HOST_ID] {
-    let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| crate::hostname());
-    let mut out = [0u8; HOST_ID];
-    for (dst, src) in out.iter_mut().zip(id.bytes()) {
-        *dst = src;
+/// Enqueues `out = op` over `sources` (each `len` bytes of device memory of `dtype`),
+/// reducing them in the order given; `Avg` divides by their number at the end.
+///
+/// # Safety
+/// Every source and `out` must hold `len` bytes of device memory until the work has run,
+/// nothing may write the sources meanwhile, and `out` may be the first source but no other.
+pub(super) unsafe fn reduce_into<G: Gpu>(
+    gpu: &G,
+    queue: &G::Queue,
+    (op, dtype): (ReduceOp, DType),
+    out: u64,
+    sources: &[u64],
+    len: usize,
+) -> Result<()> {
+    match *sources {
+        // SAFETY: the caller's contract.
+        [only] => unsafe { gpu.on_device(out, only, len, queue)? },
+        [a, b, ref rest @ ..] => {
+            // SAFETY: the caller's contract: `out` is `a` or overlaps neither.
+            unsafe { gpu.reduce(op, dtype, [out, a, b], len, queue)? };
+            for &src in rest {
+                // SAFETY: as above; `src` is not `out`.
+                unsafe { gpu.reduce(op, dtype, [out, out, src], len, queue)? };
+            }
+        }
+        [] => {}
     }
-    out
+    if op == ReduceOp::Avg {
+        // SAFETY: the caller's contract.
+        unsafe { gpu.finish_avg(dtype, out, len, sources.len(), queue)? };
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use chorus_kernels::DType;
+
+    use super::*;
+    use crate::cuda::testing::{check, Case};
+
+    /// Bytes of each half in the tests: 1,000 four-byte elements take several rounds.
+    const HALF: usize = 512;
+
+    /// Every call the path makes, in sizes that take several rounds and one.
+    fn cases() -> Vec<Case> {
+        let (i32, f64) = (DType::I32, DType::F64);
+        vec![
+            (DeviceCall::AllReduce(ReduceOp::Sum), i32, 1000),
+            (DeviceCall::AllReduce(ReduceOp::Avg), f64, 333),
+            (DeviceCall::AllReduce(ReduceOp::Max), i32, 3),
+            (
+                DeviceCall::Reduce {
+                    op: ReduceOp::Sum,
+                    root: 1,
+                },
+                i32,
+                1000,
+            ),
+            (DeviceCall::Broadcast { root: 1 }, i32, 1000),
+            (DeviceCall::AllGather, i32, 300),
+            (DeviceCall::ReduceScatter(ReduceOp::Sum), i32, 300),
+            (DeviceCall::AllGather, i32, 0),
+        ]
+    }
+
+    #[test]
+    fn the_ipc_path_gives_every_rank_its_result() {
+        let layouts: [&[usize]; 3] = [&[0, 0], &[0, 0, 0], &[0, 0, 0, 0]];
+        check(&layouts, &cases(), |comm, gpu, _| {
+            Peers::sized(comm, gpu, HALF)
+                .expect("the exchange")
+                .expect("every rank maps its peers' memory")
+        });
+    }
 }

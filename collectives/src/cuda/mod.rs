@@ -5,7 +5,7 @@
 //! and views (what candle's CUDA tensors hold), or raw device pointers through
 //! [`CudaCommunicator::call_raw`] for bindings. Reductions run on the GPU with the NVRTC
 //! kernels of [`chorus_kernels::cuda`] or on the host with Chorus's host kernels, as the
-//! path requires. Two paths, chosen once, by [`CudaCommunicator::new`]:
+//! path requires. Three paths, chosen once, by [`CudaCommunicator::new`]:
 //!
 //! * [`DevicePath::Ipc`], when every rank runs on one host: each rank exports a device
 //!   scratch buffer allocated with `cuMemAlloc` through CUDA IPC and maps every peer's. A
@@ -18,9 +18,18 @@
 //!   in flight so that one's copies and kernels overlap the other's time on the wire.
 //!   Reductions run on the GPU: a ring whose steps copy a partial result to the host,
 //!   send it on, copy the previous rank's partial to the device and reduce it there.
+//! * [`DevicePath::Hierarchical`], across hosts of which some run several ranks: IPC
+//!   within each host and the staged path between hosts, on shards of the data with one
+//!   owner per host, so each byte crosses the network once per host, not once per rank
+//!   (the module `tiered` describes the stages).
 //!
-//! `CHORUS_CUDA_PATH` (`auto`, `ipc`, `staged`) forces a path; `auto`, the default,
-//! takes IPC where every rank shares the host and can map its peers' memory.
+//! Ranks share a host when their `CHORUS_HOST_ID` (the communicator's
+//! [`Config::host_id`](crate::Config::host_id)) is equal, or, where it is unset, their
+//! kernel's boot id: one machine can stand for several hosts. `CHORUS_CUDA_PATH` (`auto`,
+//! `ipc`, `staged`, `hierarchical`) forces a path; `auto`, the default, takes IPC where
+//! every rank shares the host, the hierarchical path where the ranks span hosts and some
+//! host runs two or more, and the staged path otherwise or where the ranks of a host
+//! cannot map each other's memory. `CHORUS_DEBUG` logs the choice and why.
 //!
 //! # Ordering and completion
 //!
@@ -54,6 +63,9 @@ mod ipc;
 mod local;
 mod order;
 mod staged;
+#[cfg(test)]
+mod testing;
+mod tiered;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -77,6 +89,21 @@ pub enum DevicePath {
     Ipc,
     /// Pinned host buffers and the host collectives (any transport).
     Staged,
+    /// IPC within each host, pinned staging between hosts.
+    Hierarchical,
+}
+
+impl DevicePath {
+    /// The path a job of `hosts` hosts takes, at most `most_local` ranks on one, where
+    /// `CHORUS_CUDA_PATH` does not force one and every host's ranks can map each other's
+    /// memory.
+    pub fn for_hosts(hosts: usize, most_local: usize) -> DevicePath {
+        match (hosts, most_local) {
+            (1, _) => DevicePath::Ipc,
+            (_, 2..) => DevicePath::Hierarchical,
+            _ => DevicePath::Staged,
+        }
+    }
 }
 
 /// One collective on device memory, for [`CudaCommunicator::call_raw`].
@@ -173,8 +200,9 @@ struct Order {
 }
 
 enum Path {
-    Ipc(ipc::Peers),
+    Ipc(ipc::Peers<Device>),
     Staged(staged::Staging<Device>),
+    Hierarchical(tiered::Tiered<Device>),
 }
 
 impl std::fmt::Debug for CudaCommunicator {
@@ -201,14 +229,7 @@ impl CudaCommunicator {
             .context()
             .bind_to_thread()
             .map_err(CudaError::driver("binding the device's context"))?;
-        let path = match forced {
-            Some(DevicePath::Staged) => None,
-            _ => ipc::Peers::connect(&comm, forced == Some(DevicePath::Ipc))?,
-        };
-        let path = match path {
-            Some(peers) => Path::Ipc(peers),
-            None => Path::Staged(staged::Staging::new(&device, comm.world_size())?),
-        };
+        let path = choose(&comm, &device, forced)?;
         let completions = order::Completions::new(MappedCounter::new(device.context())?);
         let waits = stream_waits_supported(device.context());
         if !waits {
@@ -249,6 +270,7 @@ impl CudaCommunicator {
         match &*self.shared.lock() {
             Path::Ipc(_) => DevicePath::Ipc,
             Path::Staged(_) => DevicePath::Staged,
+            Path::Hierarchical(_) => DevicePath::Hierarchical,
         }
     }
 
@@ -780,6 +802,7 @@ impl Shared {
         match &mut *path {
             Path::Ipc(peers) => peers.run(&self.comm, &self.device, job, stream),
             Path::Staged(staging) => staging.run(&self.comm, &self.device, job, stream),
+            Path::Hierarchical(tiered) => tiered.run(&self.comm, &self.device, job, stream),
         }
     }
 
@@ -830,8 +853,10 @@ impl Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         let _ = self.device.context().bind_to_thread();
-        if let Path::Ipc(peers) = &mut *self.lock() {
-            peers.close(&self.comm);
+        match &mut *self.lock() {
+            Path::Ipc(peers) => peers.close(&self.comm),
+            Path::Hierarchical(tiered) => tiered.close(),
+            Path::Staged(_) => {}
         }
     }
 }
@@ -1002,6 +1027,55 @@ fn slice_width(len: usize, dtype: DType, world: usize) -> usize {
     len.div_ceil(world).div_ceil(unit) * unit
 }
 
+/// Chooses and sets up the path of a device communicator over `comm` (see the
+/// [module documentation](self)); collective. The device's context must be current.
+fn choose(comm: &Communicator, device: &Device, forced: Option<DevicePath>) -> Result<Path> {
+    let hosts = tiered::Hosts::gather(comm)?;
+    let (rank, count, most) = (comm.rank(), hosts.count(), hosts.most_local());
+    let wanted = forced.unwrap_or_else(|| DevicePath::for_hosts(count, most));
+    let refused = |why: String| -> Result<Path> {
+        if forced.is_some() {
+            let value = format!("{wanted:?}").to_lowercase();
+            return Err(Error::Config {
+                var: CHORUS_CUDA_PATH,
+                value,
+                reason: why,
+            });
+        }
+        tracing::info!(rank, "device collectives take the staged path: {why}");
+        Ok(Path::Staged(staged::Staging::new(
+            device,
+            comm.world_size(),
+        )?))
+    };
+    let path = match wanted {
+        DevicePath::Staged => Path::Staged(staged::Staging::new(device, comm.world_size())?),
+        DevicePath::Ipc => match hosts.apart_from(rank) {
+            Some(q) => return refused(format!("rank {q} runs on another host than rank {rank}")),
+            None => match ipc::Peers::connect(comm, device)? {
+                Ok(peers) => Path::Ipc(peers),
+                Err(why) => return refused(why),
+            },
+        },
+        DevicePath::Hierarchical => match tiered::Tiered::connect(comm, device, hosts)? {
+            Ok(tiered) => Path::Hierarchical(tiered),
+            Err(why) => return refused(why),
+        },
+    };
+    tracing::info!(
+        rank,
+        hosts = count,
+        most_local = most,
+        "device collectives take the {wanted:?} path{}",
+        if forced.is_some() {
+            " (CHORUS_CUDA_PATH)"
+        } else {
+            ""
+        }
+    );
+    Ok(path)
+}
+
 /// The path `CHORUS_CUDA_PATH` forces, if any.
 fn forced_path() -> Result<Option<DevicePath>> {
     match std::env::var(CHORUS_CUDA_PATH) {
@@ -1010,10 +1084,11 @@ fn forced_path() -> Result<Option<DevicePath>> {
             "" | "auto" => Ok(None),
             "ipc" => Ok(Some(DevicePath::Ipc)),
             "staged" => Ok(Some(DevicePath::Staged)),
+            "hierarchical" => Ok(Some(DevicePath::Hierarchical)),
             _ => Err(Error::Config {
                 var: CHORUS_CUDA_PATH,
                 value: v,
-                reason: "expected auto, ipc or staged".into(),
+                reason: "expected auto, ipc, staged or hierarchical".into(),
             }),
         },
     }
@@ -1035,6 +1110,14 @@ mod tests {
             Some((3, 3))
         );
         assert_eq!(DeviceCall::AllGather.lengths(usize::MAX, 2), None);
+    }
+
+    #[test]
+    fn the_path_follows_the_hosts() {
+        assert_eq!(DevicePath::for_hosts(1, 4), DevicePath::Ipc);
+        assert_eq!(DevicePath::for_hosts(2, 2), DevicePath::Hierarchical);
+        assert_eq!(DevicePath::for_hosts(64, 8), DevicePath::Hierarchical);
+        assert_eq!(DevicePath::for_hosts(4, 1), DevicePath::Staged);
     }
 
     #[test]

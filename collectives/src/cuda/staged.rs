@@ -71,7 +71,7 @@ impl<G: Gpu> Staging<G> {
     }
 
     /// As [`new`](Self::new), with pinned buffers of `bytes` (or the least that works).
-    fn sized(gpu: &G, world: usize, bytes: usize) -> Result<Staging<G>> {
+    pub fn sized(gpu: &G, world: usize, bytes: usize) -> Result<Staging<G>> {
         // Room for `world` blocks of two 16-byte units at least: every chunk holds an
         // element, with room for the ring's segments to be rounded up to 16 bytes.
         let room = bytes.max(world.saturating_mul(32));
@@ -425,11 +425,9 @@ fn chunks(job: Job, world: usize, room: usize) -> Vec<Chunk> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
-    use crate::cuda::gpu::lazy::{Buffer, LazyGpu, Queue};
-    use crate::{Config, StoreServer, TransportKind};
+    use crate::cuda::gpu::lazy::{Buffer, LazyGpu};
+    use crate::cuda::testing::{self, Case};
     use chorus_kernels::DType;
 
     fn job(call: DeviceCall, dtype: DType, block: usize) -> Job {
@@ -497,202 +495,53 @@ mod tests {
         }
     }
 
-    /// Runs `each` on `world` ranks of one job, each on a thread with its own communicator
-    /// over loopback TCP; what each gave, in rank order.
-    fn on_ranks<T: Send>(world: usize, each: impl Fn(&Communicator) -> T + Sync) -> Vec<T> {
-        let server = StoreServer::bind(([127, 0, 0, 1], 0).into()).expect("a store");
-        let port = server.local_addr().port();
-        let mut server = Some(server);
-        std::thread::scope(|scope| {
-            let ranks: Vec<_> = (0..world)
-                .map(|rank| {
-                    let (server, each) = (server.take().filter(|_| rank == 0), &each);
-                    scope.spawn(move || {
-                        let mut config = Config::new(rank, world, "127.0.0.1", port);
-                        config.transport = TransportKind::Tcp;
-                        config.timeout = Duration::from_secs(60);
-                        let comm = Communicator::with_store_server(config, server, "staged")
-                            .expect("joined");
-                        each(&comm)
-                    })
-                })
-                .collect();
-            let done = ranks.into_iter().map(|r| r.join().expect("a rank"));
-            done.collect()
-        })
-    }
-
-    /// Rank `rank`'s input element `i`: small whole numbers, exact in every type used.
-    fn element(rank: usize, i: usize) -> i64 {
-        (rank as i64 + 1) * 100 + (i % 97) as i64
-    }
-
-    fn encode(values: impl IntoIterator<Item = i64>, dtype: DType) -> Vec<u8> {
-        let mut bytes = Vec::new();
-        for v in values {
-            match dtype {
-                DType::I32 => bytes.extend_from_slice(&(v as i32).to_ne_bytes()),
-                DType::F64 => bytes.extend_from_slice(&(v as f64).to_ne_bytes()),
-                _ => unreachable!("the tests use i32 and f64"),
-            }
-        }
-        bytes
-    }
-
-    /// What rank `rank`'s output holds after `call` on `world` ranks of `count` elements
-    /// each; `None` where it is left as it was.
-    fn expected(
-        call: DeviceCall,
-        dtype: DType,
-        world: usize,
-        rank: usize,
-        count: usize,
-    ) -> Option<Vec<u8>> {
-        let sum = |i: usize| (0..world).map(|r| element(r, i)).sum::<i64>();
-        let values: Vec<i64> = match call {
-            DeviceCall::AllReduce(ReduceOp::Avg) => {
-                return Some(
-                    (0..count)
-                        .flat_map(|i| (sum(i) as f64 / world as f64).to_ne_bytes())
-                        .collect(),
-                )
-            }
-            DeviceCall::AllReduce(_) => (0..count).map(sum).collect(),
-            DeviceCall::Reduce { root, .. } if root == rank => (0..count).map(sum).collect(),
-            DeviceCall::Reduce { .. } => return None,
-            DeviceCall::Broadcast { root } => (0..count).map(|i| element(root, i)).collect(),
-            DeviceCall::AllGather => (0..world * count)
-                .map(|i| element(i / count, i % count))
-                .collect(),
-            DeviceCall::ReduceScatter(_) => (0..count).map(|i| sum(rank * count + i)).collect(),
-        };
-        Some(encode(values, dtype))
-    }
-
-    /// Runs `call` through the staged path on a lazy device, at every `world`, with pinned
-    /// buffers of `room` bytes, in place and apart, the caller's queue lazy and eager, and
-    /// checks every rank's output.
-    fn check(call: DeviceCall, dtype: DType, count: usize, room: usize) {
-        let cases = [(false, false), (true, false), (false, true), (true, true)];
-        for (world, (in_place, eager)) in (2..=4).flat_map(|w| cases.map(|c| (w, c))) {
-            let outputs = on_ranks(world, |comm| {
-                let rank = comm.rank();
-                let (inputs, outputs) = match call {
-                    DeviceCall::AllGather => (1, world),
-                    DeviceCall::ReduceScatter(_) => (world, 1),
-                    _ => (1, 1),
-                };
-                let size = dtype.size();
-                let input = encode((0..inputs * count).map(|i| element(rank, i)), dtype);
-                // Untouched outputs keep this pattern.
-                let mut output = Buffer::new(outputs * count * size);
-                output.bytes_mut(outputs * count * size).fill(0xA5);
-                let mut input_buf = Buffer::new(input.len());
-                input_buf.bytes_mut(input.len()).copy_from_slice(&input);
-                let block = count * size;
-                let (input_at, output_at) = match (in_place, call) {
-                    (false, _) => (input_buf.address(), output.address()),
-                    (true, DeviceCall::AllGather) => {
-                        let mine = &mut output.bytes_mut(world * block)[rank * block..];
-                        mine[..block].copy_from_slice(&input);
-                        (output.address() + (rank * block) as u64, output.address())
-                    }
-                    (true, DeviceCall::ReduceScatter(_)) => (
-                        input_buf.address(),
-                        input_buf.address() + (rank * block) as u64,
-                    ),
-                    (true, _) => {
-                        output.bytes_mut(block).copy_from_slice(&input);
-                        (output.address(), output.address())
-                    }
-                };
-                let job = Job {
-                    call,
-                    dtype,
-                    block,
-                    input: input_at,
-                    output: output_at,
-                };
-                let gpu = LazyGpu;
-                let mut staging = Staging::sized(&gpu, world, room).expect("staging");
-                let stream = match eager {
-                    true => Arc::new(Queue::eager()),
-                    false => gpu.queue().expect("a queue"),
-                };
-                let before = output.bytes(outputs * block).to_vec();
-                // The input is written by work on the caller's queue, enqueued before the
-                // call: the call must read it after that work.
-                let len = inputs * block;
-                let mut source = Buffer::new(len);
-                // SAFETY: `input_at` addresses `len` bytes of this rank's buffers, which
-                // nothing borrows while these lines run.
-                let input_bytes =
-                    unsafe { std::slice::from_raw_parts_mut(input_at as *mut u8, len) };
-                source.bytes_mut(len).copy_from_slice(input_bytes);
-                input_bytes.fill(0x5A);
-                // SAFETY: both hold `len` bytes and live until the call has ended.
-                unsafe { gpu.to_device(input_at, source.at(0), len, &stream) }.expect("a copy");
-                staging.run(comm, &gpu, job, &stream).expect("the call");
-                let got = match (in_place, call) {
-                    (true, DeviceCall::ReduceScatter(_)) => {
-                        input_buf.bytes(world * block)[rank * block..][..block].to_vec()
-                    }
-                    _ => output.bytes(outputs * block).to_vec(),
-                };
-                (got, before)
-            });
-            for (rank, (got, before)) in outputs.into_iter().enumerate() {
-                let want = expected(call, dtype, world, rank, count).unwrap_or(before);
-                assert!(
-                    got == want,
-                    "{call:?} on {world} ranks, {} place, caller's queue {}: rank {rank} \
-                         got a wrong result",
-                    if in_place { "in" } else { "out of" },
-                    if eager { "eager" } else { "lazy" }
-                );
-            }
-        }
-    }
-
     /// A room of 256 bytes cuts 1,000 elements into many chunks, so both slots take turns.
     const ROOM: usize = 256;
 
+    /// Every world of two to four ranks (each its own host, as the path does not look).
+    const WORLDS: [&[usize]; 3] = [&[0, 1], &[0, 1, 2], &[0, 1, 2, 3]];
+
+    /// Checks `cases` through the staged path with pinned buffers of `room` bytes.
+    fn check(cases: &[Case], room: usize) {
+        testing::check(&WORLDS, cases, |comm, gpu, _| {
+            Staging::sized(gpu, comm.world_size(), room).expect("staging")
+        });
+    }
+
     #[test]
     fn the_staged_reductions_give_every_rank_its_result() {
-        check(DeviceCall::AllReduce(ReduceOp::Sum), DType::I32, 1000, ROOM);
-        check(DeviceCall::AllReduce(ReduceOp::Avg), DType::F64, 333, ROOM);
+        let reduce = DeviceCall::Reduce {
+            op: ReduceOp::Sum,
+            root: 1,
+        };
         check(
-            DeviceCall::Reduce {
-                op: ReduceOp::Sum,
-                root: 1,
-            },
-            DType::I32,
-            1000,
-            ROOM,
-        );
-        check(
-            DeviceCall::ReduceScatter(ReduceOp::Sum),
-            DType::I32,
-            500,
+            &[
+                (DeviceCall::AllReduce(ReduceOp::Sum), DType::I32, 1000),
+                (DeviceCall::AllReduce(ReduceOp::Avg), DType::F64, 333),
+                (reduce, DType::I32, 1000),
+                (DeviceCall::ReduceScatter(ReduceOp::Sum), DType::I32, 500),
+            ],
             ROOM,
         );
     }
 
     #[test]
     fn the_staged_moves_give_every_rank_its_result() {
-        check(DeviceCall::Broadcast { root: 1 }, DType::I32, 1000, ROOM);
-        check(DeviceCall::AllGather, DType::I32, 500, ROOM);
+        let broadcast = DeviceCall::Broadcast { root: 1 };
+        check(
+            &[
+                (broadcast, DType::I32, 1000),
+                (DeviceCall::AllGather, DType::I32, 500),
+            ],
+            ROOM,
+        );
     }
 
     #[test]
     fn a_call_of_one_chunk_and_an_empty_call_work_too() {
-        check(
-            DeviceCall::AllReduce(ReduceOp::Sum),
-            DType::I32,
-            7,
-            STAGE_BYTES,
-        );
-        check(DeviceCall::AllGather, DType::I32, 0, ROOM);
+        let all_reduce = DeviceCall::AllReduce(ReduceOp::Sum);
+        check(&[(all_reduce, DType::I32, 7)], STAGE_BYTES);
+        check(&[(DeviceCall::AllGather, DType::I32, 0)], ROOM);
     }
 
     #[test]

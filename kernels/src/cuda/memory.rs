@@ -249,6 +249,20 @@ pub unsafe fn copy_on_device(
         .map_err(CudaError::driver("copying on the device"))
 }
 
+/// Enqueues the zeroing of `bytes` bytes at device address `dst` on `stream`.
+///
+/// # Safety
+/// `dst` must be device memory usable in `stream`'s context, valid for `bytes` bytes until
+/// the kernel has run, and touched by nothing else meanwhile.
+pub unsafe fn zero_on_device(dst: u64, bytes: usize, stream: &CudaStream) -> Result<(), CudaError> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller's contract.
+    unsafe { result::memset_d8_async(dst, 0, bytes, stream.cu_stream()) }
+        .map_err(CudaError::driver("zeroing device memory"))
+}
+
 /// Enqueues a copy of `bytes` bytes from `src` in the context of `src_on` to `dst` in the
 /// context of `dst_on` (two devices, or one), on `stream`.
 ///

@@ -2,8 +2,9 @@
 //!
 //! `check PATH` runs every collective on device buffers (several types, operators and
 //! sizes, in and out of place, rounds and chunks included) and compares each rank's output
-//! with the result computed on the host; the communicator must have taken PATH (`ipc` or
-//! `staged`), and that ranks passing different sizes all fail. `bench PATH MIB` times a MIB all-reduce of f32 on device buffers, the same
+//! with the result computed on the host; the communicator must have taken PATH (`ipc`,
+//! `staged` or `hierarchical`, for which ranks `2h` and `2h + 1` count as host `h`), and that
+//! ranks passing different sizes all fail. `bench PATH MIB` times a MIB all-reduce of f32 on device buffers, the same
 //! all-reduce on host buffers, and a device-to-device copy, and prints one `bench` line.
 //! `shrink PATH`: the last rank leaves (exits without a word) after three all-reduces; the
 //! others notice, shrink the device communicator and check it as `check` does.
@@ -18,7 +19,7 @@ use chorus::cuda::cudarc::driver::DeviceRepr;
 use chorus::cuda::{
     CallerStream, CudaCommunicator, CudaError, CudaSlice, CudaStream, Device, DevicePath,
 };
-use chorus::{bf16, Communicator, Element, ReduceOp};
+use chorus::{bf16, Communicator, Config, Element, ReduceOp};
 
 type Outcome = Result<(), String>;
 
@@ -43,7 +44,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = Communicator::from_env()
+    let result = Config::from_env()
+        .and_then(|mut config| {
+            if arg(1) == "hierarchical" {
+                config.host_id = Some(format!("host{}", config.rank / 2));
+            }
+            Communicator::new(config)
+        })
         .and_then(|comm| {
             let dev = CudaCommunicator::new(&comm, device.clone())?;
             Ok((comm, dev))
@@ -52,6 +59,7 @@ fn main() -> ExitCode {
         .and_then(|(comm, dev)| {
             let want = match arg(1) {
                 "ipc" => DevicePath::Ipc,
+                "hierarchical" => DevicePath::Hierarchical,
                 _ => DevicePath::Staged,
             };
             if dev.path() != want {

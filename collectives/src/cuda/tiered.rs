@@ -1,0 +1,528 @@
+//! The hierarchical path: CUDA IPC within each host, the staged path between hosts.
+//!
+//! A job of several hosts, some with several ranks, moves each byte across the network
+//! once per host rather than once per rank, and never through host memory within a host.
+//! Every call runs in rounds through the IPC path's scratch halves. A round's data (the
+//! round's bytes of the buffer; for all-gather and reduce-scatter, of every rank block)
+//! is cut into as many shards as the busiest host has ranks, and each shard has one owner
+//! on every host (local rank `shard % ranks on the host`, so a host of fewer ranks gives
+//! some of them several). A round has three stages:
+//!
+//! 1. Within the host: each rank copies its input into its scratch half; after a fence,
+//!    each owner reduces its shard from every local rank's half into its own (or, for a
+//!    broadcast, copies it from the root's; for an all-gather, copies the local ranks'
+//!    blocks and zeroes the others').
+//! 2. Across hosts: the owners of one shard, one per host, run the staged path on it, in
+//!    place in their halves (a communicator of their own per shard): all-reduce for
+//!    all-reduce and reduce-scatter, reduce or broadcast from the root's host, and for an
+//!    all-gather an all-reduce with bitwise or, which leaves every block as its own host
+//!    wrote it since every other host wrote zeroes there.
+//! 3. Within the host again, after a fence: each rank copies the shards it needs from the
+//!    owners' halves into its output.
+//!
+//! An average sums in both stages and each owner divides its shard by the world size.
+
+use chorus_kernels::{DType, ReduceOp};
+
+use super::gpu::Gpu;
+use super::ipc::{reduce_into, Peers};
+use super::staged::Staging;
+use super::{agree, slice, DeviceCall, Job};
+use crate::{Communicator, Result};
+
+/// Which host each rank of a communicator runs on, as its device path sees hosts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Hosts {
+    /// Each rank's host, numbered in the order of each host's lowest rank.
+    of: Vec<usize>,
+}
+
+impl Hosts {
+    /// Exchanges every rank's host identity (`CHORUS_HOST_ID`, through the communicator's
+    /// configuration, else the kernel's boot id or the host name).
+    pub fn gather(comm: &Communicator) -> Result<Hosts> {
+        let id = comm.config().host_id.clone().unwrap_or_else(machine);
+        let mine = [crate::check::digest(id.as_bytes())];
+        let mut all = vec![0u64; comm.world_size()];
+        comm.all_gather(&mine, &mut all)?;
+        Ok(Hosts::numbered(&all))
+    }
+
+    /// Hosts from each rank's identity, numbered in order of first appearance.
+    pub fn numbered<T: PartialEq>(ids: &[T]) -> Hosts {
+        let mut seen: Vec<&T> = Vec::new();
+        let of = ids
+            .iter()
+            .map(|id| match seen.iter().position(|s| *s == id) {
+                Some(host) => host,
+                None => {
+                    seen.push(id);
+                    seen.len() - 1
+                }
+            })
+            .collect();
+        Hosts { of }
+    }
+
+    /// How many hosts.
+    pub fn count(&self) -> usize {
+        self.of.iter().max().map_or(0, |h| h + 1)
+    }
+
+    /// Rank `rank`'s host.
+    pub fn of(&self, rank: usize) -> usize {
+        self.of[rank]
+    }
+
+    /// The ranks on host `host`, in rank order.
+    pub fn ranks(&self, host: usize) -> Vec<usize> {
+        (0..self.of.len()).filter(|&r| self.of[r] == host).collect()
+    }
+
+    /// The most ranks on one host.
+    pub fn most_local(&self) -> usize {
+        (0..self.count())
+            .map(|h| self.ranks(h).len())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The first rank on another host than rank `than`'s, if any.
+    pub fn apart_from(&self, than: usize) -> Option<usize> {
+        (0..self.of.len()).find(|&r| self.of[r] != self.of[than])
+    }
+}
+
+/// What identifies this machine when `CHORUS_HOST_ID` does not: the kernel's boot id (one
+/// per machine and boot), else the host name.
+fn machine() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| crate::hostname())
+}
+
+/// The hierarchical path's state on one rank.
+pub(super) struct Tiered<G: Gpu> {
+    /// This host's ranks, in rank order.
+    local: Communicator,
+    /// IPC among them.
+    peers: Peers<G>,
+    hosts: Hosts,
+    /// Shards a round is cut into: the most ranks on one host.
+    shards: usize,
+    /// The shards this rank owns, each with the communicator of its owners on every host.
+    owned: Vec<Owned<G>>,
+}
+
+/// A shard this rank owns: its owners on every host, in host order, and their staging.
+struct Owned<G: Gpu> {
+    shard: usize,
+    across: Communicator,
+    staging: Staging<G>,
+}
+
+impl<G: Gpu> Tiered<G> {
+    /// Sets up the path on `comm`, whose ranks run on `hosts`; `Ok(Err(why))` where some
+    /// host's ranks cannot map each other's memory (every rank gets it). Collective.
+    pub fn connect(
+        comm: &Communicator,
+        gpu: &G,
+        hosts: Hosts,
+    ) -> Result<std::result::Result<Tiered<G>, String>> {
+        Tiered::sized(comm, gpu, hosts, None)
+    }
+
+    /// As [`connect`](Self::connect); `sizes` (IPC halves, staging buffers) in tests.
+    pub fn sized(
+        comm: &Communicator,
+        gpu: &G,
+        hosts: Hosts,
+        sizes: Option<(usize, usize)>,
+    ) -> Result<std::result::Result<Tiered<G>, String>> {
+        let rank = comm.rank();
+        let host = hosts.of(rank);
+        let local = comm
+            .split(Some(host as u32), rank as i64)?
+            .ok_or_else(|| crate::Error::Internal("a split with a color gave nothing".into()))?;
+        let peers = match sizes {
+            None => Peers::connect(&local, gpu)?,
+            Some((half, _)) => Peers::sized(&local, gpu, half)?,
+        };
+        let mut ok = [u8::from(peers.is_ok())];
+        comm.all_reduce(&mut ok, ReduceOp::Min)?;
+        let mut peers = match (ok[0], peers) {
+            (1, Ok(peers)) => peers,
+            (_, Err(why)) => return Ok(Err(why)),
+            (_, Ok(mut peers)) => {
+                peers.close(&local);
+                return Ok(Err(
+                    "the ranks of another host cannot map each other's device memory".into(),
+                ));
+            }
+        };
+        let shards = hosts.most_local();
+        let mut owned = Vec::new();
+        for shard in 0..shards {
+            let mine = local.rank() == shard % local.world_size();
+            let color = mine.then_some(shard as u32);
+            let across = match comm.split(color, host as i64) {
+                Ok(Some(across)) => across,
+                Ok(None) => continue,
+                Err(e) => {
+                    peers.close(&local);
+                    return Err(e);
+                }
+            };
+            let staging = match sizes {
+                None => Staging::new(gpu, across.world_size()),
+                Some((_, room)) => Staging::sized(gpu, across.world_size(), room),
+            }?;
+            owned.push(Owned {
+                shard,
+                across,
+                staging,
+            });
+        }
+        Ok(Ok(Tiered {
+            local,
+            peers,
+            hosts,
+            shards,
+            owned,
+        }))
+    }
+
+    /// Unmaps the peers' memory (see [`Peers::close`]).
+    pub fn close(&mut self) {
+        self.peers.close(&self.local);
+    }
+
+    /// Runs `job` on `comm`'s ranks (those this path was set up on), ordered after the
+    /// work enqueued on `stream` before it; returns once its copies and kernels have run.
+    pub fn run(&mut self, comm: &Communicator, gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
+        let (size, world) = (job.dtype.size(), comm.world_size());
+        let room = match job.call {
+            DeviceCall::AllGather | DeviceCall::ReduceScatter(_) => self.peers.half_bytes() / world,
+            _ => self.peers.half_bytes(),
+        };
+        let step = (room / size).max(1) * size;
+        for (i, offset) in (0..job.block).step_by(step).enumerate() {
+            let (ptrs, mine) = self.peers.next_half();
+            let round = Round {
+                local: &self.local,
+                hosts: &self.hosts,
+                shards: self.shards,
+                comm,
+                gpu,
+                stream,
+                job,
+                ptrs,
+                mine,
+                offset,
+                len: step.min(job.block - offset),
+            };
+            round.stage_in()?;
+            round.fence(i == 0)?;
+            round.owners_stage(&mut self.owned)?;
+            round.fence(false)?;
+            round.stage_out()?;
+        }
+        gpu.finish(stream)
+    }
+}
+
+/// One round of a call: bytes `offset..offset + len` of each rank block.
+struct Round<'a, G: Gpu> {
+    /// This host's ranks.
+    local: &'a Communicator,
+    hosts: &'a Hosts,
+    shards: usize,
+    comm: &'a Communicator,
+    gpu: &'a G,
+    stream: &'a G::Queue,
+    job: Job,
+    /// Every local rank's half for this round, in local rank order.
+    ptrs: Vec<u64>,
+    /// This rank's half.
+    mine: u64,
+    offset: usize,
+    len: usize,
+}
+
+impl<G: Gpu> Round<'_, G> {
+    /// Stage 1's copies of this rank's input into its half: at the start (a broadcast's root
+    /// only), or, for all-gather and reduce-scatter, at each block's place among the
+    /// round's `world` blocks.
+    fn stage_in(&self) -> Result<()> {
+        let (job, len) = (self.job, self.len);
+        let input = job.input + self.offset as u64;
+        match job.call {
+            DeviceCall::AllReduce(_) | DeviceCall::Reduce { .. } => {
+                self.copy(self.mine, input, len)
+            }
+            DeviceCall::Broadcast { root } if root == self.comm.rank() => {
+                self.copy(self.mine, input, len)
+            }
+            DeviceCall::Broadcast { .. } => Ok(()),
+            DeviceCall::AllGather => {
+                let at = self.mine + (self.comm.rank() * len) as u64;
+                self.copy(at, input, len)
+            }
+            DeviceCall::ReduceScatter(_) => (0..self.comm.world_size()).try_for_each(|q| {
+                let from = input + (q * job.block) as u64;
+                self.copy(self.mine + (q * len) as u64, from, len)
+            }),
+        }
+    }
+
+    /// Stage 1's work of the owners, then stage 2, for every shard this rank owns.
+    fn owners_stage(&self, owned: &mut [Owned<G>]) -> Result<()> {
+        let (job, world) = (self.job, self.comm.world_size());
+        let local_op = |op: ReduceOp| match op {
+            ReduceOp::Avg => ReduceOp::Sum,
+            op => op,
+        };
+        for owned in owned {
+            let (start, end) = self.shard(owned.shard);
+            let (at, len) = (start as u64, end - start);
+            let host = |r: usize| self.hosts.of(r);
+            let (across, dtype) = match job.call {
+                DeviceCall::AllReduce(op) | DeviceCall::ReduceScatter(op) => {
+                    self.reduce_local(local_op(op), at, len)?;
+                    (DeviceCall::AllReduce(local_op(op)), job.dtype)
+                }
+                DeviceCall::Reduce { op, root } => {
+                    self.reduce_local(local_op(op), at, len)?;
+                    let root = host(root);
+                    (
+                        DeviceCall::Reduce {
+                            op: local_op(op),
+                            root,
+                        },
+                        job.dtype,
+                    )
+                }
+                DeviceCall::Broadcast { root } => {
+                    if host(root) == host(self.comm.rank()) {
+                        let theirs = self.ptrs[self.local_index(root)];
+                        self.copy(self.mine + at, theirs + at, len)?;
+                    }
+                    (DeviceCall::Broadcast { root: host(root) }, job.dtype)
+                }
+                DeviceCall::AllGather => {
+                    self.gather_local(start / self.len..end / self.len)?;
+                    (DeviceCall::AllReduce(ReduceOp::BOr), DType::U8)
+                }
+            };
+            let shard_job = Job {
+                call: across,
+                dtype,
+                block: len,
+                input: self.mine + at,
+                output: self.mine + at,
+            };
+            owned
+                .staging
+                .run(&owned.across, self.gpu, shard_job, self.stream)?;
+            if let DeviceCall::AllReduce(ReduceOp::Avg)
+            | DeviceCall::ReduceScatter(ReduceOp::Avg)
+            | DeviceCall::Reduce {
+                op: ReduceOp::Avg, ..
+            } = job.call
+            {
+                // SAFETY: the shard lies in this rank's half, which no peer reads before
+                // the next fence.
+                unsafe {
+                    self.gpu
+                        .finish_avg(job.dtype, self.mine + at, len, world, self.stream)?
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// Stage 3: the shards this rank's output takes, from their owners' halves.
+    fn stage_out(&self) -> Result<()> {
+        let (job, len, me) = (self.job, self.len, self.comm.rank());
+        let output = job.output + self.offset as u64;
+        match job.call {
+            DeviceCall::Reduce { root, .. } if root != me => Ok(()),
+            DeviceCall::AllReduce(_) | DeviceCall::Reduce { .. } | DeviceCall::Broadcast { .. } => {
+                (0..self.shards).try_for_each(|shard| {
+                    let (start, end) = self.shard(shard);
+                    let from = self.owner(shard) + start as u64;
+                    self.copy(output + start as u64, from, end - start)
+                })
+            }
+            DeviceCall::AllGather => (0..self.comm.world_size()).try_for_each(|q| {
+                let from = self.owner(self.shard_of(q)) + (q * len) as u64;
+                self.copy(output + (q * job.block) as u64, from, len)
+            }),
+            DeviceCall::ReduceScatter(_) => {
+                let from = self.owner(self.shard_of(me)) + (me * len) as u64;
+                self.copy(output, from, len)
+            }
+        }
+    }
+
+    /// `len` bytes at `at` of this rank's half: the reduction of every local rank's, this
+    /// rank's own first (the reduction writes over it).
+    fn reduce_local(&self, op: ReduceOp, at: u64, len: usize) -> Result<()> {
+        let me = self.local.rank();
+        let sources: Vec<u64> = std::iter::once(me)
+            .chain((0..self.ptrs.len()).filter(|&q| q != me))
+            .map(|q| self.ptrs[q] + at)
+            .collect();
+        // SAFETY: every half holds the round's bytes and is mapped here; no peer writes its
+        // half before the next fence, which comes after the stream has been synchronized.
+        unsafe {
+            reduce_into(
+                self.gpu,
+                self.stream,
+                (op, self.job.dtype),
+                sources[0],
+                &sources,
+                len,
+            )
+        }
+    }
+
+    /// An all-gather owner's blocks `blocks` of the round: the local ranks' copied from
+    /// their halves, the other hosts' zeroed.
+    fn gather_local(&self, blocks: std::ops::Range<usize>) -> Result<()> {
+        let (len, me) = (self.len, self.comm.rank());
+        let hosts = &self.hosts;
+        for q in blocks.filter(|&q| q != me) {
+            let at = (q * len) as u64;
+            if hosts.of(q) == hosts.of(me) {
+                self.copy(self.mine + at, self.ptrs[self.local_index(q)] + at, len)?;
+            } else {
+                // SAFETY: the block lies in this rank's half, which no peer reads before
+                // the next fence.
+                unsafe { self.gpu.zero(self.mine + at, len, self.stream)? };
+            }
+        }
+        Ok(())
+    }
+
+    /// Shard `shard`'s bytes of the round's data in each half: a slice of the round's
+    /// bytes, or, for all-gather and reduce-scatter, a run of whole blocks.
+    fn shard(&self, shard: usize) -> (usize, usize) {
+        let (shards, world, len) = (self.shards, self.comm.world_size(), self.len);
+        match self.job.call {
+            DeviceCall::AllGather | DeviceCall::ReduceScatter(_) => (
+                shard * world / shards * len,
+                (shard + 1) * world / shards * len,
+            ),
+            _ => slice(len, self.job.dtype, shards, shard),
+        }
+    }
+
+    /// The shard that holds block `q` (all-gather and reduce-scatter).
+    fn shard_of(&self, q: usize) -> usize {
+        let (shards, world) = (self.shards, self.comm.world_size());
+        (0..shards)
+            .find(|&s| (s + 1) * world / shards > q)
+            .expect("every block is in a shard")
+    }
+
+    /// This host's owner of `shard`: its half.
+    fn owner(&self, shard: usize) -> u64 {
+        self.ptrs[shard % self.ptrs.len()]
+    }
+
+    /// Rank `rank`'s place among its host's ranks (it must be on this host).
+    fn local_index(&self, rank: usize) -> usize {
+        let hosts = &self.hosts;
+        (0..rank).filter(|&r| hosts.of(r) == hosts.of(rank)).count()
+    }
+
+    fn copy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: the callers pass ranges inside the caller's buffers (lengths checked by
+        // the communicator) or inside the halves of scratch buffers; the fences keep peers
+        // from writing what is being read.
+        unsafe { self.gpu.on_device(dst, src, len, self.stream) }
+    }
+
+    /// Waits for this rank's queued work, then for every rank of the host to get there;
+    /// with `check`, for every rank of the job, through `agree`'s exchange, which also
+    /// checks that every rank makes this call.
+    fn fence(&self, check: bool) -> Result<()> {
+        self.gpu.finish(self.stream)?;
+        match check {
+            true => agree(self.comm, self.job),
+            false => self.local.barrier(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chorus_kernels::DType;
+
+    use super::*;
+    use crate::cuda::gpu::lazy::LazyGpu;
+    use crate::cuda::testing::{check, Case};
+
+    /// IPC halves and staging buffers small enough that calls take several rounds, and a
+    /// shard several chunks.
+    const SIZES: (usize, usize) = (1024, 256);
+
+    /// Every call the path makes, with roots on either host, in sizes of several rounds
+    /// and of one.
+    fn cases() -> Vec<Case> {
+        let (i32, f64) = (DType::I32, DType::F64);
+        let sum = ReduceOp::Sum;
+        vec![
+            (DeviceCall::AllReduce(sum), i32, 1000),
+            (DeviceCall::AllReduce(ReduceOp::Avg), f64, 333),
+            (DeviceCall::AllReduce(ReduceOp::Max), i32, 5),
+            (DeviceCall::Reduce { op: sum, root: 1 }, i32, 700),
+            (DeviceCall::Reduce { op: sum, root: 2 }, i32, 3),
+            (DeviceCall::Broadcast { root: 1 }, i32, 1000),
+            (DeviceCall::Broadcast { root: 2 }, f64, 7),
+            (DeviceCall::AllGather, i32, 300),
+            (DeviceCall::ReduceScatter(sum), i32, 300),
+            (DeviceCall::ReduceScatter(ReduceOp::Max), i32, 1),
+            (DeviceCall::AllGather, i32, 0),
+        ]
+    }
+
+    fn setup(comm: &Communicator, gpu: &LazyGpu, hosts: &Hosts) -> Tiered<LazyGpu> {
+        Tiered::sized(comm, gpu, hosts.clone(), Some(SIZES))
+            .expect("the exchange")
+            .expect("every host's ranks map each other's memory")
+    }
+
+    #[test]
+    fn hosts_of_even_ranks_give_every_rank_its_result() {
+        let layouts: [&[usize]; 4] = [
+            &[0, 0, 1, 1],
+            &[0, 1, 0, 1],
+            &[0, 0, 0, 1, 1, 1],
+            &[0, 0, 0, 0, 1, 1, 1, 1],
+        ];
+        check(&layouts, &cases(), setup);
+    }
+
+    #[test]
+    fn hosts_of_uneven_ranks_give_every_rank_its_result() {
+        let layouts: [&[usize]; 4] = [
+            &[0, 1, 1],
+            &[0, 0, 0, 1, 2, 2],
+            &[0, 1, 1, 1, 1, 2, 2, 3],
+            &[0, 0, 0, 0],
+        ];
+        check(&layouts, &cases(), setup);
+    }
+
+    #[test]
+    fn hosts_are_numbered_in_order_of_their_first_rank() {
+        let hosts = Hosts::numbered(&["b", "a", "b", "c", "a"]);
+        assert_eq!(hosts.of, [0, 1, 0, 2, 1]);
+        assert_eq!((hosts.count(), hosts.most_local()), (3, 2));
+        assert_eq!(hosts.ranks(1), [1, 4]);
+        assert_eq!(hosts.apart_from(0), Some(1));
+        assert_eq!(Hosts::numbered(&[7, 7]).apart_from(1), None);
+    }
+}
