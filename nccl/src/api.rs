@@ -774,7 +774,7 @@ unsafe fn on_device(
     (input, output): (Buf, Buf),
     stream: usize,
 ) -> Outcome {
-    if let Some((on, count, at)) = device_call(call, input, output) {
+    if let Some((on, count, at)) = device_call(call, input, output, ordered.world_size()) {
         // SAFETY: as the function requires.
         return unsafe { ordered.device(on, dtype, at, count, stream) };
     }
@@ -805,13 +805,14 @@ unsafe fn on_device(
 }
 
 /// The device path's form of `call` (the call, its count per block, the input and output
-/// addresses), where it has one: the five collectives it implements, with Chorus's own
-/// operators.
+/// addresses), where it has one: the six collectives it implements, with Chorus's own
+/// operators, on `world` ranks.
 #[cfg(feature = "cuda")]
 fn device_call(
     call: Collective,
     input: Buf,
     output: Buf,
+    world: usize,
 ) -> Option<(chorus::cuda::DeviceCall, usize, (usize, usize))> {
     use chorus::cuda::DeviceCall as On;
     use Reduction::Builtin;
@@ -830,6 +831,8 @@ fn device_call(
         }
         Collective::AllGather => (On::AllGather, input.count, both),
         Collective::ReduceScatter(Builtin(op)) => (On::ReduceScatter(op), output.count, both),
+        // ncclAlltoAll's buffers hold `world` blocks of its count each.
+        Collective::AllToAll => (On::AllToAll, input.count / world.max(1), both),
         _ => return None,
     })
 }

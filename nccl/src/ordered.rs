@@ -71,6 +71,11 @@ impl Ordered {
     }
 
     /// Issues `call`, host collectives on host memory, on stream `raw`.
+    /// How many ranks the calls run on.
+    pub fn world_size(&self) -> usize {
+        self.dev.world_size()
+    }
+
     pub fn host(&self, raw: usize, call: HostCall) -> Outcome {
         let stream = self.stream(raw)?;
         self.keep(

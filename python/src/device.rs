@@ -82,11 +82,17 @@ pub(crate) fn start(
     let stream = issued_on(dev, stream)?;
     let on = (&stream, CallerStream::Free);
     let dtype = output.dtype;
-    Ok(match device_call(call, &output)? {
+    let world = dev.world_size();
+    // An all-to-all of blocks that do not divide evenly takes the host's, which names the
+    // lengths it refuses.
+    let even = input.raw.bytes == output.raw.bytes && input.raw.bytes % (dtype.size() * world) == 0;
+    let on_device = device_call(call, &output)?.filter(|c| *c != DeviceCall::AllToAll || even);
+    Ok(match on_device {
         Some(device_call) => {
             let size = dtype.size();
             let count = match device_call {
                 DeviceCall::ReduceScatter(_) => output.raw.bytes / size,
+                DeviceCall::AllToAll => input.raw.bytes / size / world,
                 _ => input.raw.bytes / size,
             };
             // NCCL's layouts in place: one buffer, or one rank's block of the other.
@@ -150,6 +156,7 @@ fn device_call(call: &Call, output: &Tensor) -> PyResult<Option<DeviceCall>> {
         },
         CallKind::AllGather => DeviceCall::AllGather,
         CallKind::ReduceScatter => DeviceCall::ReduceScatter(output.op(call.op)?),
+        CallKind::AllToAll if call.counts.is_none() => DeviceCall::AllToAll,
         CallKind::AllToAll | CallKind::Gather | CallKind::Scatter => return Ok(None),
         kind => {
             return Err(PyValueError::new_err(format!(

@@ -139,7 +139,9 @@ impl<G: Gpu> Peers<G> {
     pub fn run(&mut self, comm: &Communicator, gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
         let size = job.dtype.size();
         let room = match job.call {
-            DeviceCall::ReduceScatter(_) => self.half_bytes / comm.world_size(),
+            DeviceCall::ReduceScatter(_) | DeviceCall::AllToAll => {
+                self.half_bytes / comm.world_size()
+            }
             _ => self.half_bytes,
         };
         let step = (room / size).max(1) * size;
@@ -161,6 +163,7 @@ impl<G: Gpu> Peers<G> {
                 DeviceCall::Reduce { op, root } => round.reduce(op, root, offset, len)?,
                 DeviceCall::AllGather => round.all_gather(offset, len)?,
                 DeviceCall::ReduceScatter(op) => round.reduce_scatter(op, offset, len)?,
+                DeviceCall::AllToAll => round.all_to_all(offset, len)?,
             }
         }
         gpu.finish(stream)
@@ -237,14 +240,32 @@ impl<G: Gpu> Round<'_, G> {
     }
 
     fn reduce_scatter(&self, op: ReduceOp, offset: usize, len: usize) -> Result<()> {
-        let world = self.comm.world_size();
-        for q in 0..world {
-            let src = self.job.input + (q * self.job.block + offset) as u64;
-            self.copy(self.scratch + (q * len) as u64, src, len)?;
-        }
+        self.stage_blocks(offset, len)?;
         self.fence(self.first)?;
         let output = self.job.output + offset as u64;
         self.reduce_from(op, output, (self.comm.rank() * len) as u64, len)
+    }
+
+    /// Each rank copies its own block for rank `q` from rank `q`'s half.
+    fn all_to_all(&self, offset: usize, len: usize) -> Result<()> {
+        self.stage_blocks(offset, len)?;
+        self.fence(self.first)?;
+        let me = self.comm.rank();
+        for (q, &theirs) in self.ptrs.iter().enumerate() {
+            let dst = self.job.output + (q * self.job.block + offset) as u64;
+            self.copy(dst, theirs + (me * len) as u64, len)?;
+        }
+        Ok(())
+    }
+
+    /// Copies bytes `offset..offset + len` of every block of the input into this rank's
+    /// half, block `q` at `q * len`.
+    fn stage_blocks(&self, offset: usize, len: usize) -> Result<()> {
+        for q in 0..self.comm.world_size() {
+            let src = self.job.input + (q * self.job.block + offset) as u64;
+            self.copy(self.scratch + (q * len) as u64, src, len)?;
+        }
+        Ok(())
     }
 
     /// The input and output addresses at byte `offset` of this rank's block.
@@ -355,6 +376,8 @@ mod tests {
             (DeviceCall::Broadcast { root: 1 }, i32, 1000),
             (DeviceCall::AllGather, i32, 300),
             (DeviceCall::ReduceScatter(ReduceOp::Sum), i32, 300),
+            (DeviceCall::AllToAll, i32, 300),
+            (DeviceCall::AllToAll, f64, 1),
             (DeviceCall::AllGather, i32, 0),
         ]
     }

@@ -129,6 +129,9 @@ pub enum DeviceCall {
     /// Every rank's input holds `world_size` blocks of `count` elements; rank `q` gets the
     /// reduction of block `q` (output `count` elements).
     ReduceScatter(ReduceOp),
+    /// Every rank's input holds `world_size` blocks of `count` elements; block `q` goes to
+    /// rank `q`, and block `q` of the output (as long) comes from rank `q`.
+    AllToAll,
 }
 
 impl DeviceCall {
@@ -137,6 +140,10 @@ impl DeviceCall {
         match self {
             DeviceCall::AllGather => Some((count, count.checked_mul(world)?)),
             DeviceCall::ReduceScatter(_) => Some((count.checked_mul(world)?, count)),
+            DeviceCall::AllToAll => {
+                let all = count.checked_mul(world)?;
+                Some((all, all))
+            }
             _ => Some((count, count)),
         }
     }
@@ -154,6 +161,7 @@ impl DeviceCall {
             DeviceCall::Reduce { op, root } => (CallKind::Reduce, op, root),
             DeviceCall::AllGather => (CallKind::AllGather, ReduceOp::Sum, 0),
             DeviceCall::ReduceScatter(op) => (CallKind::ReduceScatter, op, 0),
+            DeviceCall::AllToAll => (CallKind::AllToAll, ReduceOp::Sum, 0),
         }
     }
 }
@@ -536,6 +544,17 @@ impl CudaCommunicator {
         self.now(|s| s.apart::<T, I, O>(DeviceCall::ReduceScatter(op), input, output, stream))
     }
 
+    /// Sends block `q` of `input` (`world_size` equal blocks) to rank `q`, and receives rank
+    /// `q`'s block into block `q` of `output` (as long).
+    pub fn all_to_all<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        input: &I,
+        output: &mut O,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.now(|s| s.apart::<T, I, O>(DeviceCall::AllToAll, input, output, stream))
+    }
+
     /// Starts [`all_reduce`](Self::all_reduce) on an owned buffer and returns once it is
     /// enqueued; the buffer comes back from [`DeviceWork::wait`], once the result is in it.
     ///
@@ -617,6 +636,22 @@ impl CudaCommunicator {
         O: DevicePtrMut<T> + Send + 'static,
     {
         self.later_apart(DeviceCall::ReduceScatter(op), input, output, stream)
+    }
+
+    /// Starts [`all_to_all`](Self::all_to_all) on owned buffers, given back as `(input,
+    /// output)` (see [`all_reduce_async`](Self::all_reduce_async)).
+    pub fn all_to_all_async<T, I, O>(
+        &self,
+        input: I,
+        output: O,
+        stream: &Arc<CudaStream>,
+    ) -> DeviceWork<(I, O)>
+    where
+        T: Element,
+        I: DevicePtr<T> + Send + 'static,
+        O: DevicePtrMut<T> + Send + 'static,
+    {
+        self.later_apart(DeviceCall::AllToAll, input, output, stream)
     }
 
     /// Runs `call` on raw device pointers: `count` elements of `dtype` per rank block (see
@@ -737,6 +772,7 @@ impl Shared {
         let world = self.comm.world_size();
         let count = match call {
             DeviceCall::ReduceScatter(_) => output.len(),
+            DeviceCall::AllToAll => input.len() / world.max(1),
             _ => input.len(),
         };
         let (inputs, outputs) = call

@@ -28,7 +28,7 @@ use crate::communicator::CallKind;
 use crate::{Communicator, Result};
 
 /// Bytes of each pinned buffer (two slots, an input and an output buffer each).
-const STAGE_BYTES: usize = 4 << 20;
+pub(super) const STAGE_BYTES: usize = 4 << 20;
 /// The tag of the ring's messages (the communicator is this path's own).
 const RING_TAG: u32 = 0;
 
@@ -102,7 +102,9 @@ impl<G: Gpu> Staging<G> {
         gpu.record(&self.start, stream)?;
         gpu.wait(&self.copies, &self.start)?;
         match job.call {
-            DeviceCall::Broadcast { .. } | DeviceCall::AllGather => self.moves(comm, gpu, job),
+            DeviceCall::Broadcast { .. } | DeviceCall::AllGather | DeviceCall::AllToAll => {
+                self.moves(comm, gpu, job)
+            }
             DeviceCall::AllReduce(op)
             | DeviceCall::Reduce { op, .. }
             | DeviceCall::ReduceScatter(op) => self.reduction(comm, gpu, job, op, stream),
@@ -111,7 +113,7 @@ impl<G: Gpu> Staging<G> {
         gpu.finish(stream)
     }
 
-    /// Broadcast and all-gather: each chunk through the host collective.
+    /// Broadcast, all-gather and all-to-all: each chunk through the host collective.
     fn moves(&mut self, comm: &Communicator, gpu: &G, job: Job) -> Result<()> {
         let chunks = chunks(job, comm.world_size(), self.room);
         for (slot, chunk) in chunks.iter().take(2).enumerate() {
@@ -139,14 +141,19 @@ impl<G: Gpu> Staging<G> {
         chunk: Chunk,
     ) -> Result<()> {
         let slot = &mut self.slots[slot];
-        let source = match job.call {
-            DeviceCall::Broadcast { root } if root != comm.rank() => None,
-            _ => Some(job.input + chunk.offset as u64),
+        let from = |block: usize| job.input + (block * job.block + chunk.offset) as u64;
+        let sources: Vec<(usize, u64)> = match job.call {
+            DeviceCall::Broadcast { root } if root != comm.rank() => Vec::new(),
+            DeviceCall::AllToAll => (0..comm.world_size())
+                .map(|q| (q * chunk.len, from(q)))
+                .collect(),
+            _ => vec![(0, from(0))],
         };
-        if let Some(src) = source {
+        for (at, src) in sources {
             // SAFETY: `src` lies in the caller's input (the call's lengths were checked);
-            // the slot's buffer holds `room >= len` bytes and is not read until `ready` fires.
-            unsafe { gpu.to_host(slot.input.at(0), src, chunk.len, &self.copies)? };
+            // the slot's buffer holds `room >= at + len` bytes (a chunk of an all-to-all is
+            // `room / world`) and is not read until `ready` fires.
+            unsafe { gpu.to_host(slot.input.at(at), src, chunk.len, &self.copies)? };
         }
         gpu.record(&slot.ready, &self.copies)
     }
@@ -162,12 +169,16 @@ impl<G: Gpu> Staging<G> {
         let (kind, op, root) = job.call.host();
         let info = (kind, job.dtype, op, root, chunk.len / job.dtype.size());
         let Slot { input, output, .. } = &mut self.slots[slot];
+        let all = comm.world_size() * chunk.len;
         match job.call {
-            DeviceCall::AllGather => comm.run_bytes(
-                info,
-                Some(input.bytes(chunk.len)),
-                output.bytes_mut(comm.world_size() * chunk.len),
-            ),
+            DeviceCall::AllGather => {
+                comm.run_bytes(info, Some(input.bytes(chunk.len)), output.bytes_mut(all))
+            }
+            DeviceCall::AllToAll => {
+                let counts = vec![chunk.len; comm.world_size()];
+                let (input, output) = (input.bytes(all), output.bytes_mut(all));
+                comm.all_to_all_v(input, &counts, output, &counts)
+            }
             _ => comm.run_bytes(info, None, input.bytes_mut(chunk.len)),
         }
     }
@@ -184,7 +195,7 @@ impl<G: Gpu> Staging<G> {
         let slot = &self.slots[slot];
         let to = |block: usize| job.output + (block * job.block + chunk.offset) as u64;
         let copies: Vec<(u64, *const u8)> = match job.call {
-            DeviceCall::AllGather => (0..comm.world_size())
+            DeviceCall::AllGather | DeviceCall::AllToAll => (0..comm.world_size())
                 .map(|q| (to(q), slot.output.at(q * chunk.len).cast_const()))
                 .collect(),
             DeviceCall::Broadcast { root } if root == comm.rank() && job.input == job.output => {
@@ -406,7 +417,7 @@ fn alone<G: Gpu>(gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
 /// blocks it stages (the ring's segments rounded up), and holds whole elements.
 fn chunks(job: Job, world: usize, room: usize) -> Vec<Chunk> {
     let per_block = match job.call {
-        DeviceCall::AllGather | DeviceCall::ReduceScatter(_) => room / world,
+        DeviceCall::AllGather | DeviceCall::ReduceScatter(_) | DeviceCall::AllToAll => room / world,
         DeviceCall::AllReduce(_) | DeviceCall::Reduce { .. } => {
             room.saturating_sub(world.saturating_mul(16))
         }
@@ -532,6 +543,8 @@ mod tests {
             &[
                 (broadcast, DType::I32, 1000),
                 (DeviceCall::AllGather, DType::I32, 500),
+                (DeviceCall::AllToAll, DType::I32, 300),
+                (DeviceCall::AllToAll, DType::F64, 1),
             ],
             ROOM,
         );

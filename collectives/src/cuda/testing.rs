@@ -20,6 +20,10 @@ use crate::{Communicator, Config, Result, StoreServer, TransportKind};
 pub(super) trait Runs {
     /// Runs `job` on `comm`'s ranks after the work enqueued on `stream`.
     fn run(&mut self, comm: &Communicator, gpu: &LazyGpu, job: Job, stream: &Queue) -> Result<()>;
+
+    /// Waits, where peers read this rank's memory, until none will any more (before it is
+    /// freed).
+    fn close(&mut self, _comm: &Communicator) {}
 }
 
 impl Runs for Staging<LazyGpu> {
@@ -32,11 +36,19 @@ impl Runs for Peers<LazyGpu> {
     fn run(&mut self, comm: &Communicator, gpu: &LazyGpu, job: Job, stream: &Queue) -> Result<()> {
         Peers::run(self, comm, gpu, job, stream)
     }
+
+    fn close(&mut self, comm: &Communicator) {
+        Peers::close(self, comm);
+    }
 }
 
 impl Runs for Tiered<LazyGpu> {
     fn run(&mut self, comm: &Communicator, gpu: &LazyGpu, job: Job, stream: &Queue) -> Result<()> {
         Tiered::run(self, comm, gpu, job, stream)
+    }
+
+    fn close(&mut self, _comm: &Communicator) {
+        Tiered::close(self);
     }
 }
 
@@ -124,6 +136,10 @@ fn expected(
             .map(|i| element(i / count, i % count))
             .collect(),
         DeviceCall::ReduceScatter(op) => (0..count).map(|i| fold(op, rank * count + i)).collect(),
+        // Block `q` of the output is block `rank` of rank `q`'s input.
+        DeviceCall::AllToAll => (0..world * count)
+            .map(|i| element(i / count, rank * count + i % count))
+            .collect(),
     };
     Some(encode(values, dtype))
 }
@@ -146,8 +162,11 @@ pub(super) fn check<P: Runs>(
             let gpu = LazyGpu;
             let mut path = setup(comm, &gpu, layout);
             let runs = cases.iter().flat_map(|case| ways.map(|way| (*case, way)));
-            runs.map(|(case, way)| run_one(&mut path, comm, &gpu, case, way))
-                .collect::<Vec<_>>()
+            let results: Vec<_> = runs
+                .map(|(case, way)| run_one(&mut path, comm, &gpu, case, way))
+                .collect();
+            path.close(comm);
+            results
         });
         for (rank, results) in outputs.into_iter().enumerate() {
             let runs = cases.iter().flat_map(|case| ways.map(|way| (*case, way)));
@@ -156,7 +175,7 @@ pub(super) fn check<P: Runs>(
                 assert!(
                     got == want,
                     "{call:?} of {count} {dtype} on hosts {hosts:?}, {} place, caller's queue \
-                     {}: rank {rank} got a wrong result",
+                     {}: rank {rank} got a wrong result ({got:?} for {want:?})",
                     if in_place { "in" } else { "out of" },
                     if eager { "eager" } else { "lazy" }
                 );
@@ -177,6 +196,7 @@ fn run_one<P: Runs>(
     let (inputs, outputs) = match call {
         DeviceCall::AllGather => (1, world),
         DeviceCall::ReduceScatter(_) => (world, 1),
+        DeviceCall::AllToAll => (world, world),
         _ => (1, 1),
     };
     let size = dtype.size();
@@ -199,7 +219,7 @@ fn run_one<P: Runs>(
             input_buf.address() + (rank * block) as u64,
         ),
         (true, _) => {
-            output.bytes_mut(block).copy_from_slice(&input);
+            output.bytes_mut(input.len()).copy_from_slice(&input);
             (output.address(), output.address())
         }
     };

@@ -21,12 +21,17 @@
 //!    owners' halves into its output.
 //!
 //! An average sums in both stages and each owner divides its shard by the world size.
+//!
+//! An all-to-all has no owners: after the first fence each rank copies the blocks its
+//! host's ranks staged for it from their halves, and exchanges the blocks for and from
+//! other hosts through page-locked buffers and the host all-to-all (nothing for its own
+//! host's ranks), in rounds the size of those buffers.
 
 use chorus_kernels::{DType, ReduceOp};
 
-use super::gpu::Gpu;
+use super::gpu::{Gpu, HostBuffer};
 use super::ipc::{reduce_into, Peers};
-use super::staged::Staging;
+use super::staged::{Staging, STAGE_BYTES};
 use super::{agree, slice, DeviceCall, Job};
 use crate::{Communicator, Result};
 
@@ -112,6 +117,15 @@ pub(super) struct Tiered<G: Gpu> {
     shards: usize,
     /// The shards this rank owns, each with the communicator of its owners on every host.
     owned: Vec<Owned<G>>,
+    /// What an all-to-all's blocks to and from other hosts pass through.
+    exchange: Exchange<G>,
+}
+
+/// Page-locked buffers of `room` bytes: what this rank sends to other hosts, and receives.
+struct Exchange<G: Gpu> {
+    send: G::Pinned,
+    recv: G::Pinned,
+    room: usize,
 }
 
 /// A shard this rank owns: its owners on every host, in host order, and their staging.
@@ -183,12 +197,21 @@ impl<G: Gpu> Tiered<G> {
                 staging,
             });
         }
+        let room = sizes.map_or(STAGE_BYTES, |(_, room)| room);
+        let exchange = match (gpu.pinned(room), gpu.pinned(room)) {
+            (Ok(send), Ok(recv)) => Exchange { send, recv, room },
+            (Err(e), _) | (_, Err(e)) => {
+                peers.close(&local);
+                return Err(e);
+            }
+        };
         Ok(Ok(Tiered {
             local,
             peers,
             hosts,
             shards,
             owned,
+            exchange,
         }))
     }
 
@@ -201,9 +224,11 @@ impl<G: Gpu> Tiered<G> {
     /// work enqueued on `stream` before it; returns once its copies and kernels have run.
     pub fn run(&mut self, comm: &Communicator, gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
         let (size, world) = (job.dtype.size(), comm.world_size());
+        let half = self.peers.half_bytes();
         let room = match job.call {
-            DeviceCall::AllGather | DeviceCall::ReduceScatter(_) => self.peers.half_bytes() / world,
-            _ => self.peers.half_bytes(),
+            DeviceCall::AllGather | DeviceCall::ReduceScatter(_) => half / world,
+            DeviceCall::AllToAll => half.min(self.exchange.room) / world,
+            _ => half,
         };
         let step = (room / size).max(1) * size;
         for (i, offset) in (0..job.block).step_by(step).enumerate() {
@@ -223,6 +248,10 @@ impl<G: Gpu> Tiered<G> {
             };
             round.stage_in()?;
             round.fence(i == 0)?;
+            if job.call == DeviceCall::AllToAll {
+                round.all_to_all(&mut self.exchange)?;
+                continue;
+            }
             round.owners_stage(&mut self.owned)?;
             round.fence(false)?;
             round.stage_out()?;
@@ -268,10 +297,11 @@ impl<G: Gpu> Round<'_, G> {
                 let at = self.mine + (self.comm.rank() * len) as u64;
                 self.copy(at, input, len)
             }
-            DeviceCall::ReduceScatter(_) => (0..self.comm.world_size()).try_for_each(|q| {
-                let from = input + (q * job.block) as u64;
-                self.copy(self.mine + (q * len) as u64, from, len)
-            }),
+            DeviceCall::ReduceScatter(_) | DeviceCall::AllToAll => (0..self.comm.world_size())
+                .try_for_each(|q| {
+                    let from = input + (q * job.block) as u64;
+                    self.copy(self.mine + (q * len) as u64, from, len)
+                }),
         }
     }
 
@@ -313,6 +343,7 @@ impl<G: Gpu> Round<'_, G> {
                     self.gather_local(start / self.len..end / self.len)?;
                     (DeviceCall::AllReduce(ReduceOp::BOr), DType::U8)
                 }
+                DeviceCall::AllToAll => unreachable!("an all-to-all has no owners"),
             };
             let shard_job = Job {
                 call: across,
@@ -362,7 +393,53 @@ impl<G: Gpu> Round<'_, G> {
                 let from = self.owner(self.shard_of(me)) + (me * len) as u64;
                 self.copy(output, from, len)
             }
+            DeviceCall::AllToAll => unreachable!("an all-to-all ends in its exchange"),
         }
+    }
+
+    /// An all-to-all after its first fence: the blocks of this host's ranks from their
+    /// halves, the others' through the exchange's buffers and the host all-to-all.
+    fn all_to_all(&self, exchange: &mut Exchange<G>) -> Result<()> {
+        let Exchange { send, recv, .. } = exchange;
+        let (job, len, me) = (self.job, self.len, self.comm.rank());
+        let output = |q: usize| job.output + (q * job.block + self.offset) as u64;
+        let hosts = self.hosts;
+        let (local, remote): (Vec<usize>, Vec<usize>) =
+            (0..self.comm.world_size()).partition(|&q| hosts.of(q) == hosts.of(me));
+        for (k, &q) in remote.iter().enumerate() {
+            // SAFETY: block `q` lies in this rank's half, which no peer writes before the
+            // next fence; `send` holds `room >= world * len` bytes and is read by the host
+            // only after the stream has been synchronized below.
+            unsafe {
+                self.gpu.to_host(
+                    send.at(k * len),
+                    self.mine + (q * len) as u64,
+                    len,
+                    self.stream,
+                )?
+            };
+        }
+        for q in local {
+            let theirs = self.ptrs[self.local_index(q)];
+            self.copy(output(q), theirs + (me * len) as u64, len)?;
+        }
+        // The copies out of `recv` of the round before are on this stream too.
+        self.gpu.finish(self.stream)?;
+        let counts: Vec<usize> = (0..self.comm.world_size())
+            .map(|q| if hosts.of(q) == hosts.of(me) { 0 } else { len })
+            .collect();
+        let bytes = remote.len() * len;
+        self.comm
+            .all_to_all_v(send.bytes(bytes), &counts, recv.bytes_mut(bytes), &counts)?;
+        for (k, &q) in remote.iter().enumerate() {
+            // SAFETY: block `q` of the output lies in the caller's buffer (lengths checked);
+            // `recv` is not written again before the stream is synchronized (next round).
+            unsafe {
+                self.gpu
+                    .to_device(output(q), recv.at(k * len), len, self.stream)?
+            };
+        }
+        Ok(())
     }
 
     /// `len` bytes at `at` of this rank's half: the reduction of every local rank's, this
@@ -484,6 +561,8 @@ mod tests {
             (DeviceCall::AllGather, i32, 300),
             (DeviceCall::ReduceScatter(sum), i32, 300),
             (DeviceCall::ReduceScatter(ReduceOp::Max), i32, 1),
+            (DeviceCall::AllToAll, i32, 300),
+            (DeviceCall::AllToAll, f64, 1),
             (DeviceCall::AllGather, i32, 0),
         ]
     }

@@ -1,6 +1,6 @@
 //! The device-collectives test worker: one rank of `chorus::cuda` checks on a GPU.
 //!
-//! `check PATH` runs every collective on device buffers (several types, operators and
+//! `check PATH` runs every collective on device buffers (all-to-all included) (several types, operators and
 //! sizes, in and out of place, rounds and chunks included) and compares each rank's output
 //! with the result computed on the host; the communicator must have taken PATH (`ipc`,
 //! `staged` or `hierarchical`, for which ranks `2h` and `2h + 1` count as host `h`), and that
@@ -257,6 +257,14 @@ fn check_type<T: Exact>(
     dev.all_gather(&src, &mut out, stream).map_err(cuda)?;
     let want: Vec<T> = (0..w).flat_map(|r| input(r, count)).collect();
     same(&down(&out)?, &want, &what("all_gather"))?;
+    // All-to-all: block q of the input goes to rank q.
+    let blocks = up(&input(me, w * count))?;
+    let mut out = up(&poison(w * count))?;
+    dev.all_to_all(&blocks, &mut out, stream).map_err(cuda)?;
+    let want: Vec<T> = (0..w)
+        .flat_map(|q| input(q, w * count).split_off(me * count)[..count].to_vec())
+        .collect();
+    same(&down(&out)?, &want, &what("all_to_all"))?;
     Ok(())
 }
 
