@@ -188,6 +188,42 @@ impl fmt::Display for Path {
     }
 }
 
+/// How a device communicator moves device data between ranks (feature `cuda`; priced by
+/// [`crate::cost::device`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DevicePath {
+    /// CUDA IPC: ranks read each other's device memory directly (one host).
+    Ipc,
+    /// Pinned host buffers and the host collectives (any transport).
+    Staged,
+    /// IPC within each host, pinned staging between hosts.
+    Hierarchical,
+}
+
+impl DevicePath {
+    /// Every path.
+    pub const ALL: [DevicePath; 3] = [
+        DevicePath::Ipc,
+        DevicePath::Staged,
+        DevicePath::Hierarchical,
+    ];
+
+    /// The name `CHORUS_CUDA_PATH` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            DevicePath::Ipc => "ipc",
+            DevicePath::Staged => "staged",
+            DevicePath::Hierarchical => "hierarchical",
+        }
+    }
+}
+
+impl fmt::Display for DevicePath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use chorus::cuda::cudarc::driver::{result, sys, CudaContext, CudaEvent, DevicePtrMut};
 use chorus::cuda::{
     CallerStream, CudaCommunicator, CudaError, CudaSlice, CudaStream, Device, DeviceCall,
-    DevicePath, DeviceWork, Staged,
+    DeviceWork, Staged,
 };
 use chorus::{CallKind, Communicator, Group};
 use pyo3::exceptions::PyValueError;
@@ -59,11 +59,7 @@ impl Devices {
     /// call has chosen.
     pub fn path(&self) -> Option<&'static str> {
         let slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        slot.as_ref().map(|dev| match dev.path() {
-            DevicePath::Ipc => "ipc",
-            DevicePath::Staged => "staged",
-            DevicePath::Hierarchical => "hierarchical",
-        })
+        slot.as_ref().map(|dev| dev.path().name())
     }
 }
 

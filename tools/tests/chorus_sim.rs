@@ -78,3 +78,55 @@ fn a_zero_host_size_is_refused_by_name() {
         "{stderr}"
     );
 }
+
+#[test]
+fn device_paths_are_priced_and_the_hierarchical_plan_simulated_alike() {
+    // Two hosts of eight GPUs: IPC is ruled out, the hierarchical plan beats staging, and
+    // its messages simulated on the links land within 5% of its closed form at 64 MiB.
+    let out = chorus_sim(&[
+        "--device",
+        "-w",
+        "16",
+        "--ranks-per-host",
+        "8",
+        "-b",
+        "64M",
+        "-e",
+        "64M",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("assumed, not measured"), "{stdout}");
+    let table = rows(&stdout);
+    // size, ipc "n/a", staged time and busbw, hierarchical time and busbw, sim, pick.
+    let row = &table[0];
+    assert_eq!(row.len(), 8, "{row:?}");
+    assert_eq!(row[1], "n/a");
+    let (staged, tiered, sim) = (
+        row[2].parse::<f64>().unwrap(),
+        row[4].parse::<f64>().unwrap(),
+        row[6].parse::<f64>().unwrap(),
+    );
+    assert!(tiered < staged, "{row:?}");
+    assert!((sim / tiered - 1.0).abs() < 0.05, "{row:?}");
+    assert_eq!(row[7], "hierarchical");
+    // One host: IPC, and no hierarchical plan to simulate.
+    let out = chorus_sim(&[
+        "--device",
+        "-w",
+        "4",
+        "--ranks-per-host",
+        "4",
+        "-b",
+        "1M",
+        "-e",
+        "1M",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let row = &rows(&stdout)[0];
+    assert_eq!(
+        (row[5].as_str(), row[6].as_str(), row[7].as_str()),
+        ("n/a", "-", "ipc"),
+        "{row:?}"
+    );
+}

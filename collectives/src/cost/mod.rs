@@ -11,8 +11,10 @@
 //!   [`crate::tuner`] uses at run time; no schedule is built).
 //! - [`simulate`]: the evaluator, which runs the real schedules of every
 //!   rank on the executor's own state machine, in simulated time.
+//! - [`device`]: closed forms for the device paths (CUDA IPC, staging, hierarchical).
 
 pub mod closed;
+pub mod device;
 mod fabric;
 pub mod simulate;
 

@@ -29,7 +29,8 @@
 //! `ipc`, `staged`, `hierarchical`) forces a path; `auto`, the default, takes IPC where
 //! every rank shares the host, the hierarchical path where the ranks span hosts and some
 //! host runs two or more, and the staged path otherwise or where the ranks of a host
-//! cannot map each other's memory. `CHORUS_DEBUG` logs the choice and why.
+//! cannot map each other's memory: of the paths the layout allows, the one the cost model
+//! ([`crate::cost::device`]) prices cheapest. `CHORUS_DEBUG` logs the choice and why.
 //!
 //! # Ordering and completion
 //!
@@ -78,33 +79,12 @@ use chorus_kernels::cuda::{DevicePtr, DevicePtrMut};
 use chorus_kernels::{DType, Element, ReduceOp};
 pub use host::Staged;
 
+pub use crate::algorithm::DevicePath;
 use crate::communicator::{lock, CallKind, Queue};
+use crate::cost::device::{self as cost, DeviceLayout, DeviceLinks};
+use crate::cost::LinkModel;
 use crate::env::CHORUS_CUDA_PATH;
 use crate::{CallInfo, Cause, Communicator, Error, Result, Work};
-
-/// How a [`CudaCommunicator`] moves device data between ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DevicePath {
-    /// CUDA IPC: ranks read each other's device memory directly (one host).
-    Ipc,
-    /// Pinned host buffers and the host collectives (any transport).
-    Staged,
-    /// IPC within each host, pinned staging between hosts.
-    Hierarchical,
-}
-
-impl DevicePath {
-    /// The path a job of `hosts` hosts takes, at most `most_local` ranks on one, where
-    /// `CHORUS_CUDA_PATH` does not force one and every host's ranks can map each other's
-    /// memory.
-    pub fn for_hosts(hosts: usize, most_local: usize) -> DevicePath {
-        match (hosts, most_local) {
-            (1, _) => DevicePath::Ipc,
-            (_, 2..) => DevicePath::Hierarchical,
-            _ => DevicePath::Staged,
-        }
-    }
-}
 
 /// One collective on device memory, for [`CudaCommunicator::call_raw`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1068,13 +1048,24 @@ fn slice_width(len: usize, dtype: DType, world: usize) -> usize {
 fn choose(comm: &Communicator, device: &Device, forced: Option<DevicePath>) -> Result<Path> {
     let hosts = tiered::Hosts::gather(comm)?;
     let (rank, count, most) = (comm.rank(), hosts.count(), hosts.most_local());
-    let wanted = forced.unwrap_or_else(|| DevicePath::for_hosts(count, most));
+    let layout = DeviceLayout {
+        world: comm.world_size(),
+        hosts: count,
+        most_local: most,
+    };
+    // Every rank prices the same layout with the same figures, so all pick alike.
+    let links = DeviceLinks::assumed(LinkModel::default());
+    let cheapest = || {
+        let c = crate::algorithm::Collective::AllReduce;
+        cost::pick(&layout.paths(), c, cost::PICK_BYTES, layout, &links)
+            .unwrap_or(DevicePath::Staged)
+    };
+    let wanted = forced.unwrap_or_else(cheapest);
     let refused = |why: String| -> Result<Path> {
         if forced.is_some() {
-            let value = format!("{wanted:?}").to_lowercase();
             return Err(Error::Config {
                 var: CHORUS_CUDA_PATH,
-                value,
+                value: wanted.name().into(),
                 reason: why,
             });
         }
@@ -1146,14 +1137,6 @@ mod tests {
             Some((3, 3))
         );
         assert_eq!(DeviceCall::AllGather.lengths(usize::MAX, 2), None);
-    }
-
-    #[test]
-    fn the_path_follows_the_hosts() {
-        assert_eq!(DevicePath::for_hosts(1, 4), DevicePath::Ipc);
-        assert_eq!(DevicePath::for_hosts(2, 2), DevicePath::Hierarchical);
-        assert_eq!(DevicePath::for_hosts(64, 8), DevicePath::Hierarchical);
-        assert_eq!(DevicePath::for_hosts(4, 1), DevicePath::Staged);
     }
 
     #[test]

@@ -7,8 +7,15 @@
 //! the result back over its host's tree. Only leaders touch the network
 //! between hosts: H hosts move 2(H-1)/H of the buffer per leader instead of
 //! every rank crossing the slow links.
+//!
+//! [`sharded_all_reduce_on`] is the device path's hierarchical plan as messages (what the
+//! simulator prices it by): the buffer is cut into as many shards as the busiest host has
+//! ranks, each with one owner per host; every rank sends each shard to its host's owner,
+//! which reduces them, the owners of each shard run a ring all-reduce across hosts, and
+//! each owner sends its shard back to its host's ranks. Every rank of a host moves its
+//! share of the traffic between hosts, in parallel.
 
-use super::{broadcast, reduce, ring, Buf, Loc, Schedule, Step};
+use super::{broadcast, chunks, reduce, ring, split, Buf, Loc, Schedule, Step};
 
 /// The hierarchical all-reduce program of `rank`; hosts hold `local_world_size` consecutive ranks.
 ///
@@ -36,18 +43,14 @@ pub fn all_reduce(
 ///
 /// Panics unless `rank` is on exactly one of `hosts` (callers build them from the transport).
 pub fn all_reduce_on(rank: usize, hosts: &[Vec<usize>], count: usize, chunk: usize) -> Schedule {
-    let (host, local_rank) = hosts
-        .iter()
-        .enumerate()
-        .find_map(|(h, ranks)| ranks.iter().position(|&r| r == rank).map(|l| (h, l)))
-        .unwrap_or_else(|| panic!("rank {rank} is on none of the hosts {hosts:?}"));
+    let (host, local_rank) = place_of(rank, hosts);
     let mine = &hosts[host];
     let on_host = |v: usize| mine[v];
     // 1. Reduce onto the host's leader (its output holds the host's partial result).
     let mut steps = relocate(
         reduce::tree(local_rank, mine.len(), 0, count, chunk),
         on_host,
-        false,
+        (false, 0),
     );
     steps.retain(|s| !matches!(s, Step::Finish { .. }));
     // 2. Leaders all-reduce their partial results across hosts, in their outputs.
@@ -55,23 +58,110 @@ pub fn all_reduce_on(rank: usize, hosts: &[Vec<usize>], count: usize, chunk: usi
         steps.extend(relocate(
             ring::all_reduce(host, hosts.len(), count, chunk),
             |h| hosts[h][0],
-            true,
+            (true, 0),
         ));
     }
     // 3. Each leader broadcasts the result over its host.
     steps.extend(relocate(
         broadcast::tree(local_rank, mine.len(), 0, count, chunk),
         on_host,
-        true,
+        (true, 0),
     ));
     steps
 }
 
-/// Maps a sub-group schedule's peers to real ranks; with `from_output`, its input is this rank's output.
-fn relocate(steps: Schedule, peer: impl Fn(usize) -> usize, from_output: bool) -> Schedule {
-    let place = |loc: Loc| match loc.buf {
-        Buf::Input if from_output => Loc::output(loc.range),
-        _ => loc,
+/// The sharded hierarchical all-reduce program of `rank` (see the [module
+/// documentation](self)), `hosts` listing each host's ranks; hosts may differ in size (on a
+/// host of fewer ranks than shards, local rank `l` owns every shard `s` with
+/// `s % ranks == l`).
+///
+/// Panics unless `rank` is on exactly one of `hosts`.
+pub fn sharded_all_reduce_on(
+    rank: usize,
+    hosts: &[Vec<usize>],
+    count: usize,
+    chunk: usize,
+) -> Schedule {
+    let (host, _) = place_of(rank, hosts);
+    let mine = &hosts[host];
+    let shards = split(count, hosts.iter().map(Vec::len).max().unwrap_or(1));
+    let owner = |h: usize, s: usize| hosts[h][s % hosts[h].len()];
+    let mut steps = Vec::new();
+    // 1. Each shard to its owner on this host, which reduces them in local rank order.
+    for (s, shard) in shards.iter().enumerate() {
+        let o = owner(host, s);
+        for piece in chunks(shard.clone(), chunk) {
+            if o != rank {
+                let from = Loc::input(piece);
+                steps.push(Step::Send { peer: o, from });
+                continue;
+            }
+            let (from, into) = (Loc::input(piece.clone()), Loc::output(piece.clone()));
+            steps.push(Step::Copy { from, into });
+            for &q in mine.iter().filter(|&&q| q != rank) {
+                let (with, into) = (Loc::output(piece.clone()), Loc::output(piece.clone()));
+                steps.push(Step::RecvReduce {
+                    peer: q,
+                    with,
+                    into,
+                });
+            }
+        }
+    }
+    // 2. The owners of each shard, one per host, all-reduce it across hosts.
+    for (s, shard) in shards
+        .iter()
+        .enumerate()
+        .filter(|(s, _)| owner(host, *s) == rank)
+    {
+        steps.extend(relocate(
+            ring::all_reduce(host, hosts.len(), shard.len(), chunk),
+            |h| owner(h, s),
+            (true, shard.start),
+        ));
+    }
+    // 3. Each owner sends its shard back to this host's other ranks.
+    for (s, shard) in shards.iter().enumerate() {
+        let o = owner(host, s);
+        for piece in chunks(shard.clone(), chunk) {
+            if o != rank {
+                steps.push(Step::Recv {
+                    peer: o,
+                    into: Loc::output(piece),
+                });
+                continue;
+            }
+            for &q in mine.iter().filter(|&&q| q != rank) {
+                let from = Loc::output(piece.clone());
+                steps.push(Step::Send { peer: q, from });
+            }
+        }
+    }
+    steps
+}
+
+/// The host of `rank` among `hosts` and its place there; panics if it is on none.
+fn place_of(rank: usize, hosts: &[Vec<usize>]) -> (usize, usize) {
+    hosts
+        .iter()
+        .enumerate()
+        .find_map(|(h, ranks)| ranks.iter().position(|&r| r == rank).map(|l| (h, l)))
+        .unwrap_or_else(|| panic!("rank {rank} is on none of the hosts {hosts:?}"))
+}
+
+/// Maps a sub-group schedule's peers to real ranks and its ranges `offset` elements on;
+/// with `from_output`, its input is this rank's output.
+fn relocate(
+    steps: Schedule,
+    peer: impl Fn(usize) -> usize,
+    (from_output, offset): (bool, usize),
+) -> Schedule {
+    let place = |loc: Loc| {
+        let range = loc.range.start + offset..loc.range.end + offset;
+        match loc.buf {
+            Buf::Input if from_output => Loc::output(range),
+            buf => Loc { buf, range },
+        }
     };
     steps
         .into_iter()
@@ -109,7 +199,7 @@ mod tests {
 
     /// `steps` with every peer renamed by `rename`.
     fn renamed(steps: Schedule, rename: impl Fn(usize) -> usize) -> Schedule {
-        relocate(steps, rename, false)
+        relocate(steps, rename, (false, 0))
     }
 
     #[test]

@@ -802,3 +802,32 @@ fn hierarchical_all_reduce_is_correct() {
         }
     }
 }
+
+/// The device path's hierarchical plan as messages: every world up to 64 as hosts of 1-8
+/// ranks, the last host short where they do not divide, and hosts of uneven sizes in any
+/// order.
+#[test]
+fn sharded_hierarchical_all_reduce_is_correct() {
+    let consecutive = |world: usize, per: usize| -> Vec<Vec<usize>> {
+        (0..world.div_ceil(per))
+            .map(|h| (h * per..world.min((h + 1) * per)).collect())
+            .collect()
+    };
+    let mut layouts: Vec<Vec<Vec<usize>>> = (1..=64)
+        .flat_map(|world| (1..=8).map(move |per| (world, per)))
+        .map(|(world, per)| consecutive(world, per))
+        .collect();
+    layouts.push(vec![vec![0], vec![1, 2, 3, 4], vec![5, 6], vec![7]]);
+    layouts.push(vec![vec![3, 0, 5], vec![1], vec![4, 2]]);
+    for hosts in layouts {
+        let world = hosts.iter().map(Vec::len).sum();
+        let counts = [0, 1, 7, world + 1, 100];
+        for (count, chunk) in counts.into_iter().flat_map(|c| [(c, 1), (c, 1 << 20)]) {
+            if world > 16 && chunk == 1 && count > 7 {
+                continue;
+            }
+            let make = |r, _, c, k| hierarchical::sharded_all_reduce_on(r, &hosts, c, k);
+            check_all_reduce(make, world, count, chunk);
+        }
+    }
+}

@@ -8,13 +8,21 @@
 //! forms, the best simulated algorithm, and the sizes where the pick changes.
 //! With `--ranks-per-host K` hosts of K ranks share one NIC and reach each
 //! other over shared memory, and the hierarchical all-reduce joins the table.
+//!
+//! `--device` prices a GPU job's device paths instead (K GPUs per host): CUDA IPC on one
+//! host, staging through pinned memory, and the hierarchical plan, from the closed forms
+//! of `chorus::cost::device` (with `--peer-gbs` and `--pcie-gbs`; the defaults are
+//! assumed, not measured), the path a device communicator picks, and, for the all-reduce,
+//! the hierarchical plan's messages simulated on the links (PCIe copies not modelled).
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use chorus::cost::device::{self, DeviceLayout, DeviceLinks, DevicePath};
 use chorus::cost::{evaluate, EvalConfig, LinkModel, Network};
+use chorus::schedule::hierarchical::sharded_all_reduce_on;
 use chorus::schedule::plan::{self, Placement, Shape};
 use chorus::tuner::{Algorithm, Collective, Forced, Path, Topology, Tuner, TIE_MARGIN};
 use chorus_tools::perf::parse_size;
@@ -69,9 +77,10 @@ struct Args {
     /// Reduction bandwidth in GB/s (gamma); reductions are free if unset.
     #[arg(long = "gamma-gbs")]
     gamma_gbs: Option<f64>,
-    /// Pipeline chunk in bytes (CHORUS_CHUNK_BYTES).
-    #[arg(long, default_value = "512K", value_parser = parse_size)]
-    chunk: usize,
+    /// Pipeline chunk in bytes (CHORUS_CHUNK_BYTES; default 512K, with `--device` the
+    /// staged path's 4M).
+    #[arg(long = "chunk", value_parser = parse_size)]
+    chunk_bytes: Option<usize>,
     /// Root of broadcast, reduce, gather and scatter.
     #[arg(long, default_value_t = 0)]
     root: usize,
@@ -90,6 +99,30 @@ struct Args {
     /// Evaluations run in parallel on this many threads (default: the CPUs).
     #[arg(long)]
     threads: Option<usize>,
+    /// Price the device paths of a GPU job (`--ranks-per-host` GPUs per host) instead of
+    /// the host algorithms.
+    #[arg(long)]
+    device: bool,
+    /// With `--device`: bandwidth between two GPUs of a host through CUDA IPC, in GB/s
+    /// (default: assumed, 100).
+    #[arg(long = "peer-gbs")]
+    peer_gbs: Option<f64>,
+    /// With `--device`: bandwidth between a GPU and pinned host memory, each way, in GB/s
+    /// (default: assumed, 20).
+    #[arg(long = "pcie-gbs")]
+    pcie_gbs: Option<f64>,
+}
+
+impl Args {
+    /// The pipeline chunk in bytes: the flag, else the host collectives' default, or with
+    /// `--device` the staged path's pinned buffers (its chunks).
+    fn chunk(&self) -> usize {
+        match (self.chunk_bytes, self.device) {
+            (Some(bytes), _) => bytes,
+            (None, false) => 512 << 10,
+            (None, true) => 4 << 20,
+        }
+    }
 }
 
 /// One cell of the table: a predicted time, and whether it is a closed form.
@@ -159,10 +192,13 @@ fn run(args: &Args) -> Result<(), String> {
     }
     let c = args.collective;
     let net = network(args)?;
+    if args.device {
+        return run_device(args, &net);
+    }
     let local = args.ranks_per_host;
     let hosts = w.div_ceil(local);
     let mut tuner = Tuner::new(net.between.alpha, net.between.beta, Forced::none())
-        .with_chunk_bytes(args.chunk)
+        .with_chunk_bytes(args.chunk())
         .with_topology(Topology {
             hosts,
             most_local: local.min(w),
@@ -194,7 +230,7 @@ fn run(args: &Args) -> Result<(), String> {
         depth: args.depth,
         ..EvalConfig::default()
     };
-    let chunk = (args.chunk / ELEM).max(1);
+    let chunk = (args.chunk() / ELEM).max(1);
 
     // Evaluate every (size, algorithm) on a few threads, largest first so the slowest start early.
     let jobs: Vec<(usize, usize)> = (0..sizes.len())
@@ -254,6 +290,96 @@ fn run(args: &Args) -> Result<(), String> {
             );
         }
         println!();
+    }
+    Ok(())
+}
+
+/// `--device`: each device path's predicted time per size, the pick, and the hierarchical
+/// all-reduce's messages simulated.
+fn run_device(args: &Args, net: &Network) -> Result<(), String> {
+    let (c, w, per) = (args.collective, args.world, args.ranks_per_host);
+    let mut links = DeviceLinks::assumed(net.between);
+    let mut assumed = Vec::new();
+    for (flag, value, link) in [
+        ("--peer-gbs", args.peer_gbs, &mut links.peer),
+        ("--pcie-gbs", args.pcie_gbs, &mut links.pcie),
+    ] {
+        match value {
+            Some(g) if g > 0.0 => link.beta = g * 1e9,
+            Some(_) => return Err(format!("{flag} must be > 0")),
+            None => assumed.push(flag),
+        }
+    }
+    let layout = DeviceLayout {
+        world: w,
+        hosts: w.div_ceil(per),
+        most_local: per.min(w),
+    };
+    let hosts: Vec<Vec<usize>> = (0..w)
+        .step_by(per)
+        .map(|first| (first..(first + per).min(w)).collect())
+        .collect();
+    let simulated = |bytes: usize| -> Result<Option<f64>, String> {
+        let count = bytes / ELEM;
+        let chunk = (args.chunk() / ELEM).max(1);
+        let make = |rank: usize| sharded_all_reduce_on(rank, &hosts, count, chunk);
+        let longest = make(0).len().max(make(w - 1).len());
+        let allowed = layout.paths().contains(&DevicePath::Hierarchical);
+        if args.closed || c != Collective::AllReduce || !allowed {
+            return Ok(None);
+        }
+        if longest.saturating_mul(w) > args.max_steps {
+            return Ok(None);
+        }
+        let within = Network {
+            within: links.peer,
+            ..*net
+        };
+        let config = EvalConfig {
+            elem_bytes: ELEM,
+            depth: args.depth,
+            ..EvalConfig::default()
+        };
+        let e = evaluate(w, &within, &config, make).map_err(|e| format!("{c} {bytes} B: {e}"))?;
+        Ok(Some(e.time))
+    };
+    println!(
+        "# chorus_sim --device: {c} on {w} GPUs, {} hosts of up to {per}; IPC {:.0} GB/s, PCIe {:.0} GB/s, network alpha {} us, {:.2} GB/s{}",
+        layout.hosts,
+        links.peer.beta / 1e9,
+        links.pcie.beta / 1e9,
+        args.alpha_us,
+        net.between.beta / 1e9,
+        if assumed.is_empty() {
+            String::new()
+        } else {
+            format!(" ({} assumed, not measured)", assumed.join(", "))
+        }
+    );
+    println!(
+        "# time: us (closed forms; 'n/a' where the layout rules the path out); busbw: GB/s, nccl-tests' algbw * {:.4}; sim: the hierarchical all-reduce's messages simulated",
+        c.bus_factor(w)
+    );
+    print!("# {:>12}", "size (B)");
+    for p in DevicePath::ALL {
+        print!("  {:>20}", format!("{p} time   busbw"));
+    }
+    println!("  {:>12}  {:>12}", "sim time", "pick");
+    for bytes in sizes(args)? {
+        print!("  {bytes:>12}");
+        for p in DevicePath::ALL {
+            let t = device::estimate(p, c, bytes, layout, &links);
+            if t.is_finite() {
+                let busbw = bytes as f64 / t * c.bus_factor(w) / 1e9;
+                print!("  {:>12.1}{busbw:>8.2}", t * 1e6);
+            } else {
+                print!("  {:>20}", "n/a");
+            }
+        }
+        let sim = simulated(bytes)?.map_or("-".to_string(), |t| format!("{:.1}", t * 1e6));
+        let pick = device::pick(&layout.paths(), c, bytes, layout, &links)
+            .map_or("-".to_string(), |p| p.to_string());
+        println!("  {sim:>12}  {pick:>12}");
     }
     Ok(())
 }
@@ -376,7 +502,7 @@ fn print_table(
         net.between.beta / 1e9,
         args.gamma_gbs
             .map_or(String::new(), |g| format!(", reductions {g} GB/s")),
-        args.chunk,
+        args.chunk(),
         args.depth
     );
     println!(
