@@ -262,6 +262,29 @@ fn exchange_ordered(
             Box::new(move |c| unsafe { post(c, &sends, &recvs) }),
         );
     }
+    if memory.len() == sends.len() + recvs.len() {
+        // Every message on device memory: through CUDA IPC between ranks of one host.
+        use chorus::cuda::DeviceMessage;
+        let (tag, at) = (0, |m: &Message| m.at as u64);
+        let messages = sends
+            .iter()
+            .map(|m| DeviceMessage::Send {
+                peer: m.peer,
+                tag,
+                at: at(m),
+                bytes: m.bytes,
+            })
+            .chain(recvs.iter().map(|m| DeviceMessage::Recv {
+                peer: m.peer,
+                tag,
+                at: at(m),
+                bytes: m.bytes,
+            }))
+            .collect();
+        // SAFETY: the caller's device buffers stay valid, and written by nothing else, until
+        // the call has ended on its stream (NCCL's rule).
+        return unsafe { ordered.exchange(messages, stream) };
+    }
     let on_copies = move |c: &Communicator, pieces: &mut [&mut [u8]]| {
         let mut copies = pieces.iter_mut().map(|p| p.as_mut_ptr() as usize);
         let mut host = |m: &Message| match m.device {

@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex};
 
 use chorus::cuda::cudarc::driver::sys;
 use chorus::cuda::{
-    CallerStream, CudaCommunicator, CudaStream, Device, DeviceCall, DeviceWork, Staged,
+    CallerStream, CudaCommunicator, CudaStream, Device, DeviceCall, DeviceMessage, DeviceWork,
+    Staged,
 };
 use chorus::{Communicator, DType, ReduceOp};
 
@@ -118,6 +119,18 @@ impl Ordered {
         let on = (&stream, CallerStream::Ordered);
         // SAFETY: as the function requires.
         let work = unsafe { self.dev.staged_call_raw(memory, on, (), call) };
+        self.keep(work)
+    }
+
+    /// Issues the sends and receives `messages`, all on device memory, on stream `raw`.
+    ///
+    /// # Safety
+    /// As [`CudaCommunicator::exchange_raw`].
+    pub unsafe fn exchange(&self, messages: Vec<DeviceMessage>, raw: usize) -> Outcome {
+        let stream = self.stream(raw)?;
+        let on = (&stream, CallerStream::Ordered);
+        // SAFETY: as the function requires.
+        let work = unsafe { self.dev.exchange_raw(messages, on, ()) };
         self.keep(work)
     }
 

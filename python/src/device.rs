@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 use chorus::cuda::cudarc::driver::{result, sys, CudaContext, CudaEvent, DevicePtrMut};
 use chorus::cuda::{
     CallerStream, CudaCommunicator, CudaError, CudaSlice, CudaStream, Device, DeviceCall,
-    DeviceWork, Staged,
+    DeviceMessage, DeviceWork, Staged,
 };
-use chorus::{CallKind, Communicator, Group};
+use chorus::{CallKind, Communicator};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -193,8 +193,8 @@ fn device_copy(
 }
 
 /// Starts the sends and receives of `ops` (`(is_send, memory, peer, tag)`, on this device)
-/// together, on the host through page-locked copies, ordered on torch's `stream` as
-/// [`start`] is; `keep` owns their memory.
+/// together, ordered on torch's `stream` as [`start`] is (through CUDA IPC between ranks of
+/// one host, else through page-locked copies); `keep` owns their memory.
 pub(crate) fn exchange(
     dev: &CudaCommunicator,
     ops: Vec<(bool, Raw, usize, u32)>,
@@ -202,35 +202,30 @@ pub(crate) fn exchange(
     keep: Py<PyAny>,
 ) -> PyResult<DevicePending> {
     let stream = issued_on(dev, stream)?;
-    let memory = ops
+    let messages = ops
         .iter()
-        .map(|&(is_send, raw, ..)| match is_send {
-            true => Staged::Input(raw.addr(), raw.bytes),
-            false => Staged::Output(raw.addr(), raw.bytes),
+        .map(|&(is_send, raw, peer, tag)| {
+            let (at, bytes) = (raw.addr(), raw.bytes);
+            match is_send {
+                true => DeviceMessage::Send {
+                    peer,
+                    tag,
+                    at,
+                    bytes,
+                },
+                false => DeviceMessage::Recv {
+                    peer,
+                    tag,
+                    at,
+                    bytes,
+                },
+            }
         })
         .collect();
-    let ends: Vec<(bool, usize, u32)> = ops.iter().map(|&(s, _, p, t)| (s, p, t)).collect();
     // SAFETY: the package passes live CUDA tensors of these lengths on this device, held by
     // `keep` until the batch has ended; no receive shares memory with another op (checked
     // by the caller).
-    let work = unsafe {
-        dev.staged_call_raw(
-            memory,
-            (&stream, CallerStream::Free),
-            keep,
-            move |comm, pieces| {
-                comm.group(|g: &mut Group<'_>| {
-                    for (piece, &(is_send, peer, tag)) in pieces.iter_mut().zip(&ends) {
-                        if is_send {
-                            g.send::<u8>(piece, peer, tag);
-                        } else {
-                            g.recv::<u8>(piece, peer, tag);
-                        }
-                    }
-                })
-            },
-        )
-    };
+    let work = unsafe { dev.exchange_raw(messages, (&stream, CallerStream::Free), keep) };
     Ok(DevicePending::new(dev, work))
 }
 

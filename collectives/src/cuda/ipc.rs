@@ -19,6 +19,7 @@
 use chorus_kernels::{DType, ReduceOp};
 
 use super::gpu::{Gpu, HANDLE};
+use super::pipes::{self, DeviceMessage, SLOT_BYTES};
 use super::{agree, slice, DeviceCall, Job};
 use crate::{Communicator, Result};
 
@@ -34,6 +35,8 @@ pub(super) struct Peers<G: Gpu> {
     ptrs: Vec<u64>,
     /// Bytes of each half of every scratch buffer.
     half_bytes: usize,
+    /// Bytes of each slot for sends, one per rank, past the halves.
+    slot_bytes: usize,
     /// The half the next round uses (every rank runs the same rounds, so all agree).
     half: usize,
 }
@@ -43,17 +46,19 @@ impl<G: Gpu> Peers<G> {
     /// where some rank cannot take part (every rank gets it, each with its own words).
     /// A CUDA device's context must be current.
     pub fn connect(comm: &Communicator, gpu: &G) -> Result<std::result::Result<Peers<G>, String>> {
-        Peers::sized(comm, gpu, HALF_BYTES)
+        Peers::sized(comm, gpu, (HALF_BYTES, SLOT_BYTES))
     }
 
-    /// As [`connect`](Self::connect), with halves of `half_bytes`.
+    /// As [`connect`](Self::connect), with halves of `half_bytes` and slots for sends of
+    /// `slot_bytes`.
     pub fn sized(
         comm: &Communicator,
         gpu: &G,
-        half_bytes: usize,
+        (half_bytes, slot_bytes): (usize, usize),
     ) -> Result<std::result::Result<Peers<G>, String>> {
         let (rank, world) = (comm.rank(), comm.world_size());
-        let exported = gpu.scratch(2 * half_bytes).and_then(|scratch| {
+        let bytes = 2 * half_bytes + world * slot_bytes;
+        let exported = gpu.scratch(bytes).and_then(|scratch| {
             let handle = gpu.export(&scratch)?;
             Ok((scratch, handle))
         });
@@ -108,6 +113,7 @@ impl<G: Gpu> Peers<G> {
             mapped,
             ptrs,
             half_bytes,
+            slot_bytes,
             half: 0,
         }))
     }
@@ -120,6 +126,21 @@ impl<G: Gpu> Peers<G> {
         if let Err(err) = comm.barrier() {
             tracing::warn!(%err, "closing the device communicator: barrier failed");
         }
+    }
+
+    /// Runs the sends and receives `messages` among `comm`'s ranks (those this path was set
+    /// up on) through the slots (see the `pipes` module), after the work enqueued on
+    /// `stream`; returns once they have landed.
+    pub fn exchange(
+        &self,
+        comm: &Communicator,
+        gpu: &G,
+        messages: &[DeviceMessage],
+        stream: &G::Queue,
+    ) -> Result<()> {
+        let base = 2 * self.half_bytes;
+        let slots = |from: usize, to: usize| self.ptrs[from] + (base + to * self.slot_bytes) as u64;
+        pipes::exchange(comm, gpu, (&slots, self.slot_bytes), messages, stream)
     }
 
     /// Bytes of each half: the most a round moves per rank.
@@ -386,7 +407,7 @@ mod tests {
     fn the_ipc_path_gives_every_rank_its_result() {
         let layouts: [&[usize]; 3] = [&[0, 0], &[0, 0, 0], &[0, 0, 0, 0]];
         check(&layouts, &cases(), |comm, gpu, _| {
-            Peers::sized(comm, gpu, HALF)
+            Peers::sized(comm, gpu, (HALF, HALF))
                 .expect("the exchange")
                 .expect("every rank maps its peers' memory")
         });

@@ -63,6 +63,7 @@ mod host;
 mod ipc;
 mod local;
 mod order;
+mod pipes;
 mod staged;
 #[cfg(test)]
 mod testing;
@@ -78,6 +79,7 @@ pub use chorus_kernels::cuda::{
 use chorus_kernels::cuda::{DevicePtr, DevicePtrMut};
 use chorus_kernels::{DType, Element, ReduceOp};
 pub use host::Staged;
+pub use pipes::DeviceMessage;
 
 pub use crate::algorithm::DevicePath;
 use crate::communicator::{lock, CallKind, Queue};
@@ -689,6 +691,48 @@ impl CudaCommunicator {
     }
 }
 
+impl CudaCommunicator {
+    /// Starts the sends and receives `messages` on device memory together (as a
+    /// [`Group`](crate::Group) of host messages does) and returns once they are enqueued,
+    /// ordered on `stream` as [`start_raw`](Self::start_raw) orders a call: they read and
+    /// write their memory after the work queued on `stream` before them. A send to a peer
+    /// is matched by that peer's receive from this rank of the same tag, in order; each
+    /// pair must describe the same messages (bytes per tag), or both of its ranks fail
+    /// naming the other. Between ranks of one host (on the IPC and hierarchical paths) the
+    /// bytes move through CUDA IPC; others through page-locked copies and the host's
+    /// messages. `keep` comes back through the handle.
+    ///
+    /// # Safety
+    /// Every message's memory must be device memory of this communicator's device of its
+    /// length, allocated until the call has ended (until [`DeviceWork::wait`] returns, or a
+    /// stream ordered after the call has passed it); nothing else may write it meanwhile,
+    /// and no receive may overlap another message's memory.
+    pub unsafe fn exchange_raw<K: Send + 'static>(
+        &self,
+        messages: Vec<DeviceMessage>,
+        (stream, caller): (&Arc<CudaStream>, CallerStream),
+        keep: K,
+    ) -> DeviceWork<K> {
+        let world = self.world_size();
+        let checked = match messages.iter().find(|m| m.peer() >= world) {
+            Some(m) => Err(Error::InvalidArgument(format!(
+                "{m:?}: rank {} is not a rank (world size {world})",
+                m.peer()
+            ))),
+            None => self.shared.check_issue(stream),
+        };
+        let body = checked.map(|()| {
+            move |shared: &Shared, start: &CudaEvent| {
+                shared.work.wait(start).map_err(CudaError::driver(
+                    "ordering the work stream after the call's start",
+                ))?;
+                shared.exchange(messages)
+            }
+        });
+        self.issue(body, keep, (stream, caller))
+    }
+}
+
 /// Whether an asynchronous call's stream waits for the call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CallerStream {
@@ -820,6 +864,45 @@ impl Shared {
             Path::Staged(staging) => staging.run(&self.comm, &self.device, job, stream),
             Path::Hierarchical(tiered) => tiered.run(&self.comm, &self.device, job, stream),
         }
+    }
+
+    /// Runs `messages` on Chorus's work stream: through IPC to this host's ranks where the
+    /// path maps their memory, the rest through page-locked copies.
+    fn exchange(&self, messages: Vec<DeviceMessage>) -> Result<()> {
+        self.device
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("binding the device's context"))?;
+        let remote = match &*self.lock() {
+            Path::Ipc(peers) => {
+                peers.exchange(&self.comm, &self.device, &messages, &self.work)?;
+                Vec::new()
+            }
+            Path::Hierarchical(tiered) => {
+                tiered.exchange_local(&self.comm, &self.device, messages, &self.work)?
+            }
+            Path::Staged(_) => messages,
+        };
+        if remote.is_empty() {
+            return Ok(());
+        }
+        let memory: Vec<Staged> = remote
+            .iter()
+            .map(|m| match *m {
+                DeviceMessage::Send { at, bytes, .. } => Staged::Input(at, bytes),
+                DeviceMessage::Recv { at, bytes, .. } => Staged::Output(at, bytes),
+            })
+            .collect();
+        host::run_staged(self, &memory, |comm, pieces| {
+            comm.group(|g| {
+                for (piece, m) in pieces.iter_mut().zip(&remote) {
+                    match *m {
+                        DeviceMessage::Send { peer, tag, .. } => g.send::<u8>(piece, peer, tag),
+                        DeviceMessage::Recv { peer, tag, .. } => g.recv::<u8>(piece, peer, tag),
+                    }
+                }
+            })
+        })
     }
 
     /// Runs an asynchronous call on Chorus's work stream once `start` has passed.

@@ -31,6 +31,7 @@ use chorus_kernels::{DType, ReduceOp};
 
 use super::gpu::{Gpu, HostBuffer};
 use super::ipc::{reduce_into, Peers};
+use super::pipes::DeviceMessage;
 use super::staged::{Staging, STAGE_BYTES};
 use super::{agree, slice, DeviceCall, Job};
 use crate::{Communicator, Result};
@@ -160,7 +161,7 @@ impl<G: Gpu> Tiered<G> {
             .ok_or_else(|| crate::Error::Internal("a split with a color gave nothing".into()))?;
         let peers = match sizes {
             None => Peers::connect(&local, gpu)?,
-            Some((half, _)) => Peers::sized(&local, gpu, half)?,
+            Some((half, room)) => Peers::sized(&local, gpu, (half, room))?,
         };
         let mut ok = [u8::from(peers.is_ok())];
         comm.all_reduce(&mut ok, ReduceOp::Min)?;
@@ -213,6 +214,25 @@ impl<G: Gpu> Tiered<G> {
             owned,
             exchange,
         }))
+    }
+
+    /// Runs those of `messages` (peers: ranks of `comm`) whose peer runs on this host
+    /// through IPC (see [`Peers::exchange`]), and returns the others.
+    pub fn exchange_local(
+        &self,
+        comm: &Communicator,
+        gpu: &G,
+        messages: Vec<DeviceMessage>,
+        stream: &G::Queue,
+    ) -> Result<Vec<DeviceMessage>> {
+        let me = self.hosts.of(comm.rank());
+        let (local, remote): (Vec<_>, Vec<_>) = messages
+            .into_iter()
+            .partition(|m| self.hosts.of(m.peer()) == me);
+        let index = |rank: usize| (0..rank).filter(|&r| self.hosts.of(r) == me).count();
+        let local: Vec<_> = local.into_iter().map(|m| m.to(index(m.peer()))).collect();
+        self.peers.exchange(&self.local, gpu, &local, stream)?;
+        Ok(remote)
     }
 
     /// Unmaps the peers' memory (see [`Peers::close`]).

@@ -1,6 +1,7 @@
 //! The device-collectives test worker: one rank of `chorus::cuda` checks on a GPU.
 //!
-//! `check PATH` runs every collective on device buffers (all-to-all included) (several types, operators and
+//! `check PATH` runs every collective on device buffers (all-to-all included), and sends
+//! and receives (several types, operators and
 //! sizes, in and out of place, rounds and chunks included) and compares each rank's output
 //! with the result computed on the host; the communicator must have taken PATH (`ipc`,
 //! `staged` or `hierarchical`, for which ranks `2h` and `2h + 1` count as host `h`), and that
@@ -135,6 +136,7 @@ fn check(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
         check_type::<i32>(dev, stream, count, &[ReduceOp::Sum, ReduceOp::BXor])?;
     }
     check_async(dev, stream)?;
+    check_messages(dev, stream)?;
     check_stream_order(dev)?;
     check_local(dev, stream)?;
     if dev.world_size() > 1 {
@@ -304,6 +306,68 @@ fn check_async(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
         &input(0),
         "broadcast after asynchronous calls",
     )
+}
+
+/// Sends and receives on device memory: every rank sends the next rank 5 MiB + 3 bytes
+/// (several slots of the IPC path) with tag 7 and the previous one 1 KiB with tag 2, and
+/// itself 100 bytes, the receives posted in another order; every byte lands.
+fn check_messages(dev: &CudaCommunicator, stream: &Arc<CudaStream>) -> Outcome {
+    use chorus::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
+    use chorus::cuda::DeviceMessage;
+    let text = |e: &dyn std::fmt::Display| e.to_string();
+    let (w, me) = (dev.world_size(), dev.rank());
+    let (next, prev) = ((me + 1) % w, (me + w - 1) % w);
+    let pattern = |from: usize, to: usize, tag: u32, n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|i| (from * 31 + to * 7 + tag as usize + i) as u8)
+            .collect()
+    };
+    // (peer, tag, bytes) of each send, and of each receive.
+    let sends = [(next, 7, (5 << 20) + 3), (prev, 2, 1024), (me, 9, 100)];
+    let recvs = [(me, 9, 100), (next, 2, 1024), (prev, 7, (5 << 20) + 3)];
+    let mut keep = Vec::new();
+    let mut messages = Vec::new();
+    for &(peer, tag, bytes) in &sends {
+        let buf = stream
+            .clone_htod(&pattern(me, peer, tag, bytes))
+            .map_err(|e| text(&e))?;
+        let at = buf.device_ptr(stream).0;
+        messages.push(DeviceMessage::Send {
+            peer,
+            tag,
+            at,
+            bytes,
+        });
+        keep.push(buf);
+    }
+    let mut landed = Vec::new();
+    for &(peer, tag, bytes) in &recvs {
+        let mut buf = stream.alloc_zeros::<u8>(bytes).map_err(|e| text(&e))?;
+        let at = buf.device_ptr_mut(stream).0;
+        messages.push(DeviceMessage::Recv {
+            peer,
+            tag,
+            at,
+            bytes,
+        });
+        landed.push((peer, tag, buf));
+    }
+    // SAFETY: every address is a live allocation of its length on this device, held in
+    // `keep` and `landed` until the call has ended (waited for below); no receive overlaps
+    // another message's memory.
+    let work = unsafe { dev.exchange_raw(messages, (stream, CallerStream::Ordered), ()) };
+    work.wait().map_err(|e| text(&e))?;
+    for (peer, tag, buf) in landed {
+        let got = stream.clone_dtoh(&buf).map_err(|e| text(&e))?;
+        stream.synchronize().map_err(|e| text(&e))?;
+        if got != pattern(peer, me, tag, got.len()) {
+            return Err(format!(
+                "WRONG: rank {me}'s message from rank {peer} with tag {tag}"
+            ));
+        }
+    }
+    drop(keep);
+    Ok(())
 }
 
 /// Stream order of asynchronous calls: a call returns before long work queued ahead of it
