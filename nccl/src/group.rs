@@ -224,23 +224,37 @@ unsafe fn post(c: &Communicator, sends: &[Message], recvs: &[Message]) -> chorus
     })
 }
 
-/// Issues a group's messages on their stream, the device memory among them through
-/// page-locked copies.
+/// Issues a group's messages on their streams (see [`Ordered::across`]).
+///
+/// [`Ordered::across`]: crate::ordered::Ordered::across
 #[cfg(feature = "cuda")]
 fn exchange_ordered(
     ordered: &crate::ordered::Ordered,
     sends: Vec<Message>,
     recvs: Vec<Message>,
 ) -> Outcome {
-    use chorus::cuda::Staged;
-    let mut streams = sends.iter().chain(&recvs).map(|m| m.stream);
-    let stream = streams.next().unwrap_or_default();
-    if streams.any(|s| s != stream) {
-        return Err(Failure::usage(
-            "the sends and receives of one group on one communicator are on different \
-             streams: Chorus orders them on one",
-        ));
+    let mut streams: Vec<usize> = Vec::new();
+    for m in sends.iter().chain(&recvs) {
+        if !streams.contains(&m.stream) {
+            streams.push(m.stream);
+        }
     }
+    // One call, on the first stream, ordered on every stream of the group.
+    ordered.across(&streams, |stream| {
+        exchange_on(ordered, sends, recvs, stream)
+    })
+}
+
+/// Issues a group's messages on `stream`, the device memory among them through CUDA IPC
+/// or page-locked copies.
+#[cfg(feature = "cuda")]
+fn exchange_on(
+    ordered: &crate::ordered::Ordered,
+    sends: Vec<Message>,
+    recvs: Vec<Message>,
+    stream: usize,
+) -> Outcome {
+    use chorus::cuda::Staged;
     let mut memory = Vec::new();
     memory.extend(
         sends

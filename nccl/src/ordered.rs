@@ -71,12 +71,46 @@ impl Ordered {
         Ok(unsafe { context.wrap_borrowed_stream(raw as sys::CUstream) })
     }
 
-    /// Issues `call`, host collectives on host memory, on stream `raw`.
+    /// Issues, through `issue`, one call on the first of `streams` (raw handles, each once),
+    /// ordered on all of them: it starts once the work queued on each before it has ended,
+    /// and work queued on any of them afterwards waits for it.
+    pub fn across(&self, streams: &[usize], issue: impl FnOnce(usize) -> Outcome) -> Outcome {
+        let Some((&first, rest)) = streams.split_first() else {
+            return Ok(());
+        };
+        let driver = |what| {
+            move |e| {
+                Failure::from(chorus::Error::from(chorus::cuda::CudaError::driver(what)(
+                    e,
+                )))
+            }
+        };
+        let primary = self.stream(first)?;
+        for &raw in rest {
+            let ahead = self.stream(raw)?.record_event(None);
+            let ahead = ahead.map_err(driver("recording the work ahead on a stream"))?;
+            primary
+                .wait(&ahead)
+                .map_err(driver("ordering the call after another stream"))?;
+        }
+        issue(first)?;
+        let after = primary.record_event(None);
+        let after = after.map_err(driver("recording the call's end"))?;
+        for &raw in rest {
+            let stream = self.stream(raw)?;
+            stream
+                .wait(&after)
+                .map_err(driver("ordering another stream after the call"))?;
+        }
+        Ok(())
+    }
+
     /// How many ranks the calls run on.
     pub fn world_size(&self) -> usize {
         self.dev.world_size()
     }
 
+    /// Issues `call`, host collectives on host memory, on stream `raw`.
     pub fn host(&self, raw: usize, call: HostCall) -> Outcome {
         let stream = self.stream(raw)?;
         self.keep(

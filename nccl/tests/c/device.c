@@ -115,6 +115,21 @@ static void check(ncclUniqueId id) {
   download(&recvd, drecvd, sizeof recvd, s);
   EXPECT(recvd == 1000 + from);
 
+  /* The same ring with the receive on a second stream, whose copy after the group sees it. */
+  cudaStream_t other;
+  CUDA(cudaStreamCreate(&other));
+  recvd = -1;
+  CUDA(cudaMemcpyAsync(drecvd, &recvd, sizeof recvd, cudaMemcpyHostToDevice, other));
+  sent = 2000 + rank;
+  CUDA(cudaMemcpyAsync(dsent, &sent, sizeof sent, cudaMemcpyHostToDevice, s));
+  CHECK(ncclGroupStart());
+  CHECK(ncclSend(dsent, 1, ncclInt32, to, comm, s));
+  CHECK(ncclRecv(drecvd, 1, ncclInt32, from, comm, other));
+  CHECK(ncclGroupEnd());
+  download(&recvd, drecvd, sizeof recvd, other);
+  EXPECT(recvd == 2000 + from);
+  CUDA(cudaStreamDestroy(other));
+
   /* A pre-multiplied sum: every input times 2 first. */
   float two = 2, one = 1, total = 0;
   ncclRedOp_t twice;
