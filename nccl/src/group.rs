@@ -279,21 +279,11 @@ fn exchange_on(
     if memory.len() == sends.len() + recvs.len() {
         // Every message on device memory: through CUDA IPC between ranks of one host.
         use chorus::cuda::DeviceMessage;
-        let (tag, at) = (0, |m: &Message| m.at as u64);
-        let messages = sends
-            .iter()
-            .map(|m| DeviceMessage::Send {
-                peer: m.peer,
-                tag,
-                at: at(m),
-                bytes: m.bytes,
-            })
-            .chain(recvs.iter().map(|m| DeviceMessage::Recv {
-                peer: m.peer,
-                tag,
-                at: at(m),
-                bytes: m.bytes,
-            }))
+        let message = |sends: bool| {
+            move |m: &Message| DeviceMessage::new(sends, m.peer, TAG, (m.at as u64, m.bytes))
+        };
+        let messages = (sends.iter().map(message(true)))
+            .chain(recvs.iter().map(message(false)))
             .collect();
         // SAFETY: the caller's device buffers stay valid, and written by nothing else, until
         // the call has ended on its stream (NCCL's rule).

@@ -205,21 +205,7 @@ pub(crate) fn exchange(
     let messages = ops
         .iter()
         .map(|&(is_send, raw, peer, tag)| {
-            let (at, bytes) = (raw.addr(), raw.bytes);
-            match is_send {
-                true => DeviceMessage::Send {
-                    peer,
-                    tag,
-                    at,
-                    bytes,
-                },
-                false => DeviceMessage::Recv {
-                    peer,
-                    tag,
-                    at,
-                    bytes,
-                },
-            }
+            DeviceMessage::new(is_send, peer, tag, (raw.addr(), raw.bytes))
         })
         .collect();
     // SAFETY: the package passes live CUDA tensors of these lengths on this device, held by

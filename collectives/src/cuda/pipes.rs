@@ -51,6 +51,24 @@ pub enum DeviceMessage {
 }
 
 impl DeviceMessage {
+    /// A send (`sends`) or a receive of `bytes` at `at`, to or from `peer`, of `tag`.
+    pub fn new(sends: bool, peer: usize, tag: u32, (at, bytes): (u64, usize)) -> DeviceMessage {
+        match sends {
+            true => DeviceMessage::Send {
+                peer,
+                tag,
+                at,
+                bytes,
+            },
+            false => DeviceMessage::Recv {
+                peer,
+                tag,
+                at,
+                bytes,
+            },
+        }
+    }
+
     /// The other rank.
     pub fn peer(&self) -> usize {
         match *self {
@@ -61,18 +79,12 @@ impl DeviceMessage {
     /// This message with its peer renamed.
     pub(super) fn to(self, peer: usize) -> DeviceMessage {
         match self {
-            DeviceMessage::Send { tag, at, bytes, .. } => DeviceMessage::Send {
-                peer,
-                tag,
-                at,
-                bytes,
-            },
-            DeviceMessage::Recv { tag, at, bytes, .. } => DeviceMessage::Recv {
-                peer,
-                tag,
-                at,
-                bytes,
-            },
+            DeviceMessage::Send { tag, at, bytes, .. } => {
+                DeviceMessage::new(true, peer, tag, (at, bytes))
+            }
+            DeviceMessage::Recv { tag, at, bytes, .. } => {
+                DeviceMessage::new(false, peer, tag, (at, bytes))
+            }
         }
     }
 }
@@ -101,6 +113,29 @@ impl Stream {
             total: messages.iter().map(|&(.., bytes)| bytes).sum(),
             digest: crate::check::digest(&described),
         }
+    }
+
+    /// Enqueues the copies of chunk `k` (of `slot` bytes) between the stream's pieces and
+    /// the slot at device address `at`: into it with `into`, else out of it.
+    ///
+    /// # Safety
+    /// The pieces and the slot must be device memory of their lengths until the copies have
+    /// run, and nothing else may touch the destination meanwhile.
+    unsafe fn chunk<G: Gpu>(
+        &self,
+        gpu: &G,
+        stream: &G::Queue,
+        (k, slot): (usize, usize),
+        (mut at, into): (u64, bool),
+    ) -> Result<()> {
+        let (from, len) = (k * slot, slot.min(self.total - k * slot));
+        for (piece, bytes) in self.runs(from, len) {
+            let (dst, src) = if into { (at, piece) } else { (piece, at) };
+            // SAFETY: the caller's contract.
+            unsafe { gpu.on_device(dst, src, bytes, stream)? };
+            at += bytes as u64;
+        }
+        Ok(())
     }
 
     fn rounds(&self, slot: usize) -> usize {
@@ -167,57 +202,55 @@ pub(super) fn exchange<G: Gpu>(
         .map(|s| s.rounds(slot))
         .max()
         .unwrap_or(0);
-    let flag = [1u8];
     let mut heard = vec![0u8; incoming.len().max(outgoing.len())];
     for k in 0..rounds {
-        let sending: Vec<(usize, &Stream)> = live(&outgoing, k, slot);
-        let receiving: Vec<(usize, &Stream)> = live(&incoming, k, slot);
+        let (sending, receiving) = (live(&outgoing, k, slot), live(&incoming, k, slot));
         for &(peer, s) in &sending {
-            let (from, len) = (k * slot, slot.min(s.total - k * slot));
-            let mut into = slots(me, peer);
-            for (at, bytes) in s.runs(from, len) {
-                // SAFETY: the run lies in the caller's send buffers (its promise); the slot
-                // holds `slot >= len` bytes and its receiver reads it only after READY.
-                unsafe { gpu.on_device(into, at, bytes, stream)? };
-                into += bytes as u64;
-            }
+            // SAFETY: the chunk lies in the caller's send buffers (its promise); the slot
+            // holds `slot` bytes and its receiver reads it only after READY.
+            unsafe { s.chunk(gpu, stream, (k, slot), (slots(me, peer), true))? };
         }
         gpu.finish(stream)?;
-        comm.group(|g| {
-            for &(peer, _) in sending.iter().filter(|(p, _)| *p != me) {
-                g.send(&flag, peer, READY);
-            }
-            let from = receiving.iter().filter(|(p, _)| *p != me);
-            for ((peer, _), seen) in from.zip(heard.iter_mut()) {
-                g.recv(std::slice::from_mut(seen), *peer, READY);
-            }
-        })?;
+        signal(comm, (&sending, &receiving), READY, &mut heard)?;
         for &(peer, s) in &receiving {
-            let (from, len) = (k * slot, slot.min(s.total - k * slot));
-            let mut theirs = slots(peer, me);
-            for (at, bytes) in s.runs(from, len) {
-                // SAFETY: the run lies in the caller's receive buffers (its promise); the
-                // sender's slot holds this chunk (READY came) until DONE goes back.
-                unsafe { gpu.on_device(at, theirs, bytes, stream)? };
-                theirs += bytes as u64;
-            }
+            // SAFETY: the chunk lies in the caller's receive buffers (its promise); the
+            // sender's slot holds it (READY came) until DONE goes back.
+            unsafe { s.chunk(gpu, stream, (k, slot), (slots(peer, me), false))? };
         }
         gpu.finish(stream)?;
-        comm.group(|g| {
-            for &(peer, _) in receiving.iter().filter(|(p, _)| *p != me) {
-                g.send(&flag, peer, DONE);
-            }
-            let to = sending.iter().filter(|(p, _)| *p != me);
-            for ((peer, _), seen) in to.zip(heard.iter_mut()) {
-                g.recv(std::slice::from_mut(seen), *peer, DONE);
-            }
-        })?;
+        signal(comm, (&receiving, &sending), DONE, &mut heard)?;
     }
     failure.map_or(Ok(()), Err)
 }
 
+/// Sends a byte of `tag` to every peer of `to` and receives one from every peer of `from`
+/// (this rank itself left out), together.
+fn signal(
+    comm: &Communicator,
+    (to, from): (&[Live<'_>], &[Live<'_>]),
+    tag: u32,
+    heard: &mut [u8],
+) -> Result<()> {
+    let me = comm.rank();
+    let others = |peers: &[Live<'_>]| -> Vec<usize> {
+        peers.iter().map(|&(p, _)| p).filter(|&p| p != me).collect()
+    };
+    let (to, from) = (others(to), others(from));
+    comm.group(|g| {
+        for &peer in &to {
+            g.send(&[1u8], peer, tag);
+        }
+        for (&peer, seen) in from.iter().zip(heard.iter_mut()) {
+            g.recv(std::slice::from_mut(seen), peer, tag);
+        }
+    })
+}
+
+/// A stream with a chunk in the round, and its peer.
+type Live<'a> = (usize, &'a Stream);
+
 /// The streams with a chunk in round `k`.
-fn live(streams: &BTreeMap<usize, Stream>, k: usize, slot: usize) -> Vec<(usize, &Stream)> {
+fn live(streams: &BTreeMap<usize, Stream>, k: usize, slot: usize) -> Vec<Live<'_>> {
     let live = streams.iter().filter(|(_, s)| s.rounds(slot) > k);
     live.map(|(&p, s)| (p, s)).collect()
 }
@@ -443,21 +476,7 @@ mod tests {
             let (mut a, b) = (Buffer::new(300), Buffer::new(300));
             a.bytes_mut(300).fill(comm.rank() as u8 + 1);
             let message = |send: bool, peer: usize, bytes: usize, buf: &Buffer| {
-                let (tag, at) = (0, buf.address());
-                match send {
-                    true => DeviceMessage::Send {
-                        peer,
-                        tag,
-                        at,
-                        bytes,
-                    },
-                    false => DeviceMessage::Recv {
-                        peer,
-                        tag,
-                        at,
-                        bytes,
-                    },
-                }
+                DeviceMessage::new(send, peer, 0, (buf.address(), bytes))
             };
             let messages = match comm.rank() {
                 0 => vec![
