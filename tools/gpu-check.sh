@@ -241,6 +241,10 @@ run() {
             check "bench hierarchical mps 4" 120 env CHORUS_CUDA_PATH=hierarchical "$dir"/chorusrun \
                 --standalone --nproc-per-node 4 "$dir"/chorus-cuda-worker bench hierarchical 64
             row "all-reduce hierarchical 2x2 MPS W=4" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1)"
+            # The same with no path forced: the worker fails unless the pick is hierarchical.
+            check "bench auto mps 4" 120 env -u CHORUS_CUDA_PATH "$dir"/chorusrun \
+                --standalone --nproc-per-node 4 "$dir"/chorus-cuda-worker bench hierarchical 64
+            row "all-reduce auto pick 2x2 MPS W=4" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1)"
             check "bench staged tcp mps 4" 120 env CHORUS_CUDA_PATH=staged CHORUS_TRANSPORT=tcp "$dir"/chorusrun \
                 --standalone --nproc-per-node 4 "$dir"/chorus-cuda-worker bench staged 64
             row "all-reduce staged TCP MPS W=4" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1)"
