@@ -198,7 +198,10 @@ impl<G: Gpu> Tiered<G> {
                 staging,
             });
         }
-        let room = sizes.map_or(STAGE_BYTES, |(_, room)| room);
+        // Room for a round of one element of up to 16 bytes from every rank.
+        let room = sizes
+            .map_or(STAGE_BYTES, |(_, room)| room)
+            .max(comm.world_size() * 16);
         let exchange = match (gpu.pinned(room), gpu.pinned(room)) {
             (Ok(send), Ok(recv)) => Exchange { send, recv, room },
             (Err(e), _) | (_, Err(e)) => {
