@@ -373,25 +373,13 @@ mod tests {
                 // SAFETY: both hold `bytes` bytes and live until the call has ended.
                 unsafe { gpu.to_device(buf.address(), source.at(0), bytes, &stream) }
                     .expect("a copy");
-                let at = buf.address();
-                messages.push(DeviceMessage::Send {
-                    peer,
-                    tag,
-                    at,
-                    bytes,
-                });
+                messages.push(DeviceMessage::new(true, peer, tag, (buf.address(), bytes)));
                 keep.push((buf, source));
             }
             for tag in [2, 5] {
                 let bytes = len(peer, me, tag);
                 let out = Buffer::new(bytes);
-                let at = out.address();
-                messages.push(DeviceMessage::Recv {
-                    peer,
-                    tag,
-                    at,
-                    bytes,
-                });
+                messages.push(DeviceMessage::new(false, peer, tag, (out.address(), bytes)));
                 landed.push((peer, tag, bytes, out));
             }
         }

@@ -85,6 +85,11 @@ impl Hosts {
         (0..self.of.len()).filter(|&r| self.of[r] == host).collect()
     }
 
+    /// Rank `rank`'s place among its host's ranks (its rank in the host's communicator).
+    pub fn local_index(&self, rank: usize) -> usize {
+        (0..rank).filter(|&r| self.of[r] == self.of[rank]).count()
+    }
+
     /// The most ranks on one host.
     pub fn most_local(&self) -> usize {
         (0..self.count())
@@ -232,8 +237,8 @@ impl<G: Gpu> Tiered<G> {
         let (local, remote): (Vec<_>, Vec<_>) = messages
             .into_iter()
             .partition(|m| self.hosts.of(m.peer()) == me);
-        let index = |rank: usize| (0..rank).filter(|&r| self.hosts.of(r) == me).count();
-        let local: Vec<_> = local.into_iter().map(|m| m.to(index(m.peer()))).collect();
+        let index = |m: DeviceMessage| m.to(self.hosts.local_index(m.peer()));
+        let local: Vec<_> = local.into_iter().map(index).collect();
         self.peers.exchange(&self.local, gpu, &local, stream)?;
         Ok(remote)
     }
@@ -357,7 +362,7 @@ impl<G: Gpu> Round<'_, G> {
                 }
                 DeviceCall::Broadcast { root } => {
                     if host(root) == host(self.comm.rank()) {
-                        let theirs = self.ptrs[self.local_index(root)];
+                        let theirs = self.ptrs[self.hosts.local_index(root)];
                         self.copy(self.mine + at, theirs + at, len)?;
                     }
                     (DeviceCall::Broadcast { root: host(root) }, job.dtype)
@@ -443,7 +448,7 @@ impl<G: Gpu> Round<'_, G> {
             };
         }
         for q in local {
-            let theirs = self.ptrs[self.local_index(q)];
+            let theirs = self.ptrs[self.hosts.local_index(q)];
             self.copy(output(q), theirs + (me * len) as u64, len)?;
         }
         // The copies out of `recv` of the round before are on this stream too.
@@ -495,7 +500,11 @@ impl<G: Gpu> Round<'_, G> {
         for q in blocks.filter(|&q| q != me) {
             let at = (q * len) as u64;
             if hosts.of(q) == hosts.of(me) {
-                self.copy(self.mine + at, self.ptrs[self.local_index(q)] + at, len)?;
+                self.copy(
+                    self.mine + at,
+                    self.ptrs[self.hosts.local_index(q)] + at,
+                    len,
+                )?;
             } else {
                 // SAFETY: the block lies in this rank's half, which no peer reads before
                 // the next fence.
@@ -532,11 +541,6 @@ impl<G: Gpu> Round<'_, G> {
     }
 
     /// Rank `rank`'s place among its host's ranks (it must be on this host).
-    fn local_index(&self, rank: usize) -> usize {
-        let hosts = &self.hosts;
-        (0..rank).filter(|&r| hosts.of(r) == hosts.of(rank)).count()
-    }
-
     fn copy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
         // SAFETY: the callers pass ranges inside the caller's buffers (lengths checked by
         // the communicator) or inside the halves of scratch buffers; the fences keep peers
