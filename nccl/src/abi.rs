@@ -20,6 +20,9 @@ pub const SPLIT_NOCOLOR: c_int = -1;
 /// `NCCL_SHRINK_ABORT`: abort the calls in flight before shrinking.
 pub const SHRINK_ABORT: c_int = 0x01;
 
+/// `NCCL_REVOKE_DEFAULT`: the only flags `ncclCommRevoke` takes.
+pub const REVOKE_DEFAULT: c_int = 0;
+
 /// `NCCL_API_MAGIC`, which `NCCL_CONFIG_INITIALIZER` writes into a config.
 pub const API_MAGIC: c_uint = 0xcafe_beef;
 

@@ -24,7 +24,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use chorus::{Communicator, DType, Element, ReduceOp};
 
-use crate::abi::{self, NcclResult, UniqueId, SHRINK_ABORT, SPLIT_NOCOLOR, VERSION_CODE};
+use crate::abi::{
+    self, NcclResult, UniqueId, REVOKE_DEFAULT, SHRINK_ABORT, SPLIT_NOCOLOR, VERSION_CODE,
+};
 use crate::comm::{Comm, Failure, Outcome};
 use crate::group::{self, Message, Op};
 use crate::id::Rendezvous;
@@ -312,7 +314,30 @@ pub unsafe extern "C" fn ncclCommInitAll(
 pub unsafe extern "C" fn ncclCommFinalize(comm: *mut Comm) -> NcclResult {
     done("ncclCommFinalize", || {
         // SAFETY: a handle of this library, as NCCL requires.
-        unsafe { handle(comm) }?.joined()?.finish()
+        let comm = unsafe { handle(comm) }?;
+        comm.usable()?;
+        comm.joined()?.finish()
+    })
+}
+
+/// `ncclCommRevoke`: stops the communicator's calls in flight, here and on every rank, and
+/// every call to come, keeping the handle for `ncclCommSplit`, `ncclCommShrink` and
+/// `ncclCommDestroy`; `ncclCommGetAsyncError` says `ncclInProgress` until its calls on
+/// streams have ended, then `ncclSuccess`.
+///
+/// # Safety
+/// As NCCL requires (see the module's documentation).
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommRevoke(comm: *mut Comm, flags: c_int) -> NcclResult {
+    done("ncclCommRevoke", || {
+        // SAFETY: a handle of this library, as NCCL requires.
+        let comm = unsafe { handle(comm) }?;
+        if flags != REVOKE_DEFAULT {
+            return Err(Failure::argument(format!(
+                "revokeFlags {flags:#x} is not NCCL_REVOKE_DEFAULT (0)"
+            )));
+        }
+        comm.revoke()
     })
 }
 
@@ -355,7 +380,8 @@ pub unsafe extern "C" fn ncclCommAbort(comm: *mut Comm) -> NcclResult {
 }
 
 /// `ncclCommSplit`: ranks of the same `color` form a new communicator, ordered by `key`;
-/// `NCCL_SPLIT_NOCOLOR` takes no part (`*newcomm` is set to NULL).
+/// `NCCL_SPLIT_NOCOLOR` takes no part (`*newcomm` is set to NULL). A revoked communicator
+/// splits among the ranks that are still there.
 ///
 /// # Safety
 /// As NCCL requires (see the module's documentation).
@@ -379,7 +405,13 @@ pub unsafe extern "C" fn ncclCommSplit(
                 Failure::argument(format!("color {c} is negative and not NCCL_SPLIT_NOCOLOR"))
             })?),
         };
-        let split = comm.communicator()?.split(color, i64::from(key))?;
+        let communicator = comm.communicator()?;
+        let split = match comm.revoked() {
+            // A revoked communicator takes no calls: the split runs on a fresh communicator
+            // of the ranks that are still there, agreed as a shrink's.
+            true => communicator.shrink(&[])?.split(color, i64::from(key))?,
+            false => communicator.split(color, i64::from(key))?,
+        };
         let made = match split {
             Some(c) => Box::into_raw(Box::new(Comm::made(c, comm.device())?)),
             None => std::ptr::null_mut(),
@@ -1455,7 +1487,6 @@ macro_rules! unsupported {
 }
 
 unsupported! {
-    ncclCommRevoke(a: *mut Comm, b: c_int);
     ncclCommGetUniqueId(a: *mut Comm, b: *mut UniqueId);
     ncclCommGrow(a: *mut Comm, b: c_int, c: *const UniqueId, d: c_int, e: *mut *mut Comm, f: *mut c_void);
     ncclCommSuspend(a: *mut Comm, b: c_int);

@@ -2,6 +2,7 @@
 //! background (a non-blocking config, or inside a group), and the errors its calls report.
 
 use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::JoinHandle;
 
@@ -102,6 +103,15 @@ impl Joined {
         None
     }
 
+    /// Whether every call issued on a stream has ended (true without streams).
+    fn quiescent(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Some(ordered) = &self.ordered {
+            return ordered.quiescent();
+        }
+        true
+    }
+
     /// Waits for every call issued on a stream to end; fails with the first that failed.
     pub fn finish(&self) -> Outcome {
         #[cfg(feature = "cuda")]
@@ -124,6 +134,8 @@ pub struct Comm {
     joining: Mutex<Option<JoinHandle<Outcome<Joined>>>>,
     /// The reduction operators made on it.
     ops: Ops,
+    /// Whether `ncclCommRevoke` stopped it.
+    revoked: AtomicBool,
 }
 
 impl Comm {
@@ -154,6 +166,7 @@ impl Comm {
             ready: OnceLock::new(),
             joining: Mutex::new(Some(joining)),
             ops: Ops::default(),
+            revoked: AtomicBool::new(false),
         })
     }
 
@@ -167,6 +180,7 @@ impl Comm {
             ready: OnceLock::new(),
             joining: Mutex::new(None),
             ops: Ops::default(),
+            revoked: AtomicBool::new(false),
         };
         let _ = comm.ready.set(Ok(Joined::new(communicator, device)?));
         Ok(comm)
@@ -233,11 +247,19 @@ impl Comm {
     /// What `ncclCommGetAsyncError` reports: the set-up still running, its failure, or the
     /// fault that broke the communicator since (a dead peer, a mismatched call, a stall, a
     /// call on a stream that failed after it was issued).
+    /// A revoked communicator reports `ncclInProgress` until its calls on streams have
+    /// ended, then `ncclSuccess`: the faults behind the revocation are not its to report.
     pub fn async_error(&self) -> Outcome<NcclResult> {
         if self.in_progress() {
             return Ok(NcclResult::InProgress);
         }
         let joined = self.joined()?;
+        if self.revoked() {
+            return Ok(match joined.quiescent() {
+                true => NcclResult::Success,
+                false => NcclResult::InProgress,
+            });
+        }
         let found = joined
             .communicator
             .failure()
@@ -256,6 +278,31 @@ impl Comm {
     pub fn abort(&self) {
         if let Ok(communicator) = self.communicator() {
             communicator.abort();
+        }
+    }
+
+    /// Stops the communicator for good but keeps its handle (`ncclCommRevoke`): calls in
+    /// flight fail, here and on every rank (as an abort's do); later calls fail at once;
+    /// split, shrink and destroy remain.
+    pub fn revoke(&self) -> Outcome {
+        self.revoked.store(true, Ordering::SeqCst);
+        self.communicator()?.abort();
+        Ok(())
+    }
+
+    /// Whether `ncclCommRevoke` stopped it.
+    pub fn revoked(&self) -> bool {
+        self.revoked.load(Ordering::SeqCst)
+    }
+
+    /// Fails where the communicator no longer takes calls (it was revoked).
+    pub fn usable(&self) -> Outcome {
+        match self.revoked() {
+            true => Err(Failure::usage(
+                "the communicator was revoked (ncclCommRevoke): only ncclCommSplit, \
+                 ncclCommShrink, ncclCommDestroy and ncclCommAbort take it now",
+            )),
+            false => Ok(()),
         }
     }
 }

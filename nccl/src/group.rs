@@ -94,6 +94,7 @@ pub fn end() -> Outcome {
 
 /// Runs `op` on `comm` now, or at the group's end if one is open.
 pub fn submit(comm: &Comm, op: Op) -> Outcome {
+    comm.usable()?;
     let at = comm as *const Comm as usize;
     let queued = PENDING.with(|p| {
         let mut p = p.borrow_mut();

@@ -203,6 +203,12 @@ impl Ordered {
         lock(&self.failed).clone()
     }
 
+    /// Whether every call issued has ended.
+    pub fn quiescent(&self) -> bool {
+        self.settle();
+        lock(&self.in_flight).is_empty()
+    }
+
     /// Waits for every call issued to end; fails with the first failure.
     pub fn finish(&self) -> Outcome {
         let all = std::mem::take(&mut *lock(&self.in_flight));

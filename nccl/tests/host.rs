@@ -675,6 +675,103 @@ fn an_aborted_rank_fails_the_survivors_calls_by_name_and_they_shrink() {
 }
 
 #[test]
+fn a_revoked_communicator_takes_no_calls_and_splits_or_shrinks() {
+    let joined = join_on_threads(3, None);
+    assert!(
+        joined.iter().all(|(r, _)| *r == NcclResult::Success),
+        "{}",
+        last()
+    );
+    let handles: Vec<Handle> = joined.iter().map(|&(_, h)| h).collect();
+    assert_eq!(
+        unsafe { ncclCommRevoke(handles[0].ptr(), 1) },
+        NcclResult::InvalidArgument
+    );
+    assert!(last().contains("revokeFlags"), "{}", last());
+    // Rank 2 revokes: the others' next call fails naming it, its own at once.
+    assert_eq!(
+        unsafe { ncclCommRevoke(handles[2].ptr(), 0) },
+        NcclResult::Success
+    );
+    let mut v = [1f32; 8];
+    let p = mut_ptr(&mut v);
+    let own = unsafe { ncclAllReduce(p, p, 8, FLOAT32, SUM, handles[2].ptr(), null_mut()) };
+    assert_eq!(own, NcclResult::InvalidUsage);
+    assert!(last().contains("revoked"), "{}", last());
+    assert_eq!(
+        unsafe { ncclCommFinalize(handles[2].ptr()) },
+        NcclResult::InvalidUsage
+    );
+    let calls: Vec<_> = handles[..2]
+        .iter()
+        .map(|&h| {
+            std::thread::spawn(move || {
+                let mut v = [1f32; 64];
+                let p = mut_ptr(&mut v);
+                let result = unsafe { ncclAllReduce(p, p, 64, FLOAT32, SUM, h.ptr(), null_mut()) };
+                (result, last())
+            })
+        })
+        .collect();
+    for call in calls {
+        let (result, text) = call.join().unwrap();
+        assert_eq!(result, NcclResult::RemoteError, "{text}");
+        assert!(text.contains("rank 2"), "{text}");
+    }
+    // The others revoke too; each reports success once quiescent (no calls on streams here),
+    // whatever fault came before.
+    for h in &handles[..2] {
+        assert_eq!(unsafe { ncclCommRevoke(h.ptr(), 0) }, NcclResult::Success);
+    }
+    for h in &handles {
+        assert_eq!(
+            wait_async(h.ptr(), |s| s != NcclResult::InProgress),
+            NcclResult::Success
+        );
+    }
+    // Every rank splits the revoked communicator (the middle rank out, the others in
+    // reverse order), then shrinks it; each new one carries calls.
+    let threads: Vec<_> = handles
+        .iter()
+        .enumerate()
+        .map(|(rank, &h)| {
+            std::thread::spawn(move || {
+                let mut sub = null_mut();
+                let color = if rank == 1 { -1 } else { 7 };
+                let split = unsafe {
+                    ncclCommSplit(h.ptr(), color, -(rank as c_int), &mut sub, null_mut())
+                };
+                assert_eq!(split, NcclResult::Success, "rank {rank}: {}", last());
+                let mut place = -1;
+                if !sub.is_null() {
+                    unsafe { ncclCommUserRank(sub, &mut place) };
+                    let mut v = [rank as i32 + 1];
+                    let p = mut_ptr(&mut v);
+                    let summed = unsafe { ncclAllReduce(p, p, 1, INT32, SUM, sub, null_mut()) };
+                    assert_eq!(summed, NcclResult::Success, "{}", last());
+                    assert_eq!(v[0], 4);
+                    assert_eq!(unsafe { ncclCommDestroy(sub) }, NcclResult::Success);
+                }
+                let mut all = null_mut();
+                let shrunk =
+                    unsafe { ncclCommShrink(h.ptr(), null_mut(), 0, &mut all, null_mut(), 0) };
+                assert_eq!(shrunk, NcclResult::Success, "rank {rank}: {}", last());
+                let (mut count, mut v) = (0, [rank as f64]);
+                unsafe { ncclCommCount(all, &mut count) };
+                let p = mut_ptr(&mut v);
+                let summed = unsafe { ncclAllReduce(p, p, 1, FLOAT64, SUM, all, null_mut()) };
+                assert_eq!(summed, NcclResult::Success, "{}", last());
+                assert_eq!(unsafe { ncclCommDestroy(all) }, NcclResult::Success);
+                assert_eq!(unsafe { ncclCommDestroy(h.ptr()) }, NcclResult::Success);
+                (place, count, v[0])
+            })
+        })
+        .collect();
+    let got: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(got, vec![(1, 3, 3.0), (-1, 3, 3.0), (0, 3, 3.0)]);
+}
+
+#[test]
 fn pre_multiplied_sums_scale_every_input_first() {
     let n = 3;
     let ranks = Ranks::new(n);

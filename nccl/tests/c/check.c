@@ -4,8 +4,9 @@
  *              others through pipes; every rank runs the calls below on host memory, checks every
  *              value, and exits 0 only if all were right.
  *   check kill W   the same W ranks make one all-reduce; then the last rank kills itself, and the
- *              survivors' next call fails, their async error names it, and they shrink to a
- *              communicator of their own and all-reduce on it.
+ *              survivors' next call fails, their async error names it, they revoke it and split
+ *              it among themselves, then shrink it to a communicator of their own, and
+ *              all-reduce on each.
  *   check layout   prints what the header says of the ABI, for the test to compare. */
 #include <signal.h>
 #include <stddef.h>
@@ -105,6 +106,24 @@ static void survive(ncclUniqueId id) {
     fprintf(stderr, "rank %d: the async error does not name %s: %s\n", rank, named, ncclGetLastError(comm));
     exit(3);
   }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  /* Revoked, the communicator takes no calls, reports success once quiescent, and splits
+   * among the survivors (here in reverse order of rank). */
+  CHECK(ncclCommRevoke(comm, NCCL_REVOKE_DEFAULT));
+  EXPECT(ncclAllReduce(&one, &one, 1, ncclInt32, ncclSum, comm, NULL) == ncclInvalidUsage);
+  EXPECT(strstr(ncclGetLastError(comm), "revoked") != NULL);
+  CHECK(ncclCommGetAsyncError(comm, &state));
+  EXPECT(state == ncclSuccess);
+  ncclComm_t reversed;
+  CHECK(ncclCommSplit(comm, 0, -rank, &reversed, NULL));
+  int size, place, value = rank;
+  CHECK(ncclCommCount(reversed, &size));
+  CHECK(ncclCommUserRank(reversed, &place));
+  EXPECT(size == nranks - 1 && place == nranks - 2 - rank);
+  CHECK(ncclAllReduce(&value, &value, 1, ncclInt32, ncclMax, reversed, NULL));
+  EXPECT(value == nranks - 2);
+  CHECK(ncclCommDestroy(reversed));
+#endif
   ncclComm_t survivors;
   CHECK(ncclCommShrink(comm, NULL, 0, &survivors, NULL, NCCL_SHRINK_DEFAULT));
   int count, me;

@@ -5,8 +5,9 @@
  *   device check W              forks W ranks (rank r on GPU r modulo their number); every rank
  *                               runs every collective on device memory, each call issued on a stream
  *                               between copies queued on that stream without waiting, checks every
- *                               value, and prints how long a 64 MiB all-reduce took to return
- *                               against how long it took to finish.
+ *                               value, prints how long a 64 MiB all-reduce took to return
+ *                               against how long it took to finish, then revokes a copy of the
+ *                               communicator with a call queued and shrinks it.
  *   device bench W BYTES ITERS  times an in-place float all-reduce of BYTES bytes with CUDA events
  *                               (after warm-up): rank 0 prints the median of five rounds. */
 #include <cuda_runtime.h>
@@ -154,6 +155,38 @@ static void check(ncclUniqueId id) {
   ncclResult_t state;
   CHECK(ncclCommGetAsyncError(comm, &state));
   EXPECT(state == ncclSuccess);
+
+  /* A copy of the communicator revoked with a call queued behind work on its stream: its
+   * stream is released, its state turns ncclSuccess, and its shrink carries calls. The ranks
+   * meet on the first communicator, on a stream of its own, once every call is issued. */
+  ncclComm_t dup, shrunk;
+  cudaStream_t side;
+  CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  CHECK(ncclCommSplit(comm, 0, rank, &dup, NULL));
+  for (int i = 0; i < 8; i++) CUDA(cudaMemsetAsync(dbig, 0, big * sizeof(float), s));
+  CHECK(ncclAllReduce(dbig, dbig, big, ncclFloat, ncclSum, dup, s));
+  int issued = 1;
+  CHECK(ncclAllReduce(&issued, &issued, 1, ncclInt32, ncclSum, comm, side));
+  CUDA(cudaStreamSynchronize(side));
+  EXPECT(issued == nranks);
+  CHECK(ncclCommRevoke(dup, NCCL_REVOKE_DEFAULT));
+  double revoked = now_us();
+  do CHECK(ncclCommGetAsyncError(dup, &state));
+  while (state == ncclInProgress && now_us() - revoked < 30e6);
+  EXPECT(state == ncclSuccess);
+  CUDA(cudaStreamSynchronize(s));
+  CHECK(ncclCommShrink(dup, NULL, 0, &shrunk, NULL, NCCL_SHRINK_DEFAULT));
+  int members = 0;
+  float unit = 1;
+  CHECK(ncclCommCount(shrunk, &members));
+  EXPECT(members == nranks);
+  float *dunit = upload(&unit, sizeof unit, s);
+  CHECK(ncclAllReduce(dunit, dunit, 1, ncclFloat, ncclSum, shrunk, s));
+  download(&unit, dunit, sizeof unit, s);
+  EXPECT(unit == (float)nranks);
+  CHECK(ncclCommDestroy(shrunk));
+  CHECK(ncclCommDestroy(dup));
+  CUDA(cudaStreamDestroy(side));
   CHECK(ncclCommFinalize(comm));
   CHECK(ncclCommDestroy(comm));
   printf("rank %d of %d ok: a 64 MiB all-reduce returned in %.0f us and finished in %.0f us\n", rank,
