@@ -14,7 +14,9 @@
 //! - Hierarchical, `H` hosts of up to `L` ranks: the IPC stages within a host, then the
 //!   owners of each shard move it between hosts. A host's owners share its network link,
 //!   which carries a whole buffer's share of the collective among `H` hosts, while each
-//!   owner's PCIe carries only its shard's.
+//!   owner's PCIe carries only its shard's. The IPC stages are added to the crossing: the
+//!   path's rounds overlap them, but by how much is for a GPU's measurements to say, so
+//!   the sum stands as the bound.
 //!
 //! The figures of [`DeviceLinks::assumed`] are not measured on a GPU: they are typical of
 //! a machine of PCIe 4 and a GPU interconnect, and say which path wins rather than how

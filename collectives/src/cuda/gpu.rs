@@ -32,7 +32,7 @@ pub(super) const HANDLE: usize = IpcHandle::LEN;
 /// The operations of a device the device paths run on. Device memory is named by its
 /// address; work is enqueued on a queue and runs in that queue's order, after the events
 /// the queue was told to wait for.
-pub(super) trait Gpu {
+pub(super) trait Gpu: Sync {
     /// Page-locked host memory.
     type Pinned: HostBuffer;
     /// Device memory of the path's own.
@@ -60,6 +60,8 @@ pub(super) trait Gpu {
     fn event(&self) -> Result<Self::Event>;
     /// A new queue.
     fn queue(&self) -> Result<std::sync::Arc<Self::Queue>>;
+    /// Makes the device current on the calling thread (before it enqueues work).
+    fn bind(&self) -> Result<()>;
 
     /// Marks `event` at the end of the work enqueued on `queue` so far.
     fn record(&self, event: &Self::Event, queue: &Self::Queue) -> Result<()>;
@@ -172,6 +174,13 @@ impl Gpu for Device {
 
     fn mapped(mapping: &IpcMapping) -> u64 {
         mapping.ptr()
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("binding the device's context"))?;
+        Ok(())
     }
 
     fn event(&self) -> Result<CudaEvent> {
@@ -444,6 +453,10 @@ pub(super) mod lazy {
 
         fn queue(&self) -> Result<Arc<Queue>> {
             Ok(Arc::new(Queue::default()))
+        }
+
+        fn bind(&self) -> Result<()> {
+            Ok(())
         }
 
         fn record(&self, event: &Event, queue: &Queue) -> Result<()> {

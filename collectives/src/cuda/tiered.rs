@@ -22,10 +22,20 @@
 //!
 //! An average sums in both stages and each owner divides its shard by the world size.
 //!
+//! Rounds pipeline: stage 2 runs on a thread and a queue of its own, so while one round
+//! crosses hosts, the next is staged in and reduced within the host and the one before is
+//! copied out. Each round uses the other half of the scratch buffers than the round before;
+//! a third fence, after a round's stage 3, keeps the round after next from writing a half
+//! that a peer still reads. A call is cut into several rounds (of at least
+//! [`LEAST_ROUND_BYTES`] each) so that a large one overlaps its stages.
+//!
 //! An all-to-all has no owners: after the first fence each rank copies the blocks its
 //! host's ranks staged for it from their halves, and exchanges the blocks for and from
 //! other hosts through page-locked buffers and the host all-to-all (nothing for its own
 //! host's ranks), in rounds the size of those buffers.
+
+use std::sync::mpsc;
+use std::sync::Arc;
 
 use chorus_kernels::{DType, ReduceOp};
 
@@ -34,7 +44,13 @@ use super::ipc::{reduce_into, Peers};
 use super::pipes::DeviceMessage;
 use super::staged::{Staging, STAGE_BYTES};
 use super::{agree, slice, DeviceCall, Job};
-use crate::{Communicator, Result};
+use crate::{Communicator, Error, Result};
+
+/// The least data a round of a call moves when the call is cut into several so that its
+/// stages overlap.
+const LEAST_ROUND_BYTES: usize = 4 << 20;
+/// Rounds a call is cut into where its size allows (at least `LEAST_ROUND_BYTES` each).
+const PIPELINE_ROUNDS: usize = 4;
 
 /// Which host each rank of a communicator runs on, as its device path sees hosts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,6 +141,8 @@ pub(super) struct Tiered<G: Gpu> {
     owned: Vec<Owned<G>>,
     /// What an all-to-all's blocks to and from other hosts pass through.
     exchange: Exchange<G>,
+    /// The queue stage 2 runs on, beside the caller's.
+    crossing: Arc<G::Queue>,
 }
 
 /// Page-locked buffers of `room` bytes: what this rank sends to other hosts, and receives.
@@ -207,9 +225,13 @@ impl<G: Gpu> Tiered<G> {
         let room = sizes
             .map_or(STAGE_BYTES, |(_, room)| room)
             .max(comm.world_size() * 16);
-        let exchange = match (gpu.pinned(room), gpu.pinned(room)) {
-            (Ok(send), Ok(recv)) => Exchange { send, recv, room },
-            (Err(e), _) | (_, Err(e)) => {
+        let made = gpu.pinned(room).and_then(|send| {
+            let recv = gpu.pinned(room)?;
+            Ok((Exchange { send, recv, room }, gpu.queue()?))
+        });
+        let (exchange, crossing) = match made {
+            Ok(made) => made,
+            Err(e) => {
                 peers.close(&local);
                 return Err(e);
             }
@@ -221,6 +243,7 @@ impl<G: Gpu> Tiered<G> {
             shards,
             owned,
             exchange,
+            crossing,
         }))
     }
 
@@ -251,20 +274,38 @@ impl<G: Gpu> Tiered<G> {
     /// Runs `job` on `comm`'s ranks (those this path was set up on), ordered after the
     /// work enqueued on `stream` before it; returns once its copies and kernels have run.
     pub fn run(&mut self, comm: &Communicator, gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
-        let (size, world) = (job.dtype.size(), comm.world_size());
-        let half = self.peers.half_bytes();
-        let room = match job.call {
-            DeviceCall::AllGather | DeviceCall::ReduceScatter(_) => half / world,
-            DeviceCall::AllToAll => half.min(self.exchange.room) / world,
-            _ => half,
+        let world = comm.world_size();
+        let blocks = match job.call {
+            DeviceCall::AllGather | DeviceCall::ReduceScatter(_) | DeviceCall::AllToAll => world,
+            _ => 1,
         };
+        let mut room = self.peers.half_bytes() / blocks;
+        if job.call == DeviceCall::AllToAll {
+            room = room.min(self.exchange.room / world);
+        } else {
+            // Several rounds, so that their stages overlap, where each still moves enough.
+            let share = job.block.div_ceil(PIPELINE_ROUNDS);
+            room = room.min(share.max(LEAST_ROUND_BYTES / blocks));
+        }
+        let size = job.dtype.size();
         let step = (room / size).max(1) * size;
-        for (i, offset) in (0..job.block).step_by(step).enumerate() {
-            let (ptrs, mine) = self.peers.next_half();
-            let round = Round {
-                local: &self.local,
-                hosts: &self.hosts,
-                shards: self.shards,
+        let rounds: Vec<usize> = (0..job.block).step_by(step).collect();
+        let Tiered {
+            local,
+            peers,
+            hosts,
+            shards,
+            owned,
+            exchange,
+            crossing,
+        } = self;
+        let mut round = |i: usize| {
+            let (ptrs, mine) = peers.next_half();
+            let offset = rounds[i];
+            Round {
+                local,
+                hosts,
+                shards: *shards,
                 comm,
                 gpu,
                 stream,
@@ -273,18 +314,113 @@ impl<G: Gpu> Tiered<G> {
                 mine,
                 offset,
                 len: step.min(job.block - offset),
-            };
-            round.stage_in()?;
-            round.fence(i == 0)?;
-            if job.call == DeviceCall::AllToAll {
-                round.all_to_all(&mut self.exchange)?;
-                continue;
             }
-            round.owners_stage(&mut self.owned)?;
-            round.fence(false)?;
-            round.stage_out()?;
+        };
+        if job.call == DeviceCall::AllToAll {
+            for i in 0..rounds.len() {
+                let round = round(i);
+                round.stage_in()?;
+                round.fence(i == 0)?;
+                round.all_to_all(exchange)?;
+            }
+            return gpu.finish(stream);
         }
+        let mine: Vec<usize> = owned.iter().map(|o| o.shard).collect();
+        if rounds.len() == 1 {
+            // Nothing to overlap: stage 2 on the caller's stream, after stage 1's kernels.
+            let only = round(0);
+            only.stage_in()?;
+            only.fence(true)?;
+            only.reduce_owned(&mine)?.run(owned, gpu, stream)?;
+            only.fence(false)?;
+            only.stage_out()?;
+            return gpu.finish(stream);
+        }
+        std::thread::scope(|s| {
+            let (cross, to_cross) = mpsc::channel::<Crossing>();
+            let (crossed, has_crossed) = mpsc::channel::<Result<()>>();
+            let queue: &G::Queue = crossing;
+            let worker = s.spawn(move || {
+                for crossing in to_cross {
+                    let ended = gpu.bind().and_then(|()| crossing.run(owned, gpu, queue));
+                    if crossed.send(ended).is_err() {
+                        return;
+                    }
+                }
+            });
+            let mut pipeline = || -> Result<()> {
+                let mut before: Option<Round<'_, G>> = None;
+                for i in 0..=rounds.len() {
+                    // Stage 1 of round i, while round i - 1 crosses hosts.
+                    let now = match rounds.get(i) {
+                        Some(_) => {
+                            let now = round(i);
+                            now.stage_in()?;
+                            now.fence(i == 0)?;
+                            let crossing = now.reduce_owned(&mine)?;
+                            gpu.finish(stream)?;
+                            Some((now, crossing))
+                        }
+                        None => None,
+                    };
+                    // Every owner of round i - 1 has crossed.
+                    if let Some(before) = &before {
+                        has_crossed.recv().unwrap_or_else(|_| Err(stopped()))?;
+                        before.fence(false)?;
+                    }
+                    let now = match now {
+                        Some((now, crossing)) => {
+                            cross.send(crossing).map_err(|_| stopped())?;
+                            Some(now)
+                        }
+                        None => None,
+                    };
+                    // Stage 3 of round i - 1, while round i crosses; then no rank writes
+                    // its half again (round i + 1) before every rank has read it.
+                    if let Some(before) = before.take() {
+                        before.stage_out()?;
+                        before.fence(false)?;
+                    }
+                    before = now;
+                }
+                Ok(())
+            };
+            let ran = pipeline();
+            drop(cross);
+            let joined = worker
+                .join()
+                .map_err(|_| Error::Internal("stage 2's thread panicked".into()));
+            ran.and(joined)
+        })?;
         gpu.finish(stream)
+    }
+}
+
+/// The error of a round whose stage 2 never reported: its thread ended.
+fn stopped() -> Error {
+    Error::Internal("stage 2's thread ended".into())
+}
+
+/// Stage 2 of one round: the jobs of the shards this rank owns, in the order of its
+/// [`Owned`], each on its owners across hosts, in place in this rank's half.
+struct Crossing {
+    jobs: Vec<Job>,
+    /// The world size an average divides each shard by, after it crossed.
+    average: Option<usize>,
+}
+
+impl Crossing {
+    /// Runs the round's stage 2 on `queue`; returns once its work has run.
+    fn run<G: Gpu>(self, owned: &mut [Owned<G>], gpu: &G, queue: &G::Queue) -> Result<()> {
+        for (owned, job) in owned.iter_mut().zip(self.jobs) {
+            owned.staging.run(&owned.across, gpu, job, queue)?;
+            if let Some(world) = self.average {
+                // SAFETY: the shard lies in this rank's half, which no peer reads before
+                // the fence that follows this stage.
+                unsafe { gpu.finish_avg(job.dtype, job.output, job.block, world, queue)? };
+            }
+        }
+        gpu.finish(queue)
     }
 }
 
@@ -333,15 +469,17 @@ impl<G: Gpu> Round<'_, G> {
         }
     }
 
-    /// Stage 1's work of the owners, then stage 2, for every shard this rank owns.
-    fn owners_stage(&self, owned: &mut [Owned<G>]) -> Result<()> {
-        let (job, world) = (self.job, self.comm.world_size());
+    /// Stage 1's work of the owners, for each of the shards `mine`, and the stage 2 that
+    /// follows it.
+    fn reduce_owned(&self, mine: &[usize]) -> Result<Crossing> {
+        let job = self.job;
         let local_op = |op: ReduceOp| match op {
             ReduceOp::Avg => ReduceOp::Sum,
             op => op,
         };
-        for owned in owned {
-            let (start, end) = self.shard(owned.shard);
+        let mut jobs = Vec::with_capacity(mine.len());
+        for &shard in mine {
+            let (start, end) = self.shard(shard);
             let (at, len) = (start as u64, end - start);
             let host = |r: usize| self.hosts.of(r);
             let (across, dtype) = match job.call {
@@ -373,31 +511,27 @@ impl<G: Gpu> Round<'_, G> {
                 }
                 DeviceCall::AllToAll => unreachable!("an all-to-all has no owners"),
             };
-            let shard_job = Job {
+            jobs.push(Job {
                 call: across,
                 dtype,
                 block: len,
                 input: self.mine + at,
                 output: self.mine + at,
-            };
-            owned
-                .staging
-                .run(&owned.across, self.gpu, shard_job, self.stream)?;
-            if let DeviceCall::AllReduce(ReduceOp::Avg)
-            | DeviceCall::ReduceScatter(ReduceOp::Avg)
-            | DeviceCall::Reduce {
-                op: ReduceOp::Avg, ..
-            } = job.call
-            {
-                // SAFETY: the shard lies in this rank's half, which no peer reads before
-                // the next fence.
-                unsafe {
-                    self.gpu
-                        .finish_avg(job.dtype, self.mine + at, len, world, self.stream)?
-                };
-            }
+            });
         }
-        Ok(())
+        let average = matches!(
+            job.call,
+            DeviceCall::AllReduce(ReduceOp::Avg)
+                | DeviceCall::ReduceScatter(ReduceOp::Avg)
+                | DeviceCall::Reduce {
+                    op: ReduceOp::Avg,
+                    ..
+                }
+        );
+        Ok(Crossing {
+            jobs,
+            average: average.then_some(self.comm.world_size()),
+        })
     }
 
     /// Stage 3: the shards this rank's output takes, from their owners' halves.
