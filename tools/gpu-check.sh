@@ -238,9 +238,11 @@ run() {
             done
             # Four ranks as two hosts of two (the worker sets CHORUS_HOST_ID): the hierarchical
             # path against staging over TCP, as a job across hosts would take them.
-            check "bench hierarchical mps 4" 120 env CHORUS_CUDA_PATH=hierarchical "$dir"/chorusrun \
+            # Each call logs where its time went (stage 2 overlaps stages 1 and 3).
+            check "bench hierarchical mps 4" 120 env CHORUS_CUDA_PATH=hierarchical \
+                CHORUS_DEBUG=chorus::cuda::tiered=debug "$dir"/chorusrun \
                 --standalone --nproc-per-node 4 "$dir"/chorus-cuda-worker bench hierarchical 64
-            row "all-reduce hierarchical 2x2 MPS W=4" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1)"
+            row "all-reduce hierarchical 2x2 MPS W=4" "$status" "$(grep -o 'device_us.*' "$last_out" | head -1); last call: $(grep 'hierarchical call' "$last_out" | tail -1 | grep -oE '(rounds|stage_[123]_us|waiting_us)=[0-9]+' | tr '\n' ' ')"
             # The same with no path forced: the worker fails unless the pick is hierarchical.
             check "bench auto mps 4" 120 env -u CHORUS_CUDA_PATH "$dir"/chorusrun \
                 --standalone --nproc-per-node 4 "$dir"/chorus-cuda-worker bench hierarchical 64

@@ -36,6 +36,7 @@
 
 use std::sync::mpsc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use chorus_kernels::{DType, ReduceOp};
 
@@ -338,20 +339,25 @@ impl<G: Gpu> Tiered<G> {
         }
         std::thread::scope(|s| {
             let (cross, to_cross) = mpsc::channel::<Crossing>();
-            let (crossed, has_crossed) = mpsc::channel::<Result<()>>();
+            let (crossed, has_crossed) = mpsc::channel::<(Result<()>, Duration)>();
             let queue: &G::Queue = crossing;
             let worker = s.spawn(move || {
                 for crossing in to_cross {
+                    let started = Instant::now();
                     let ended = gpu.bind().and_then(|()| crossing.run(owned, gpu, queue));
-                    if crossed.send(ended).is_err() {
+                    if crossed.send((ended, started.elapsed())).is_err() {
                         return;
                     }
                 }
             });
+            // Where the call's time went, for `CHORUS_DEBUG`: stage 1, waiting for stage 2,
+            // stage 3 (this thread), and stage 2 (its own).
+            let mut spent = [Duration::ZERO; 4];
             let mut pipeline = || -> Result<()> {
                 let mut before: Option<Round<'_, G>> = None;
                 for i in 0..=rounds.len() {
                     // Stage 1 of round i, while round i - 1 crosses hosts.
+                    let start = Instant::now();
                     let now = match rounds.get(i) {
                         Some(_) => {
                             let now = round(i);
@@ -363,11 +369,16 @@ impl<G: Gpu> Tiered<G> {
                         }
                         None => None,
                     };
+                    spent[0] += start.elapsed();
                     // Every owner of round i - 1 has crossed.
+                    let start = Instant::now();
                     if let Some(before) = &before {
-                        has_crossed.recv().unwrap_or_else(|_| Err(stopped()))?;
+                        let (ended, took) = has_crossed.recv().map_err(|_| stopped())?;
+                        spent[3] += took;
+                        ended?;
                         before.fence(false)?;
                     }
+                    spent[1] += start.elapsed();
                     let now = match now {
                         Some((now, crossing)) => {
                             cross.send(crossing).map_err(|_| stopped())?;
@@ -377,12 +388,23 @@ impl<G: Gpu> Tiered<G> {
                     };
                     // Stage 3 of round i - 1, while round i crosses; then no rank writes
                     // its half again (round i + 1) before every rank has read it.
+                    let start = Instant::now();
                     if let Some(before) = before.take() {
                         before.stage_out()?;
                         before.fence(false)?;
                     }
+                    spent[2] += start.elapsed();
                     before = now;
                 }
+                let us = |d: Duration| d.as_micros() as u64;
+                tracing::debug!(
+                    rounds = rounds.len(),
+                    stage_1_us = us(spent[0]),
+                    waiting_us = us(spent[1]),
+                    stage_3_us = us(spent[2]),
+                    stage_2_us = us(spent[3]),
+                    "hierarchical call (stage 2 overlaps the others)"
+                );
                 Ok(())
             };
             let ran = pipeline();
