@@ -281,8 +281,19 @@ pub(super) mod lazy {
     use super::{Gpu, HostBuffer, HANDLE};
     use crate::Result;
 
-    /// The device: it holds nothing; memory and queues are made on request.
-    pub struct LazyGpu;
+    /// The device: it holds nothing; memory and queues are made on request. Devices of
+    /// different islands cannot map each other's memory (as GPUs without peer access).
+    #[derive(Default)]
+    pub struct LazyGpu {
+        island: u8,
+    }
+
+    impl LazyGpu {
+        /// A device of island `island`.
+        pub fn on_island(island: u8) -> LazyGpu {
+            LazyGpu { island }
+        }
+    }
 
     /// Host memory, 16-byte aligned, standing for pinned and for device memory alike.
     pub struct Buffer(Vec<u128>);
@@ -435,10 +446,17 @@ pub(super) mod lazy {
         fn export(&self, scratch: &Buffer) -> Result<[u8; HANDLE]> {
             let mut handle = [0; HANDLE];
             handle[..8].copy_from_slice(&scratch.address().to_ne_bytes());
+            handle[8] = self.island;
             Ok(handle)
         }
 
         fn open(&self, handle: &[u8; HANDLE]) -> Result<u64> {
+            if handle[8] != self.island {
+                return Err(crate::Error::Internal(format!(
+                    "island {} cannot map island {}'s memory",
+                    self.island, handle[8]
+                )));
+            }
             let address = handle[..8].try_into().expect("eight bytes");
             Ok(u64::from_ne_bytes(address))
         }

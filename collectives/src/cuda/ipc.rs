@@ -25,6 +25,8 @@ use crate::{Communicator, Result};
 
 /// Bytes of each half of a rank's scratch buffer: the most one round moves per rank.
 const HALF_BYTES: usize = 64 << 20;
+/// Bytes of the memory [`reach`] exports to probe which peers map it.
+const PROBE_BYTES: usize = 2 << 20;
 
 /// This rank's scratch buffer and every rank's, mapped into this process.
 pub(super) struct Peers<G: Gpu> {
@@ -57,32 +59,18 @@ impl<G: Gpu> Peers<G> {
         (half_bytes, slot_bytes): (usize, usize),
     ) -> Result<std::result::Result<Peers<G>, String>> {
         let (rank, world) = (comm.rank(), comm.world_size());
-        let bytes = 2 * half_bytes + world * slot_bytes;
-        let exported = gpu.scratch(bytes).and_then(|scratch| {
-            let handle = gpu.export(&scratch)?;
-            Ok((scratch, handle))
-        });
-        let mut record = [0u8; 1 + HANDLE];
-        if let Ok((_, handle)) = &exported {
-            record[0] = 1;
-            record[1..].copy_from_slice(handle);
-        }
-        let mut records = vec![0u8; record.len() * world];
-        comm.all_gather(&record, &mut records)?;
-        if let Some(q) = records
-            .chunks(record.len())
-            .position(|theirs| theirs[0] != 1)
-        {
+        let (exported, records) = export(comm, gpu, 2 * half_bytes + world * slot_bytes)?;
+        if let Some(q) = records.iter().position(|theirs| theirs[0] != 1) {
             return Ok(Err(format!(
                 "rank {q} cannot export device memory through CUDA IPC"
             )));
         }
         // This rank's own record passed the check above, so the export succeeded.
-        let (scratch, _) = exported?;
+        let scratch = exported?;
         let mut ptrs = Vec::with_capacity(world);
         let mut mapped = Vec::with_capacity(world);
         let mut failure = None;
-        for (q, theirs) in records.chunks(record.len()).enumerate() {
+        for (q, theirs) in records.iter().enumerate() {
             if q == rank {
                 ptrs.push(G::address(&scratch));
                 continue;
@@ -333,6 +321,54 @@ impl<G: Gpu> Round<'_, G> {
             self.comm.barrier()
         }
     }
+}
+
+/// A rank's record of its exported scratch memory: 1 and the handle, or 0 where it has none.
+type Record = [u8; 1 + HANDLE];
+
+/// Allocates `bytes` of scratch memory and exports it; with every rank's record. Collective.
+fn export<G: Gpu>(
+    comm: &Communicator,
+    gpu: &G,
+    bytes: usize,
+) -> Result<(Result<G::Scratch>, Vec<Record>)> {
+    let exported = gpu.scratch(bytes).and_then(|scratch| {
+        let handle = gpu.export(&scratch)?;
+        Ok((scratch, handle))
+    });
+    let mut record: Record = [0; 1 + HANDLE];
+    if let Ok((_, handle)) = &exported {
+        record[0] = 1;
+        record[1..].copy_from_slice(handle);
+    }
+    let mut all = vec![0u8; record.len() * comm.world_size()];
+    comm.all_gather(&record, &mut all)?;
+    let records = all
+        .chunks(record.len())
+        .map(|r| r.try_into().expect("whole records"))
+        .collect();
+    Ok((exported.map(|(scratch, _)| scratch), records))
+}
+
+/// Which of `comm`'s ranks (ranks of one host) can map each other's device memory: for
+/// every rank a mask whose bit `q` says it maps rank `q`'s (its own bit: it can export).
+/// Collective; ranks past the 64th are reached by none.
+pub(super) fn reach<G: Gpu>(comm: &Communicator, gpu: &G) -> Result<Vec<u64>> {
+    let (exported, records) = export(comm, gpu, PROBE_BYTES)?;
+    let mut mine = 0u64;
+    if exported.is_ok() {
+        for (q, theirs) in records.iter().enumerate().take(64) {
+            let handle = theirs[1..].try_into().expect("a whole handle");
+            // The mapping is dropped at once: the probe only asks whether it can be made.
+            if q == comm.rank() || (theirs[0] == 1 && gpu.open(handle).is_ok()) {
+                mine |= 1 << q;
+            }
+        }
+    }
+    let mut masks = vec![0u64; comm.world_size()];
+    // After this exchange no rank maps another's probe, which is freed on return.
+    comm.all_gather(&[mine], &mut masks)?;
+    Ok(masks)
 }
 
 /// Enqueues `out = op` over `sources` (each `len` bytes of device memory of `dtype`),

@@ -195,6 +195,17 @@ enum Path {
     Hierarchical(tiered::Tiered<Device>),
 }
 
+impl Path {
+    /// Which path this is.
+    fn kind(&self) -> DevicePath {
+        match self {
+            Path::Ipc(_) => DevicePath::Ipc,
+            Path::Staged(_) => DevicePath::Staged,
+            Path::Hierarchical(_) => DevicePath::Hierarchical,
+        }
+    }
+}
+
 impl std::fmt::Debug for CudaCommunicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaCommunicator")
@@ -257,11 +268,7 @@ impl CudaCommunicator {
 
     /// The path this communicator's calls take.
     pub fn path(&self) -> DevicePath {
-        match &*self.shared.lock() {
-            Path::Ipc(_) => DevicePath::Ipc,
-            Path::Staged(_) => DevicePath::Staged,
-            Path::Hierarchical(_) => DevicePath::Hierarchical,
-        }
+        self.shared.lock().kind()
     }
 
     /// The device the buffers must be on.
@@ -1158,25 +1165,37 @@ fn choose(comm: &Communicator, device: &Device, forced: Option<DevicePath>) -> R
             comm.world_size(),
         )?))
     };
+    // Where only some ranks of a host can map each other's memory, the islands of those
+    // that can are the hierarchical path's hosts (unless IPC alone was asked for).
+    let unmapped = |why: String| -> Result<Path> {
+        if forced == Some(DevicePath::Ipc) {
+            return refused(why);
+        }
+        match tiered::Tiered::on_islands(comm, device, &hosts)? {
+            Ok(tiered) => Ok(Path::Hierarchical(tiered)),
+            Err(_) => refused(why),
+        }
+    };
     let path = match wanted {
         DevicePath::Staged => Path::Staged(staged::Staging::new(device, comm.world_size())?),
         DevicePath::Ipc => match hosts.apart_from(rank) {
             Some(q) => return refused(format!("rank {q} runs on another host than rank {rank}")),
             None => match ipc::Peers::connect(comm, device)? {
                 Ok(peers) => Path::Ipc(peers),
-                Err(why) => return refused(why),
+                Err(why) => unmapped(why)?,
             },
         },
-        DevicePath::Hierarchical => match tiered::Tiered::connect(comm, device, hosts)? {
+        DevicePath::Hierarchical => match tiered::Tiered::connect(comm, device, hosts.clone())? {
             Ok(tiered) => Path::Hierarchical(tiered),
-            Err(why) => return refused(why),
+            Err(why) => unmapped(why)?,
         },
     };
     tracing::info!(
         rank,
         hosts = count,
         most_local = most,
-        "device collectives take the {wanted:?} path{}",
+        "device collectives take the {:?} path{}",
+        path.kind(),
         if forced.is_some() {
             " (CHORUS_CUDA_PATH)"
         } else {

@@ -353,7 +353,7 @@ mod tests {
         run: impl FnOnce(&[DeviceMessage], &Queue) -> Result<()>,
     ) -> Vec<(usize, u32, Vec<u8>)> {
         let (me, world) = (comm.rank(), comm.world_size());
-        let gpu = LazyGpu;
+        let gpu = LazyGpu::default();
         let stream = match eager {
             true => Arc::new(Queue::eager()),
             false => gpu.queue().expect("a queue"),
@@ -408,7 +408,7 @@ mod tests {
     fn messages_between_ranks_of_a_host_land_whole_through_the_slots() {
         for (world, eager) in [(2, false), (3, true), (4, false)] {
             let got = on_ranks(&vec![0; world], |comm, _| {
-                let gpu = LazyGpu;
+                let gpu = LazyGpu::default();
                 let mut peers = Peers::sized(comm, &gpu, (256, SLOT))
                     .expect("the exchange")
                     .expect("every rank maps its peers' memory");
@@ -426,7 +426,7 @@ mod tests {
     fn the_hierarchical_path_runs_its_hosts_messages_and_hands_back_the_others() {
         let hosts = [0, 0, 1, 1, 1];
         let got = on_ranks(&hosts, |comm, layout| {
-            let gpu = LazyGpu;
+            let gpu = LazyGpu::default();
             let mut tiered = Tiered::sized(comm, &gpu, layout.clone(), Some((256, SLOT)))
                 .expect("the exchange")
                 .expect("every host's ranks map each other's memory");
@@ -457,7 +457,7 @@ mod tests {
         // Rank 0 sends rank 1 100 bytes, which expects 50; ranks 0 and 2 exchange 300 each
         // way.
         let results = on_ranks(&[0, 0, 0], |comm, _| {
-            let gpu = LazyGpu;
+            let gpu = LazyGpu::default();
             let mut peers = Peers::sized(comm, &gpu, (256, SLOT))
                 .expect("the exchange")
                 .expect("every rank maps its peers' memory");

@@ -559,7 +559,7 @@ mod tests {
 
     #[test]
     fn the_lazy_device_runs_nothing_before_it_is_waited_for() {
-        let gpu = LazyGpu;
+        let gpu = LazyGpu::default();
         let (copies, device) = (gpu.queue().unwrap(), Buffer::new(16));
         let mut host = Buffer::new(16);
         let done = gpu.event().unwrap();

@@ -155,11 +155,21 @@ pub(super) fn check<P: Runs>(
     cases: &[Case],
     setup: impl Fn(&Communicator, &LazyGpu, &Hosts) -> P + Sync,
 ) {
+    check_on(layouts, cases, |_| LazyGpu::default(), setup);
+}
+
+/// As [`check`], rank `r`'s device made by `device(r)`.
+pub(super) fn check_on<P: Runs>(
+    layouts: &[&[usize]],
+    cases: &[Case],
+    device: impl Fn(usize) -> LazyGpu + Sync,
+    setup: impl Fn(&Communicator, &LazyGpu, &Hosts) -> P + Sync,
+) {
     let ways = [(false, false), (true, false), (false, true), (true, true)];
     for hosts in layouts {
         let world = hosts.len();
         let outputs = on_ranks(hosts, |comm, layout| {
-            let gpu = LazyGpu;
+            let gpu = device(comm.rank());
             let mut path = setup(comm, &gpu, layout);
             let runs = cases.iter().flat_map(|case| ways.map(|way| (*case, way)));
             let results: Vec<_> = runs

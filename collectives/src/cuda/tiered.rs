@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use chorus_kernels::{DType, ReduceOp};
 
 use super::gpu::{Gpu, HostBuffer};
-use super::ipc::{reduce_into, Peers};
+use super::ipc::{self, reduce_into, Peers};
 use super::pipes::DeviceMessage;
 use super::staged::{Staging, STAGE_BYTES};
 use super::{agree, slice, DeviceCall, Job};
@@ -121,6 +121,28 @@ impl Hosts {
     }
 }
 
+/// Islands of ranks that can all map each other's memory, from every rank's reach (bit `q`
+/// of `reach[r]`: rank `r` maps rank `q`'s): in rank order, each rank joins the first island
+/// whose every member it maps and is mapped by, else starts one. Each rank's island.
+fn islands(reach: &[u64]) -> Vec<usize> {
+    let mutual = |a: usize, b: usize| (reach[a] >> b) & (reach[b] >> a) & 1 == 1;
+    let mut members: Vec<Vec<usize>> = Vec::new();
+    let mut of = Vec::with_capacity(reach.len());
+    for r in 0..reach.len() {
+        match members.iter().position(|m| m.iter().all(|&q| mutual(r, q))) {
+            Some(island) => {
+                members[island].push(r);
+                of.push(island);
+            }
+            None => {
+                members.push(vec![r]);
+                of.push(members.len() - 1);
+            }
+        }
+    }
+    of
+}
+
 /// What identifies this machine when `CHORUS_HOST_ID` does not: the kernel's boot id (one
 /// per machine and boot), else the host name.
 fn machine() -> String {
@@ -169,6 +191,48 @@ impl<G: Gpu> Tiered<G> {
         hosts: Hosts,
     ) -> Result<std::result::Result<Tiered<G>, String>> {
         Tiered::sized(comm, gpu, hosts, None)
+    }
+
+    /// As [`connect`](Self::connect) where the ranks of some host cannot all map each
+    /// other's memory: each island of ranks that can (see [`islands`]) counts as a host, so
+    /// IPC runs within islands and staging between them. `Ok(Err(why))` where no island
+    /// holds two ranks (every rank gets it). Collective.
+    pub fn on_islands(
+        comm: &Communicator,
+        gpu: &G,
+        hosts: &Hosts,
+    ) -> Result<std::result::Result<Tiered<G>, String>> {
+        Tiered::sized_on_islands(comm, gpu, hosts, None)
+    }
+
+    /// As [`on_islands`](Self::on_islands); `sizes` as [`sized`](Self::sized)'s.
+    fn sized_on_islands(
+        comm: &Communicator,
+        gpu: &G,
+        hosts: &Hosts,
+        sizes: Option<(usize, usize)>,
+    ) -> Result<std::result::Result<Tiered<G>, String>> {
+        let rank = comm.rank();
+        let host = hosts.of(rank);
+        let local = comm
+            .split(Some(host as u32), rank as i64)?
+            .ok_or_else(|| crate::Error::Internal("a split with a color gave nothing".into()))?;
+        let island = islands(&ipc::reach(&local, gpu)?)[local.rank()];
+        let mine = [((host as u64) << 32) | island as u64];
+        let mut all = vec![0u64; comm.world_size()];
+        comm.all_gather(&mine, &mut all)?;
+        let islands = Hosts::numbered(&all);
+        if islands.most_local() < 2 {
+            return Ok(Err(
+                "no two ranks of a host can map each other's device memory".into(),
+            ));
+        }
+        tracing::info!(
+            rank,
+            islands = islands.count(),
+            "ranks of a host that cannot all map each other's memory: IPC within islands"
+        );
+        Tiered::sized(comm, gpu, islands, sizes)
     }
 
     /// As [`connect`](Self::connect); `sizes` (IPC halves, staging buffers) in tests.
@@ -722,7 +786,7 @@ mod tests {
 
     use super::*;
     use crate::cuda::gpu::lazy::LazyGpu;
-    use crate::cuda::testing::{check, Case};
+    use crate::cuda::testing::{check, check_on, on_ranks, Case};
 
     /// IPC halves and staging buffers small enough that calls take several rounds, and a
     /// shard several chunks.
@@ -776,6 +840,48 @@ mod tests {
             &[0, 0, 0, 0],
         ];
         check(&layouts, &cases(), setup);
+    }
+
+    #[test]
+    fn ranks_that_cannot_all_map_each_other_run_as_islands() {
+        // Rank r's device is of island ISLANDS[r]: devices of different islands cannot map
+        // each other's memory, so IPC alone fails, and the islands are the path's hosts.
+        const ISLANDS: [u8; 5] = [0, 1, 0, 2, 2];
+        let layouts: [&[usize]; 2] = [&[0, 0, 0, 0, 0], &[0, 0, 0, 1, 1]];
+        let on_island = |r: usize| LazyGpu::on_island(ISLANDS[r]);
+        for hosts in layouts {
+            let refused = on_ranks(hosts, |comm, layout| {
+                let gpu = on_island(comm.rank());
+                Tiered::sized(comm, &gpu, layout.clone(), Some(SIZES)).map(|t| t.err())
+            });
+            assert!(
+                refused.iter().all(|r| matches!(r, Ok(Some(_)))),
+                "{refused:?}"
+            );
+        }
+        check_on(&layouts, &cases(), on_island, |comm, gpu, hosts| {
+            let tiered = Tiered::sized_on_islands(comm, gpu, hosts, Some(SIZES))
+                .expect("the exchange")
+                .expect("islands of two ranks");
+            assert_eq!(tiered.hosts.of, [0, 1, 0, 2, 2]);
+            tiered
+        });
+        // Where no two ranks of a host map each other's memory, there are no islands to use.
+        let alone = on_ranks(&[0, 0, 1], |comm, layout| {
+            let gpu = LazyGpu::on_island(comm.rank() as u8);
+            Tiered::on_islands(comm, &gpu, layout).map(|t| t.err())
+        });
+        assert!(alone.iter().all(|r| matches!(r, Ok(Some(_)))), "{alone:?}");
+    }
+
+    #[test]
+    fn islands_hold_ranks_that_all_map_each_other() {
+        // Ranks 0 and 2 map each other; 1 maps 0 but 0 not 1; 3 and 4 map each other and 2,
+        // which maps neither.
+        let reach = [0b00101, 0b00011, 0b00101, 0b11100, 0b11100];
+        assert_eq!(islands(&reach), [0, 1, 0, 2, 2]);
+        assert_eq!(islands(&[0b11, 0b11, 0b111]), [0, 0, 1]);
+        assert_eq!(islands(&[0, 0]), [0, 1]);
     }
 
     #[test]
