@@ -89,7 +89,8 @@ build() {
 }
 
 rows=()
-row() { rows+=("$(printf '%-24s %-6s %s' "$1" "$2" "$3")"); }
+# row CHECK STATUS RESULT: a row of the table (kept tab-separated for benches' gpu_table.py).
+row() { rows+=("$1"$'\t'"$2"$'\t'"$3"); }
 
 # check NAME LIMIT_S COMMAND...: runs it, logs it under $log, adds a row with its status.
 check() {
@@ -306,9 +307,15 @@ run() {
 
     nccl_rows
 
+    # The rows as data, under the machine they ran on: keep $log/rows.tsv as a round in
+    # benches/results/gpu/ (see docs/gpus.md).
+    {
+        echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u '+%F %H:%M') UTC"
+        printf '%s\n' "${rows[@]}"
+    } >"$log/rows.tsv"
     echo
     printf '%-24s %-6s %s\n' check status result
-    printf '%s\n' "${rows[@]}"
+    printf '%s\n' "${rows[@]}" | awk -F'\t' '{ printf "%-24s %-6s %s\n", $1, $2, $3 }'
 }
 
 case $mode in

@@ -634,3 +634,25 @@ fn picks_table_sets_the_tuners_pick_against_the_fastest_forced() {
         assert!(out.contains(line), "no {line:?} in\n{out}");
     }
 }
+
+#[test]
+fn gpu_table_sets_each_run_of_the_gpu_checks_in_a_column() {
+    let run = |gpu: &str, sum: &str| {
+        format!(
+            "# {gpu}, 2026-12-01 10:00 UTC\nkernels cold cache\tok\ttest result: ok. 17 passed\n\
+             sum f32 / bf16\t{sum}\n"
+        )
+    };
+    let h100 = run("NVIDIA H100 80GB HBM3", "ok\t2778 / 2759 GB/s | 96%");
+    let h200 = run("NVIDIA H200", "FAIL(124)\ttimed out");
+    let out = table("gpu_table.py", &[&h100, &h200]);
+    for line in [
+        "| check | NVIDIA H100 80GB HBM3, 2026-12-01 10:00 UTC | NVIDIA H200, 2026-12-01 10:00 UTC |",
+        "| kernels cold cache | test result: ok. 17 passed | test result: ok. 17 passed |",
+        // A result's own bars do not split the table; a check that failed says so.
+        "| sum f32 / bf16 | 2778 / 2759 GB/s / 96% | **FAIL(124)** timed out |",
+        "2 run(s); 1 check(s) did not pass.",
+    ] {
+        assert!(out.contains(line), "no {line:?} in\n{out}");
+    }
+}
