@@ -549,6 +549,34 @@ fn wait_async(comm: *mut Comm, until: impl Fn(NcclResult) -> bool) -> NcclResult
     }
 }
 
+/// `n` ranks joined on threads of their own, every set-up successful.
+fn joined(n: usize) -> Vec<Handle> {
+    let joined = join_on_threads(n, None);
+    assert!(
+        joined.iter().all(|(r, _)| *r == NcclResult::Success),
+        "{}",
+        last()
+    );
+    joined.into_iter().map(|(_, h)| h).collect()
+}
+
+/// Each of `handles` all-reduces on a thread of its own: what each call returned, with the
+/// thread's last error text.
+fn all_reduce_on_threads(handles: &[Handle]) -> Vec<(NcclResult, String)> {
+    let calls: Vec<_> = handles
+        .iter()
+        .map(|&h| {
+            std::thread::spawn(move || {
+                let mut v = [1f32; 64];
+                let p = mut_ptr(&mut v);
+                let result = unsafe { ncclAllReduce(p, p, 64, FLOAT32, SUM, h.ptr(), null_mut()) };
+                (result, last())
+            })
+        })
+        .collect();
+    calls.into_iter().map(|c| c.join().unwrap()).collect()
+}
+
 #[test]
 fn ranks_on_threads_join_blocking_or_not_and_split() {
     let joined = join_on_threads(3, None);
@@ -608,31 +636,13 @@ fn ranks_on_threads_join_blocking_or_not_and_split() {
 
 #[test]
 fn an_aborted_rank_fails_the_survivors_calls_by_name_and_they_shrink() {
-    let joined = join_on_threads(3, None);
-    assert!(
-        joined.iter().all(|(r, _)| *r == NcclResult::Success),
-        "{}",
-        last()
-    );
-    let handles: Vec<Handle> = joined.iter().map(|&(_, h)| h).collect();
+    let handles = joined(3);
     assert_eq!(
         unsafe { ncclCommAbort(handles[2].ptr()) },
         NcclResult::Success
     );
     // The survivors' next call fails naming the rank, and so does their async error after.
-    let calls: Vec<_> = handles[..2]
-        .iter()
-        .map(|&h| {
-            std::thread::spawn(move || {
-                let mut v = [1f32; 64];
-                let p = mut_ptr(&mut v);
-                let result = unsafe { ncclAllReduce(p, p, 64, FLOAT32, SUM, h.ptr(), null_mut()) };
-                (result, last())
-            })
-        })
-        .collect();
-    for call in calls {
-        let (result, text) = call.join().unwrap();
+    for (result, text) in all_reduce_on_threads(&handles[..2]) {
         assert_eq!(result, NcclResult::RemoteError, "{text}");
         assert!(
             text.contains("ncclAllReduce") && text.contains("rank 2"),
@@ -676,13 +686,7 @@ fn an_aborted_rank_fails_the_survivors_calls_by_name_and_they_shrink() {
 
 #[test]
 fn a_revoked_communicator_takes_no_calls_and_splits_or_shrinks() {
-    let joined = join_on_threads(3, None);
-    assert!(
-        joined.iter().all(|(r, _)| *r == NcclResult::Success),
-        "{}",
-        last()
-    );
-    let handles: Vec<Handle> = joined.iter().map(|&(_, h)| h).collect();
+    let handles = joined(3);
     assert_eq!(
         unsafe { ncclCommRevoke(handles[0].ptr(), 1) },
         NcclResult::InvalidArgument
@@ -702,19 +706,7 @@ fn a_revoked_communicator_takes_no_calls_and_splits_or_shrinks() {
         unsafe { ncclCommFinalize(handles[2].ptr()) },
         NcclResult::InvalidUsage
     );
-    let calls: Vec<_> = handles[..2]
-        .iter()
-        .map(|&h| {
-            std::thread::spawn(move || {
-                let mut v = [1f32; 64];
-                let p = mut_ptr(&mut v);
-                let result = unsafe { ncclAllReduce(p, p, 64, FLOAT32, SUM, h.ptr(), null_mut()) };
-                (result, last())
-            })
-        })
-        .collect();
-    for call in calls {
-        let (result, text) = call.join().unwrap();
+    for (result, text) in all_reduce_on_threads(&handles[..2]) {
         assert_eq!(result, NcclResult::RemoteError, "{text}");
         assert!(text.contains("rank 2"), "{text}");
     }

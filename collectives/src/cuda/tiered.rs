@@ -102,6 +102,14 @@ impl Hosts {
         (0..self.of.len()).filter(|&r| self.of[r] == host).collect()
     }
 
+    /// The ranks of this rank's host, as a communicator of their own, in rank order.
+    /// Collective over `comm`.
+    pub fn local(&self, comm: &Communicator) -> Result<Communicator> {
+        let rank = comm.rank();
+        comm.split(Some(self.of(rank) as u32), rank as i64)?
+            .ok_or_else(|| crate::Error::Internal("a split with a color gave nothing".into()))
+    }
+
     /// Rank `rank`'s place among its host's ranks (its rank in the host's communicator).
     pub fn local_index(&self, rank: usize) -> usize {
         (0..rank).filter(|&r| self.of[r] == self.of[rank]).count()
@@ -212,11 +220,8 @@ impl<G: Gpu> Tiered<G> {
         hosts: &Hosts,
         sizes: Option<(usize, usize)>,
     ) -> Result<std::result::Result<Tiered<G>, String>> {
-        let rank = comm.rank();
-        let host = hosts.of(rank);
-        let local = comm
-            .split(Some(host as u32), rank as i64)?
-            .ok_or_else(|| crate::Error::Internal("a split with a color gave nothing".into()))?;
+        let (rank, host) = (comm.rank(), hosts.of(comm.rank()));
+        let local = hosts.local(comm)?;
         let island = islands(&ipc::reach(&local, gpu)?)[local.rank()];
         let mine = [((host as u64) << 32) | island as u64];
         let mut all = vec![0u64; comm.world_size()];
@@ -242,11 +247,8 @@ impl<G: Gpu> Tiered<G> {
         hosts: Hosts,
         sizes: Option<(usize, usize)>,
     ) -> Result<std::result::Result<Tiered<G>, String>> {
-        let rank = comm.rank();
-        let host = hosts.of(rank);
-        let local = comm
-            .split(Some(host as u32), rank as i64)?
-            .ok_or_else(|| crate::Error::Internal("a split with a color gave nothing".into()))?;
+        let host = hosts.of(comm.rank());
+        let local = hosts.local(comm)?;
         let peers = match sizes {
             None => Peers::connect(&local, gpu)?,
             Some((half, room)) => Peers::sized(&local, gpu, (half, room))?,
