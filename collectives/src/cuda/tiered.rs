@@ -133,7 +133,9 @@ impl Hosts {
 /// of `reach[r]`: rank `r` maps rank `q`'s): in rank order, each rank joins the first island
 /// whose every member it maps and is mapped by, else starts one. Each rank's island.
 fn islands(reach: &[u64]) -> Vec<usize> {
-    let mutual = |a: usize, b: usize| (reach[a] >> b) & (reach[b] >> a) & 1 == 1;
+    // Ranks past the 64th have no bit: nobody reaches them, and they reach nobody.
+    let maps = |a: usize, b: usize| reach[a].checked_shr(b as u32).is_some_and(|m| m & 1 == 1);
+    let mutual = |a: usize, b: usize| maps(a, b) && maps(b, a);
     let mut members: Vec<Vec<usize>> = Vec::new();
     let mut of = Vec::with_capacity(reach.len());
     for r in 0..reach.len() {
@@ -884,6 +886,11 @@ mod tests {
         assert_eq!(islands(&reach), [0, 1, 0, 2, 2]);
         assert_eq!(islands(&[0b11, 0b11, 0b111]), [0, 0, 1]);
         assert_eq!(islands(&[0, 0]), [0, 1]);
+        // A 65th rank has no bit in anyone's mask: it stands alone, and nothing overflows.
+        let mut many = vec![u64::MAX; 65];
+        many[64] = 0;
+        assert_eq!(islands(&many)[64], 1);
+        assert!(islands(&many)[..64].iter().all(|&i| i == 0));
     }
 
     #[test]
