@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # One row from two builds in pairs, the order alternating (after first in odd pairs), for a row
-# whose runs swing between modes more than the builds differ: PAIRS (28) pairs of the 8-byte
-# all-reduce over TCP at W=NP (2), each line "PAIR SIDE OOP_US IP_US". before_after_pairs.py
-# prints the medians and the median of the pairs' ratios.
+# whose runs swing between modes more than the builds differ: PAIRS (28) pairs of one perf
+# tool's row, each line "PAIR SIDE OOP_US IP_US" (the row's times out of place and in place).
+# The row is the tool and its arguments given after the builds; without them, the 8-byte
+# all-reduce at W=NP (2). TRANSPORT (tcp) is the transport: tcp, or shm (Chorus's default).
+# before_after_pairs.py prints the medians and the median of the pairs' ratios.
 #
-# Usage: benches/baselines/before_after_pairs.sh BEFORE_BIN AFTER_BIN > OUT.txt
+# Usage: benches/baselines/before_after_pairs.sh BEFORE_BIN AFTER_BIN [TOOL ARG...] > OUT.txt
+#   e.g. TRANSPORT=shm PAIRS=16 before_after_pairs.sh B A broadcast_perf -b 64M -e 64M -n 10 -w 2 -c 0 -np 4
 set -euo pipefail
-[[ $# -eq 2 ]] || { sed -n '2,7p' "$0"; exit 2; }
+[[ $# -ge 2 ]] || { sed -n '2,10p' "$0"; exit 2; }
 before=$1 after=$2
+shift 2
+row=("$@")
+[[ ${#row[@]} -gt 0 ]] || row=(allreduce_perf -b 8 -e 8 -n 20000 -w 300000 -c 0 -np "${NP:-2}")
+env=(env CHORUS_TRANSPORT=tcp)
+case ${TRANSPORT:-tcp} in
+    tcp) ;;
+    shm) env=(env -u CHORUS_TRANSPORT) ;;
+    *) echo "TRANSPORT must be tcp or shm, not ${TRANSPORT}" >&2; exit 2 ;;
+esac
 for pair in $(seq 1 "${PAIRS:-28}"); do
     sides="before after"
     (( pair % 2 )) && sides="after before"
@@ -15,7 +27,7 @@ for pair in $(seq 1 "${PAIRS:-28}"); do
         bin=$before
         [[ $side == after ]] && bin=$after
         printf '%s %s ' "$pair" "$side"
-        CHORUS_TRANSPORT=tcp "$bin/allreduce_perf" -b 8 -e 8 -n 20000 -w 300000 -c 0 -np "${NP:-2}" |
+        "${env[@]}" "$bin/${row[0]}" "${row[@]:1}" |
             awk 'NF >= 12 && $1 ~ /^[0-9]+$/ { print $6, $10 }'
     done
 done

@@ -124,10 +124,12 @@ impl Inner {
 
     /// Which of call `info`'s buffers lend their sends to peers on this host (input,
     /// output): those on huge pages, where one copy beats two through the slots, and the
-    /// input of an out-of-place broadcast's root, whose core has its own copy to make while
-    /// the others read. Only with `CHORUS_SHM_SINGLE_COPY` at its default, for calls of
-    /// [`LEND_FROM`] bytes or more; asking the kernel about the pages costs a few
-    /// microseconds.
+    /// input of an out-of-place broadcast's root with one receiver, whose core has its own
+    /// copy to make while the receiver only reads. (With more ranks a receiver passes the
+    /// message on, so the root's core is no longer the busiest, and reading 4 KiB pages
+    /// straight from it slows the first receiver.) Only with
+    /// `CHORUS_SHM_SINGLE_COPY` at its default, for calls of [`LEND_FROM`] bytes or more;
+    /// asking the kernel about the pages costs a few microseconds.
     fn lending(&self, info: &CallInfo, bufs: &Buffers<'_>) -> [bool; 2] {
         let (input, output) = bufs.addresses();
         // Open only where this communicator lends (see `join`).
@@ -147,7 +149,10 @@ impl Inner {
                 "sends from buffers on huge pages are lent"
             );
         }
-        let copying_root = info.kind == CallKind::Broadcast && info.root == rank && input != output;
+        let copying_root = info.kind == CallKind::Broadcast
+            && info.root == rank
+            && input != output
+            && self.config.world_size == 2;
         [in_huge || copying_root, out_huge]
     }
 
