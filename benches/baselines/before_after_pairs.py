@@ -2,8 +2,9 @@
 """One row from two builds in pairs (before_after_pairs.sh's lines "PAIR SIDE OOP IP", times in
 us): each side's median time, the median of the pairs' ratios after / before (above 1: after
 is slower), and, given SLOW, how many runs of each side took more than SLOW us (a slow mode).
+LABELS name the lines' two figures (out of place, in place).
 
-    python3 benches/baselines/before_after_pairs.py PAIRS.txt [SLOW]
+    python3 benches/baselines/before_after_pairs.py PAIRS.txt [SLOW] [--labels FIRST,SECOND]
 """
 
 import statistics
@@ -16,7 +17,12 @@ def us(t):
 
 
 def main(argv):
-    if len(argv) not in (1, 2):
+    labels = ("out of place", "in place")
+    if "--labels" in argv[:-1]:
+        at = argv.index("--labels")
+        labels = tuple(argv[at + 1].split(","))
+        argv = argv[:at] + argv[at + 2:]
+    if len(argv) not in (1, 2) or len(labels) != 2:
         sys.exit(__doc__)
     slow = float(argv[1]) if len(argv) == 2 else None
     runs = {}
@@ -32,7 +38,7 @@ def main(argv):
         rule += "---|"
     print(head)
     print(rule)
-    for k, name in ((0, "out of place"), (1, "in place")):
+    for k, name in enumerate(labels):
         before = [p["before"][k] for p in pairs]
         after = [p["after"][k] for p in pairs]
         ratio = statistics.median(p["after"][k] / p["before"][k] for p in pairs)

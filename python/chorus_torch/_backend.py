@@ -49,6 +49,13 @@ def _op(opts):
     return int(getattr(op, "op", op))
 
 
+def _now(opts):
+    """Whether the caller waits on the call at once: always before torch 2.7 (see ASYNC), and
+    where the options say it is not asynchronous (torch's `async_op=False`). Such a call on
+    CPU tensors runs on the calling thread, waking no other."""
+    return not ASYNC or not getattr(opts, "asyncOp", True)
+
+
 def _one(tensors, what):
     """The call's one tensor (Chorus reads its memory, dtype and device)."""
     if len(tensors) != 1:
@@ -603,23 +610,25 @@ class _Calls:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _call(self, kind, inp, out, result, finish=None, op=0, root=0, counts=None):
+    def _call(self, kind, inp, out, result, finish=None, op=0, root=0, counts=None, opts=None):
         """torch's Work for Chorus's collective `kind` from the contiguous tensor `inp` into
         `out`, whose outputs are `result` once `finish` (a copy out of staging tensors) has
         run. Chorus decides where it runs: the host collectives for CPU tensors; for CUDA
         tensors the device ones, or the host ones through copies, ordered on torch's current
-        stream."""
-        pending = self._comm.call(kind, inp, out, op, root, _stream(inp), counts)
-        return self._issue(pending, result, finish)
+        stream. `opts`, the call's options, say whether the caller waits on it at once."""
+        now = _now(opts)
+        pending = self._comm.call(kind, inp, out, op, root, _stream(inp), counts, now)
+        return self._issue(pending, result, finish, now)
 
-    def _issue(self, pending, result, finish=None):
+    def _issue(self, pending, result, finish=None, now=False):
         """torch's Work for the started Chorus call `pending` whose outputs are `result`, once
         `finish` (a copy out of staging tensors) has run after it.
 
         Where torch allows it (see ASYNC) the call runs in the background, and a call on CUDA
-        tensors is ordered on torch's streams as NCCL's are; elsewhere it has ended before
-        this returns."""
-        if not ASYNC:
+        tensors is ordered on torch's streams as NCCL's are; elsewhere, and for a call on CPU
+        tensors waited on at once (`now`: it ran on this thread), it has ended before this
+        returns."""
+        if not ASYNC or (now and not isinstance(pending, _DevicePending)):
             pending.wait()
             return _work(result, finish)
         if isinstance(pending, _DevicePending):
@@ -663,7 +672,7 @@ class _Calls:
         tensor = _one(tensors, "allreduce")
         staged, copied = _staged(tensor)
         return self._call("all_reduce", staged, staged, tensors, (lambda: tensor.copy_(staged)) if copied else None,
-                          op=_op(opts))
+                          op=_op(opts), opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         if not tensors:
@@ -672,39 +681,41 @@ class _Calls:
             if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
                 raise ValueError("chorus allreduce_coalesced needs tensors of one dtype on one device")
         flat = _flat(tensors)
-        return self._call("all_reduce", flat, flat, tensors, lambda: _unflatten_into(flat, tensors), op=_op(opts))
+        return self._call("all_reduce", flat, flat, tensors, lambda: _unflatten_into(flat, tensors), op=_op(opts),
+                          opts=opts)
 
     def broadcast(self, tensors, opts=None):
         tensor = _one(tensors, "broadcast")
         root = self._root(opts.rootRank if opts is not None else 0, "broadcast")
         staged, copied = _staged(tensor)
         return self._call("broadcast", staged, staged, tensors, (lambda: tensor.copy_(staged)) if copied else None,
-                          root=root)
+                          root=root, opts=opts)
 
     def reduce(self, tensors, opts=None):
         tensor = _one(tensors, "reduce")
         root = self._root(opts.rootRank if opts is not None else 0, "reduce")
         staged, copied = _staged(tensor)
         return self._call("reduce", staged, staged, tensors, (lambda: tensor.copy_(staged)) if copied else None,
-                          op=_op(opts), root=root)
+                          op=_op(opts), root=root, opts=opts)
 
-    def _all_gather_flat(self, output, tensor, result, finish):
+    def _all_gather_flat(self, output, tensor, result, finish, opts):
         if output.numel() * output.element_size() != tensor.numel() * tensor.element_size() * self.size():
             raise ValueError(
                 f"chorus allgather: the output holds {output.numel()} elements, "
                 f"not world size {self.size()} x {tensor.numel()}")
-        return self._call("all_gather", _staged(tensor)[0], output, result, finish)
+        return self._call("all_gather", _staged(tensor)[0], output, result, finish, opts=opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "allgather")
         outputs = _one_list(output_tensors, self.size(), tensor, "allgather")
         flat = torch.empty(self.size() * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        return self._all_gather_flat(flat, tensor, output_tensors, lambda: _unflatten_into(flat, outputs))
+        return self._all_gather_flat(flat, tensor, output_tensors, lambda: _unflatten_into(flat, outputs), opts)
 
     def _allgather_base(self, output, input, opts=None):
         _same_dtype(output, input, "all_gather_into_tensor")
         staged, copied = _staged(output)
-        return self._all_gather_flat(staged, input, [output], (lambda: output.copy_(staged)) if copied else None)
+        return self._all_gather_flat(staged, input, [output], (lambda: output.copy_(staged)) if copied else None,
+                                     opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """Every rank's `input_list` into `output_lists[rank]`, as one all-gather of their
@@ -720,7 +731,7 @@ class _Calls:
                     raise ValueError(f"chorus allgather_coalesced: an output of {out.numel()} elements on "
                                      f"{out.device} for an input of {t.numel()} on {t.device}")
         if not input_list:
-            return self.barrier()
+            return self.barrier(opts)
         flat = _flat([_bytes(t) for t in input_list])
         gathered = torch.empty(size * flat.numel(), dtype=torch.uint8, device=flat.device)
 
@@ -732,25 +743,25 @@ class _Calls:
                     out.copy_(block[offset:offset + n].clone().view(out.dtype).view_as(out))
                     offset += n
 
-        return self._all_gather_flat(gathered, flat, output_lists, finish)
+        return self._all_gather_flat(gathered, flat, output_lists, finish, opts)
 
-    def _reduce_scatter_flat(self, output, flat, op, result):
+    def _reduce_scatter_flat(self, output, flat, result, opts):
         if flat.numel() != output.numel() * self.size():
             raise ValueError(
                 f"chorus reduce_scatter: the input holds {flat.numel()} elements, "
                 f"not world size {self.size()} x {output.numel()}")
         staged, copied = _staged(output)
         return self._call("reduce_scatter", flat, staged, result, (lambda: output.copy_(staged)) if copied else None,
-                          op=op)
+                          op=_op(opts), opts=opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         output = _one(output_tensors, "reduce_scatter")
         inputs = _one_list(input_tensors, self.size(), output, "reduce_scatter")
-        return self._reduce_scatter_flat(output, _flat(inputs), _op(opts), output_tensors)
+        return self._reduce_scatter_flat(output, _flat(inputs), output_tensors, opts)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         _same_dtype(output, input, "reduce_scatter_tensor")
-        return self._reduce_scatter_flat(output, _staged(input)[0], _op(opts), [output])
+        return self._reduce_scatter_flat(output, _staged(input)[0], [output], opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         _same_dtype(output, input, "all_to_all_single")
@@ -762,7 +773,7 @@ class _Calls:
             counts = (send or [input.numel() // size] * size, recv or [output.numel() // size] * size)
         staged, copied = _staged(output)
         return self._call("all_to_all", _staged(input)[0], staged, [output],
-                          (lambda: output.copy_(staged)) if copied else None, counts=counts)
+                          (lambda: output.copy_(staged)) if copied else None, counts=counts, opts=opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         size = self.size()
@@ -775,7 +786,7 @@ class _Calls:
                                device=output_tensors[0].device)
         counts = ([t.numel() for t in input_tensors], [t.numel() for t in output_tensors])
         return self._call("all_to_all", flat_in, flat_out, output_tensors,
-                          lambda: _unflatten_into(flat_out, output_tensors), counts=counts)
+                          lambda: _unflatten_into(flat_out, output_tensors), counts=counts, opts=opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "gather")
@@ -788,7 +799,7 @@ class _Calls:
             if output_tensors and any(len(o) for o in output_tensors):
                 raise ValueError(f"chorus gather: only the root (rank {root}) passes output tensors")
             flat, finish = torch.empty(0, dtype=tensor.dtype, device=tensor.device), None
-        return self._call("gather", _staged(tensor)[0], flat, output_tensors, finish, root=root)
+        return self._call("gather", _staged(tensor)[0], flat, output_tensors, finish, root=root, opts=opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         output = _one(output_tensors, "scatter")
@@ -801,10 +812,11 @@ class _Calls:
             flat = torch.empty(0, dtype=output.dtype, device=output.device)
         staged, copied = _staged(output)
         return self._call("scatter", flat, staged, output_tensors, (lambda: output.copy_(staged)) if copied else None,
-                          root=root)
+                          root=root, opts=opts)
 
     def barrier(self, opts=None):
-        return self._issue(self._comm.barrier(), [])
+        now = _now(opts)
+        return self._issue(self._comm.barrier(now), [], now=now)
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         """A barrier through torch's store that names the ranks that did not arrive in time
@@ -853,15 +865,15 @@ class _Calls:
         else:
             staged, copied = torch.empty(0, dtype=tensor.dtype, device=tensor.device), False
         return self._call("gather", _staged(tensor)[0], staged, [output],
-                          (lambda: output.copy_(staged)) if copied else None, root=root)
+                          (lambda: output.copy_(staged)) if copied else None, root=root, opts=opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self._allgather_base(output, tensor, opts) for output, tensor in zip(outputs, inputs)]
-        return self._together(works, outputs) if works else self.barrier()
+        return self._together(works, outputs) if works else self.barrier(opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         works = [self._reduce_scatter_base(output, tensor, opts) for output, tensor in zip(outputs, inputs)]
-        return self._together(works, outputs) if works else self.barrier()
+        return self._together(works, outputs) if works else self.barrier(opts)
 
     # torch 2.x's names for the single-tensor forms.
     all_gather_single = _allgather_base

@@ -215,11 +215,13 @@ impl Comm {
     /// value `op`, `root`, and all-to-all's `counts` (elements per peer, sent and received)
     /// where the call has them.
     ///
-    /// On CPU tensors it returns a [`Pending`] call, run in issue order on Chorus's worker.
-    /// On CUDA tensors it returns a `DevicePending` once enqueued, as NCCL's calls do: it
-    /// reads its input after the work queued on torch's stream `stream` (its raw handle)
-    /// before it; `stream` runs on, and the package orders torch's streams after it.
-    #[pyo3(signature = (kind, input, output, op=0, root=0, stream=0, counts=None))]
+    /// On CPU tensors it returns a [`Pending`] call, run in issue order on Chorus's worker;
+    /// with `now`, one run on this thread and ended (a call the caller waits on at once,
+    /// which then wakes no other thread). On CUDA tensors it returns a `DevicePending` once
+    /// enqueued, as NCCL's calls do: it reads its input after the work queued on torch's
+    /// stream `stream` (its raw handle) before it; `stream` runs on, and the package orders
+    /// torch's streams after it.
+    #[pyo3(signature = (kind, input, output, op=0, root=0, stream=0, counts=None, now=false))]
     fn call(
         &self,
         py: Python<'_>,
@@ -230,6 +232,7 @@ impl Comm {
         root: usize,
         stream: usize,
         counts: Option<(Vec<usize>, Vec<usize>)>,
+        now: bool,
     ) -> PyResult<Py<PyAny>> {
         let call = Call {
             kind: call_kind(kind)?,
@@ -257,6 +260,16 @@ impl Comm {
         }
         let keep = PyTuple::new(py, [input, output])?.into_any().unbind();
         match i.place {
+            Place::Host if now => {
+                let pending = py.detach(|| {
+                    self.comm.run_here(|c| {
+                        let pending = host::start(c, &call, i, o, keep)?;
+                        pending.wait_detached();
+                        Ok::<_, PyErr>(pending)
+                    })
+                })?;
+                Ok(Py::new(py, pending)?.into_any())
+            }
             Place::Host => Ok(Py::new(py, host::start(&self.comm, &call, i, o, keep)?)?.into_any()),
             #[cfg(feature = "cuda")]
             Place::Cuda(ordinal) => {
@@ -374,9 +387,20 @@ impl Comm {
         }
     }
 
-    /// Starts a barrier.
-    fn barrier(&self) -> Pending {
-        Pending::new(self.comm.barrier_async())
+    /// Starts a barrier; with `now`, runs it on this thread and returns it ended (see
+    /// [`Comm::call`]).
+    #[pyo3(signature = (now=false))]
+    fn barrier(&self, py: Python<'_>, now: bool) -> Pending {
+        if !now {
+            return Pending::new(self.comm.barrier_async());
+        }
+        py.detach(|| {
+            self.comm.run_here(|c| {
+                let pending = Pending::new(c.barrier_async());
+                pending.wait_detached();
+                pending
+            })
+        })
     }
 }
 

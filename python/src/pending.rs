@@ -47,20 +47,31 @@ impl Pending {
         Pending::from(Box::new(work) as Box<dyn Outcome>)
     }
 
+    /// Waits for the call here (see [`Pending::wait`]) without the GIL, which the caller has
+    /// released: for a call issued to be waited on at once (`Communicator::run_here`).
+    pub(crate) fn wait_detached(&self) {
+        self.settled(|work| work.wait());
+    }
+
+    /// Settles the outcome with `wait` unless another waiter has; the outcome, if any.
+    fn settled(
+        &self,
+        wait: impl FnOnce(Box<dyn Outcome>) -> chorus::Result<()>,
+    ) -> Option<chorus::Result<()>> {
+        let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(work) = work.take() {
+            let _ = self.outcome.set(wait(work));
+        }
+        self.outcome.get().cloned()
+    }
+
     /// Settles the outcome with `wait` unless another waiter has; raises it if it failed.
     fn settle(
         &self,
         py: Python<'_>,
         wait: impl FnOnce(Box<dyn Outcome>) -> chorus::Result<()> + Send,
     ) -> PyResult<()> {
-        let outcome = py.detach(|| {
-            let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(work) = work.take() {
-                let _ = self.outcome.set(wait(work));
-            }
-            self.outcome.get().cloned()
-        });
-        match outcome {
+        match py.detach(|| self.settled(wait)) {
             Some(Ok(())) => Ok(()),
             Some(Err(e)) => Err(raised(&e)),
             None => Err(raised(&chorus::Error::Internal(

@@ -254,10 +254,7 @@ impl Communicator {
                 transport,
                 state: Mutex::new(state),
                 turn: Condvar::new(),
-                issue: Mutex::new(Issue {
-                    next: 0,
-                    worker: None,
-                }),
+                issue: Mutex::new(Issue::default()),
                 store,
                 server,
                 lifeline,

@@ -43,10 +43,10 @@ pub use p2p::{Group, Messages};
 use prepare::{Call, Route};
 pub use shared::SharedBuffer;
 use shared::Windows;
+use work::Issue;
 #[cfg(feature = "cuda")]
 pub(crate) use work::Queue;
 pub use work::Work;
-use work::Worker;
 
 /// How long dropping a communicator waits for its queued operations before failing them.
 const DROP_GRACE: Duration = Duration::from_secs(2);
@@ -121,11 +121,6 @@ pub(crate) struct State {
     /// Where the next `recv_any` starts looking: an offset past this rank, one past the last
     /// sender found, so that every sender gets its turn.
     any_from: usize,
-}
-
-struct Issue {
-    next: u64,
-    worker: Option<Worker>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -203,7 +198,7 @@ impl Communicator {
 impl Drop for Communicator {
     fn drop(&mut self) {
         // Queued asynchronous work gets a short grace period to finish, then fails.
-        let worker = lock(&self.inner.issue).worker.take();
+        let worker = lock(&self.inner.issue).take_worker();
         if let Some(worker) = worker {
             worker.finish(DROP_GRACE, || {
                 let fault = self.inner.own_fault(Cause::Dropped);
@@ -256,9 +251,7 @@ impl Inner {
 
     /// Hands out the next ticket.
     fn ticket(&self) -> u64 {
-        let mut issue = lock(&self.issue);
-        issue.next += 1;
-        issue.next - 1
+        lock(&self.issue).ticket()
     }
 
     /// Waits for `ticket`'s turn, runs `call`, and passes the turn on.

@@ -5,7 +5,8 @@
 //! when its ticket's turn comes; an asynchronous one is queued for the worker and returns a
 //! [`Work`] at once. Whoever gets to a queued operation first runs it: the worker, or a
 //! thread that waits on its handle before the worker has started it (so a call waited on
-//! at once costs no hand-over between threads). Either way it runs in its ticket's turn.
+//! at once costs no hand-over between threads; [`Communicator::run_here`] keeps such a call
+//! from waking the worker at all). Either way it runs in its ticket's turn.
 //!
 //! An asynchronous call takes ownership of its buffers and gives them back through the
 //! handle, so they cannot be touched or freed while the operation runs: the type system,
@@ -15,7 +16,7 @@
 //! then fails them).
 
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender};
@@ -38,9 +39,11 @@ impl<B> Finish<'_, B> {
 }
 
 /// What the worker runs: an operation that may already have been taken by a waiter.
-trait Task: Send + Sync {
+pub(super) trait Task: Send + Sync {
     /// Runs the operation unless someone already has.
     fn run(&self);
+    /// Whether nobody has started the operation yet.
+    fn queued(&self) -> bool;
 }
 
 /// Where an operation is.
@@ -101,6 +104,10 @@ impl<B: Send> Task for Slot<B> {
             self.run_body(body);
         }
     }
+
+    fn queued(&self) -> bool {
+        matches!(*lock(&self.stage), Stage::Queued(_))
+    }
 }
 
 /// The thread that runs a communicator's asynchronous operations in issue order.
@@ -151,14 +158,18 @@ impl Drop for Worker {
     }
 }
 
-/// Queues `body` on `worker` (started on first use) and returns its handle. If no worker
-/// can run it, the handle's [`Work::wait`] runs it instead.
-fn queue<B: Send + 'static>(worker: &mut Option<Worker>, rank: usize, body: Body<B>) -> Work<B> {
+/// `body`'s handle, and the task that runs it.
+fn task<B: Send + 'static>(body: Body<B>) -> (Work<B>, Arc<dyn Task>) {
     let slot = Arc::new(Slot {
         stage: Mutex::new(Stage::Queued(body)),
         finished: Condvar::new(),
     });
-    let task: Arc<dyn Task> = slot.clone();
+    (Work { slot: slot.clone() }, slot)
+}
+
+/// Hands `task` to `worker` (started on first use). If no worker can run it, its handle's
+/// [`Work::wait`] runs it instead.
+fn send(worker: &mut Option<Worker>, rank: usize, task: Arc<dyn Task>) {
     if worker.is_none() {
         match Worker::start(rank) {
             Ok(started) => *worker = Some(started),
@@ -169,7 +180,47 @@ fn queue<B: Send + 'static>(worker: &mut Option<Worker>, rank: usize, body: Body
         // Only fails once the thread has ended; `wait` runs the operation then.
         let _ = tasks.send(task);
     }
-    Work { slot }
+}
+
+/// Queues `body` on `worker` (started on first use) and returns its handle.
+#[cfg(feature = "cuda")]
+fn queue<B: Send + 'static>(worker: &mut Option<Worker>, rank: usize, body: Body<B>) -> Work<B> {
+    let (work, task) = task(body);
+    send(worker, rank, task);
+    work
+}
+
+/// Where a communicator's calls are issued: tickets, the worker, and the call a thread in
+/// [`Communicator::run_here`] keeps from the worker.
+#[derive(Default)]
+pub(super) struct Issue {
+    /// The next call's ticket.
+    next: u64,
+    worker: Option<Worker>,
+    /// The thread whose next call is kept from the worker.
+    keep_for: Option<ThreadId>,
+    /// That call, once issued, until it has run or goes to the worker.
+    kept: Option<Arc<dyn Task>>,
+}
+
+impl Issue {
+    /// Hands out the next ticket.
+    pub(super) fn ticket(&mut self) -> u64 {
+        self.next += 1;
+        self.next - 1
+    }
+
+    /// Takes the worker (to finish it).
+    pub(super) fn take_worker(&mut self) -> Option<Worker> {
+        self.worker.take()
+    }
+
+    /// Hands the kept call to the worker if nobody has run it, in its place in issue order.
+    fn hand_over(&mut self, rank: usize) {
+        if let Some(kept) = self.kept.take().filter(|k| k.queued()) {
+            send(&mut self.worker, rank, kept);
+        }
+    }
 }
 
 /// An ordered queue of operations run by a worker thread started on first use: what the
@@ -338,14 +389,52 @@ impl Communicator {
     {
         let inner = Arc::clone(&self.inner);
         let mut issue = lock(&self.inner.issue);
-        let ticket = issue.next;
-        issue.next += 1;
+        let ticket = issue.ticket();
         // The outcome is recorded in the operation's turn, so operations show as completed
         // in issue order.
         let body: Body<B> = Box::new(move |finish| {
             inner.run_then(ticket, buf, run, |result, buf| finish.finish(result, buf));
         });
-        queue(&mut issue.worker, self.rank(), body)
+        let (work, task) = task(body);
+        // A call kept from the worker goes to it before any later call does.
+        issue.hand_over(self.rank());
+        let here = Some(std::thread::current().id());
+        if issue.keep_for.is_some() && issue.keep_for == here {
+            issue.keep_for = None;
+            issue.kept = Some(task);
+        } else {
+            send(&mut issue.worker, self.rank(), task);
+        }
+        work
+    }
+
+    /// Runs `f`, keeping the first call it issues from the worker thread so that waiting on
+    /// it runs it on this thread: for a call waited on at once, which gains nothing from
+    /// the worker and, where ranks outnumber cores, pays for waking it. `f` should wait on
+    /// that call; if it does not, or issues another first (or another thread issues one
+    /// meanwhile), the call goes to the worker as usual, in its turn.
+    ///
+    /// ```no_run
+    /// # use chorus::{Communicator, ReduceOp};
+    /// let comm = Communicator::from_env()?;
+    /// let grads = comm.run_here(|c| c.all_reduce_async(vec![1.0f32; 8], ReduceOp::Sum).wait())?;
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    pub fn run_here<R>(&self, f: impl FnOnce(&Communicator) -> R) -> R {
+        /// Hands a call `f` kept but did not run to the worker, even if `f` panics.
+        struct Release<'a>(&'a Communicator);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                let mut issue = lock(&self.0.inner.issue);
+                if issue.keep_for == Some(std::thread::current().id()) {
+                    issue.keep_for = None;
+                }
+                issue.hand_over(self.0.rank());
+            }
+        }
+        lock(&self.inner.issue).keep_for = Some(std::thread::current().id());
+        let _release = Release(self);
+        f(self)
     }
 
     /// Queues the collective that `build` describes on `buf` (see [`submit`](Self::submit)).
@@ -358,5 +447,80 @@ impl Communicator {
         self.submit(buf, move |inner, state, buf| {
             inner.execute(state, build(inner, buf)?)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Config, ReduceOp};
+
+    const PATIENCE: Duration = Duration::from_secs(30);
+
+    fn solo() -> Communicator {
+        Communicator::new(Config::new(0, 1, "127.0.0.1", 0)).expect("one rank")
+    }
+
+    fn worker_started(comm: &Communicator) -> bool {
+        lock(&comm.inner.issue).worker.is_some()
+    }
+
+    #[test]
+    fn a_call_waited_on_in_run_here_never_wakes_the_worker() {
+        let comm = solo();
+        let sum = comm.run_here(|c| c.all_reduce_async(vec![2.0f32, 3.0], ReduceOp::Sum).wait());
+        assert_eq!(sum.unwrap(), [2.0, 3.0]);
+        assert!(!worker_started(&comm));
+        assert!(lock(&comm.inner.issue).kept.is_none());
+        // Outside it, an asynchronous call goes to the worker.
+        let work = comm.all_reduce_async(vec![1u8], ReduceOp::Max);
+        assert!(worker_started(&comm));
+        assert_eq!(work.wait().unwrap(), [1]);
+    }
+
+    /// Runs `f` on a thread of its own and gives its result, failing the test rather than
+    /// hanging if it does not end.
+    fn within<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+        let (tx, rx) = channel::bounded(1);
+        std::thread::spawn(move || tx.send(f()));
+        rx.recv_timeout(PATIENCE).expect("the calls did not end")
+    }
+
+    #[test]
+    fn a_call_run_here_leaves_unwaited_goes_to_the_worker_in_its_turn() {
+        let comm = Arc::new(solo());
+        let c = Arc::clone(&comm);
+        let (left, later) = within(move || {
+            // Kept, then handed over when `run_here` returns: `join` never runs it here.
+            let left = c.run_here(|c| c.all_reduce_async(vec![1i32], ReduceOp::Sum));
+            // Kept, then handed over when the second call is issued, which waits for its turn.
+            let later = c.run_here(|c| {
+                let first = c.all_reduce_async(vec![2i32], ReduceOp::Sum);
+                let second = c.all_reduce_async(vec![3i32], ReduceOp::Sum).wait();
+                (first.join(), second)
+            });
+            (left.join(), later)
+        });
+        assert_eq!(left.unwrap(), [1]);
+        assert_eq!((later.0.unwrap(), later.1.unwrap()), (vec![2], vec![3]));
+        assert!(lock(&comm.inner.issue).kept.is_none());
+    }
+
+    #[test]
+    fn a_call_kept_by_a_function_that_panics_still_runs() {
+        let comm = Arc::new(solo());
+        let (tx, rx) = channel::bounded(1);
+        let c = Arc::clone(&comm);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            c.run_here(|c| {
+                tx.send(c.all_reduce_async(vec![4u64], ReduceOp::Sum))
+                    .unwrap();
+                panic!("after issuing");
+            })
+        }));
+        assert!(panicked.is_err());
+        let work = rx.recv().unwrap();
+        let outcome = within(move || work.join());
+        assert_eq!(outcome.unwrap(), [4]);
     }
 }
