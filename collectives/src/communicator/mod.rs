@@ -251,7 +251,7 @@ impl Inner {
 
     /// Hands out the next ticket.
     fn ticket(&self) -> u64 {
-        lock(&self.issue).ticket()
+        lock(&self.issue).ticket(self.config.rank).0
     }
 
     /// Waits for `ticket`'s turn, runs `call`, and passes the turn on.

@@ -204,10 +204,17 @@ pub(super) struct Issue {
 }
 
 impl Issue {
-    /// Hands out the next ticket.
-    pub(super) fn ticket(&mut self) -> u64 {
+    /// Hands out the next ticket, and whether its call is the one a thread in
+    /// [`Communicator::run_here`] keeps (its first). A call kept before goes to the worker
+    /// first: this one will wait for its turn.
+    pub(super) fn ticket(&mut self, rank: usize) -> (u64, bool) {
+        self.hand_over(rank);
+        let keep = self.keep_for.is_some() && self.keep_for == Some(std::thread::current().id());
+        if keep {
+            self.keep_for = None;
+        }
         self.next += 1;
-        self.next - 1
+        (self.next - 1, keep)
     }
 
     /// Takes the worker (to finish it).
@@ -389,18 +396,14 @@ impl Communicator {
     {
         let inner = Arc::clone(&self.inner);
         let mut issue = lock(&self.inner.issue);
-        let ticket = issue.ticket();
+        let (ticket, keep) = issue.ticket(self.rank());
         // The outcome is recorded in the operation's turn, so operations show as completed
         // in issue order.
         let body: Body<B> = Box::new(move |finish| {
             inner.run_then(ticket, buf, run, |result, buf| finish.finish(result, buf));
         });
         let (work, task) = task(body);
-        // A call kept from the worker goes to it before any later call does.
-        issue.hand_over(self.rank());
-        let here = Some(std::thread::current().id());
-        if issue.keep_for.is_some() && issue.keep_for == here {
-            issue.keep_for = None;
+        if keep {
             issue.kept = Some(task);
         } else {
             send(&mut issue.worker, self.rank(), task);
@@ -411,8 +414,10 @@ impl Communicator {
     /// Runs `f`, keeping the first call it issues from the worker thread so that waiting on
     /// it runs it on this thread: for a call waited on at once, which gains nothing from
     /// the worker and, where ranks outnumber cores, pays for waking it. `f` should wait on
-    /// that call; if it does not, or issues another first (or another thread issues one
-    /// meanwhile), the call goes to the worker as usual, in its turn.
+    /// that call with [`Work::wait`]; once `f` issues another call (or another thread issues
+    /// one), or returns without waiting, the call goes to the worker as usual, in its turn.
+    /// (Until then nothing else runs it: `join`, `wait_timeout` or polling it inside `f`
+    /// would wait for ever.)
     ///
     /// ```no_run
     /// # use chorus::{Communicator, ReduceOp};
@@ -471,7 +476,6 @@ mod tests {
         let sum = comm.run_here(|c| c.all_reduce_async(vec![2.0f32, 3.0], ReduceOp::Sum).wait());
         assert_eq!(sum.unwrap(), [2.0, 3.0]);
         assert!(!worker_started(&comm));
-        assert!(lock(&comm.inner.issue).kept.is_none());
         // Outside it, an asynchronous call goes to the worker.
         let work = comm.all_reduce_async(vec![1u8], ReduceOp::Max);
         assert!(worker_started(&comm));
@@ -503,7 +507,36 @@ mod tests {
         });
         assert_eq!(left.unwrap(), [1]);
         assert_eq!((later.0.unwrap(), later.1.unwrap()), (vec![2], vec![3]));
-        assert!(lock(&comm.inner.issue).kept.is_none());
+    }
+
+    #[test]
+    fn a_blocking_call_after_a_kept_one_hands_it_to_the_worker() {
+        let comm = Arc::new(solo());
+        let c = Arc::clone(&comm);
+        let (barrier, kept) = within(move || {
+            c.run_here(|c| {
+                let work = c.all_reduce_async(vec![5i32], ReduceOp::Sum);
+                // Waits for the kept call's turn, which the worker now gives it.
+                (c.barrier(), work.wait())
+            })
+        });
+        barrier.unwrap();
+        assert_eq!(kept.unwrap(), [5]);
+        assert!(worker_started(&comm));
+        // A blocking call first is the one run here: the asynchronous one after goes to
+        // the worker.
+        let other = Arc::new(solo());
+        let o = Arc::clone(&other);
+        let (barrier, later) = within(move || {
+            o.run_here(|c| {
+                (
+                    c.barrier(),
+                    c.all_reduce_async(vec![6i64], ReduceOp::Sum).join(),
+                )
+            })
+        });
+        barrier.unwrap();
+        assert_eq!(later.unwrap(), [6]);
     }
 
     #[test]
