@@ -118,10 +118,15 @@ def bench_ddp(dist, torch, world, model_name, args, device):
 
 def register_floor(dist, torch):
     """A Python process group whose operations only read the tensor's address: the cost of
-    torch's Python path to a backend, which no Python backend can go below."""
-    from torch._C._distributed_c10d import ProcessGroup, _create_work_from_future
+    torch's Python path to a backend, which no Python backend can go below. It takes the
+    shape chorus_torch takes under this torch: a `Backend` under torch's ProcessGroup from
+    torch 2.7 on (reached through torch's dispatcher), a ProcessGroup subclass before."""
+    import torch._C._distributed_c10d as c10d
+    from torch._C._distributed_c10d import _create_work_from_future
 
-    class Floor(ProcessGroup):
+    registered = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 7)
+
+    class Floor(c10d.Backend if registered else c10d.ProcessGroup):
         def allreduce(self, tensors, opts=None):
             tensors[0].data_ptr()
             future = torch.futures.Future()
