@@ -261,13 +261,8 @@ impl Comm {
         let keep = PyTuple::new(py, [input, output])?.into_any().unbind();
         match i.place {
             Place::Host if now => {
-                let pending = py.detach(|| {
-                    self.comm.run_here(|c| {
-                        let pending = host::start(c, &call, i, o, keep)?;
-                        pending.wait_detached();
-                        Ok::<_, PyErr>(pending)
-                    })
-                })?;
+                let pending =
+                    Pending::ended(py, &self.comm, |c| host::start(c, &call, i, o, keep))?;
                 Ok(Py::new(py, pending)?.into_any())
             }
             Place::Host => Ok(Py::new(py, host::start(&self.comm, &call, i, o, keep)?)?.into_any()),
@@ -390,17 +385,11 @@ impl Comm {
     /// Starts a barrier; with `now`, runs it on this thread and returns it ended (see
     /// [`Comm::call`]).
     #[pyo3(signature = (now=false))]
-    fn barrier(&self, py: Python<'_>, now: bool) -> Pending {
+    fn barrier(&self, py: Python<'_>, now: bool) -> PyResult<Pending> {
         if !now {
-            return Pending::new(self.comm.barrier_async());
+            return Ok(Pending::new(self.comm.barrier_async()));
         }
-        py.detach(|| {
-            self.comm.run_here(|c| {
-                let pending = Pending::new(c.barrier_async());
-                pending.wait_detached();
-                pending
-            })
-        })
+        Pending::ended(py, &self.comm, |c| Ok(Pending::new(c.barrier_async())))
     }
 }
 

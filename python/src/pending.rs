@@ -47,10 +47,21 @@ impl Pending {
         Pending::from(Box::new(work) as Box<dyn Outcome>)
     }
 
-    /// Waits for the call here (see [`Pending::wait`]) without the GIL, which the caller has
-    /// released: for a call issued to be waited on at once (`Communicator::run_here`).
-    pub(crate) fn wait_detached(&self) {
-        self.settled(|work| work.wait());
+    /// The call `start` issues on `comm`, run to its end on this thread without the GIL and
+    /// without waking Chorus's worker ([`chorus::Communicator::run_here`]): for a call the
+    /// caller waits on at once.
+    pub(crate) fn ended(
+        py: Python<'_>,
+        comm: &chorus::Communicator,
+        start: impl FnOnce(&chorus::Communicator) -> PyResult<Pending> + Send,
+    ) -> PyResult<Pending> {
+        py.detach(|| {
+            comm.run_here(|c| {
+                let pending = start(c)?;
+                pending.settled(|work| work.wait());
+                Ok(pending)
+            })
+        })
     }
 
     /// Settles the outcome with `wait` unless another waiter has; the outcome, if any.
