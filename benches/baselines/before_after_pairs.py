@@ -2,9 +2,10 @@
 """One row from two builds in pairs (before_after_pairs.sh's lines "PAIR SIDE OOP IP", times in
 us): each side's median time, the median of the pairs' ratios after / before (above 1: after
 is slower), and, given SLOW, how many runs of each side took more than SLOW us (a slow mode).
-LABELS name the lines' two figures (out of place, in place).
+LABELS name the lines' two figures (out of place, in place); SIDES the two sides (before, after).
 
     python3 benches/baselines/before_after_pairs.py PAIRS.txt [SLOW] [--labels FIRST,SECOND]
+        [--sides BEFORE,AFTER]
 """
 
 import statistics
@@ -17,12 +18,14 @@ def us(t):
 
 
 def main(argv):
-    labels = ("out of place", "in place")
-    if "--labels" in argv[:-1]:
-        at = argv.index("--labels")
-        labels = tuple(argv[at + 1].split(","))
-        argv = argv[:at] + argv[at + 2:]
-    if len(argv) not in (1, 2) or len(labels) != 2:
+    names = {"--labels": ("out of place", "in place"), "--sides": ("before", "after")}
+    for flag in names:
+        if flag in argv[:-1]:
+            at = argv.index(flag)
+            names[flag] = tuple(argv[at + 1].split(","))
+            argv = argv[:at] + argv[at + 2:]
+    labels, sides = names["--labels"], names["--sides"]
+    if len(argv) not in (1, 2) or len(labels) != 2 or len(sides) != 2:
         sys.exit(__doc__)
     slow = float(argv[1]) if len(argv) == 2 else None
     runs = {}
@@ -31,10 +34,10 @@ def main(argv):
             pair, side, oop, ip = line.split()
             runs.setdefault(pair, {})[side] = (float(oop), float(ip))
     pairs = [p for p in runs.values() if len(p) == 2]
-    head = f"| {len(pairs)} pairs | before (us) | after (us) | after / before, paired |"
+    head = f"| {len(pairs)} pairs | {sides[0]} (us) | {sides[1]} (us) | {sides[1]} / {sides[0]}, paired |"
     rule = "|---|---|---|---|"
     if slow is not None:
-        head += f" runs over {slow:g} us, before / after |"
+        head += f" runs over {slow:g} us, {sides[0]} / {sides[1]} |"
         rule += "---|"
     print(head)
     print(rule)
