@@ -13,7 +13,7 @@
 #   BEFORE_ENV=CHORUS_ALGO=allreduce:tree AFTER_ENV=CHORUS_ALGO=allreduce:rhd TRANSPORT=shm \
 #       before_after_pairs.sh target/release target/release allreduce_perf -b 16M -e 16M ... -np 4
 set -euo pipefail
-[[ $# -ge 2 ]] || { sed -n '2,10p' "$0"; exit 2; }
+[[ $# -ge 2 ]] || { sed -n '2,14p' "$0"; exit 2; }
 before=$1 after=$2
 shift 2
 row=("$@")
