@@ -2,12 +2,14 @@
 """One row from two builds in pairs (before_after_pairs.sh's lines "PAIR SIDE OOP IP", times in
 us): each side's median time, the median of the pairs' ratios after / before (above 1: after
 is slower), and, given SLOW, how many runs of each side took more than SLOW us (a slow mode).
-LABELS name the lines' two figures (out of place, in place); SIDES the two sides (before, after).
+Several files (sittings of one row) pool their pairs. LABELS name the lines' two figures (out
+of place, in place); SIDES the two sides (before, after).
 
-    python3 benches/baselines/before_after_pairs.py PAIRS.txt [SLOW] [--labels FIRST,SECOND]
+    python3 benches/baselines/before_after_pairs.py PAIRS.txt... [SLOW] [--labels FIRST,SECOND]
         [--sides BEFORE,AFTER]
 """
 
+import os
 import statistics
 import sys
 
@@ -25,14 +27,17 @@ def main(argv):
             names[flag] = tuple(argv[at + 1].split(","))
             argv = argv[:at] + argv[at + 2:]
     labels, sides = names["--labels"], names["--sides"]
-    if len(argv) not in (1, 2) or len(labels) != 2 or len(sides) != 2:
+    slow = None
+    if len(argv) > 1 and not os.path.exists(argv[-1]):
+        slow = float(argv.pop())
+    if not argv or len(labels) != 2 or len(sides) != 2:
         sys.exit(__doc__)
-    slow = float(argv[1]) if len(argv) == 2 else None
     runs = {}
-    with open(argv[0]) as f:
-        for line in f:
-            pair, side, oop, ip = line.split()
-            runs.setdefault(pair, {})[side] = (float(oop), float(ip))
+    for path in argv:
+        with open(path) as f:
+            for line in f:
+                pair, side, oop, ip = line.split()
+                runs.setdefault((path, pair), {})[side] = (float(oop), float(ip))
     pairs = [p for p in runs.values() if len(p) == 2]
     head = f"| {len(pairs)} pairs | {sides[0]} (us) | {sides[1]} (us) | {sides[1]} / {sides[0]}, paired |"
     rule = "|---|---|---|---|"
