@@ -172,7 +172,7 @@ impl Ordered {
     /// issue) reports its failure at once.
     fn keep(&self, work: DeviceWork<()>) -> Outcome {
         if work.is_completed() {
-            return work.join().map_err(Failure::from);
+            return work.wait().map_err(Failure::from);
         }
         self.settle();
         lock(&self.in_flight).push(work);
@@ -187,7 +187,7 @@ impl Ordered {
             *in_flight = running;
             ended
         };
-        ended.into_iter().for_each(|w| self.note(w.join()));
+        ended.into_iter().for_each(|w| self.note(w.wait()));
     }
 
     /// Remembers the first failure of a call that has ended.

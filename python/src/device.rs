@@ -265,7 +265,7 @@ impl<K: Send + 'static> Outcome for DeviceWork<K> {
     }
 
     fn join(self: Box<Self>) -> chorus::Result<()> {
-        (*self).join().map(drop)
+        (*self).wait().map(drop)
     }
 
     fn is_completed(&self) -> bool {

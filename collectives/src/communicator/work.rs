@@ -31,9 +31,15 @@ type Body<B> = Box<dyn FnOnce(Finish<'_, B>) + Send>;
 struct Finish<'a, B>(&'a Slot<B>);
 
 impl<B> Finish<'_, B> {
-    /// Makes the operation finished, its outcome and buffers ready for the handle.
+    /// Makes the operation finished, its outcome and buffers ready for the handle (a failed
+    /// operation's buffers are dropped).
     fn finish(self, result: Result<()>, buf: B) {
-        *lock(&self.0.stage) = Stage::Finished(result, buf);
+        self.end(result.map(|()| buf));
+    }
+
+    /// Makes the operation finished with `outcome`.
+    fn end(self, outcome: Result<B>) {
+        *lock(&self.0.stage) = Stage::Finished(outcome);
         self.0.finished.notify_all();
     }
 }
@@ -52,8 +58,8 @@ enum Stage<B> {
     Queued(Body<B>),
     /// Running on some thread.
     Running,
-    /// Finished; the outcome waits for the handle.
-    Finished(Result<()>, B),
+    /// Finished; the outcome (the buffers, or the error) waits for the handle.
+    Finished(Result<B>),
     /// The handle took the outcome.
     Collected,
 }
@@ -63,7 +69,7 @@ impl<B> Stage<B> {
     /// the stage as it was) while the operation is queued or running.
     fn collect(&mut self) -> Option<Result<B>> {
         match std::mem::replace(self, Stage::Collected) {
-            Stage::Finished(result, buf) => Some(result.map(|()| buf)),
+            Stage::Finished(outcome) => Some(outcome),
             other => {
                 *self = other;
                 None
@@ -173,7 +179,10 @@ fn send(worker: &mut Option<Worker>, rank: usize, task: Arc<dyn Task>) {
     if worker.is_none() {
         match Worker::start(rank) {
             Ok(started) => *worker = Some(started),
-            Err(e) => tracing::warn!(rank, "{e}: the operation runs when it is waited on"),
+            Err(e) => tracing::warn!(
+                rank,
+                "{e}: operations run on the threads that issue or wait on them"
+            ),
         }
     }
     if let Some(tasks) = worker.as_ref().and_then(|w| w.tasks.as_ref()) {
@@ -182,12 +191,15 @@ fn send(worker: &mut Option<Worker>, rank: usize, task: Arc<dyn Task>) {
     }
 }
 
-/// Queues `body` on `worker` (started on first use) and returns its handle.
+/// The error of an operation that panicked (a defect in Chorus), with the panic's message.
 #[cfg(feature = "cuda")]
-fn queue<B: Send + 'static>(worker: &mut Option<Worker>, rank: usize, body: Body<B>) -> Work<B> {
-    let (work, task) = task(body);
-    send(worker, rank, task);
-    work
+fn panicked(panic: &(dyn std::any::Any + Send)) -> Error {
+    let message = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message");
+    Error::Internal(format!("the operation panicked: {message}"))
 }
 
 /// Where a communicator's calls are issued: tickets, the worker, and the call a thread in
@@ -248,17 +260,29 @@ impl Queue {
     }
 
     /// Runs `op` after every operation queued before it; its outcome and the buffer it
-    /// returns come back through the handle.
+    /// returns come back through the handle. Only the worker runs the queue's operations
+    /// (they take no turns, so a waiter must not run one ahead of those before it); where
+    /// no worker thread can start, `op` runs here and now. An `op` that panics fails its
+    /// handle with [`Error::Internal`] and leaves the queue running.
     pub(crate) fn submit<B, F>(&self, op: F) -> Work<B>
     where
         B: Send + 'static,
         F: FnOnce() -> (Result<()>, B) + Send + 'static,
     {
         let body: Body<B> = Box::new(move |finish| {
-            let (result, buf) = op();
-            finish.finish(result, buf);
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(op)) {
+                Ok((result, buf)) => finish.finish(result, buf),
+                Err(panic) => finish.end(Err(panicked(panic.as_ref()))),
+            }
         });
-        queue(&mut lock(&self.worker), self.rank, body)
+        let (work, task) = task(body);
+        let mut worker = lock(&self.worker);
+        send(&mut worker, self.rank, Arc::clone(&task));
+        if worker.is_none() {
+            // Under the lock, so that operations queued by other threads wait for it.
+            task.run();
+        }
+        work
     }
 
     /// Waits until every operation queued so far has run; at once if none ever was.
@@ -316,13 +340,10 @@ impl<B> Work<B> {
         matches!(*lock(&self.slot.stage), Stage::Finished(..))
     }
 
-    /// Blocks until the operation has finished, leaving its outcome for the handle; runs it
-    /// here (in its turn) if the worker has not started it, as [`wait`](Self::wait) does.
+    /// Blocks until another thread (the worker) has finished the operation, leaving its
+    /// outcome for the handle; never runs it here, as [`join`](Self::join).
     #[cfg(feature = "cuda")]
     pub(crate) fn finished(&self) {
-        if let Some(body) = self.slot.take() {
-            self.slot.run_body(body);
-        }
         let mut stage = lock(&self.slot.stage);
         while matches!(*stage, Stage::Queued(_) | Stage::Running) {
             stage = self
@@ -537,6 +558,53 @@ mod tests {
         });
         barrier.unwrap();
         assert_eq!(later.unwrap(), [6]);
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_queued_operation_never_runs_ahead_of_those_before_it() {
+        let queue = Queue::new(0);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let (release, held) = channel::bounded::<()>(1);
+        let (ran, second_ran) = channel::bounded::<()>(1);
+        let o = Arc::clone(&order);
+        let first = queue.submit(move || {
+            // Held until the second has run (out of turn), or for a while if it does not.
+            let _ = held.recv_timeout(PATIENCE);
+            o.lock().unwrap().push(1);
+            (Ok(()), ())
+        });
+        let o = Arc::clone(&order);
+        let second = queue.submit(move || {
+            o.lock().unwrap().push(2);
+            let _ = ran.send(());
+            (Ok(()), ())
+        });
+        std::thread::spawn(move || {
+            let _ = second_ran.recv_timeout(Duration::from_millis(200));
+            let _ = release.send(());
+        });
+        // What a device call's handle does where streams cannot wait on memory.
+        within(move || {
+            second.finished();
+            second.join()
+        })
+        .unwrap();
+        within(move || first.join()).unwrap();
+        assert_eq!(*order.lock().unwrap(), [1, 2]);
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_queued_operation_that_panics_fails_its_handle_and_the_queue_goes_on() {
+        let queue = Queue::new(0);
+        let panics = queue.submit(|| -> (Result<()>, ()) { panic!("on purpose") });
+        let after = queue.submit(|| (Ok(()), 7));
+        match within(move || panics.join()) {
+            Err(Error::Internal(why)) => assert!(why.contains("on purpose"), "{why}"),
+            other => panic!("not the panic's error: {other:?}"),
+        }
+        assert_eq!(within(move || after.join()).unwrap(), 7);
     }
 
     #[test]

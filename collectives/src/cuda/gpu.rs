@@ -131,6 +131,14 @@ pub(super) trait Gpu: Sync {
     ) -> Result<()>;
 }
 
+/// `ran`, a call's outcome, once every piece of work enqueued on `queues` has run, whatever
+/// `ran` says: a call's copies and kernels read and write the caller's buffers and the
+/// path's own, so none may outlive the call, not even one that failed halfway. The call's
+/// own error comes first.
+pub(super) fn settle<G: Gpu>(gpu: &G, ran: Result<()>, queues: &[&G::Queue]) -> Result<()> {
+    queues.iter().map(|q| gpu.finish(q)).fold(ran, Result::and)
+}
+
 impl HostBuffer for Pinned {
     fn at(&self, offset: usize) -> *mut u8 {
         Pinned::at(self, offset)
@@ -286,12 +294,33 @@ pub(super) mod lazy {
     #[derive(Default)]
     pub struct LazyGpu {
         island: u8,
+        /// The copies it still enqueues before it refuses them; `None`: no limit.
+        copies_left: Mutex<Option<usize>>,
+        /// Every queue it made.
+        queues: Mutex<Vec<Queue>>,
     }
 
     impl LazyGpu {
         /// A device of island `island`.
         pub fn on_island(island: u8) -> LazyGpu {
-            LazyGpu { island }
+            LazyGpu {
+                island,
+                ..LazyGpu::default()
+            }
+        }
+
+        /// A device that enqueues `copies` copies and then fails to enqueue any more, as a
+        /// device that has gone wrong.
+        pub fn refusing_after(copies: usize) -> LazyGpu {
+            LazyGpu {
+                copies_left: Mutex::new(Some(copies)),
+                ..LazyGpu::default()
+            }
+        }
+
+        /// Whether every queue it made has run all its work.
+        pub fn idle(&self) -> bool {
+            self.queues.lock().unwrap().iter().all(Queue::idle)
         }
     }
 
@@ -406,6 +435,10 @@ pub(super) mod lazy {
             self.0.lock().unwrap().enqueued
         }
 
+        fn idle(&self) -> bool {
+            self.0.lock().unwrap().pending.is_empty()
+        }
+
         fn run(&self, work: impl FnOnce() + Send + 'static) {
             self.push(Op::Run(Box::new(work)));
         }
@@ -470,7 +503,9 @@ pub(super) mod lazy {
         }
 
         fn queue(&self) -> Result<Arc<Queue>> {
-            Ok(Arc::new(Queue::default()))
+            let queue = Queue::default();
+            self.queues.lock().unwrap().push(queue.clone());
+            Ok(Arc::new(queue))
         }
 
         fn bind(&self) -> Result<()> {
@@ -503,6 +538,11 @@ pub(super) mod lazy {
         }
 
         unsafe fn to_host(&self, dst: *mut u8, src: u64, len: usize, queue: &Queue) -> Result<()> {
+            if let Some(left) = self.copies_left.lock().unwrap().as_mut() {
+                *left = left.checked_sub(1).ok_or_else(|| {
+                    crate::Error::Internal("the lazy device refuses the copy".into())
+                })?;
+            }
             let (dst, src) = (dst as usize, src as usize);
             queue.run(move || {
                 // SAFETY: the caller's contract, which holds until the copy has run.

@@ -54,7 +54,29 @@ where
     let (offsets, len) = layout(memory);
     let mut host = Pinned::new(len)?;
     let work = &shared.work;
-    for (&m, &at) in memory.iter().zip(&offsets) {
+    let ran = through(shared, memory, (&offsets, len), &mut host, call);
+    // The copies enqueued read and write `host` and the caller's memory: they have all
+    // run before `host` is freed and the call returns, even where it failed halfway.
+    let settled = work
+        .synchronize()
+        .map_err(CudaError::driver("waiting for the copies to the device"));
+    ran.and(settled.map_err(Into::into))
+}
+
+/// [`run_staged`]'s copies and call through `host`, a buffer of `len` bytes holding each
+/// piece of `memory` at its offset; returns with the last copies enqueued on the work stream.
+fn through<F>(
+    shared: &Shared,
+    memory: &[Staged],
+    (offsets, len): (&[usize], usize),
+    host: &mut Pinned,
+    call: F,
+) -> Result<()>
+where
+    F: FnOnce(&Communicator, &mut [&mut [u8]]) -> Result<()>,
+{
+    let work = &shared.work;
+    for (&m, &at) in memory.iter().zip(offsets) {
         if let Staged::Input(src, bytes) = m {
             // SAFETY: `src` holds `bytes` bytes of device memory until the call has ended
             // (the caller's promise); `host` has room for them at `at` and is read only
@@ -74,16 +96,14 @@ where
     }
     call(&shared.comm, &mut pieces)?;
     drop(pieces);
-    for (&m, &at) in memory.iter().zip(&offsets) {
+    for (&m, &at) in memory.iter().zip(offsets) {
         if let Staged::Output(dst, bytes) = m {
             // SAFETY: `dst` holds `bytes` bytes of device memory until the call has ended,
             // written by nothing else meanwhile (the caller's promise); `host` outlives the
-            // copy, which is waited for below.
+            // copy, which [`run_staged`] waits for.
             unsafe { copy_to_device(dst, host.at(at), bytes, work)? };
         }
     }
-    work.synchronize()
-        .map_err(CudaError::driver("waiting for the copies to the device"))?;
     Ok(())
 }
 

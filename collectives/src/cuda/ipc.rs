@@ -18,7 +18,7 @@
 
 use chorus_kernels::{DType, ReduceOp};
 
-use super::gpu::{Gpu, HANDLE};
+use super::gpu::{settle, Gpu, HANDLE};
 use super::pipes::{self, DeviceMessage, SLOT_BYTES};
 use super::{agree, slice, DeviceCall, Job};
 use crate::{Communicator, Result};
@@ -92,6 +92,9 @@ impl<G: Gpu> Peers<G> {
         let mut agreed = [u8::from(failure.is_none())];
         comm.all_reduce(&mut agreed, ReduceOp::Min)?;
         if agreed[0] == 0 {
+            // Every rank unmaps its peers' memory before any frees its own.
+            drop(mapped);
+            comm.barrier()?;
             return Ok(Err(failure.unwrap_or_else(|| {
                 "another rank cannot map its peers' device memory".into()
             })));
@@ -154,28 +157,31 @@ impl<G: Gpu> Peers<G> {
             _ => self.half_bytes,
         };
         let step = (room / size).max(1) * size;
-        for (i, offset) in (0..job.block).step_by(step).enumerate() {
-            let (ptrs, scratch) = self.next_half();
-            let round = Round {
-                comm,
-                gpu,
-                stream,
-                ptrs,
-                scratch,
-                job,
-                first: i == 0,
-            };
-            let len = step.min(job.block - offset);
-            match job.call {
-                DeviceCall::AllReduce(op) => round.all_reduce(op, offset, len)?,
-                DeviceCall::Broadcast { root } => round.broadcast(root, offset, len)?,
-                DeviceCall::Reduce { op, root } => round.reduce(op, root, offset, len)?,
-                DeviceCall::AllGather => round.all_gather(offset, len)?,
-                DeviceCall::ReduceScatter(op) => round.reduce_scatter(op, offset, len)?,
-                DeviceCall::AllToAll => round.all_to_all(offset, len)?,
-            }
-        }
-        gpu.finish(stream)
+        let ran = (0..job.block)
+            .step_by(step)
+            .enumerate()
+            .try_for_each(|(i, offset)| {
+                let (ptrs, scratch) = self.next_half();
+                let round = Round {
+                    comm,
+                    gpu,
+                    stream,
+                    ptrs,
+                    scratch,
+                    job,
+                    first: i == 0,
+                };
+                let len = step.min(job.block - offset);
+                match job.call {
+                    DeviceCall::AllReduce(op) => round.all_reduce(op, offset, len),
+                    DeviceCall::Broadcast { root } => round.broadcast(root, offset, len),
+                    DeviceCall::Reduce { op, root } => round.reduce(op, root, offset, len),
+                    DeviceCall::AllGather => round.all_gather(offset, len),
+                    DeviceCall::ReduceScatter(op) => round.reduce_scatter(op, offset, len),
+                    DeviceCall::AllToAll => round.all_to_all(offset, len),
+                }
+            });
+        settle(gpu, ran, &[stream])
     }
 }
 
@@ -410,7 +416,9 @@ mod tests {
     use chorus_kernels::DType;
 
     use super::*;
-    use crate::cuda::testing::{check, Case};
+    use crate::cuda::gpu::lazy::{Buffer, LazyGpu};
+    use crate::cuda::testing::{check, on_ranks, Case};
+    use crate::Error;
 
     /// Bytes of each half in the tests: 1,000 four-byte elements take several rounds.
     const HALF: usize = 512;
@@ -437,6 +445,30 @@ mod tests {
             (DeviceCall::AllToAll, f64, 1),
             (DeviceCall::AllGather, i32, 0),
         ]
+    }
+
+    #[test]
+    fn a_call_that_fails_halfway_has_run_its_copies_when_it_returns() {
+        // The root's copy into its scratch memory enqueued, its copy to the output refused.
+        on_ranks(&[0], |comm, _| {
+            let gpu = LazyGpu::refusing_after(1);
+            let mut peers = Peers::sized(comm, &gpu, (HALF, HALF))
+                .expect("the exchange")
+                .expect("the rank maps its own memory");
+            let (input, output) = (Buffer::new(64), Buffer::new(64));
+            let job = Job {
+                call: DeviceCall::Broadcast { root: 0 },
+                dtype: DType::I32,
+                block: 64,
+                input: input.address(),
+                output: output.address(),
+            };
+            let stream = gpu.queue().expect("a queue");
+            let failed = peers.run(comm, &gpu, job, &stream);
+            peers.close(comm);
+            assert!(matches!(failed, Err(Error::Internal(_))), "{failed:?}");
+            assert!(gpu.idle(), "work left on a queue after the call returned");
+        });
     }
 
     #[test]

@@ -53,10 +53,12 @@
 //! stream after the call without blocking the host. Where the device cannot make streams
 //! wait on memory (`CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` is 0), the caller's
 //! stream is not ordered after the call (the buffers, which the call owns until `wait`
-//! gives them back, are safe by ownership) and `wait_on` blocks the host until the call has
-//! ended. A call on a stream that is being captured into a CUDA graph fails with
-//! [`Error::InvalidArgument`]: the call is driven from the host, so a graph could not
-//! replay it.
+//! gives them back, are safe by ownership), `wait_on` blocks the host until the call has
+//! ended, and a call on memory the caller keeps (the `*_raw` calls and
+//! [`CudaCommunicator::host_call`]) whose stream should wait for it
+//! ([`CallerStream::Ordered`]) returns once it has ended. A call on a stream that is being
+//! captured into a CUDA graph fails with [`Error::InvalidArgument`]: the call is driven from
+//! the host, so a graph could not replay it.
 
 mod gpu;
 mod host;
@@ -230,7 +232,6 @@ impl CudaCommunicator {
             .context()
             .bind_to_thread()
             .map_err(CudaError::driver("binding the device's context"))?;
-        let path = choose(&comm, &device, forced)?;
         let completions = order::Completions::new(MappedCounter::new(device.context())?);
         let waits = stream_waits_supported(device.context());
         if !waits {
@@ -240,16 +241,20 @@ impl CudaCommunicator {
                  the host until the call is done"
             );
         }
+        let order = Order {
+            completions,
+            stream: waits.then(|| device.new_stream()).transpose()?,
+            issuing: Mutex::new(()),
+        };
+        let work = device.new_stream()?;
+        // Last: once its peers map this rank's memory, only `Shared`'s drop may free it.
+        let path = choose(&comm, &device, forced)?;
         Ok(CudaCommunicator {
             queue: Queue::new(comm.rank()),
-            order: Order {
-                completions,
-                stream: waits.then(|| device.new_stream()).transpose()?,
-                issuing: Mutex::new(()),
-            },
+            order,
             shared: Arc::new(Shared {
                 comm,
-                work: device.new_stream()?,
+                work,
                 device,
                 path: Mutex::new(path),
             }),
@@ -442,7 +447,7 @@ impl CudaCommunicator {
                 run(shared)
             }
         });
-        self.issue(body, keep, on)
+        self.issue(body, keep, on).ordered(on.1)
     }
 
     /// Reduces `buf` across all ranks in place; every rank ends with the result.
@@ -694,7 +699,7 @@ impl CudaCommunicator {
             .shared
             .check_issue(stream)
             .and_then(|()| self.shared.job(call, dtype, count, (input, output)));
-        self.start(job, keep, stream, caller)
+        self.start(job, keep, stream, caller).ordered(caller)
     }
 }
 
@@ -736,7 +741,7 @@ impl CudaCommunicator {
                 shared.exchange(messages)
             }
         });
-        self.issue(body, keep, (stream, caller))
+        self.issue(body, keep, (stream, caller)).ordered(caller)
     }
 }
 
@@ -1071,14 +1076,20 @@ impl<B> DeviceWork<B> {
         }
     }
 
-    /// Blocks until the call has ended and gives the buffers back, or its error.
-    pub fn wait(self) -> Result<B> {
-        self.work.wait()
+    /// The handle of a call on memory the caller keeps (a raw call's), once `caller`'s rule
+    /// holds: where streams cannot wait on memory, a call whose stream should wait for it
+    /// ([`CallerStream::Ordered`]) has ended before the caller goes on, since the caller may
+    /// use the memory once the stream has passed the call.
+    fn ordered(self, caller: CallerStream) -> DeviceWork<B> {
+        if caller == CallerStream::Ordered && self.done.is_none() {
+            self.work.finished();
+        }
+        self
     }
 
-    /// Like [`wait`](Self::wait), but never runs the call on this thread (a completion
-    /// thread's wait): see [`Work::join`].
-    pub fn join(self) -> Result<B> {
+    /// Blocks until the call has ended and gives the buffers back, or its error. Chorus's
+    /// thread runs the calls in issue order; a wait never runs one on the waiting thread.
+    pub fn wait(self) -> Result<B> {
         self.work.join()
     }
 }

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use super::gpu::Gpu;
+use super::gpu::{settle, Gpu};
 use crate::{Communicator, Error, Result};
 
 /// Host tags of the control messages (on the device communicator's own connections): a
@@ -203,21 +203,24 @@ pub(super) fn exchange<G: Gpu>(
         .max()
         .unwrap_or(0);
     let mut heard = vec![0u8; incoming.len().max(outgoing.len())];
+    // Each half of a round enqueues its copies and waits for them before it signals; one
+    // that fails while enqueuing waits for those it enqueued before it returns.
+    let copy = |chunks: &[Live<'_>], k: usize, sends: bool| {
+        let ran = chunks.iter().try_for_each(|&(peer, s)| {
+            let (from, to) = if sends { (me, peer) } else { (peer, me) };
+            // SAFETY: the chunk lies in the caller's buffers (its promise). Sent, it goes
+            // into this rank's slot for `peer`, which holds `slot` bytes and which `peer`
+            // reads only after READY; received, it comes from `peer`'s slot for this rank,
+            // which holds it (READY came) until DONE goes back.
+            unsafe { s.chunk(gpu, stream, (k, slot), (slots(from, to), sends)) }
+        });
+        settle(gpu, ran, &[stream])
+    };
     for k in 0..rounds {
         let (sending, receiving) = (live(&outgoing, k, slot), live(&incoming, k, slot));
-        for &(peer, s) in &sending {
-            // SAFETY: the chunk lies in the caller's send buffers (its promise); the slot
-            // holds `slot` bytes and its receiver reads it only after READY.
-            unsafe { s.chunk(gpu, stream, (k, slot), (slots(me, peer), true))? };
-        }
-        gpu.finish(stream)?;
+        copy(&sending, k, true)?;
         signal(comm, (&sending, &receiving), READY, &mut heard)?;
-        for &(peer, s) in &receiving {
-            // SAFETY: the chunk lies in the caller's receive buffers (its promise); the
-            // sender's slot holds it (READY came) until DONE goes back.
-            unsafe { s.chunk(gpu, stream, (k, slot), (slots(peer, me), false))? };
-        }
-        gpu.finish(stream)?;
+        copy(&receiving, k, false)?;
         signal(comm, (&receiving, &sending), DONE, &mut heard)?;
     }
     failure.map_or(Ok(()), Err)

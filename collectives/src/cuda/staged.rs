@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use chorus_kernels::ReduceOp;
 
-use super::gpu::{Gpu, HostBuffer};
+use super::gpu::{settle, Gpu, HostBuffer};
 use super::{agree, slice, slice_width, DeviceCall, Job};
 use crate::communicator::CallKind;
 use crate::{Communicator, Result};
@@ -101,16 +101,15 @@ impl<G: Gpu> Staging<G> {
         }
         gpu.record(&self.start, stream)?;
         gpu.wait(&self.copies, &self.start)?;
-        match job.call {
+        let ran = match job.call {
             DeviceCall::Broadcast { .. } | DeviceCall::AllGather | DeviceCall::AllToAll => {
                 self.moves(comm, gpu, job)
             }
             DeviceCall::AllReduce(op)
             | DeviceCall::Reduce { op, .. }
             | DeviceCall::ReduceScatter(op) => self.reduction(comm, gpu, job, op, stream),
-        }?;
-        gpu.finish(&self.copies)?;
-        gpu.finish(stream)
+        };
+        settle(gpu, ran, &[&*self.copies, stream])
     }
 
     /// Broadcast, all-gather and all-to-all: each chunk through the host collective.
@@ -439,6 +438,7 @@ mod tests {
     use super::*;
     use crate::cuda::gpu::lazy::{Buffer, LazyGpu};
     use crate::cuda::testing::{self, Case};
+    use crate::Error;
     use chorus_kernels::DType;
 
     fn job(call: DeviceCall, dtype: DType, block: usize) -> Job {
@@ -555,6 +555,26 @@ mod tests {
         let all_reduce = DeviceCall::AllReduce(ReduceOp::Sum);
         check(&[(all_reduce, DType::I32, 7)], STAGE_BYTES);
         check(&[(DeviceCall::AllGather, DType::I32, 0)], ROOM);
+    }
+
+    #[test]
+    fn a_call_that_fails_halfway_has_run_its_copies_when_it_returns() {
+        // A broadcast of 16 chunks on one rank: both slots staged in, the first chunk out,
+        // then the third chunk's copy in refused, with the second's still to run.
+        testing::on_ranks(&[0], |comm, _| {
+            let gpu = LazyGpu::refusing_after(3);
+            let mut staging = Staging::sized(&gpu, 1, 64).expect("buffers");
+            let (input, output) = (Buffer::new(1024), Buffer::new(1024));
+            let job = Job {
+                input: input.address(),
+                output: output.address(),
+                ..job(DeviceCall::Broadcast { root: 0 }, DType::I32, 1024)
+            };
+            let stream = gpu.queue().expect("a queue");
+            let failed = staging.run(comm, &gpu, job, &stream);
+            assert!(matches!(failed, Err(Error::Internal(_))), "{failed:?}");
+            assert!(gpu.idle(), "work left on a queue after the call returned");
+        });
     }
 
     #[test]

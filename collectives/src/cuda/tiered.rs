@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use chorus_kernels::{DType, ReduceOp};
 
-use super::gpu::{Gpu, HostBuffer};
+use super::gpu::{settle, Gpu, HostBuffer};
 use super::ipc::{self, reduce_into, Peers};
 use super::pipes::DeviceMessage;
 use super::staged::{Staging, STAGE_BYTES};
@@ -280,10 +280,17 @@ impl<G: Gpu> Tiered<G> {
                     return Err(e);
                 }
             };
-            let staging = match sizes {
+            let made = match sizes {
                 None => Staging::new(gpu, across.world_size()),
                 Some((_, room)) => Staging::sized(gpu, across.world_size(), room),
-            }?;
+            };
+            let staging = match made {
+                Ok(staging) => staging,
+                Err(e) => {
+                    peers.close(&local);
+                    return Err(e);
+                }
+            };
             owned.push(Owned {
                 shard,
                 across,
@@ -343,6 +350,12 @@ impl<G: Gpu> Tiered<G> {
     /// Runs `job` on `comm`'s ranks (those this path was set up on), ordered after the
     /// work enqueued on `stream` before it; returns once its copies and kernels have run.
     pub fn run(&mut self, comm: &Communicator, gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
+        let ran = self.rounds(comm, gpu, job, stream);
+        settle(gpu, ran, &[stream, &*self.crossing])
+    }
+
+    /// What [`run`](Self::run) runs, in rounds whose stages overlap, leaving work enqueued.
+    fn rounds(&mut self, comm: &Communicator, gpu: &G, job: Job, stream: &G::Queue) -> Result<()> {
         let world = comm.world_size();
         let blocks = match job.call {
             DeviceCall::AllGather | DeviceCall::ReduceScatter(_) | DeviceCall::AllToAll => world,
@@ -392,7 +405,7 @@ impl<G: Gpu> Tiered<G> {
                 round.fence(i == 0)?;
                 round.all_to_all(exchange)?;
             }
-            return gpu.finish(stream);
+            return Ok(());
         }
         let mine: Vec<usize> = owned.iter().map(|o| o.shard).collect();
         if rounds.len() == 1 {
@@ -402,8 +415,7 @@ impl<G: Gpu> Tiered<G> {
             only.fence(true)?;
             only.reduce_owned(&mine)?.run(owned, gpu, stream)?;
             only.fence(false)?;
-            only.stage_out()?;
-            return gpu.finish(stream);
+            return only.stage_out();
         }
         std::thread::scope(|s| {
             let (cross, to_cross) = mpsc::channel::<Crossing>();
@@ -481,8 +493,7 @@ impl<G: Gpu> Tiered<G> {
                 .join()
                 .map_err(|_| Error::Internal("stage 2's thread panicked".into()));
             ran.and(joined)
-        })?;
-        gpu.finish(stream)
+        })
     }
 }
 

@@ -40,13 +40,13 @@ impl MappedCounter {
         // SAFETY: `host` is a fresh allocation of 8 bytes, aligned (page-locked allocations
         // are page aligned), written once before any other access.
         unsafe { host.write(AtomicU64::new(0)) };
-        let counter = MappedCounter { host, device: 0 };
-        let mut device: sys::CUdeviceptr = 0;
+        // Owns the allocation from here: a failure below frees it.
+        let mut counter = MappedCounter { host, device: 0 };
         // SAFETY: `host` came from `cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) }
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut counter.device, host.cast(), 0) }
             .result()
             .map_err(CudaError::driver("mapping the completion counter"))?;
-        Ok(MappedCounter { device, ..counter })
+        Ok(counter)
     }
 
     /// The counter, as the host reads and advances it.
