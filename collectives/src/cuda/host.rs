@@ -6,6 +6,7 @@ use std::sync::Arc;
 use chorus_kernels::cuda::memory::{copy_to_device, copy_to_host, Pinned};
 
 use super::{CallerStream, CudaCommunicator, CudaError, CudaStream, DeviceWork, Shared};
+use crate::communicator::lock;
 use crate::{Communicator, Result};
 
 /// Device memory a host call works on, for [`CudaCommunicator::staged_call_raw`].
@@ -40,6 +41,30 @@ fn layout(memory: &[Staged]) -> (Vec<usize>, usize) {
     (offsets, at)
 }
 
+/// Page-locked host memory for staged calls, kept while the communicator lives and grown
+/// as calls need it: freeing page-locked memory can wait for the whole device, whose
+/// streams may wait for calls that only Chorus's thread, the one freeing, would run.
+#[derive(Default)]
+pub(super) struct HostStage {
+    /// The buffer calls use, and its length.
+    buffer: Option<(Pinned, usize)>,
+    /// Outgrown buffers, freed with the communicator (once no stream waits on its calls).
+    outgrown: Vec<Pinned>,
+}
+
+impl HostStage {
+    /// The buffer, grown to at least `len` bytes (to a power of two) where it is smaller.
+    fn at_least(&mut self, len: usize) -> Result<&mut Pinned> {
+        if self.buffer.as_ref().is_none_or(|&(_, has)| has < len) {
+            let has = len.next_power_of_two();
+            let grown = (Pinned::new(has)?, has);
+            self.outgrown
+                .extend(self.buffer.replace(grown).map(|(old, _)| old));
+        }
+        Ok(&mut self.buffer.as_mut().expect("a buffer, made above").0)
+    }
+}
+
 /// Runs `call` on host copies of `memory`, on Chorus's thread once the call's start has
 /// passed: inputs are copied in on the work stream first, outputs copied back after.
 pub(super) fn run_staged<F>(shared: &Shared, memory: &[Staged], call: F) -> Result<()>
@@ -52,12 +77,14 @@ where
         .bind_to_thread()
         .map_err(CudaError::driver("binding the device's context"))?;
     let (offsets, len) = layout(memory);
-    let mut host = Pinned::new(len)?;
-    let work = &shared.work;
-    let ran = through(shared, memory, (&offsets, len), &mut host, call);
+    let mut stage = lock(&shared.host_stage);
+    let host = stage.at_least(len)?;
+    let ran = through(shared, memory, (&offsets, len), host, call);
     // The copies enqueued read and write `host` and the caller's memory: they have all
-    // run before `host` is freed and the call returns, even where it failed halfway.
-    let settled = work
+    // run before the next call uses `host` and this one returns, even where it failed
+    // halfway.
+    let settled = shared
+        .work
         .synchronize()
         .map_err(CudaError::driver("waiting for the copies to the device"));
     ran.and(settled.map_err(Into::into))

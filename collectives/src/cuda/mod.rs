@@ -178,6 +178,8 @@ struct Shared {
     path: Mutex<Path>,
     /// Where asynchronous calls run their copies and kernels (Chorus's own stream).
     work: Arc<CudaStream>,
+    /// Page-locked host memory of the staged host calls.
+    host_stage: Mutex<host::HostStage>,
 }
 
 /// The stream order of asynchronous calls (see the `order` module).
@@ -247,6 +249,10 @@ impl CudaCommunicator {
             issuing: Mutex::new(()),
         };
         let work = device.new_stream()?;
+        // Now, before any stream waits on a call: loading modules can wait for the device.
+        if let Err(err) = device.load_kernels() {
+            tracing::warn!(rank = comm.rank(), %err, "the reduction kernels cannot be loaded");
+        }
         // Last: once its peers map this rank's memory, only `Shared`'s drop may free it.
         let path = choose(&comm, &device, forced)?;
         Ok(CudaCommunicator {
@@ -257,6 +263,7 @@ impl CudaCommunicator {
                 work,
                 device,
                 path: Mutex::new(path),
+                host_stage: Mutex::default(),
             }),
         })
     }
@@ -993,7 +1000,9 @@ impl Order {
         let Some(stream) = &self.stream else {
             return Ok(None);
         };
-        self.completions.memory().wait_at_least(stream, value)?;
+        // SAFETY: the counter lives in `self`, whose drop releases every value handed out
+        // and synchronizes `stream` before the counter goes.
+        unsafe { self.completions.memory().wait_at_least(stream, value) }?;
         let done = stream
             .record_event(None)
             .map_err(CudaError::driver("recording the call's completion"))?;

@@ -7,6 +7,11 @@
 //! advances over every value whose call and all earlier ones have ended. So a stream told
 //! to wait on a call's event runs on once the call and every call before it are over, and
 //! never waits forever on a call that failed.
+//!
+//! The device compares the counter with a waited value cyclically (CUDA's
+//! `CU_STREAM_WAIT_VALUE_GEQ`: `(int64_t)(counter - value) >= 0`), so every value waited
+//! for is released by a counter at or a little past it, never by one far past it: a
+//! counter of `u64::MAX` releases no wait for a small value.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,6 +45,8 @@ struct Counting {
     issued: u64,
     /// Values whose calls ended while an earlier call had not.
     ended_early: BTreeSet<u64>,
+    /// Whether [`Completions::release_all`] has set the counter to the last value.
+    released: bool,
 }
 
 impl<M: CounterMemory> Completions<M> {
@@ -71,21 +78,23 @@ impl<M: CounterMemory> Completions<M> {
         &self.memory
     }
 
-    /// Sets the counter past every value, ended or not, for when no call will run again.
+    /// Sets the counter to the last value handed out, releasing every wait whether its call
+    /// ended or not, for when no call will run again.
     pub(crate) fn release_all(&self) {
-        let _state = lock(&self.state);
-        self.memory.value().store(u64::MAX, Ordering::Release);
+        let mut state = lock(&self.state);
+        state.released = true;
+        self.memory.value().store(state.issued, Ordering::Release);
     }
 
     /// Marks `value`'s call ended, and advances the counter over every ended call that
     /// follows the calls already counted.
     fn end(&self, value: u64) {
         let mut state = lock(&self.state);
-        let counter = self.memory.value();
-        let mut reached = counter.load(Ordering::Acquire);
-        if reached == u64::MAX {
+        if state.released {
             return;
         }
+        let counter = self.memory.value();
+        let mut reached = counter.load(Ordering::Acquire);
         if value != reached + 1 {
             state.ended_early.insert(value);
             return;
@@ -130,8 +139,9 @@ mod tests {
         }
     }
 
-    /// Stands in for a stream waiting on the counter: a thread that polls it, as the GPU
-    /// does, and reports whether it reached `value` within a few seconds.
+    /// Stands in for a stream waiting on the counter: a thread that polls it and compares
+    /// as the GPU does (cyclically), and reports whether it reached `value` within a few
+    /// seconds.
     fn stream_wait(
         completions: &Arc<Completions<AtomicU64>>,
         value: u64,
@@ -139,7 +149,7 @@ mod tests {
         let completions = Arc::clone(completions);
         std::thread::spawn(move || {
             let deadline = Instant::now() + Duration::from_secs(20);
-            while completions.completed() < value {
+            while (completions.completed().wrapping_sub(value) as i64) < 0 {
                 if Instant::now() > deadline {
                     return false;
                 }
@@ -197,5 +207,26 @@ mod tests {
         assert!(body().is_err());
         drop(unrun);
         assert!(waiting.join().unwrap(), "the stream was never released");
+    }
+
+    #[test]
+    fn releasing_all_lets_every_waiting_stream_on_however_the_device_compares() {
+        let completions = Completions::new(AtomicU64::new(0));
+        let calls: Vec<_> = (0..3).map(|_| completions.issue()).collect();
+        let waiting: Vec<_> = calls
+            .iter()
+            .map(|call| stream_wait(&completions, call.value()))
+            .collect();
+        // The communicator goes away with none of the calls run.
+        completions.release_all();
+        for (i, waiting) in waiting.into_iter().enumerate() {
+            assert!(
+                waiting.join().unwrap(),
+                "the wait of call {i} was never released"
+            );
+        }
+        // Calls dropped after the release leave the counter where the release set it.
+        drop(calls);
+        assert_eq!(completions.completed(), 3);
     }
 }

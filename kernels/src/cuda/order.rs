@@ -56,18 +56,23 @@ impl MappedCounter {
     }
 
     /// Makes `stream` wait until the counter is at least `value`, without blocking the host.
+    /// The device compares cyclically (`(int64_t)(counter - value) >= 0`): a counter more
+    /// than 2^63 past `value` does not release the wait.
     ///
     /// Fails where the driver refuses stream memory operations (see
     /// [`stream_waits_supported`]).
-    pub fn wait_at_least(&self, stream: &CudaStream, value: u64) -> Result<(), CudaError> {
+    ///
+    /// # Safety
+    /// The device reads the counter until the wait passes: before `self` is dropped, the
+    /// counter must release the wait and `stream` must have passed it (synchronized).
+    pub unsafe fn wait_at_least(&self, stream: &CudaStream, value: u64) -> Result<(), CudaError> {
         stream
             .context()
             .bind_to_thread()
             .map_err(CudaError::driver("binding the device's context"))?;
         let geq = CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
-        // SAFETY: `device` maps this counter, which lives as long as `self`; the caller keeps
-        // `self` alive until every stream that waits on it has passed the wait (the owner
-        // advances the counter past every value it was asked to wait for before dropping it).
+        // SAFETY: `device` maps this counter, which lives as long as `self`, and the caller
+        // keeps `self` until the stream has passed the wait (the function's contract).
         unsafe { sys::cuStreamWaitValue64_v2(stream.cu_stream(), self.device, value, geq) }
             .result()
             .map_err(CudaError::driver(
@@ -78,7 +83,8 @@ impl MappedCounter {
 
 impl Drop for MappedCounter {
     fn drop(&mut self) {
-        // SAFETY: `host` came from `cuMemHostAlloc`; see `wait_at_least` for the waits.
+        // SAFETY: `host` came from `cuMemHostAlloc`, and no stream waits on it any more
+        // (`wait_at_least`'s contract).
         if let Err(err) = unsafe { sys::cuMemFreeHost(self.host.cast()) }.result() {
             tracing::warn!(%err, "freeing the completion counter failed");
         }
