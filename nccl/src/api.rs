@@ -239,6 +239,9 @@ unsafe fn init_rank(
     config: *mut c_void,
 ) -> Outcome<NcclResult> {
     let out = given(comm, "comm")?;
+    // SAFETY: checked non-null; the caller passes room for a handle. NULL until one is made,
+    // so that a failed set-up leaves no garbage for the caller's clean-up.
+    unsafe { out.write(std::ptr::null_mut()) };
     // SAFETY: a config is null or made by NCCL_CONFIG_INITIALIZER, as NCCL requires.
     let settings = unsafe { abi::settings(config) }.map_err(Failure::argument)?;
     let id = Rendezvous::decode(&id).map_err(Failure::argument)?;
@@ -283,6 +286,11 @@ pub unsafe extern "C" fn ncclCommInitAll(
             .ok()
             .filter(|&n| n > 0)
             .ok_or_else(|| Failure::argument(format!("ndev {ndev} is not positive")))?;
+        for rank in 0..n {
+            // SAFETY: checked non-null; the caller passes room for ndev handles, each NULL
+            // until the set-up has succeeded.
+            unsafe { out.add(rank).write(std::ptr::null_mut()) };
+        }
         let id = Rendezvous::serve().map_err(|e| Failure::new(NcclResult::SystemError, e))?;
         log_decisions();
         let mut made = Vec::with_capacity(n);
@@ -394,9 +402,12 @@ pub unsafe extern "C" fn ncclCommSplit(
     config: *mut c_void,
 ) -> NcclResult {
     done("ncclCommSplit", || {
+        let out = given(newcomm, "newcomm")?;
+        // SAFETY: checked non-null; the caller passes room for a handle, NULL until one is
+        // made.
+        unsafe { out.write(std::ptr::null_mut()) };
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
-        let out = given(newcomm, "newcomm")?;
         // SAFETY: as ncclCommInitRankConfig's.
         unsafe { abi::settings(config) }.map_err(Failure::argument)?;
         let color = match color {
@@ -437,9 +448,12 @@ pub unsafe extern "C" fn ncclCommShrink(
     flags: c_int,
 ) -> NcclResult {
     done("ncclCommShrink", || {
+        let out = given(newcomm, "newcomm")?;
+        // SAFETY: checked non-null; the caller passes room for a handle, NULL until one is
+        // made.
+        unsafe { out.write(std::ptr::null_mut()) };
         // SAFETY: a handle of this library, as NCCL requires.
         let comm = unsafe { handle(comm) }?;
-        let out = given(newcomm, "newcomm")?;
         // SAFETY: as ncclCommInitRankConfig's.
         unsafe { abi::settings(config) }.map_err(Failure::argument)?;
         let count = usize::try_from(exclude_count).map_err(|_| {
@@ -706,6 +720,43 @@ enum Collective {
     Scatter(usize),
 }
 
+impl Collective {
+    /// The address of its pre-multiplied sum's scalar, where that is in device memory.
+    #[cfg(feature = "cuda")]
+    fn device_scalar(self) -> Option<usize> {
+        match self {
+            Collective::AllReduce(r) | Collective::Reduce(r, _) | Collective::ReduceScatter(r) => {
+                match r {
+                    Reduction::PreMulSum(PreMulSum {
+                        scalar: Scalar::OnDevice(at),
+                        ..
+                    }) => Some(at),
+                    _ => None,
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// This call with its pre-multiplied sum's scalar read from host address `at` (a copy).
+    #[cfg(feature = "cuda")]
+    fn scalar_at(self, at: usize) -> Collective {
+        let moved = |r: Reduction| match r {
+            Reduction::PreMulSum(p) => Reduction::PreMulSum(PreMulSum {
+                scalar: Scalar::At(at),
+                ..p
+            }),
+            builtin => builtin,
+        };
+        match self {
+            Collective::AllReduce(r) => Collective::AllReduce(moved(r)),
+            Collective::Reduce(r, root) => Collective::Reduce(moved(r), root),
+            Collective::ReduceScatter(r) => Collective::ReduceScatter(moved(r)),
+            other => other,
+        }
+    }
+}
+
 /// Queues or runs `call` on `comm`, from `input` into `output` (as the entry point checked
 /// them: equal, an all-gather's input at its rank's block of the output, or apart, but for
 /// the calls that read their input from a copy), in the order of `stream`, which must not
@@ -745,6 +796,11 @@ fn issue(
     #[cfg(feature = "cuda")]
     if let Some(ordered) = &joined.ordered {
         return match device {
+            // A scalar in device memory is copied in on Chorus's stream, as the buffers are.
+            false if call.device_scalar().is_some() => {
+                // SAFETY: as below.
+                unsafe { staged(ordered, call, dtype, (input, output), stream) }
+            }
             false => ordered.host(
                 stream,
                 // SAFETY: the caller's host buffers, valid and untouched by others until the
@@ -810,26 +866,55 @@ unsafe fn on_device(
         // SAFETY: as the function requires.
         return unsafe { ordered.device(on, dtype, at, count, stream) };
     }
+    // SAFETY: as the function requires.
+    unsafe { staged(ordered, call, dtype, (input, output), stream) }
+}
+
+/// Issues `call` as host collectives on page-locked copies of its device memory (its
+/// buffers in device memory, and a pre-multiplied sum's scalar in device memory), copied
+/// in and out on Chorus's work stream: Chorus's thread never waits on the device itself,
+/// whose streams may be waiting for it.
+///
+/// # Safety
+/// As [`on_device`].
+#[cfg(feature = "cuda")]
+unsafe fn staged(
+    ordered: &crate::ordered::Ordered,
+    call: Collective,
+    dtype: DType,
+    (input, output): (Buf, Buf),
+    stream: usize,
+) -> Outcome {
     use chorus::cuda::Staged;
+    let on_device = |b: Buf| b.count > 0 && b.device;
     let mut memory = Vec::new();
-    if input.count > 0 {
+    if on_device(input) {
         memory.push(Staged::Input(input.at as u64, input.bytes(dtype)));
     }
-    if output.count > 0 {
+    if on_device(output) {
         memory.push(Staged::Output(output.at as u64, output.bytes(dtype)));
+    }
+    let scalar = call.device_scalar();
+    if let Some(at) = scalar {
+        memory.push(Staged::Input(at as u64, dtype.size()));
     }
     let on_copies = move |c: &Communicator, pieces: &mut [&mut [u8]]| {
         let mut copies = pieces.iter_mut().map(|p| p.as_mut_ptr() as usize);
-        let mut host = |b: Buf| match b.count {
-            0 => NONE,
-            _ => Buf {
+        let mut host = |b: Buf| match on_device(b) {
+            true => Buf {
                 at: copies.next().unwrap_or_default(),
                 device: false,
                 ..b
             },
+            false => b,
         };
         let (input, output) = (host(input), host(output));
-        // SAFETY: page-locked copies of the caller's buffers, this call's own until it ends.
+        let call = match scalar {
+            Some(_) => call.scalar_at(copies.next().unwrap_or_default()),
+            None => call,
+        };
+        // SAFETY: the caller's host buffers, or page-locked copies of its device buffers,
+        // this call's own until it ends.
         unsafe { on_host(c, call, dtype, input, output) }
     };
     // SAFETY: as the function requires.

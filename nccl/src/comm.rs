@@ -58,6 +58,10 @@ fn code(e: &chorus::Error) -> NcclResult {
         Transport { .. } | Store(_) | Aborted(_) | Excluded { .. } => NcclResult::RemoteError,
         Resource { .. } => NcclResult::SystemError,
         Internal(_) => NcclResult::InternalError,
+        #[cfg(feature = "cuda")]
+        Cuda(chorus::cuda::CudaError::WrongDevice { .. }) => NcclResult::InvalidArgument,
+        #[cfg(feature = "cuda")]
+        Cuda(_) => NcclResult::UnhandledCudaError,
         Broken(inner) => code(inner),
         #[allow(unreachable_patterns)]
         _ => NcclResult::InternalError,
@@ -216,9 +220,10 @@ impl Comm {
         if let Some(ready) = self.ready.get() {
             return ready.as_ref().map_err(Clone::clone);
         }
-        let joining = lock(&self.joining).take();
-        if let Some(joining) = joining {
-            let joined = joining.join().unwrap_or_else(|_| {
+        // Held while the set-up is joined, so that another thread here waits for its end.
+        let mut joining = lock(&self.joining);
+        if let Some(set_up) = joining.take() {
+            let joined = set_up.join().unwrap_or_else(|_| {
                 Err(Failure::new(
                     NcclResult::InternalError,
                     "the communicator's set-up panicked",
@@ -226,6 +231,7 @@ impl Comm {
             });
             let _ = self.ready.set(joined);
         }
+        drop(joining);
         // Another thread joined it meanwhile, or it was joined above.
         match self.ready.get() {
             Some(ready) => ready.as_ref().map_err(Clone::clone),
@@ -236,12 +242,28 @@ impl Comm {
         }
     }
 
-    /// Whether its set-up still runs.
+    /// Whether its calls are issued on CUDA streams (and return once issued), waiting for
+    /// its set-up if it still runs; false where the set-up failed.
+    pub fn on_streams(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        let on = self.joined().is_ok_and(|j| j.ordered.is_some());
+        #[cfg(not(feature = "cuda"))]
+        let on = false;
+        on
+    }
+
+    /// Whether its set-up still runs (or another thread is joining it).
     pub fn in_progress(&self) -> bool {
-        self.ready.get().is_none()
-            && lock(&self.joining)
-                .as_ref()
-                .is_some_and(|j| !j.is_finished())
+        if self.ready.get().is_some() {
+            return false;
+        }
+        match self.joining.try_lock() {
+            Ok(joining) => joining.as_ref().is_some_and(|j| !j.is_finished()),
+            Err(std::sync::TryLockError::WouldBlock) => true,
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                p.into_inner().as_ref().is_some_and(|j| !j.is_finished())
+            }
+        }
     }
 
     /// What `ncclCommGetAsyncError` reports: the set-up still running, its failure, or the
@@ -304,5 +326,28 @@ impl Comm {
             )),
             false => Ok(()),
         }
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use chorus::cuda::CudaError;
+
+    #[test]
+    fn cuda_errors_map_to_nccls_codes() {
+        let wrong = CudaError::WrongDevice {
+            what: "stream",
+            ordinal: 1,
+        };
+        assert_eq!(
+            code(&chorus::Error::Cuda(wrong)),
+            NcclResult::InvalidArgument
+        );
+        let missing = CudaError::NoCuda("no driver".into());
+        assert_eq!(
+            code(&chorus::Error::Cuda(missing)),
+            NcclResult::UnhandledCudaError
+        );
     }
 }

@@ -151,7 +151,10 @@ fn run(ops: Vec<(usize, Op)>, inits: Vec<usize>) -> Outcome {
         for (at, list) in by_comm {
             // SAFETY: queued by `submit` on a handle the caller keeps alive.
             let comm = unsafe { handle(at) };
-            if single {
+            // Calls on streams are only issued: here, in the group's order, so that every
+            // rank queues them on a shared stream in one order. Calls that run at once may
+            // wait for another rank's call on a later communicator: each runs on a thread.
+            if single || comm.on_streams() {
                 let done = run_on(comm, list);
                 first = first.clone().and(done);
             } else {
@@ -246,8 +249,11 @@ fn exchange_ordered(
     })
 }
 
-/// Issues a group's messages on `stream`, the device memory among them through CUDA IPC
-/// or page-locked copies.
+/// Issues a group's messages on `stream`: those on device memory together (through CUDA
+/// IPC or page-locked copies), then those on host memory together. Every rank issues the
+/// two in this order, so the two ranks of a pair meet in the same call whatever else their
+/// groups hold (a send and its receive are both on device memory or both on host memory).
+/// Messages of no bytes move nothing and are left out, on both sides.
 #[cfg(feature = "cuda")]
 fn exchange_on(
     ordered: &crate::ordered::Ordered,
@@ -255,58 +261,30 @@ fn exchange_on(
     recvs: Vec<Message>,
     stream: usize,
 ) -> Outcome {
-    use chorus::cuda::Staged;
-    let mut memory = Vec::new();
-    memory.extend(
-        sends
-            .iter()
-            .filter(|m| m.device)
-            .map(|m| Staged::Input(m.at as u64, m.bytes)),
-    );
-    memory.extend(
-        recvs
-            .iter()
-            .filter(|m| m.device)
-            .map(|m| Staged::Output(m.at as u64, m.bytes)),
-    );
-    if memory.is_empty() {
-        // SAFETY: the caller keeps its buffers valid and unchanged until the call has ended
-        // on its stream (NCCL's rule).
-        return ordered.host(
-            stream,
-            Box::new(move |c| unsafe { post(c, &sends, &recvs) }),
-        );
-    }
-    if memory.len() == sends.len() + recvs.len() {
-        // Every message on device memory: through CUDA IPC between ranks of one host.
-        use chorus::cuda::DeviceMessage;
+    use chorus::cuda::DeviceMessage;
+    let apart = |messages: Vec<Message>| -> (Vec<Message>, Vec<Message>) {
+        let moving = messages.into_iter().filter(|m| m.bytes > 0);
+        moving.partition(|m| m.device)
+    };
+    let ((device_sends, host_sends), (device_recvs, host_recvs)) = (apart(sends), apart(recvs));
+    if !device_sends.is_empty() || !device_recvs.is_empty() {
         let message = |sends: bool| {
             move |m: &Message| DeviceMessage::new(sends, m.peer, TAG, (m.at as u64, m.bytes))
         };
-        let messages = (sends.iter().map(message(true)))
-            .chain(recvs.iter().map(message(false)))
+        let messages = (device_sends.iter().map(message(true)))
+            .chain(device_recvs.iter().map(message(false)))
             .collect();
         // SAFETY: the caller's device buffers stay valid, and written by nothing else, until
         // the call has ended on its stream (NCCL's rule).
-        return unsafe { ordered.exchange(messages, stream) };
+        unsafe { ordered.exchange(messages, stream) }?;
     }
-    let on_copies = move |c: &Communicator, pieces: &mut [&mut [u8]]| {
-        let mut copies = pieces.iter_mut().map(|p| p.as_mut_ptr() as usize);
-        let mut host = |m: &Message| match m.device {
-            true => Message {
-                at: copies.next().unwrap_or_default(),
-                device: false,
-                ..*m
-            },
-            false => *m,
+    if !host_sends.is_empty() || !host_recvs.is_empty() {
+        let call = move |c: &Communicator| {
+            // SAFETY: the caller keeps its buffers valid and unchanged until the call has
+            // ended on its stream (NCCL's rule).
+            unsafe { post(c, &host_sends, &host_recvs) }
         };
-        let sends: Vec<_> = sends.iter().map(&mut host).collect();
-        let recvs: Vec<_> = recvs.iter().map(&mut host).collect();
-        // SAFETY: the caller's host buffers or page-locked copies of its device buffers, as
-        // for the call above.
-        unsafe { post(c, &sends, &recvs) }
-    };
-    // SAFETY: the caller's device buffers stay valid, and written by nothing else, until the
-    // call has ended on its stream (NCCL's rule).
-    unsafe { ordered.staged(memory, stream, Box::new(on_copies)) }
+        ordered.host(stream, Box::new(call))?;
+    }
+    Ok(())
 }

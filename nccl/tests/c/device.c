@@ -141,6 +141,17 @@ static void check(ncclUniqueId id) {
   EXPECT(total == 2.0f * nranks);
   CHECK(ncclRedOpDestroy(twice, comm));
 
+  /* The same with the scalar in device memory, read as the call runs (on a stream made by
+   * cudaStreamCreate, which the legacy default stream synchronizes with). */
+  float three = 3;
+  float *dthree = upload(&three, sizeof three, s);
+  CHECK(ncclRedOpCreatePreMulSum(&twice, dthree, ncclFloat32, ncclScalarDevice, comm));
+  CUDA(cudaMemcpyAsync(done, &one, sizeof one, cudaMemcpyHostToDevice, s));
+  CHECK(ncclAllReduce(done, done, 1, ncclFloat32, twice, comm, s));
+  download(&total, done, sizeof total, s);
+  EXPECT(total == 3.0f * nranks);
+  CHECK(ncclRedOpDestroy(twice, comm));
+
   /* A 64 MiB all-reduce returns once it is issued. */
   size_t big = 16 << 20;
   float *dbig;
