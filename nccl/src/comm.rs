@@ -97,6 +97,16 @@ impl Joined {
         })
     }
 
+    /// Fails every call in flight and to come, the host communicator's and those on
+    /// streams.
+    fn abort(&self) {
+        self.communicator.abort();
+        #[cfg(feature = "cuda")]
+        if let Some(ordered) = &self.ordered {
+            ordered.abort();
+        }
+    }
+
     /// The first failure of a call issued on a stream that has ended since (none without
     /// streams).
     fn stream_failure(&self) -> Option<Failure> {
@@ -298,8 +308,8 @@ impl Comm {
 
     /// Fails every call in flight and to come, on every rank (`ncclCommAbort`).
     pub fn abort(&self) {
-        if let Ok(communicator) = self.communicator() {
-            communicator.abort();
+        if let Ok(joined) = self.joined() {
+            joined.abort();
         }
     }
 
@@ -308,7 +318,7 @@ impl Comm {
     /// split, shrink and destroy remain.
     pub fn revoke(&self) -> Outcome {
         self.revoked.store(true, Ordering::SeqCst);
-        self.communicator()?.abort();
+        self.joined()?.abort();
         Ok(())
     }
 

@@ -209,6 +209,12 @@ impl Ordered {
         lock(&self.in_flight).is_empty()
     }
 
+    /// Fails every call in flight and to come (the device communicator's own duplicate of
+    /// the host communicator is aborted).
+    pub fn abort(&self) {
+        self.dev.abort();
+    }
+
     /// Waits for every call issued to end; fails with the first failure.
     pub fn finish(&self) -> Outcome {
         let all = std::mem::take(&mut *lock(&self.in_flight));

@@ -24,6 +24,14 @@ use crate::{chorus_failed, Call};
 pub(crate) struct Devices(Mutex<Option<Arc<CudaCommunicator>>>);
 
 impl Devices {
+    /// Fails every call of the device communicator, if one was made, in flight and to come.
+    pub fn abort(&self) {
+        let slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(dev) = &*slot {
+            dev.abort();
+        }
+    }
+
     /// The device communicator for GPU `ordinal`, made over a duplicate of `host` on the
     /// first call (collective: every rank's first call on CUDA tensors makes it). Later
     /// calls must be on the same device.

@@ -176,6 +176,8 @@ impl Comm {
     /// Fails every call in flight and later, promptly, here and (through the store) on peers.
     fn abort(&self) {
         self.comm.abort();
+        #[cfg(feature = "cuda")]
+        self.devices.abort();
     }
 
     /// The error that broke this communicator, as a `ChorusError` (not raised), or None while

@@ -268,6 +268,13 @@ impl CudaCommunicator {
         })
     }
 
+    /// Fails every call in flight and to come, promptly, here and (through the store) on
+    /// the other ranks, as [`Communicator::abort`] does for the host communicator
+    /// underneath, this communicator's own duplicate.
+    pub fn abort(&self) {
+        self.shared.comm.abort();
+    }
+
     /// A device communicator of this one's ranks less the dead and those in `exclude`, on
     /// the same device: [`Communicator::shrink`] of the host communicator underneath, then a
     /// new device path over the survivors (chosen again, as [`new`](Self::new) does).
