@@ -99,6 +99,22 @@ pub(crate) fn start(
                 DeviceCall::AllToAll => input.raw.bytes / size / world,
                 _ => input.raw.bytes / size,
             };
+            // What the call reads and writes, which the tensors must hold.
+            let (reads, writes) = match device_call {
+                DeviceCall::AllGather => (count * size, count * size * world),
+                DeviceCall::ReduceScatter(_) => (count * size * world, count * size),
+                DeviceCall::AllToAll => (count * size * world, count * size * world),
+                _ => (count * size, count * size),
+            };
+            if input.raw.bytes < reads || output.raw.bytes < writes {
+                return Err(PyValueError::new_err(format!(
+                    "{} of {count} elements a rank on {world} ranks reads {reads} bytes and \
+                     writes {writes}: the input holds {} and the output {}",
+                    call.kind.name(),
+                    input.raw.bytes,
+                    output.raw.bytes
+                )));
+            }
             // NCCL's layouts in place: one buffer, or one rank's block of the other.
             let block = (count * size) as u64 * dev.rank() as u64;
             let (i, o) = (input.raw.addr(), output.raw.addr());
