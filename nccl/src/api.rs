@@ -68,8 +68,10 @@ fn log_decisions() {
 }
 
 /// Runs `body` for the entry point `call`: its result, or its failure's code (the text kept
-/// and, where `NCCL_DEBUG` asks, printed), or `ncclInternalError` if it panicked.
+/// and, where `NCCL_DEBUG` asks, printed), or `ncclInternalError` if it panicked. The
+/// calling thread's current CUDA context is left as it was.
 fn guard(call: &str, body: impl FnOnce() -> Outcome<NcclResult>) -> NcclResult {
+    let _caller = memory::KeepContext::new();
     let failure = match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(result)) => return result,
         Ok(Err(f)) => f,

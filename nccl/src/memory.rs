@@ -41,6 +41,8 @@ type MemFree = unsafe extern "C" fn(u64) -> c_int;
 type CtxPush = unsafe extern "C" fn(*mut c_void) -> c_int;
 type CtxPop = unsafe extern "C" fn(*mut *mut c_void) -> c_int;
 type CopyToHost = unsafe extern "C" fn(*mut c_void, u64, usize) -> c_int;
+type CtxGet = unsafe extern "C" fn(*mut *mut c_void) -> c_int;
+type CtxSet = unsafe extern "C" fn(*mut c_void) -> c_int;
 
 /// The driver's entry points this library asks, resolved once.
 struct Driver {
@@ -52,6 +54,8 @@ struct Driver {
     ctx_push: CtxPush,
     ctx_pop: CtxPop,
     copy_to_host: CopyToHost,
+    ctx_get: CtxGet,
+    ctx_set: CtxSet,
     /// Keeps the entry points loaded.
     _lib: Library,
 }
@@ -79,8 +83,41 @@ fn open() -> Option<Driver> {
             ctx_push: *lib.get(b"cuCtxPushCurrent_v2\0").ok()?,
             ctx_pop: *lib.get(b"cuCtxPopCurrent_v2\0").ok()?,
             copy_to_host: *lib.get(b"cuMemcpyDtoH_v2\0").ok()?,
+            ctx_get: *lib.get(b"cuCtxGetCurrent\0").ok()?,
+            ctx_set: *lib.get(b"cuCtxSetCurrent\0").ok()?,
             _lib: lib,
         })
+    }
+}
+
+/// The CUDA context current on the calling thread when it was made, current again when it
+/// is dropped: a call that binds its communicator's device to the caller's thread leaves
+/// the caller's current device as it found it, as NCCL does.
+pub struct KeepContext(Option<(&'static Driver, *mut c_void)>);
+
+impl KeepContext {
+    /// Notes the calling thread's current context (none where there is no driver).
+    pub fn new() -> KeepContext {
+        KeepContext(driver().and_then(|driver| {
+            let mut current = std::ptr::null_mut();
+            // SAFETY: cuCtxGetCurrent writes a CUcontext (a pointer, perhaps null).
+            let asked = unsafe { (driver.ctx_get)(&mut current) };
+            (asked == 0).then_some((driver, current))
+        }))
+    }
+}
+
+impl Drop for KeepContext {
+    fn drop(&mut self) {
+        let Some((driver, kept)) = self.0 else { return };
+        let mut current = std::ptr::null_mut();
+        // SAFETY: as in `new`; setting back a context that was current on this thread (or
+        // none) changes only this thread's binding.
+        unsafe {
+            if (driver.ctx_get)(&mut current) == 0 && current != kept {
+                (driver.ctx_set)(kept);
+            }
+        }
     }
 }
 
