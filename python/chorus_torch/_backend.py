@@ -501,6 +501,10 @@ class _Batch:
         self._comm = comm
         self._ops = []
         self._copies = []
+        # The stream current when the first call on CUDA tensors was posted, which the batch
+        # is ordered on, and the points it must follow on the streams current at the others.
+        self._stream = None
+        self._posted = []
         self._pending = None
         self._error = None
         self._lock = threading.Lock()
@@ -511,13 +515,26 @@ class _Batch:
         self._ops.append((is_send, staged, peer, tag))
         if copied and not is_send:
             self._copies.append((tensor, staged))
+        if staged.is_cuda:
+            current = torch.cuda.current_stream(staged.device)
+            if self._stream is None:
+                self._stream = current
+            elif current != self._stream:
+                posted = torch.cuda.Event()
+                posted.record(current)
+                self._posted.append(posted)
 
     def start(self):
-        """Starts the batch once; memory Chorus refuses is an error its every wait raises."""
+        """Starts the batch once, after the work queued on each call's stream before it was
+        posted; memory Chorus refuses is an error its every wait raises."""
         if not self.ran:
             self.ran = True
             try:
-                stream = _stream(self._ops[0][1]) if self._ops else 0
+                stream = 0
+                if self._stream is not None:
+                    for posted in self._posted:
+                        self._stream.wait_event(posted)
+                    stream = self._stream.cuda_stream
                 self._pending = self._comm.exchange(self._ops, stream)
             except (RuntimeError, ValueError) as e:
                 self._error = e
