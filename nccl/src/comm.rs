@@ -252,11 +252,15 @@ impl Comm {
         }
     }
 
-    /// Whether its calls are issued on CUDA streams (and return once issued), waiting for
-    /// its set-up if it still runs; false where the set-up failed.
+    /// Whether its calls return once issued, ordered on CUDA streams, waiting for its set-up
+    /// if it still runs; false where the set-up failed.
     pub fn on_streams(&self) -> bool {
         #[cfg(feature = "cuda")]
-        let on = self.joined().is_ok_and(|j| j.ordered.is_some());
+        let on = self.joined().is_ok_and(|j| {
+            j.ordered
+                .as_ref()
+                .is_some_and(crate::ordered::Ordered::orders_streams)
+        });
         #[cfg(not(feature = "cuda"))]
         let on = false;
         on
@@ -306,8 +310,15 @@ impl Comm {
         })
     }
 
-    /// Fails every call in flight and to come, on every rank (`ncclCommAbort`).
+    /// Fails every call in flight and to come, on every rank (`ncclCommAbort`). Never waits
+    /// for a set-up that still runs (another thread may be joining it): such a communicator
+    /// has no calls to fail.
     pub fn abort(&self) {
+        let set_up = self.ready.get().is_some()
+            || matches!(self.joining.try_lock(), Ok(j) if j.as_ref().is_some_and(|h| h.is_finished()));
+        if !set_up {
+            return;
+        }
         if let Ok(joined) = self.joined() {
             joined.abort();
         }

@@ -252,7 +252,8 @@ fn exchange_ordered(
 /// Issues a group's messages on `stream`: those on device memory together (through CUDA
 /// IPC or page-locked copies), then those on host memory together. Every rank issues the
 /// two in this order, so the two ranks of a pair meet in the same call whatever else their
-/// groups hold (a send and its receive are both on device memory or both on host memory).
+/// groups hold (a send and its receive must both be on device memory or both on host
+/// memory).
 /// Messages of no bytes move nothing and are left out, on both sides.
 #[cfg(feature = "cuda")]
 fn exchange_on(

@@ -60,9 +60,11 @@ struct Driver {
     _lib: Library,
 }
 
+/// The driver, opened once, and initialised, or `None` where there is none.
+static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
+
 /// The driver, initialised, or `None` where there is none.
 fn driver() -> Option<&'static Driver> {
-    static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
     DRIVER.get_or_init(open).as_ref()
 }
 
@@ -96,9 +98,11 @@ fn open() -> Option<Driver> {
 pub struct KeepContext(Option<(&'static Driver, *mut c_void)>);
 
 impl KeepContext {
-    /// Notes the calling thread's current context (none where there is no driver).
+    /// Notes the calling thread's current context, where this library has opened the
+    /// driver already (a call that opens it binds no context on the calling thread, and one
+    /// that never needs it, such as `ncclGetVersion`, leaves CUDA untouched).
     pub fn new() -> KeepContext {
-        KeepContext(driver().and_then(|driver| {
+        KeepContext(DRIVER.get().and_then(Option::as_ref).and_then(|driver| {
             let mut current = std::ptr::null_mut();
             // SAFETY: cuCtxGetCurrent writes a CUcontext (a pointer, perhaps null).
             let asked = unsafe { (driver.ctx_get)(&mut current) };

@@ -209,6 +209,12 @@ impl Ordered {
         lock(&self.in_flight).is_empty()
     }
 
+    /// Whether its calls return once issued, ordered on the caller's streams (false where
+    /// the device cannot make streams wait on memory: calls then return once they end).
+    pub fn orders_streams(&self) -> bool {
+        self.dev.orders_streams()
+    }
+
     /// Fails every call in flight and to come (the device communicator's own duplicate of
     /// the host communicator is aborted).
     pub fn abort(&self) {

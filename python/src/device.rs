@@ -25,8 +25,13 @@ pub(crate) struct Devices(Mutex<Option<Arc<CudaCommunicator>>>);
 
 impl Devices {
     /// Fails every call of the device communicator, if one was made, in flight and to come.
+    /// Never waits for one being made (its set-up fails on the aborted host communicator).
     pub fn abort(&self) {
-        let slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = match self.0.try_lock() {
+            Ok(slot) => slot,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
         if let Some(dev) = &*slot {
             dev.abort();
         }

@@ -31,15 +31,15 @@ type Body<B> = Box<dyn FnOnce(Finish<'_, B>) + Send>;
 struct Finish<'a, B>(&'a Slot<B>);
 
 impl<B> Finish<'_, B> {
-    /// Makes the operation finished, its outcome and buffers ready for the handle (a failed
-    /// operation's buffers are dropped).
+    /// Makes the operation finished, its outcome and buffers ready for the handle (which
+    /// drops a failed operation's buffers: never the thread that ran it).
     fn finish(self, result: Result<()>, buf: B) {
-        self.end(result.map(|()| buf));
+        self.end(Stage::Finished(result, buf));
     }
 
-    /// Makes the operation finished with `outcome`.
-    fn end(self, outcome: Result<B>) {
-        *lock(&self.0.stage) = Stage::Finished(outcome);
+    /// Makes the operation finished at `stage`, and says so to its waiters.
+    fn end(self, stage: Stage<B>) {
+        *lock(&self.0.stage) = stage;
         self.0.finished.notify_all();
     }
 }
@@ -58,8 +58,11 @@ enum Stage<B> {
     Queued(Body<B>),
     /// Running on some thread.
     Running,
-    /// Finished; the outcome (the buffers, or the error) waits for the handle.
-    Finished(Result<B>),
+    /// Finished; the outcome waits for the handle.
+    Finished(Result<()>, B),
+    /// Panicked, its buffers lost; the error waits for the handle.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Panicked(Error),
     /// The handle took the outcome.
     Collected,
 }
@@ -69,7 +72,8 @@ impl<B> Stage<B> {
     /// the stage as it was) while the operation is queued or running.
     fn collect(&mut self) -> Option<Result<B>> {
         match std::mem::replace(self, Stage::Collected) {
-            Stage::Finished(outcome) => Some(outcome),
+            Stage::Finished(result, buf) => Some(result.map(|()| buf)),
+            Stage::Panicked(error) => Some(Err(error)),
             other => {
                 *self = other;
                 None
@@ -173,9 +177,9 @@ fn task<B: Send + 'static>(body: Body<B>) -> (Work<B>, Arc<dyn Task>) {
     (Work { slot: slot.clone() }, slot)
 }
 
-/// Hands `task` to `worker` (started on first use). If no worker can run it, its handle's
-/// [`Work::wait`] runs it instead.
-fn send(worker: &mut Option<Worker>, rank: usize, task: Arc<dyn Task>) {
+/// Hands `task` to `worker` (started on first use); whether a worker took it. If none can
+/// run it, its handle's [`Work::wait`] runs it instead.
+fn send(worker: &mut Option<Worker>, rank: usize, task: Arc<dyn Task>) -> bool {
     if worker.is_none() {
         match Worker::start(rank) {
             Ok(started) => *worker = Some(started),
@@ -185,10 +189,9 @@ fn send(worker: &mut Option<Worker>, rank: usize, task: Arc<dyn Task>) {
             ),
         }
     }
-    if let Some(tasks) = worker.as_ref().and_then(|w| w.tasks.as_ref()) {
-        // Only fails once the thread has ended; `wait` runs the operation then.
-        let _ = tasks.send(task);
-    }
+    // Only fails once the thread has ended; `wait` runs the operation then.
+    let tasks = worker.as_ref().and_then(|w| w.tasks.as_ref());
+    tasks.is_some_and(|tasks| tasks.send(task).is_ok())
 }
 
 /// The error of an operation that panicked (a defect in Chorus), with the panic's message.
@@ -272,13 +275,12 @@ impl Queue {
         let body: Body<B> = Box::new(move |finish| {
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(op)) {
                 Ok((result, buf)) => finish.finish(result, buf),
-                Err(panic) => finish.end(Err(panicked(panic.as_ref()))),
+                Err(panic) => finish.end(Stage::Panicked(panicked(panic.as_ref()))),
             }
         });
         let (work, task) = task(body);
         let mut worker = lock(&self.worker);
-        send(&mut worker, self.rank, Arc::clone(&task));
-        if worker.is_none() {
+        if !send(&mut worker, self.rank, Arc::clone(&task)) {
             // Under the lock, so that operations queued by other threads wait for it.
             task.run();
         }
@@ -337,7 +339,10 @@ impl<B> std::fmt::Debug for Work<B> {
 impl<B> Work<B> {
     /// Whether the operation has finished (successfully or not).
     pub fn is_completed(&self) -> bool {
-        matches!(*lock(&self.slot.stage), Stage::Finished(..))
+        matches!(
+            *lock(&self.slot.stage),
+            Stage::Finished(..) | Stage::Panicked(_)
+        )
     }
 
     /// Blocks until another thread (the worker) has finished the operation, leaving its

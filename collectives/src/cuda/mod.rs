@@ -268,6 +268,13 @@ impl CudaCommunicator {
         })
     }
 
+    /// Whether its asynchronous calls are ordered on the caller's streams and return once
+    /// issued: false where the device cannot make streams wait on memory (see
+    /// [`DeviceWork::stream_ordered`]).
+    pub fn orders_streams(&self) -> bool {
+        self.order.stream.is_some()
+    }
+
     /// Fails every call in flight and to come, promptly, here and (through the store) on
     /// the other ranks, as [`Communicator::abort`] does for the host communicator
     /// underneath, this communicator's own duplicate.
