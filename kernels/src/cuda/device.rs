@@ -38,7 +38,8 @@ struct Shared {
     capability: (i32, i32),
     /// Blocks that fill the device once (multiprocessors x resident blocks each).
     max_blocks: u32,
-    kernels: Mutex<Option<Arc<Kernels>>>,
+    /// The kernels once loaded, or why they could not be.
+    kernels: Mutex<Option<Result<Arc<Kernels>, CudaError>>>,
 }
 
 /// The loaded kernel functions.
@@ -393,17 +394,14 @@ impl Device {
         Ok(())
     }
 
-    /// The loaded kernels, compiling or reading them from the disk cache on first use.
+    /// The loaded kernels, compiling or reading them from the disk cache on first use; a
+    /// failure is kept, so later calls fail at once rather than compile again.
     fn kernels(&self) -> Result<Arc<Kernels>, CudaError> {
         let mut slot = lock(&self.shared.kernels);
-        if let Some(kernels) = &*slot {
-            return Ok(kernels.clone());
-        }
-        let kernels = Arc::new(load::guarded("loading the CUDA kernels", || {
-            self.build_kernels()
-        })?);
-        *slot = Some(kernels.clone());
-        Ok(kernels)
+        slot.get_or_insert_with(|| {
+            load::guarded("loading the CUDA kernels", || self.build_kernels()).map(Arc::new)
+        })
+        .clone()
     }
 
     fn build_kernels(&self) -> Result<Kernels, CudaError> {
