@@ -3,11 +3,16 @@
 //! # Safety
 //!
 //! The entry points that take pointers are `unsafe` to call, with NCCL's own rules: a
-//! communicator is a handle this library returned and nobody has destroyed (used by one
-//! thread at a time, but for `ncclCommGetAsyncError` and `ncclCommAbort`, which any thread
-//! may call); an out-pointer has room for what the call writes; a buffer holds the elements
-//! its count and type say and stays valid, and untouched by anyone else, until the call
-//! returns (or, inside a group, until its `ncclGroupEnd` returns).
+//! communicator is used by one thread at a time, but for `ncclCommGetAsyncError` and
+//! `ncclCommAbort`, which any thread may call (a call running on a handle when another
+//! thread aborts it fails, and the communicator is freed once it has); an out-pointer has
+//! room for what the call writes; a buffer holds the elements its count and type say and
+//! stays valid, and untouched by anyone else, until the call returns (or, inside a group,
+//! until its `ncclGroupEnd` returns).
+//!
+//! Handles are looked up, never dereferenced: one destroyed or aborted already, or never
+//! made here, is refused with `ncclInvalidArgument` (unless a communicator made since was
+//! given the same address).
 //!
 //! Every one catches panics and turns failures into NCCL's result codes, keeping the text
 //! for `ncclGetLastError` (per thread) and, under `NCCL_DEBUG=WARN` or `INFO`, printing it.
@@ -21,6 +26,8 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Duration;
 
 use chorus::{Communicator, DType, Element, ReduceOp};
 
@@ -29,6 +36,7 @@ use crate::abi::{
 };
 use crate::comm::{Comm, Failure, Outcome};
 use crate::group::{self, Message, Op};
+use crate::handles;
 use crate::id::Rendezvous;
 use crate::memory;
 use crate::premul::{scaled, PreMulSum, Scalar, Scale};
@@ -97,13 +105,9 @@ fn done(call: &str, body: impl FnOnce() -> Outcome) -> NcclResult {
     guard(call, || body().map(|()| NcclResult::Success))
 }
 
-/// The handle behind `comm`.
-///
-/// # Safety
-/// `comm` is null or a handle this library returned and the caller has not destroyed.
-unsafe fn handle<'a>(comm: *const Comm) -> Outcome<&'a Comm> {
-    // SAFETY: as the function requires.
-    unsafe { comm.as_ref() }.ok_or_else(|| Failure::argument("comm is NULL"))
+/// The communicator behind the handle `comm`, held for the call.
+fn handle(comm: *const Comm) -> Outcome<Arc<Comm>> {
+    handles::get(comm)
 }
 
 /// A pointer the caller must pass.
@@ -256,7 +260,7 @@ unsafe fn init_rank(
         }
     };
     log_decisions();
-    let made = Box::new(Comm::join(id, nranks, rank, current_device())?);
+    let made = Arc::new(Comm::join(id, nranks, rank, current_device())?);
     let result = if group::open() {
         group::note_init(&made);
         NcclResult::Success
@@ -267,7 +271,7 @@ unsafe fn init_rank(
         NcclResult::InProgress
     };
     // SAFETY: checked non-null; the caller passes room for a handle.
-    unsafe { out.write(Box::into_raw(made)) };
+    unsafe { out.write(handles::publish(made)) };
     Ok(result)
 }
 
@@ -302,14 +306,14 @@ pub unsafe extern "C" fn ncclCommInitAll(
                 false => unsafe { *devlist.add(rank) },
                 true => rank as c_int,
             };
-            made.push(Box::new(Comm::join(id, n, rank, device)?));
+            made.push(Arc::new(Comm::join(id, n, rank, device)?));
         }
         for comm in &made {
             comm.communicator()?;
         }
         for (rank, comm) in made.into_iter().enumerate() {
             // SAFETY: checked non-null; the caller passes room for ndev handles.
-            unsafe { out.add(rank).write(Box::into_raw(comm)) };
+            unsafe { out.add(rank).write(handles::publish(comm)) };
         }
         Ok(())
     })
@@ -323,8 +327,7 @@ pub unsafe extern "C" fn ncclCommInitAll(
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommFinalize(comm: *mut Comm) -> NcclResult {
     done("ncclCommFinalize", || {
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         comm.usable()?;
         comm.joined()?.finish()
     })
@@ -340,8 +343,7 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: *mut Comm) -> NcclResult {
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommRevoke(comm: *mut Comm, flags: c_int) -> NcclResult {
     done("ncclCommRevoke", || {
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         if flags != REVOKE_DEFAULT {
             return Err(Failure::argument(format!(
                 "revokeFlags {flags:#x} is not NCCL_REVOKE_DEFAULT (0)"
@@ -359,9 +361,7 @@ pub unsafe extern "C" fn ncclCommRevoke(comm: *mut Comm, flags: c_int) -> NcclRe
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommDestroy(comm: *mut Comm) -> NcclResult {
     done("ncclCommDestroy", || {
-        given(comm, "comm")?;
-        // SAFETY: a handle of this library, destroyed once, as NCCL requires.
-        let comm = unsafe { Box::from_raw(comm) };
+        let comm = handles::take(comm)?;
         // Their failures were the calls' to report; the handle goes either way (a set-up
         // still running goes on in the background, and ends with nothing to serve).
         if !comm.in_progress() {
@@ -373,6 +373,9 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: *mut Comm) -> NcclResult {
     })
 }
 
+/// How long `ncclCommAbort` waits for the calls it failed to let go of the communicator.
+const ABORT_GRACE: Duration = Duration::from_secs(10);
+
 /// `ncclCommAbort`: fails every call in flight and to come, on every rank, then frees the
 /// handle.
 ///
@@ -381,10 +384,11 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: *mut Comm) -> NcclResult {
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommAbort(comm: *mut Comm) -> NcclResult {
     done("ncclCommAbort", || {
-        given(comm, "comm")?;
-        // SAFETY: a handle of this library, destroyed once, as NCCL requires.
-        let comm = unsafe { Box::from_raw(comm) };
+        let comm = handles::take(comm)?;
         comm.abort();
+        // Freed here once the calls still running on it (another thread's) have failed, as
+        // NCCL's abort frees it before it returns; a call that takes longer frees it as it ends.
+        handles::release(comm, ABORT_GRACE);
         Ok(())
     })
 }
@@ -408,8 +412,7 @@ pub unsafe extern "C" fn ncclCommSplit(
         // SAFETY: checked non-null; the caller passes room for a handle, NULL until one is
         // made.
         unsafe { out.write(std::ptr::null_mut()) };
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         // SAFETY: as ncclCommInitRankConfig's.
         unsafe { abi::settings(config) }.map_err(Failure::argument)?;
         let color = match color {
@@ -426,7 +429,7 @@ pub unsafe extern "C" fn ncclCommSplit(
             false => communicator.split(color, i64::from(key))?,
         };
         let made = match split {
-            Some(c) => Box::into_raw(Box::new(Comm::made(c, comm.device())?)),
+            Some(c) => handles::publish(Arc::new(Comm::made(c, comm.device())?)),
             None => std::ptr::null_mut(),
         };
         // SAFETY: checked non-null; the caller passes room for a handle.
@@ -454,8 +457,7 @@ pub unsafe extern "C" fn ncclCommShrink(
         // SAFETY: checked non-null; the caller passes room for a handle, NULL until one is
         // made.
         unsafe { out.write(std::ptr::null_mut()) };
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         // SAFETY: as ncclCommInitRankConfig's.
         unsafe { abi::settings(config) }.map_err(Failure::argument)?;
         let count = usize::try_from(exclude_count).map_err(|_| {
@@ -479,9 +481,9 @@ pub unsafe extern "C" fn ncclCommShrink(
             communicator.abort();
         }
         let shrunk = communicator.shrink(&exclude)?;
-        let made = Box::new(Comm::made(shrunk, comm.device())?);
+        let made = Arc::new(Comm::made(shrunk, comm.device())?);
         // SAFETY: checked non-null; the caller passes room for a handle.
-        unsafe { out.write(Box::into_raw(made)) };
+        unsafe { out.write(handles::publish(made)) };
         Ok(())
     })
 }
@@ -514,8 +516,7 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
 ) -> NcclResult {
     done("ncclCommGetAsyncError", || {
         let out = given(error, "asyncError")?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let found = match unsafe { handle(comm) }?.async_error() {
+        let found = match handle(comm)?.async_error() {
             Ok(result) => result,
             Err(failure) => {
                 remember(&failure.text);
@@ -535,8 +536,9 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCount(comm: *const Comm, count: *mut c_int) -> NcclResult {
     done("ncclCommCount", || {
-        // SAFETY: a handle of this library; checked non-null.
-        unsafe { *given(count, "count")? = handle(comm)?.nranks() as c_int };
+        let nranks = handle(comm)?.nranks() as c_int;
+        // SAFETY: checked non-null; the caller passes a writable int.
+        unsafe { *given(count, "count")? = nranks };
         Ok(())
     })
 }
@@ -548,8 +550,9 @@ pub unsafe extern "C" fn ncclCommCount(comm: *const Comm, count: *mut c_int) -> 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: *const Comm, rank: *mut c_int) -> NcclResult {
     done("ncclCommUserRank", || {
-        // SAFETY: a handle of this library; checked non-null.
-        unsafe { *given(rank, "rank")? = handle(comm)?.rank() as c_int };
+        let me = handle(comm)?.rank() as c_int;
+        // SAFETY: checked non-null; the caller passes a writable int.
+        unsafe { *given(rank, "rank")? = me };
         Ok(())
     })
 }
@@ -562,8 +565,9 @@ pub unsafe extern "C" fn ncclCommUserRank(comm: *const Comm, rank: *mut c_int) -
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: *const Comm, device: *mut c_int) -> NcclResult {
     done("ncclCommCuDevice", || {
-        // SAFETY: a handle of this library; checked non-null.
-        unsafe { *given(device, "device")? = handle(comm)?.device() };
+        let on = handle(comm)?.device();
+        // SAFETY: checked non-null; the caller passes a writable int.
+        unsafe { *given(device, "device")? = on };
         Ok(())
     })
 }
@@ -764,7 +768,7 @@ impl Collective {
 /// the calls that read their input from a copy), in the order of `stream`, which must not
 /// be under graph capture.
 fn submit(
-    comm: &Comm,
+    comm: &Arc<Comm>,
     call: Collective,
     dtype: DType,
     (input, output): (Buf, Buf),
@@ -1083,8 +1087,7 @@ pub unsafe extern "C" fn ncclAllReduce(
 ) -> NcclResult {
     done("ncclAllReduce", || {
         let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         let op = parse_op(op, dtype, comm)?;
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
@@ -1152,8 +1155,7 @@ unsafe fn broadcast(
     stream: Stream,
 ) -> Outcome {
     let dtype = parse_dtype(datatype)?;
-    // SAFETY: a handle of this library, as NCCL requires.
-    let comm = unsafe { handle(comm) }?;
+    let comm = &handle(comm)?;
     let root = rank_of(root, comm, "root")?;
     let output = Buf::new(recvbuff, count, dtype, "recvbuff")?;
     // The input is read on the root only.
@@ -1189,8 +1191,7 @@ pub unsafe extern "C" fn ncclReduce(
 ) -> NcclResult {
     done("ncclReduce", || {
         let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         let op = parse_op(op, dtype, comm)?;
         let root = rank_of(root, comm, "root")?;
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
@@ -1222,8 +1223,7 @@ pub unsafe extern "C" fn ncclAllGather(
 ) -> NcclResult {
     done("ncclAllGather", || {
         let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         let input = Buf::new(sendbuff, sendcount, dtype, "sendbuff")?;
         let total = count_of(sendcount, comm.nranks(), "recvbuff")?;
         let output = Buf::new(recvbuff, total, dtype, "recvbuff")?;
@@ -1254,8 +1254,7 @@ pub unsafe extern "C" fn ncclReduceScatter(
 ) -> NcclResult {
     done("ncclReduceScatter", || {
         let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         let op = parse_op(op, dtype, comm)?;
         let total = count_of(recvcount, comm.nranks(), "sendbuff")?;
         let input = Buf::new(sendbuff, total, dtype, "sendbuff")?;
@@ -1286,8 +1285,7 @@ pub unsafe extern "C" fn ncclAlltoAll(
 ) -> NcclResult {
     done("ncclAlltoAll", || {
         let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         let total = count_of(count, comm.nranks(), "buffers")?;
         let input = Buf::new(sendbuff, total, dtype, "sendbuff")?;
         let output = Buf::new(recvbuff, total, dtype, "recvbuff")?;
@@ -1311,8 +1309,7 @@ pub unsafe extern "C" fn ncclGather(
 ) -> NcclResult {
     done("ncclGather", || {
         let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         let root = rank_of(root, comm, "root")?;
         let input = Buf::new(sendbuff, count, dtype, "sendbuff")?;
         let total = count_of(count, comm.nranks(), "recvbuff")?;
@@ -1344,8 +1341,7 @@ pub unsafe extern "C" fn ncclScatter(
 ) -> NcclResult {
     done("ncclScatter", || {
         let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         let root = rank_of(root, comm, "root")?;
         let total = count_of(count, comm.nranks(), "sendbuff")?;
         let input = on_root(comm, root, sendbuff, total, dtype, "sendbuff")?;
@@ -1376,7 +1372,7 @@ pub unsafe extern "C" fn ncclSend(
     done("ncclSend", || {
         // SAFETY: as this function's caller promises.
         unsafe { message(sendbuff, count, datatype, peer, comm, stream, "sendbuff") }
-            .and_then(|(comm, m)| group::submit(comm, Op::Send(m)))
+            .and_then(|(comm, m)| group::submit(&comm, Op::Send(m)))
     })
 }
 
@@ -1396,7 +1392,7 @@ pub unsafe extern "C" fn ncclRecv(
     done("ncclRecv", || {
         // SAFETY: as this function's caller promises.
         unsafe { message(recvbuff, count, datatype, peer, comm, stream, "recvbuff") }
-            .and_then(|(comm, m)| group::submit(comm, Op::Recv(m)))
+            .and_then(|(comm, m)| group::submit(&comm, Op::Recv(m)))
     })
 }
 
@@ -1405,7 +1401,7 @@ pub unsafe extern "C" fn ncclRecv(
 ///
 /// # Safety
 /// As `ncclSend`'s and `ncclRecv`'s callers promise.
-unsafe fn message<'a>(
+unsafe fn message(
     ptr: *const c_void,
     count: usize,
     datatype: c_int,
@@ -1413,12 +1409,11 @@ unsafe fn message<'a>(
     comm: *mut Comm,
     stream: Stream,
     name: &str,
-) -> Outcome<(&'a Comm, Message)> {
+) -> Outcome<(Arc<Comm>, Message)> {
     memory::not_capturing(stream)?;
     let dtype = parse_dtype(datatype)?;
-    // SAFETY: a handle of this library, as NCCL requires.
-    let comm = unsafe { handle(comm) }?;
-    let peer = rank_of(peer, comm, "peer")?;
+    let comm = handle(comm)?;
+    let peer = rank_of(peer, &comm, "peer")?;
     let buf = Buf::new(ptr, count, dtype, name)?;
     let message = Message {
         at: buf.at,
@@ -1447,8 +1442,7 @@ pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
     done("ncclRedOpCreatePreMulSum", || {
         let out = given(op, "op")?;
         let dtype = parse_dtype(datatype)?;
-        // SAFETY: a handle of this library, as NCCL requires.
-        let comm = unsafe { handle(comm) }?;
+        let comm = &handle(comm)?;
         let at = Buf::new(scalar, 1, dtype, "scalar")?;
         let scalar = match residence {
             1 if at.device => {
@@ -1482,10 +1476,7 @@ pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
 /// As NCCL requires (see the module's documentation).
 #[no_mangle]
 pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, comm: *mut Comm) -> NcclResult {
-    done("ncclRedOpDestroy", || {
-        // SAFETY: a handle of this library, as NCCL requires.
-        unsafe { handle(comm) }?.ops().destroy(op)
-    })
+    done("ncclRedOpDestroy", || handle(comm)?.ops().destroy(op))
 }
 
 /// `ncclMemAlloc`: `size` bytes of device memory on the current device, or, where there is
@@ -1527,8 +1518,7 @@ pub unsafe extern "C" fn ncclCommRegister(
     registered: *mut *mut c_void,
 ) -> NcclResult {
     done("ncclCommRegister", || {
-        // SAFETY: a handle of this library, as NCCL requires.
-        unsafe { handle(comm) }?;
+        handle(comm)?;
         // SAFETY: checked non-null; the caller passes room for a handle.
         unsafe { given(registered, "handle")?.write(buff) };
         Ok(())
@@ -1544,10 +1534,7 @@ pub unsafe extern "C" fn ncclCommDeregister(
     comm: *const Comm,
     _registered: *mut c_void,
 ) -> NcclResult {
-    done("ncclCommDeregister", || {
-        // SAFETY: a handle of this library, as NCCL requires.
-        unsafe { handle(comm) }.map(drop)
-    })
+    done("ncclCommDeregister", || handle(comm).map(drop))
 }
 
 /// The text an entry point this library cannot honour fails with.

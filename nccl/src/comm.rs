@@ -200,6 +200,20 @@ impl Comm {
         Ok(comm)
     }
 
+    /// A handle whose set-up failed before it began (for tests of the handle table).
+    #[cfg(test)]
+    pub(crate) fn unjoined(rank: usize, nranks: usize) -> Comm {
+        Comm {
+            rank,
+            nranks,
+            device: -1,
+            ready: OnceLock::from(Err(Failure::usage("never set up"))),
+            joining: Mutex::new(None),
+            ops: Ops::default(),
+            revoked: AtomicBool::new(false),
+        }
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank

@@ -5,6 +5,7 @@
 //! whatever order each rank made them in.
 
 use std::cell::RefCell;
+use std::sync::Arc;
 
 use chorus::Communicator;
 
@@ -45,10 +46,10 @@ pub struct Message {
 #[derive(Default)]
 struct Pending {
     depth: usize,
-    /// Each op with its communicator's address, in the order made.
-    ops: Vec<(usize, Op)>,
+    /// Each op with its communicator, in the order made.
+    ops: Vec<(Arc<Comm>, Op)>,
     /// Communicators set up inside the group.
-    inits: Vec<usize>,
+    inits: Vec<Arc<Comm>>,
 }
 
 thread_local! {
@@ -93,72 +94,59 @@ pub fn end() -> Outcome {
 }
 
 /// Runs `op` on `comm` now, or at the group's end if one is open.
-pub fn submit(comm: &Comm, op: Op) -> Outcome {
+pub fn submit(comm: &Arc<Comm>, op: Op) -> Outcome {
     comm.usable()?;
-    let at = comm as *const Comm as usize;
     let queued = PENDING.with(|p| {
         let mut p = p.borrow_mut();
         if p.depth == 0 {
             return Some(op);
         }
-        p.ops.push((at, op));
+        p.ops.push((comm.clone(), op));
         None
     });
     match queued {
-        Some(op) => run(vec![(at, op)], Vec::new()),
+        Some(op) => run(vec![(comm.clone(), op)], Vec::new()),
         None => Ok(()),
     }
 }
 
 /// Notes a communicator set up inside the open group: its end waits for it.
-pub fn note_init(comm: &Comm) {
-    PENDING.with(|p| p.borrow_mut().inits.push(comm as *const Comm as usize));
+pub fn note_init(comm: &Arc<Comm>) {
+    PENDING.with(|p| p.borrow_mut().inits.push(comm.clone()));
 }
 
-/// The handle at `at`.
-///
-/// # Safety
-/// `at` is the address of a live handle: the caller keeps every communicator it used in a
-/// group alive until the group ends, as NCCL requires.
-unsafe fn handle<'a>(at: usize) -> &'a Comm {
-    // SAFETY: as the function requires.
-    unsafe { &*(at as *const Comm) }
-}
-
-fn run(ops: Vec<(usize, Op)>, inits: Vec<usize>) -> Outcome {
+fn run(ops: Vec<(Arc<Comm>, Op)>, inits: Vec<Arc<Comm>>) -> Outcome {
     let mut first: Outcome = Ok(());
     std::thread::scope(|s| {
         let setups: Vec<_> = inits
             .into_iter()
             // SAFETY: noted by `note_init` on a handle the caller keeps alive.
-            .map(|at| s.spawn(move || unsafe { handle(at) }.communicator().map(drop)))
+            .map(|comm| s.spawn(move || comm.communicator().map(drop)))
             .collect();
         for setup in setups {
             let done = setup.join().unwrap_or_else(|_| Err(panicked()));
             first = first.clone().and(done);
         }
     });
-    let mut by_comm: Vec<(usize, Vec<Op>)> = Vec::new();
-    for (at, op) in ops {
-        match by_comm.iter_mut().find(|(c, _)| *c == at) {
+    let mut by_comm: Vec<(Arc<Comm>, Vec<Op>)> = Vec::new();
+    for (comm, op) in ops {
+        match by_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &comm)) {
             Some((_, list)) => list.push(op),
-            None => by_comm.push((at, vec![op])),
+            None => by_comm.push((comm, vec![op])),
         }
     }
     let single = by_comm.len() == 1;
     std::thread::scope(|s| {
         let mut runs = Vec::new();
-        for (at, list) in by_comm {
-            // SAFETY: queued by `submit` on a handle the caller keeps alive.
-            let comm = unsafe { handle(at) };
+        for (comm, list) in by_comm {
             // Calls on streams are only issued: here, in the group's order, so that every
             // rank queues them on a shared stream in one order. Calls that run at once may
             // wait for another rank's call on a later communicator: each runs on a thread.
             if single || comm.on_streams() {
-                let done = run_on(comm, list);
+                let done = run_on(&comm, list);
                 first = first.clone().and(done);
             } else {
-                runs.push(s.spawn(move || run_on(comm, list)));
+                runs.push(s.spawn(move || run_on(&comm, list)));
             }
         }
         for r in runs {

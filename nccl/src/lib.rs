@@ -8,6 +8,8 @@
 //! - [`id`]: the unique id, which names the rendezvous store its maker serves and the job's
 //!   secret.
 //! - [`comm`]: the communicator behind `ncclComm_t`, set up at once or in the background.
+//! - `handles`: the `ncclComm_t` handles handed out, looked up rather than dereferenced, so
+//!   a communicator outlives the calls on it whoever destroys or aborts it.
 //! - `group`: `ncclGroupStart` / `ncclGroupEnd`, per thread (crate-private: what it
 //!   queues holds the caller's addresses, which only the `unsafe` entry points vouch for).
 //! - [`premul`]: the operators `ncclRedOpCreatePreMulSum` makes.
@@ -26,6 +28,7 @@ pub mod abi;
 pub mod api;
 pub mod comm;
 mod group;
+mod handles;
 pub mod id;
 mod memory;
 #[cfg(feature = "cuda")]

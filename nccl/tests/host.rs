@@ -685,6 +685,52 @@ fn an_aborted_rank_fails_the_survivors_calls_by_name_and_they_shrink() {
 }
 
 #[test]
+fn an_abort_from_another_thread_ends_the_call_running_on_the_handle_and_frees_nothing_under_it() {
+    let handles = joined(2);
+    let h = handles[0];
+    let (entering, entered) = std::sync::mpsc::channel();
+    let caller = std::thread::spawn(move || {
+        let mut v = [1f32; 64];
+        let p = mut_ptr(&mut v);
+        entering.send(()).unwrap();
+        // Rank 1 never calls: this waits for the abort (or the 300 s timeout).
+        let result = unsafe { ncclAllReduce(p, p, 64, FLOAT32, SUM, h.ptr(), null_mut()) };
+        (result, v)
+    });
+    entered.recv().unwrap();
+    // Most likely inside the call by now; an abort just before it is refused by name instead.
+    std::thread::sleep(Duration::from_millis(100));
+    let aborted = Instant::now();
+    assert_eq!(unsafe { ncclCommAbort(h.ptr()) }, NcclResult::Success);
+    let (result, v) = caller.join().unwrap();
+    assert!(
+        matches!(
+            result,
+            NcclResult::RemoteError | NcclResult::InvalidArgument
+        ),
+        "{result:?}"
+    );
+    assert!(aborted.elapsed() < Duration::from_secs(30));
+    assert_eq!(v, [1f32; 64], "a failed call leaves its buffer as it was");
+    // The handle is gone: calls on it, and a second abort, are refused rather than read
+    // freed memory.
+    let mut count = -1;
+    assert_eq!(
+        unsafe { ncclCommCount(h.ptr(), &mut count) },
+        NcclResult::InvalidArgument
+    );
+    assert_eq!(count, -1);
+    assert_eq!(
+        unsafe { ncclCommAbort(h.ptr()) },
+        NcclResult::InvalidArgument
+    );
+    assert_eq!(
+        unsafe { ncclCommDestroy(handles[1].ptr()) },
+        NcclResult::Success
+    );
+}
+
+#[test]
 fn a_revoked_communicator_takes_no_calls_and_splits_or_shrinks() {
     let handles = joined(3);
     assert_eq!(
