@@ -89,10 +89,16 @@ build() {
 }
 
 rows=()
-# row CHECK STATUS RESULT: a row of the table (kept tab-separated for benches' gpu_table.py).
-row() { rows+=("$1"$'\t'"$2"$'\t'"$3"); }
+# row CHECK STATUS RESULT: a row of the table, also appended to $keep/rows.tsv at once (kept
+# tab-separated for benches' gpu_table.py), so a run stopped at its time limit keeps the rows
+# it got to.
+row() {
+    rows+=("$1"$'\t'"$2"$'\t'"$3")
+    printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$keep/rows.tsv"
+}
 
-# check NAME LIMIT_S COMMAND...: runs it, logs it under $log, adds a row with its status.
+# check NAME LIMIT_S COMMAND...: runs it, logs it under $log (the end of each log also goes to
+# $keep/checks.log, so that a run leaves two files: that and rows.tsv), sets its status.
 check() {
     local name=$1 limit=$2
     shift 2
@@ -105,6 +111,7 @@ check() {
     last_detail="${took}s"
     echo "== $name: $status in ${took}s" >&2
     [ $rc -eq 0 ] || tail -20 "$out" >&2
+    { echo "=== $name: $status in ${took}s"; tail -n 300 "$out"; } >>"$keep/checks.log"
 }
 
 # The rows of NCCL's C API on Chorus (see the header).
@@ -186,10 +193,16 @@ nccl_rows() {
 run() {
     export CHORUS_REQUIRE_CUDA=1 CHORUS_TEST_BIN_DIR
     CHORUS_TEST_BIN_DIR=$(realpath "$dir")
-    log=${OUT:-$(mktemp -d)}
+    log=$(mktemp -d)
+    keep=${OUT:-$log}
+    : >"$keep/checks.log"
     local cache
     cache=$(mktemp -d)
     nvidia-smi -L >&2 || true
+    # The rows as data, under the machine they ran on: keep $keep/rows.tsv as a round in
+    # benches/results/gpu/ (see docs/gpus.md).
+    echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u '+%F %H:%M') UTC" \
+        >"$keep/rows.tsv"
     # The torch backend's package, where python3 has torch on CUDA and pytest to run it.
     torch=
     if python3 -c 'import torch, pytest; assert torch.cuda.is_available()' 2>/dev/null; then
@@ -307,12 +320,6 @@ run() {
 
     nccl_rows
 
-    # The rows as data, under the machine they ran on: keep $log/rows.tsv as a round in
-    # benches/results/gpu/ (see docs/gpus.md).
-    {
-        echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u '+%F %H:%M') UTC"
-        printf '%s\n' "${rows[@]}"
-    } >"$log/rows.tsv"
     echo
     printf '%-24s %-6s %s\n' check status result
     printf '%s\n' "${rows[@]}" | awk -F'\t' '{ printf "%-24s %-6s %s\n", $1, $2, $3 }'

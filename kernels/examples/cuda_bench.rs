@@ -12,7 +12,8 @@
 //!
 //! and prints GB/s (bytes read + written, 1 GB = 1e9 bytes). The kernels' fraction of the
 //! copy's bandwidth is the figure of merit: both are bound by memory bandwidth. Exits with
-//! "skipping: no CUDA driver/GPU found" (status 0) where there is no usable GPU.
+//! "skipping: no CUDA driver/GPU found" (status 0) where there is no usable GPU, and fails
+//! there instead with `CHORUS_REQUIRE_CUDA=1`.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use std::time::Instant;
 
 use chorus_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use chorus_kernels::cuda::{CudaError, CudaSlice, CudaStream, Device};
+use chorus_kernels::env::CHORUS_REQUIRE_CUDA;
 use chorus_kernels::{bf16, DType, ReduceOp};
 
 const WARMUP: usize = 5;
@@ -37,6 +39,10 @@ fn main() -> ExitCode {
     match run(mib << 20) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err @ (CudaError::NoCuda(_) | CudaError::NoDevice { .. })) => {
+            if std::env::var(CHORUS_REQUIRE_CUDA).as_deref() == Ok("1") {
+                eprintln!("cuda_bench: {CHORUS_REQUIRE_CUDA}=1 but {err}");
+                return ExitCode::FAILURE;
+            }
             eprintln!("skipping: no CUDA driver/GPU found ({err})");
             ExitCode::SUCCESS
         }
