@@ -535,12 +535,12 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
 /// As NCCL requires (see the module's documentation).
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCount(comm: *const Comm, count: *mut c_int) -> NcclResult {
-    done("ncclCommCount", || {
-        let nranks = handle(comm)?.nranks() as c_int;
-        // SAFETY: checked non-null; the caller passes a writable int.
-        unsafe { *given(count, "count")? = nranks };
-        Ok(())
-    })
+    // SAFETY: as this function's caller promises.
+    unsafe {
+        comm_int("ncclCommCount", comm, count, "count", |c| {
+            c.nranks() as c_int
+        })
+    }
 }
 
 /// `ncclCommUserRank`.
@@ -549,12 +549,12 @@ pub unsafe extern "C" fn ncclCommCount(comm: *const Comm, count: *mut c_int) -> 
 /// As NCCL requires (see the module's documentation).
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: *const Comm, rank: *mut c_int) -> NcclResult {
-    done("ncclCommUserRank", || {
-        let me = handle(comm)?.rank() as c_int;
-        // SAFETY: checked non-null; the caller passes a writable int.
-        unsafe { *given(rank, "rank")? = me };
-        Ok(())
-    })
+    // SAFETY: as this function's caller promises.
+    unsafe {
+        comm_int("ncclCommUserRank", comm, rank, "rank", |c| {
+            c.rank() as c_int
+        })
+    }
 }
 
 /// `ncclCommCuDevice`: the CUDA device current when the communicator was made (-1 where
@@ -564,10 +564,25 @@ pub unsafe extern "C" fn ncclCommUserRank(comm: *const Comm, rank: *mut c_int) -
 /// As NCCL requires (see the module's documentation).
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: *const Comm, device: *mut c_int) -> NcclResult {
-    done("ncclCommCuDevice", || {
-        let on = handle(comm)?.device();
+    // SAFETY: as this function's caller promises.
+    unsafe { comm_int("ncclCommCuDevice", comm, device, "device", Comm::device) }
+}
+
+/// The entry point `call`: writes what `read` says of `comm` to `out` (named `name`).
+///
+/// # Safety
+/// `out` is NULL or points to a writable int.
+unsafe fn comm_int(
+    call: &str,
+    comm: *const Comm,
+    out: *mut c_int,
+    name: &str,
+    read: impl FnOnce(&Comm) -> c_int,
+) -> NcclResult {
+    done(call, || {
+        let value = read(&*handle(comm)?);
         // SAFETY: checked non-null; the caller passes a writable int.
-        unsafe { *given(device, "device")? = on };
+        unsafe { *given(out, name)? = value };
         Ok(())
     })
 }
