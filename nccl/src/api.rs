@@ -6,7 +6,8 @@
 //! communicator is used by one thread at a time, but for `ncclCommGetAsyncError` and
 //! `ncclCommAbort`, which any thread may call (a call running on a handle when another
 //! thread aborts it fails, and the communicator is freed once it has); an out-pointer has
-//! room for what the call writes; a buffer holds the elements its count and type say and
+//! room for what the call writes (a split's or a shrink's inside a group, until the group's
+//! `ncclGroupEnd` returns); a buffer holds the elements its count and type say and
 //! stays valid, and untouched by anyone else, until the call returns (or, inside a group,
 //! until its `ncclGroupEnd` returns).
 //!
@@ -412,7 +413,7 @@ pub unsafe extern "C" fn ncclCommSplit(
         // SAFETY: checked non-null; the caller passes room for a handle, NULL until one is
         // made.
         unsafe { out.write(std::ptr::null_mut()) };
-        let comm = &handle(comm)?;
+        let comm = handle(comm)?;
         // SAFETY: as ncclCommInitRankConfig's.
         unsafe { abi::settings(config) }.map_err(Failure::argument)?;
         let color = match color {
@@ -421,20 +422,24 @@ pub unsafe extern "C" fn ncclCommSplit(
                 Failure::argument(format!("color {c} is negative and not NCCL_SPLIT_NOCOLOR"))
             })?),
         };
-        let communicator = comm.communicator()?;
-        let split = match comm.revoked() {
-            // A revoked communicator takes no calls: the split runs on a fresh communicator
-            // of the ranks that are still there, agreed as a shrink's.
-            true => communicator.shrink(&[])?.split(color, i64::from(key))?,
-            false => communicator.split(color, i64::from(key))?,
-        };
-        let made = match split {
-            Some(c) => handles::publish(Arc::new(Comm::made(c, comm.device())?)),
-            None => std::ptr::null_mut(),
-        };
-        // SAFETY: checked non-null; the caller passes room for a handle.
-        unsafe { out.write(made) };
-        Ok(())
+        let out = out as usize;
+        group::make(Box::new(move || {
+            let communicator = comm.communicator()?;
+            let split = match comm.revoked() {
+                // A revoked communicator takes no calls: the split runs on a fresh
+                // communicator of the ranks that are still there, agreed as a shrink's.
+                true => communicator.shrink(&[])?.split(color, i64::from(key))?,
+                false => communicator.split(color, i64::from(key))?,
+            };
+            let made = match split {
+                Some(c) => handles::publish(Arc::new(Comm::made(c, comm.device())?)),
+                None => std::ptr::null_mut(),
+            };
+            // SAFETY: checked non-null; the caller keeps room for a handle until the call
+            // returns (inside a group, until its end).
+            unsafe { (out as *mut *mut Comm).write(made) };
+            Ok(())
+        }))
     })
 }
 
@@ -457,7 +462,7 @@ pub unsafe extern "C" fn ncclCommShrink(
         // SAFETY: checked non-null; the caller passes room for a handle, NULL until one is
         // made.
         unsafe { out.write(std::ptr::null_mut()) };
-        let comm = &handle(comm)?;
+        let comm = handle(comm)?;
         // SAFETY: as ncclCommInitRankConfig's.
         unsafe { abi::settings(config) }.map_err(Failure::argument)?;
         let count = usize::try_from(exclude_count).map_err(|_| {
@@ -468,7 +473,7 @@ pub unsafe extern "C" fn ncclCommShrink(
             // SAFETY: the list holds excludeRanksCount ranks.
             n => unsafe { std::slice::from_raw_parts(given(exclude, "excludeRanksList")?, n) }
                 .iter()
-                .map(|&r| rank_of(r, comm, "excluded rank"))
+                .map(|&r| rank_of(r, &comm, "excluded rank"))
                 .collect::<Outcome<_>>()?,
         };
         if flags & !SHRINK_ABORT != 0 {
@@ -476,15 +481,19 @@ pub unsafe extern "C" fn ncclCommShrink(
                 "shrinkFlags {flags:#x} has unknown bits"
             )));
         }
-        let communicator = comm.communicator()?;
-        if flags & SHRINK_ABORT != 0 {
-            communicator.abort();
-        }
-        let shrunk = communicator.shrink(&exclude)?;
-        let made = Arc::new(Comm::made(shrunk, comm.device())?);
-        // SAFETY: checked non-null; the caller passes room for a handle.
-        unsafe { out.write(handles::publish(made)) };
-        Ok(())
+        let out = out as usize;
+        group::make(Box::new(move || {
+            let communicator = comm.communicator()?;
+            if flags & SHRINK_ABORT != 0 {
+                communicator.abort();
+            }
+            let shrunk = communicator.shrink(&exclude)?;
+            let made = handles::publish(Arc::new(Comm::made(shrunk, comm.device())?));
+            // SAFETY: checked non-null; the caller keeps room for a handle until the call
+            // returns (inside a group, until its end).
+            unsafe { (out as *mut *mut Comm).write(made) };
+            Ok(())
+        }))
     })
 }
 

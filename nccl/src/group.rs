@@ -1,5 +1,6 @@
 //! `ncclGroupStart` / `ncclGroupEnd`: calls made between them on this thread wait for the
-//! outermost end, which runs them together: set-ups of several communicators at once, each
+//! outermost end, which runs them together: set-ups, splits and shrinks of several
+//! communicators at once (each on a thread of its own, so one thread may drive every rank), each
 //! communicator's collectives in order on a thread of its own (one thread may drive several
 //! ranks), then its sends and receives all posted at once, so pairs of them cannot deadlock
 //! whatever order each rank made them in.
@@ -15,6 +16,10 @@ use crate::comm::{Comm, Failure, Outcome};
 /// at once, or on its stream); it holds the caller's buffers as addresses, which the caller
 /// keeps valid until the group ends (and, on a stream, until the call has ended there).
 pub type Collective = Box<dyn FnOnce(&Comm) -> Outcome + Send>;
+
+/// A split or a shrink waiting for its group's end: makes the communicator and hands it to
+/// the caller.
+pub type Make = Box<dyn FnOnce() -> Outcome + Send>;
 
 /// A call waiting for its group's end.
 pub enum Op {
@@ -50,6 +55,8 @@ struct Pending {
     ops: Vec<(Arc<Comm>, Op)>,
     /// Communicators set up inside the group.
     inits: Vec<Arc<Comm>>,
+    /// Splits and shrinks made inside the group.
+    makes: Vec<Make>,
 }
 
 thread_local! {
@@ -71,26 +78,21 @@ pub fn open() -> bool {
 
 /// Closes a group; the outermost runs everything made inside it.
 pub fn end() -> Outcome {
-    let (ops, inits) = PENDING
-        .with(|p| {
-            let mut p = p.borrow_mut();
-            match p.depth {
-                0 => Err(Failure::usage("ncclGroupEnd without ncclGroupStart")),
-                1 => {
-                    p.depth = 0;
-                    Ok(Some((
-                        std::mem::take(&mut p.ops),
-                        std::mem::take(&mut p.inits),
-                    )))
-                }
-                _ => {
-                    p.depth -= 1;
-                    Ok(None)
-                }
+    let ended = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        match p.depth {
+            0 => Err(Failure::usage("ncclGroupEnd without ncclGroupStart")),
+            1 => Ok(Some(std::mem::take(&mut *p))),
+            _ => {
+                p.depth -= 1;
+                Ok(None)
             }
-        })?
-        .unwrap_or_default();
-    run(ops, inits)
+        }
+    })?;
+    match ended {
+        Some(group) => run(group.ops, group.inits, group.makes),
+        None => Ok(()),
+    }
 }
 
 /// Runs `op` on `comm` now, or at the group's end if one is open.
@@ -105,9 +107,22 @@ pub fn submit(comm: &Arc<Comm>, op: Op) -> Outcome {
         None
     });
     match queued {
-        Some(op) => run(vec![(comm.clone(), op)], Vec::new()),
+        Some(op) => run(vec![(comm.clone(), op)], Vec::new(), Vec::new()),
         None => Ok(()),
     }
+}
+
+/// Runs `make` now, or at the group's end if one is open (with the group's others at once).
+pub fn make(make: Make) -> Outcome {
+    let queued = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.depth == 0 {
+            return Some(make);
+        }
+        p.makes.push(make);
+        None
+    });
+    queued.map_or(Ok(()), |make| make())
 }
 
 /// Notes a communicator set up inside the open group: its end waits for it.
@@ -115,13 +130,13 @@ pub fn note_init(comm: &Arc<Comm>) {
     PENDING.with(|p| p.borrow_mut().inits.push(comm.clone()));
 }
 
-fn run(ops: Vec<(Arc<Comm>, Op)>, inits: Vec<Arc<Comm>>) -> Outcome {
+fn run(ops: Vec<(Arc<Comm>, Op)>, inits: Vec<Arc<Comm>>, makes: Vec<Make>) -> Outcome {
     let mut first: Outcome = Ok(());
     std::thread::scope(|s| {
         let setups: Vec<_> = inits
             .into_iter()
-            // SAFETY: noted by `note_init` on a handle the caller keeps alive.
             .map(|comm| s.spawn(move || comm.communicator().map(drop)))
+            .chain(makes.into_iter().map(|make| s.spawn(make)))
             .collect();
         for setup in setups {
             let done = setup.join().unwrap_or_else(|_| Err(panicked()));

@@ -56,7 +56,8 @@ impl Ranks {
 
 impl Drop for Ranks {
     fn drop(&mut self) {
-        for &c in &self.0 {
+        // The last rank first: rank 0 keeps the store up until the others have left.
+        for &c in self.0.iter().rev() {
             if !c.is_null() {
                 assert_eq!(unsafe { ncclCommDestroy(c) }, NcclResult::Success);
             }
@@ -728,6 +729,41 @@ fn an_abort_from_another_thread_ends_the_call_running_on_the_handle_and_frees_no
         unsafe { ncclCommDestroy(handles[1].ptr()) },
         NcclResult::Success
     );
+}
+
+#[test]
+fn one_thread_splits_and_shrinks_every_rank_inside_a_group() {
+    let ranks = Ranks::new(3);
+    // Ranks 0 and 2 split off, in reverse order of key; rank 1 takes no part.
+    let mut subs = vec![null_mut::<Comm>(); 3];
+    let out = subs.as_mut_ptr();
+    ranks.group(|rank, comm| {
+        let color = if rank == 1 { -1 } else { 7 };
+        unsafe { ncclCommSplit(comm, color, -(rank as c_int), out.add(rank), null_mut()) }
+    });
+    assert!(subs[1].is_null());
+    let split = Ranks(vec![subs[0], subs[2]]);
+    let mut me = [-1; 2];
+    for (m, &c) in me.iter_mut().zip(&split.0) {
+        assert_eq!(unsafe { ncclCommUserRank(c, m) }, NcclResult::Success);
+    }
+    assert_eq!(me, [1, 0]);
+    let mut values = [[1.0f64, 2.0], [10.0, 20.0]];
+    let at: Vec<*mut c_void> = values.iter_mut().map(|v| mut_ptr(v)).collect();
+    split
+        .group(|i, comm| unsafe { ncclAllReduce(at[i], at[i], 2, FLOAT64, SUM, comm, null_mut()) });
+    assert_eq!(values, [[11.0, 22.0]; 2]);
+    // A shrink excluding no one, by every rank from the one thread.
+    let mut shrunk = vec![null_mut::<Comm>(); 3];
+    let out = shrunk.as_mut_ptr();
+    ranks.group(|rank, comm| unsafe {
+        ncclCommShrink(comm, null_mut(), 0, out.add(rank), null_mut(), 0)
+    });
+    let shrunk = Ranks(shrunk);
+    let mut values: Vec<[i32; 1]> = (1..=3).map(|r| [r]).collect();
+    let at: Vec<*mut c_void> = values.iter_mut().map(|v| mut_ptr(v)).collect();
+    shrunk.group(|i, comm| unsafe { ncclAllReduce(at[i], at[i], 1, INT32, SUM, comm, null_mut()) });
+    assert_eq!(values, vec![[6]; 3]);
 }
 
 #[test]
