@@ -200,14 +200,18 @@ impl Comm {
         })
     }
 
-    /// How CUDA tensors' data moves between the ranks ("ipc" or "staged"), once a call on
-    /// CUDA tensors has chosen; None before, or in a build without CUDA.
+    /// How CUDA tensors' data moves between the ranks ("ipc", "staged" or "hierarchical"),
+    /// once a call on CUDA tensors has chosen; None before, or in a build without CUDA.
+    /// Waits, without the GIL, for a device set-up another thread is running.
     #[getter]
-    fn device_path(&self) -> Option<&'static str> {
+    fn device_path(&self, py: Python<'_>) -> Option<&'static str> {
         #[cfg(feature = "cuda")]
-        return self.devices.path();
+        return py.detach(|| self.devices.path());
         #[cfg(not(feature = "cuda"))]
-        None
+        {
+            let _ = py;
+            None
+        }
     }
 
     /// Starts the collective `kind` ("all_reduce", "broadcast", "reduce", "all_gather",
