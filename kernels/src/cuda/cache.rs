@@ -10,6 +10,7 @@
 use std::ffi::OsString;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::env;
 
@@ -96,7 +97,10 @@ pub(crate) fn write(path: &Path, image: &[u8]) -> io::Result<()> {
     bytes.extend_from_slice(&(image.len() as u64).to_le_bytes());
     bytes.extend_from_slice(&fnv1a(&[image]).to_le_bytes());
     bytes.extend_from_slice(image);
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    // A name of its own per write: threads of one process may write the same kernel at once.
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
     std::fs::write(&tmp, &bytes)?;
     std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
