@@ -11,9 +11,8 @@
 //! stays valid, and untouched by anyone else, until the call returns (or, inside a group,
 //! until its `ncclGroupEnd` returns).
 //!
-//! Handles are looked up, never dereferenced: one destroyed or aborted already, or never
-//! made here, is refused with `ncclInvalidArgument` (unless a communicator made since was
-//! given the same address).
+//! Handles are numbers looked up, never dereferenced, and never handed out twice: one
+//! destroyed or aborted already, or never made here, is refused with `ncclInvalidArgument`.
 //!
 //! Every one catches panics and turns failures into NCCL's result codes, keeping the text
 //! for `ncclGetLastError` (per thread) and, under `NCCL_DEBUG=WARN` or `INFO`, printing it.
@@ -355,13 +354,17 @@ pub unsafe extern "C" fn ncclCommRevoke(comm: *mut Comm, flags: c_int) -> NcclRe
 }
 
 /// `ncclCommDestroy`: waits for the calls issued on streams to end (as `ncclCommFinalize`),
-/// then frees the handle, closing the communicator's connections.
+/// then frees the handle, closing the communicator's connections. NULL is nothing to free
+/// (a `NCCL_SPLIT_NOCOLOR` rank's split), as with NCCL.
 ///
 /// # Safety
 /// As NCCL requires (see the module's documentation).
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommDestroy(comm: *mut Comm) -> NcclResult {
     done("ncclCommDestroy", || {
+        if comm.is_null() {
+            return Ok(());
+        }
         let comm = handles::take(comm)?;
         // Their failures were the calls' to report; the handle goes either way (a set-up
         // still running goes on in the background, and ends with nothing to serve).
@@ -378,18 +381,26 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: *mut Comm) -> NcclResult {
 const ABORT_GRACE: Duration = Duration::from_secs(10);
 
 /// `ncclCommAbort`: fails every call in flight and to come, on every rank, then frees the
-/// handle.
+/// handle (NULL: nothing to do, as with NCCL). A set-up still running is not stopped: it
+/// ends at its timeout, and the communicator is freed then.
 ///
 /// # Safety
 /// As NCCL requires (see the module's documentation).
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommAbort(comm: *mut Comm) -> NcclResult {
     done("ncclCommAbort", || {
+        if comm.is_null() {
+            return Ok(());
+        }
         let comm = handles::take(comm)?;
-        comm.abort();
-        // Freed here once the calls still running on it (another thread's) have failed, as
-        // NCCL's abort frees it before it returns; a call that takes longer frees it as it ends.
-        handles::release(comm, ABORT_GRACE);
+        // Nothing this thread's open group queued runs on it, or keeps it.
+        group::forget(&comm);
+        if comm.abort() {
+            // Freed here once the calls still running on it (another thread's) have failed,
+            // as NCCL's abort frees it before it returns; a call that takes longer frees it
+            // as it ends.
+            handles::release(comm, ABORT_GRACE);
+        }
         Ok(())
     })
 }
@@ -423,23 +434,26 @@ pub unsafe extern "C" fn ncclCommSplit(
             })?),
         };
         let out = out as usize;
-        group::make(Box::new(move || {
-            let communicator = comm.communicator()?;
-            let split = match comm.revoked() {
-                // A revoked communicator takes no calls: the split runs on a fresh
-                // communicator of the ranks that are still there, agreed as a shrink's.
-                true => communicator.shrink(&[])?.split(color, i64::from(key))?,
-                false => communicator.split(color, i64::from(key))?,
-            };
-            let made = match split {
-                Some(c) => handles::publish(Arc::new(Comm::made(c, comm.device())?)),
-                None => std::ptr::null_mut(),
-            };
-            // SAFETY: checked non-null; the caller keeps room for a handle until the call
-            // returns (inside a group, until its end).
-            unsafe { (out as *mut *mut Comm).write(made) };
-            Ok(())
-        }))
+        group::make(
+            &comm.clone(),
+            Box::new(move || {
+                let communicator = comm.communicator()?;
+                let split = match comm.revoked() {
+                    // A revoked communicator takes no calls: the split runs on a fresh
+                    // communicator of the ranks that are still there, agreed as a shrink's.
+                    true => communicator.shrink(&[])?.split(color, i64::from(key))?,
+                    false => communicator.split(color, i64::from(key))?,
+                };
+                let made = match split {
+                    Some(c) => handles::publish(Arc::new(Comm::made(c, comm.device())?)),
+                    None => std::ptr::null_mut(),
+                };
+                // SAFETY: checked non-null; the caller keeps room for a handle until the call
+                // returns (inside a group, until its end).
+                unsafe { (out as *mut *mut Comm).write(made) };
+                Ok(())
+            }),
+        )
     })
 }
 
@@ -482,18 +496,21 @@ pub unsafe extern "C" fn ncclCommShrink(
             )));
         }
         let out = out as usize;
-        group::make(Box::new(move || {
-            let communicator = comm.communicator()?;
-            if flags & SHRINK_ABORT != 0 {
-                communicator.abort();
-            }
-            let shrunk = communicator.shrink(&exclude)?;
-            let made = handles::publish(Arc::new(Comm::made(shrunk, comm.device())?));
-            // SAFETY: checked non-null; the caller keeps room for a handle until the call
-            // returns (inside a group, until its end).
-            unsafe { (out as *mut *mut Comm).write(made) };
-            Ok(())
-        }))
+        group::make(
+            &comm.clone(),
+            Box::new(move || {
+                let communicator = comm.communicator()?;
+                if flags & SHRINK_ABORT != 0 {
+                    communicator.abort();
+                }
+                let shrunk = communicator.shrink(&exclude)?;
+                let made = handles::publish(Arc::new(Comm::made(shrunk, comm.device())?));
+                // SAFETY: checked non-null; the caller keeps room for a handle until the call
+                // returns (inside a group, until its end).
+                unsafe { (out as *mut *mut Comm).write(made) };
+                Ok(())
+            }),
+        )
     })
 }
 

@@ -324,18 +324,19 @@ impl Comm {
         })
     }
 
-    /// Fails every call in flight and to come, on every rank (`ncclCommAbort`). Never waits
-    /// for a set-up that still runs (another thread may be joining it): such a communicator
-    /// has no calls to fail.
-    pub fn abort(&self) {
+    /// Fails every call in flight and to come, on every rank (`ncclCommAbort`); whether it
+    /// was set up. Never waits for a set-up that still runs (another thread may be joining
+    /// it): such a communicator has no calls to fail, and its set-up runs to its end.
+    pub fn abort(&self) -> bool {
         let set_up = self.ready.get().is_some()
             || matches!(self.joining.try_lock(), Ok(j) if j.as_ref().is_some_and(|h| h.is_finished()));
         if !set_up {
-            return;
+            return false;
         }
         if let Ok(joined) = self.joined() {
             joined.abort();
         }
+        true
     }
 
     /// Stops the communicator for good but keeps its handle (`ncclCommRevoke`): calls in

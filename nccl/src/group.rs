@@ -55,8 +55,8 @@ struct Pending {
     ops: Vec<(Arc<Comm>, Op)>,
     /// Communicators set up inside the group.
     inits: Vec<Arc<Comm>>,
-    /// Splits and shrinks made inside the group.
-    makes: Vec<Make>,
+    /// Splits and shrinks made inside the group, each with the communicator it is made from.
+    makes: Vec<(Arc<Comm>, Make)>,
 }
 
 thread_local! {
@@ -95,34 +95,56 @@ pub fn end() -> Outcome {
     }
 }
 
+/// `push`es `item` into this thread's open group; gives it back where none is open.
+fn queue<T>(item: T, push: impl FnOnce(&mut Pending, T)) -> Option<T> {
+    PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        match p.depth {
+            0 => Some(item),
+            _ => {
+                push(&mut p, item);
+                None
+            }
+        }
+    })
+}
+
 /// Runs `op` on `comm` now, or at the group's end if one is open.
 pub fn submit(comm: &Arc<Comm>, op: Op) -> Outcome {
     comm.usable()?;
-    let queued = PENDING.with(|p| {
-        let mut p = p.borrow_mut();
-        if p.depth == 0 {
-            return Some(op);
-        }
-        p.ops.push((comm.clone(), op));
-        None
-    });
-    match queued {
+    match queue(op, |p, op| p.ops.push((comm.clone(), op))) {
         Some(op) => run(vec![(comm.clone(), op)], Vec::new(), Vec::new()),
         None => Ok(()),
     }
 }
 
-/// Runs `make` now, or at the group's end if one is open (with the group's others at once).
-pub fn make(make: Make) -> Outcome {
-    let queued = PENDING.with(|p| {
+/// Runs `make` (a split or shrink of `from`) now, or at the group's end if one is open: with
+/// those of other communicators at once, after those of `from` made before it.
+pub fn make(from: &Arc<Comm>, make: Make) -> Outcome {
+    queue(make, |p, make| p.makes.push((from.clone(), make))).map_or(Ok(()), |make| make())
+}
+
+/// Drops what this thread's open group queued on `comm` (it is being aborted): nothing of
+/// the group keeps it alive or runs on it.
+pub fn forget(comm: &Arc<Comm>) {
+    PENDING.with(|p| {
         let mut p = p.borrow_mut();
-        if p.depth == 0 {
-            return Some(make);
-        }
-        p.makes.push(make);
-        None
+        p.ops.retain(|(c, _)| !Arc::ptr_eq(c, comm));
+        p.inits.retain(|c| !Arc::ptr_eq(c, comm));
+        p.makes.retain(|(c, _)| !Arc::ptr_eq(c, comm));
     });
-    queued.map_or(Ok(()), |make| make())
+}
+
+/// `items` gathered by communicator, each communicator's in the order given.
+fn by_comm<T>(items: Vec<(Arc<Comm>, T)>) -> Vec<(Arc<Comm>, Vec<T>)> {
+    let mut gathered: Vec<(Arc<Comm>, Vec<T>)> = Vec::new();
+    for (comm, item) in items {
+        match gathered.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &comm)) {
+            Some((_, list)) => list.push(item),
+            None => gathered.push((comm, vec![item])),
+        }
+    }
+    gathered
 }
 
 /// Notes a communicator set up inside the open group: its end waits for it.
@@ -130,30 +152,30 @@ pub fn note_init(comm: &Arc<Comm>) {
     PENDING.with(|p| p.borrow_mut().inits.push(comm.clone()));
 }
 
-fn run(ops: Vec<(Arc<Comm>, Op)>, inits: Vec<Arc<Comm>>, makes: Vec<Make>) -> Outcome {
+fn run(ops: Vec<(Arc<Comm>, Op)>, inits: Vec<Arc<Comm>>, makes: Vec<(Arc<Comm>, Make)>) -> Outcome {
     let mut first: Outcome = Ok(());
     std::thread::scope(|s| {
+        // Two splits of one communicator are collectives on it: they run in order.
+        let in_order = |makes: Vec<Make>| makes.into_iter().try_for_each(|make| make());
         let setups: Vec<_> = inits
             .into_iter()
             .map(|comm| s.spawn(move || comm.communicator().map(drop)))
-            .chain(makes.into_iter().map(|make| s.spawn(make)))
+            .chain(
+                by_comm(makes)
+                    .into_iter()
+                    .map(|(_, list)| s.spawn(move || in_order(list))),
+            )
             .collect();
         for setup in setups {
             let done = setup.join().unwrap_or_else(|_| Err(panicked()));
             first = first.clone().and(done);
         }
     });
-    let mut by_comm: Vec<(Arc<Comm>, Vec<Op>)> = Vec::new();
-    for (comm, op) in ops {
-        match by_comm.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &comm)) {
-            Some((_, list)) => list.push(op),
-            None => by_comm.push((comm, vec![op])),
-        }
-    }
-    let single = by_comm.len() == 1;
+    let ops = by_comm(ops);
+    let single = ops.len() == 1;
     std::thread::scope(|s| {
         let mut runs = Vec::new();
-        for (comm, list) in by_comm {
+        for (comm, list) in ops {
             // Calls on streams are only issued: here, in the group's order, so that every
             // rank queues them on a shared stream in one order. Calls that run at once may
             // wait for another rank's call on a later communicator: each runs on a thread.

@@ -1,12 +1,14 @@
 //! The `ncclComm_t` handles this library has handed out and not yet taken back.
 //!
-//! A handle is the address of a communicator the table below holds, and is only ever looked
-//! up, never dereferenced: a call takes its own reference for as long as it runs. So
-//! `ncclCommAbort` from one thread while another is inside a call on the same handle (what
-//! NCCL allows it for) frees nothing under that call: the communicator goes when its last
-//! call ends. A handle that was destroyed (or never made here) is refused by name.
+//! A handle is a number the table below maps to its communicator, dressed as a pointer and
+//! never dereferenced: a call looks it up and holds its own reference for as long as it
+//! runs. So `ncclCommAbort` from one thread while another is inside a call on the same
+//! handle (what NCCL allows it for) frees nothing under that call: the communicator goes
+//! when its last call ends. No number is handed out twice, so a handle destroyed or aborted
+//! already (or never made here) is always refused by name.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -15,13 +17,17 @@ use crate::comm::{Comm, Failure, Outcome};
 /// The live communicators, by handle.
 static LIVE: RwLock<BTreeMap<usize, Arc<Comm>>> = RwLock::new(BTreeMap::new());
 
+/// The number of the next handle.
+static NEXT: AtomicUsize = AtomicUsize::new(1);
+
 /// Hands `comm` out: the handle the caller will pass back.
 pub fn publish(comm: Arc<Comm>) -> *mut Comm {
-    let handle = Arc::as_ptr(&comm).cast_mut();
+    // Aligned as a pointer to a communicator would be, for callers that look.
+    let handle = NEXT.fetch_add(1, Ordering::Relaxed) * std::mem::align_of::<Comm>();
     LIVE.write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .insert(handle as usize, comm);
-    handle
+        .insert(handle, comm);
+    std::ptr::without_provenance_mut(handle)
 }
 
 /// The communicator behind `handle`, kept alive by the reference returned.
@@ -59,7 +65,7 @@ pub fn release(mut comm: Arc<Comm>, grace: Duration) {
 fn checked(handle: *const Comm) -> Outcome<usize> {
     match handle.is_null() {
         true => Err(Failure::argument("comm is NULL")),
-        false => Ok(handle as usize),
+        false => Ok(handle.addr()),
     }
 }
 

@@ -732,6 +732,34 @@ fn an_abort_from_another_thread_ends_the_call_running_on_the_handle_and_frees_no
 }
 
 #[test]
+fn an_abort_drops_what_its_own_open_group_queued_on_the_handle() {
+    let handles = joined(2);
+    // Rank 1: rank 0 hosts the store, and its drop waits a while for the others' goodbyes.
+    let h = handles[1];
+    let mut v = [1f32; 4];
+    let p = mut_ptr(&mut v);
+    assert_eq!(ncclGroupStart(), NcclResult::Success);
+    assert_eq!(
+        unsafe { ncclAllReduce(p, p, 4, FLOAT32, SUM, h.ptr(), null_mut()) },
+        NcclResult::Success
+    );
+    // The group's queued call would hold the communicator: the abort must not wait for it
+    // (its grace is 10 s), and the group's end runs nothing on it.
+    let aborted = Instant::now();
+    assert_eq!(unsafe { ncclCommAbort(h.ptr()) }, NcclResult::Success);
+    assert!(aborted.elapsed() < Duration::from_secs(5));
+    assert_eq!(ncclGroupEnd(), NcclResult::Success, "{}", last());
+    assert_eq!(v, [1f32; 4]);
+    // NULL is nothing to destroy or abort, as with NCCL (a NOCOLOR rank's split).
+    assert_eq!(unsafe { ncclCommDestroy(null_mut()) }, NcclResult::Success);
+    assert_eq!(unsafe { ncclCommAbort(null_mut()) }, NcclResult::Success);
+    assert_eq!(
+        unsafe { ncclCommDestroy(handles[0].ptr()) },
+        NcclResult::Success
+    );
+}
+
+#[test]
 fn one_thread_splits_and_shrinks_every_rank_inside_a_group() {
     let ranks = Ranks::new(3);
     // Ranks 0 and 2 split off, in reverse order of key; rank 1 takes no part.
