@@ -433,27 +433,19 @@ pub unsafe extern "C" fn ncclCommSplit(
                 Failure::argument(format!("color {c} is negative and not NCCL_SPLIT_NOCOLOR"))
             })?),
         };
-        let out = out as usize;
-        group::make(
-            &comm.clone(),
-            Box::new(move || {
+        // SAFETY: checked non-null; the caller keeps room for a handle until the call returns
+        // (inside a group, until its end).
+        unsafe {
+            make_into(out, comm, move |comm| {
                 let communicator = comm.communicator()?;
-                let split = match comm.revoked() {
+                Ok(match comm.revoked() {
                     // A revoked communicator takes no calls: the split runs on a fresh
                     // communicator of the ranks that are still there, agreed as a shrink's.
                     true => communicator.shrink(&[])?.split(color, i64::from(key))?,
                     false => communicator.split(color, i64::from(key))?,
-                };
-                let made = match split {
-                    Some(c) => handles::publish(Arc::new(Comm::made(c, comm.device())?)),
-                    None => std::ptr::null_mut(),
-                };
-                // SAFETY: checked non-null; the caller keeps room for a handle until the call
-                // returns (inside a group, until its end).
-                unsafe { (out as *mut *mut Comm).write(made) };
-                Ok(())
-            }),
-        )
+                })
+            })
+        }
     })
 }
 
@@ -495,23 +487,44 @@ pub unsafe extern "C" fn ncclCommShrink(
                 "shrinkFlags {flags:#x} has unknown bits"
             )));
         }
-        let out = out as usize;
-        group::make(
-            &comm.clone(),
-            Box::new(move || {
+        // SAFETY: checked non-null; the caller keeps room for a handle until the call returns
+        // (inside a group, until its end).
+        unsafe {
+            make_into(out, comm, move |comm| {
                 let communicator = comm.communicator()?;
                 if flags & SHRINK_ABORT != 0 {
                     communicator.abort();
                 }
-                let shrunk = communicator.shrink(&exclude)?;
-                let made = handles::publish(Arc::new(Comm::made(shrunk, comm.device())?));
-                // SAFETY: checked non-null; the caller keeps room for a handle until the call
-                // returns (inside a group, until its end).
-                unsafe { (out as *mut *mut Comm).write(made) };
-                Ok(())
-            }),
-        )
+                Ok(Some(communicator.shrink(&exclude)?))
+            })
+        }
     })
+}
+
+/// Makes a communicator of `from` with `make` (a split or a shrink; `None`: this rank takes no
+/// part) now, or at the end of this thread's open group, and writes its handle (or NULL) to
+/// `out`.
+///
+/// # Safety
+/// `out` has room for a handle until the call returns, or inside a group until its end.
+unsafe fn make_into(
+    out: *mut *mut Comm,
+    from: Arc<Comm>,
+    make: impl FnOnce(&Comm) -> Outcome<Option<Communicator>> + Send + 'static,
+) -> Outcome {
+    let out = out as usize;
+    group::make(
+        &Arc::clone(&from),
+        Box::new(move || {
+            let made = match make(&from)? {
+                Some(c) => handles::publish(Arc::new(Comm::made(c, from.device())?)),
+                None => std::ptr::null_mut(),
+            };
+            // SAFETY: as the function requires.
+            unsafe { (out as *mut *mut Comm).write(made) };
+            Ok(())
+        }),
+    )
 }
 
 /// `ncclGetErrorString`.
