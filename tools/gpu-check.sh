@@ -88,12 +88,10 @@ build() {
     du -sh "$dir"
 }
 
-rows=()
-# row CHECK STATUS RESULT: a row of the table, also appended to $keep/rows.tsv at once (kept
+# row CHECK STATUS RESULT: a row of the table, appended to $keep/rows.tsv at once (kept
 # tab-separated for benches' gpu_table.py), so a run stopped at its time limit keeps the rows
-# it got to.
+# it got to; the table printed at the end is read back from it.
 row() {
-    rows+=("$1"$'\t'"$2"$'\t'"$3")
     printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$keep/rows.tsv"
 }
 
@@ -322,7 +320,7 @@ run() {
 
     echo
     printf '%-24s %-6s %s\n' check status result
-    printf '%s\n' "${rows[@]}" | awk -F'\t' '{ printf "%-24s %-6s %s\n", $1, $2, $3 }'
+    awk -F'\t' '!/^#/ { printf "%-24s %-6s %s\n", $1, $2, $3 }' "$keep/rows.tsv"
 }
 
 case $mode in

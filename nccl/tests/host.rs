@@ -56,11 +56,8 @@ impl Ranks {
 
 impl Drop for Ranks {
     fn drop(&mut self) {
-        // The last rank first: rank 0 keeps the store up until the others have left.
-        for &c in self.0.iter().rev() {
-            if !c.is_null() {
-                assert_eq!(unsafe { ncclCommDestroy(c) }, NcclResult::Success);
-            }
+        for c in self.0.drain(..).filter(|c| !c.is_null()) {
+            assert_eq!(unsafe { ncclCommDestroy(c) }, NcclResult::Success);
         }
     }
 }
@@ -132,6 +129,24 @@ fn every_collective_gives_exact_values_at_every_width() {
         gathers_and_scatters(&ranks);
         sends_and_receives(&ranks);
     }
+}
+
+#[test]
+fn destroying_rank_0_first_waits_for_no_rank_of_this_process() {
+    let mut ranks = Ranks::new(3);
+    all_reduce(&ranks);
+    // Rank 0 hosts the job's store. Its destroy once waited for the other ranks' goodbyes,
+    // up to the grace of a few seconds (5 s at the default timeout), which ranks destroyed
+    // after it on this thread could not say; the store now lives until the last of them goes.
+    let start = Instant::now();
+    let zero = ranks.0.remove(0);
+    assert_eq!(unsafe { ncclCommDestroy(zero) }, NcclResult::Success);
+    let took = start.elapsed();
+    drop(ranks);
+    assert!(
+        took < Duration::from_millis(2500),
+        "rank 0's destroy took {took:?}, waiting for ranks this thread has yet to destroy"
+    );
 }
 
 fn all_reduce(ranks: &Ranks) {

@@ -15,18 +15,26 @@ use chorus_transport::{RouteConfig, RoutedTransport};
 
 use super::faults::{Lineage, Monitor, SetUp};
 use super::lifeline::Lifeline;
+use super::servers::Servers;
 use super::shared::Windows;
 use super::{prepare, Communicator, Inner, Issue, State};
 use crate::config::MAX_WORLD_SIZE;
 use crate::executor::Workspace;
 use crate::tuner::{Topology, Tuner};
-use crate::{env, Config, Error, Result, StoreKind};
+use crate::{env, Auth, Config, Error, Result, StoreKind};
 
 /// How long rank 0 keeps the store up after its own set-up failed.
 const SETUP_LINGER: Duration = Duration::from_secs(1);
 
 /// Communicators created from scratch by this process, so each gets its own store keys.
 static CREATED: AtomicU64 = AtomicU64::new(0);
+
+/// The rendezvous stores this process hosts, by the address its ranks reach them at and the
+/// job's secret. A rank of the job in this process holds the store it joined through, so the
+/// store outlives the hosting rank's communicator while ranks here still use it: a program
+/// that drives several ranks and destroys rank 0 first does not wait for the goodbyes of
+/// ranks it has yet to destroy (see `Drop for Communicator`).
+static HOSTED: Servers<(String, u16, Auth)> = Servers::new();
 
 impl Communicator {
     /// Joins the job described by the environment (torchrun's contract).
@@ -81,7 +89,20 @@ impl Communicator {
         if config.world_size == 1 {
             return Ok(Communicator::assemble(config, None, None));
         }
-        let server = server.map(Arc::new);
+        let hosting = server.is_some();
+        let key = (
+            config.master_addr.clone(),
+            config.master_port,
+            config.auth.clone(),
+        );
+        let server = match server {
+            Some(server) => {
+                let server = Arc::new(server);
+                HOSTED.keep(key, &server);
+                Some(server)
+            }
+            None => HOSTED.find(&key),
+        };
         let client = connect_store(&config, config.timeout)?;
         let joined = Communicator::join(
             config,
@@ -91,7 +112,7 @@ impl Communicator {
             None,
             None,
         );
-        if joined.is_err() && server.is_some() {
+        if joined.is_err() && hosting {
             // The others are failing too: keep the store up a moment so they read their own
             // errors (naming the missing ranks) rather than "the store closed".
             std::thread::sleep(SETUP_LINGER);

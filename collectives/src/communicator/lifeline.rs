@@ -8,20 +8,20 @@
 //! them.
 
 use std::net::{IpAddr, SocketAddr, TcpStream};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use chorus_transport::auth::Auth;
 use chorus_transport::store::{Store, StoreServer, TcpStore};
 
-use super::lock;
+use super::servers::Servers;
 use crate::{Error, Result};
 
 /// How long a rank's host has to answer a probe before the rank is taken for gone.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// This process's servers, one per job secret, each living while a communicator uses it.
-static SERVERS: Mutex<Vec<(Auth, Weak<StoreServer>)>> = Mutex::new(Vec::new());
+static SERVERS: Servers<Auth> = Servers::new();
 
 /// This process's lifeline server and where every rank of one communicator has its own.
 pub(crate) struct Lifeline {
@@ -34,19 +34,10 @@ pub(crate) struct Lifeline {
 impl Lifeline {
     /// Starts this process's server for the job `auth` proves membership of, unless one runs.
     pub fn server(auth: &Auth) -> Result<Arc<StoreServer>> {
-        let mut servers = lock(&SERVERS);
-        servers.retain(|(_, server)| server.strong_count() > 0);
-        if let Some(server) = servers
-            .iter()
-            .filter(|(a, _)| a == auth)
-            .find_map(|(_, s)| s.upgrade())
-        {
-            return Ok(server);
-        }
-        let any = SocketAddr::from(([0, 0, 0, 0], 0));
-        let server = Arc::new(StoreServer::bind_with_auth(any, auth.clone())?);
-        servers.push((auth.clone(), Arc::downgrade(&server)));
-        Ok(server)
+        SERVERS.find_or(auth.clone(), || {
+            let any = SocketAddr::from(([0, 0, 0, 0], 0));
+            Ok(Arc::new(StoreServer::bind_with_auth(any, auth.clone())?))
+        })
     }
 
     /// Publishes where `rank`'s server listens (`ip`, which the others reach it at).

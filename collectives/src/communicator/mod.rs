@@ -12,6 +12,7 @@ mod mailbox;
 mod meeting;
 mod p2p;
 mod prepare;
+mod servers;
 mod shared;
 mod shrink;
 mod split;
@@ -76,7 +77,9 @@ pub(crate) struct Inner {
     issue: Mutex<Issue>,
     /// The rendezvous store client and this communicator's key prefix (absent for one rank).
     store: Option<(Arc<dyn Store>, String)>,
-    /// The store server, when this process hosts it; shared with sub-communicators.
+    /// The store server, when this process hosts it; shared with sub-communicators and the
+    /// other ranks of this process that joined through it (the last of them to go waits for
+    /// every rank's goodbye).
     server: Option<Arc<StoreServer>>,
     /// Every rank's lifeline, for agreeing who survived a death (absent for one rank).
     lifeline: Option<Lifeline>,
