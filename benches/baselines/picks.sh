@@ -9,7 +9,9 @@
 # Usage (release tools built):
 #   for r in 1 2 3; do benches/baselines/picks.sh > benches/results/picks/round-$r.txt; done
 #   python3 benches/baselines/regenerate.py
-# Environment: BIN (target/release), WORLDS (3 4 8), ALGOS (ring tree rhd), ITERS (5).
+# Environment: BIN (target/release), WORLDS (3 4 8), ALGOS (ring tree rhd), ITERS (5), WARMUP (10:
+# steady state; at W = 4, 16 MiB, the tree gained 5-13% on halving-doubling from 2 warm-up
+# calls to 10).
 # Sections start "== pages=P W=N algo=A" (A "auto": the tuner); the perf tools' lines follow
 # (size, time and busbw out of place, time and busbw in place), then "pick BYTES ALGO" lines
 # for the tuner's sections.
@@ -26,7 +28,7 @@ for pages in small huge; do
             [[ $algo == auto ]] && forced=auto
             log=$(mktemp)
             CHORUS_ALGO=$forced CHORUS_DEBUG=info timeout 600 "$BIN/allreduce_perf" \
-                -b 16M -e 64M -f 4 -n "${ITERS:-5}" -w 2 -c 0 -np "$w" "${flag[@]}" 2>"$log" \
+                -b 16M -e 64M -f 4 -n "${ITERS:-5}" -w "${WARMUP:-10}" -c 0 -np "$w" "${flag[@]}" 2>"$log" \
                 | awk '/^ +[0-9]/ { print $1, $6, $8, $10, $12 }' \
                 || echo "-- failed: allreduce_perf W=$w algo=$algo"
             [[ $algo == auto ]] && sed -n 's/\x1b\[[0-9;]*m//g; s/.*allreduce \([0-9]*\) B on [0-9]* ranks: .* -> \([a-z]*\) (model).*rank=0$/pick \1 \2/p' "$log" \
