@@ -1,6 +1,6 @@
 //! The roll call before ranks connect: every rank number is claimed by one process only,
 //! and every rank's settings that must match (world size, transport, sockets per peer,
-//! forced algorithms, chunk size) agree with rank 0's. A disagreement fails at once,
+//! forced algorithms, the tuner's link figures, chunk size) agree with rank 0's. A disagreement fails at once,
 //! naming it, instead of as a timeout or a corrupted stream later.
 
 use chorus_transport::store::Store;
@@ -14,8 +14,20 @@ fn settings(config: &Config) -> Vec<(&'static str, String)> {
         (env::CHORUS_TRANSPORT, config.transport.to_string()),
         (env::CHORUS_NSOCKS, config.nsocks.to_string()),
         (env::CHORUS_ALGO, config.algo.to_string()),
+        // The tuner's figures: ranks that price calls apart can pick different algorithms.
+        (env::CHORUS_ALPHA_US, figure(config.alpha, 1e6)),
+        (env::CHORUS_BANDWIDTH_GBS, figure(config.beta, 1e-9)),
         (env::CHORUS_CHUNK_BYTES, config.chunk_bytes.to_string()),
     ]
+}
+
+/// A tuner figure in its variable's unit (`value` times `unit`, to 6 decimals), or "unset".
+fn figure(value: Option<f64>, unit: f64) -> String {
+    let Some(v) = value else {
+        return "unset".into();
+    };
+    let text = format!("{:.6}", v * unit);
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
 fn encode(settings: &[(&str, String)]) -> Vec<u8> {
@@ -129,5 +141,15 @@ mod tests {
         roll_call(&store, &config(0, 2)).unwrap();
         let err = roll_call(&store, &other).unwrap_err().to_string();
         assert!(err.contains("CHORUS_NSOCKS"), "{err}");
+        // The tuner's figures too, set on one rank only.
+        let mut other = config(1, 2);
+        other.alpha = Some(5e-6);
+        let (_server, store) = self::store();
+        roll_call(&store, &config(0, 2)).unwrap();
+        let err = roll_call(&store, &other).unwrap_err();
+        let Error::Config { var, value, .. } = &err else {
+            panic!("not a configuration error: {err:?}");
+        };
+        assert_eq!((*var, value.as_str()), ("CHORUS_ALPHA_US", "5"), "{err}");
     }
 }
