@@ -36,6 +36,12 @@ static CREATED: AtomicU64 = AtomicU64::new(0);
 /// ranks it has yet to destroy (see `Drop for Communicator`).
 static HOSTED: Servers<(String, u16, Auth)> = Servers::new();
 
+/// Where `config`'s ranks reach the job's store, and its secret: a key of [`HOSTED`].
+fn store_key(config: &Config) -> (String, u16, Auth) {
+    let c = config;
+    (c.master_addr.clone(), c.master_port, c.auth.clone())
+}
+
 impl Communicator {
     /// Joins the job described by the environment (torchrun's contract).
     ///
@@ -90,19 +96,11 @@ impl Communicator {
             return Ok(Communicator::assemble(config, None, None));
         }
         let hosting = server.is_some();
-        let key = (
-            config.master_addr.clone(),
-            config.master_port,
-            config.auth.clone(),
-        );
-        let server = match server {
-            Some(server) => {
-                let server = Arc::new(server);
-                HOSTED.keep(key, &server);
-                Some(server)
-            }
-            None => HOSTED.find(&key),
-        };
+        let server = server.map(|server| {
+            let server = Arc::new(server);
+            HOSTED.keep(store_key(&config), &server);
+            server
+        });
         let client = connect_store(&config, config.timeout)?;
         let joined = Communicator::join(
             config,
@@ -176,6 +174,9 @@ impl Communicator {
                 let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
                 store.wait(&keys, config.timeout)?;
             }
+            // The store this process hosts for the job, if another rank here hosts it: looked
+            // up once every rank has connected, so after the hosting rank kept it (first thing).
+            let server = server.or_else(|| HOSTED.find(&store_key(&config)));
             Ok(Links {
                 transport,
                 store: (client.clone(), prefix.clone()),
