@@ -1,7 +1,7 @@
 //! The roll call before ranks connect: every rank number is claimed by one process only,
 //! and every rank's settings that must match (world size, transport, sockets per peer,
-//! forced algorithms, the tuner's link figures, chunk size) agree with rank 0's. A disagreement fails at once,
-//! naming it, instead of as a timeout or a corrupted stream later.
+//! forced algorithms, the tuner's link figures, chunk size) agree with rank 0's. A
+//! disagreement fails at once, naming it, instead of as a timeout or a corrupted stream later.
 
 use chorus_transport::store::Store;
 
