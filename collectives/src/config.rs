@@ -10,6 +10,7 @@ use chorus_transport::TransportKind;
 use crate::env::{bad, optional, Lookup};
 use crate::rendezvous::{self, Master, Method, Ranks};
 pub use crate::rendezvous::{Rendezvous, StoreKind, DEFAULT_MASTER_ADDR};
+use crate::streaming::Streaming;
 use crate::tuner::Forced;
 use crate::{env, Error};
 
@@ -56,6 +57,9 @@ pub struct Config {
     /// Which sends shared memory moves in one copy, read straight from the sender's memory
     /// (`CHORUS_SHM_SINGLE_COPY`): by default, those from caller buffers on huge pages.
     pub shm_single_copy: SingleCopy,
+    /// Which calls write their outputs with streaming stores (`CHORUS_STREAMING_STORES`): by
+    /// default, those whose buffers over the host fill half its last-level cache.
+    pub streaming: Streaming,
     /// Fraction of `timeout` after which a waiting collective reports which ranks hold it
     /// up (`CHORUS_WATCHDOG`; 0 turns the report off).
     pub watchdog: f64,
@@ -108,6 +112,7 @@ impl Config {
             transport: TransportKind::Auto,
             host_id: None,
             shm_single_copy: SingleCopy::default(),
+            streaming: Streaming::default(),
             watchdog: DEFAULT_WATCHDOG,
             auth: Auth::default(),
             store: StoreKind::Chorus,
@@ -272,6 +277,7 @@ impl Config {
                 .or(self.host_id),
             shm_single_copy: optional(get, env::CHORUS_SHM_SINGLE_COPY)?
                 .unwrap_or(self.shm_single_copy),
+            streaming: optional(get, env::CHORUS_STREAMING_STORES)?.unwrap_or(self.streaming),
             watchdog,
             ..self
         })

@@ -40,6 +40,7 @@ mod fault;
 pub mod pipeline;
 mod rendezvous;
 pub mod schedule;
+mod streaming;
 pub mod torchrun;
 pub mod tuner;
 pub mod zero;
@@ -77,3 +78,4 @@ pub use config::{
 };
 pub use error::{Error, Result};
 pub use fault::{Cause, Fault};
+pub use streaming::Streaming;

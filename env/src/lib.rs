@@ -155,6 +155,10 @@ pub const CHORUS_HOST_ID: &str = "CHORUS_HOST_ID";
 /// Which sends shared memory moves in one copy: `huge` (from buffers on huge pages), a size
 /// in bytes (every send that large), or `0` (never).
 pub const CHORUS_SHM_SINGLE_COPY: &str = "CHORUS_SHM_SINGLE_COPY";
+/// Which calls write their outputs with streaming stores: `cache` (those whose buffers over
+/// the host fill half its last-level cache), a size in bytes (those whose buffers over the
+/// host span that many), or `0` (none).
+pub const CHORUS_STREAMING_STORES: &str = "CHORUS_STREAMING_STORES";
 /// Fraction of the timeout after which a waiting collective reports who holds it up.
 pub const CHORUS_WATCHDOG: &str = "CHORUS_WATCHDOG";
 /// The job's shared secret (single-node launches generate one).

@@ -75,4 +75,6 @@ pub use dtype::{DType, Element};
 pub use error::KernelError;
 pub use half::{bf16, f16};
 pub use op::ReduceOp;
-pub use reduce::{finish_avg, reduce, reduce_into, reduce_typed};
+pub use reduce::{
+    copy_streaming, finish_avg, reduce, reduce_into, reduce_into_streaming, reduce_typed,
+};

@@ -56,7 +56,7 @@ macro_rules! with_type {
 pub fn reduce(op: ReduceOp, dtype: DType, dst: &mut [u8], src: &[u8]) -> Result<(), KernelError> {
     op.check(dtype)?;
     check_lengths(dtype, dst.len(), &[src.len()])?;
-    run(dtype, dst, [src], Combine(op));
+    run(dtype, dst, [src], Combine(op), Stores::Cached);
     Ok(())
 }
 
@@ -74,7 +74,40 @@ pub fn reduce_into(
 ) -> Result<(), KernelError> {
     op.check(dtype)?;
     check_lengths(dtype, out.len(), &[a.len(), b.len()])?;
-    run(dtype, out, [a, b], CombineInto(op));
+    run(dtype, out, [a, b], CombineInto(op), Stores::Cached);
+    Ok(())
+}
+
+/// [`reduce_into`], writing `out` with streaming stores: for an output nothing reads again
+/// while it could still be in the caches.
+///
+/// Each whole 64-byte line of `out` is written with streaming (non-temporal) stores, which
+/// go to memory without first reading the line into the caches: a third less memory
+/// traffic for an output of many megabytes that nothing reads before it would have left
+/// the caches anyway, but an output read right after comes from memory. The stores are
+/// fenced before the function returns. Off x86-64, and where a buffer is not aligned for
+/// the element type, `out` is written as [`reduce_into`] writes it.
+///
+/// Fails as [`reduce_into`] does.
+pub fn reduce_into_streaming(
+    op: ReduceOp,
+    dtype: DType,
+    out: &mut [u8],
+    a: &[u8],
+    b: &[u8],
+) -> Result<(), KernelError> {
+    op.check(dtype)?;
+    check_lengths(dtype, out.len(), &[a.len(), b.len()])?;
+    run(dtype, out, [a, b], CombineInto(op), Stores::Streaming);
+    Ok(())
+}
+
+/// `dst.copy_from_slice(src)` with streaming stores (see [`reduce_into_streaming`]).
+///
+/// Fails with [`KernelError::LengthMismatch`] if the lengths differ.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) -> Result<(), KernelError> {
+    check_lengths(DType::U8, dst.len(), &[src.len()])?;
+    run(DType::U8, dst, [src], Assign, Stores::Streaming);
     Ok(())
 }
 
@@ -101,7 +134,7 @@ pub fn finish_avg(dtype: DType, buf: &mut [u8], n: usize) -> Result<(), KernelEr
         return Err(KernelError::ZeroCount);
     }
     check_lengths(dtype, buf.len(), &[])?;
-    run(dtype, buf, [], Divide(n));
+    run(dtype, buf, [], Divide(n), Stores::Cached);
     Ok(())
 }
 
@@ -173,6 +206,19 @@ impl Job<2> for CombineInto {
     }
 }
 
+/// `dst[i] = src[i]`.
+#[derive(Clone, Copy)]
+struct Assign;
+
+impl Job<1> for Assign {
+    const READS_DST: bool = false;
+
+    #[inline(always)]
+    fn apply<T: Arith>(self, dst: &mut [T], [src]: [&[T]; 1]) {
+        dst.copy_from_slice(src);
+    }
+}
+
 /// `buf[i] /= n` for `n >= 1`.
 #[derive(Clone, Copy)]
 struct Divide(usize);
@@ -202,16 +248,31 @@ fn zip_into<T: Copy>(out: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
     }
 }
 
+/// How a kernel writes its destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stores {
+    /// Through the caches, as every store does.
+    Cached,
+    /// Whole cache lines with streaming stores ([`reduce_into_streaming`]).
+    Streaming,
+}
+
 /// Runs `job` on validated buffers of `dtype`, through the AVX2 + F16C build of the loops
 /// when the CPU supports it.
-fn run<J: Job<N>, const N: usize>(dtype: DType, dst: &mut [u8], srcs: [&[u8]; N], job: J) {
+fn run<J: Job<N>, const N: usize>(
+    dtype: DType,
+    dst: &mut [u8],
+    srcs: [&[u8]; N],
+    job: J,
+    stores: Stores,
+) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c") {
         // SAFETY: both features were detected on this CPU just above.
-        unsafe { run_avx2(dtype, dst, srcs, job) };
+        unsafe { run_avx2(dtype, dst, srcs, job, stores) };
         return;
     }
-    run_inline(dtype, dst, srcs, job);
+    run_inline(dtype, dst, srcs, job, stores);
 }
 
 /// [`run_inline`] compiled with AVX2 and F16C enabled.
@@ -225,14 +286,24 @@ unsafe fn run_avx2<J: Job<N>, const N: usize>(
     dst: &mut [u8],
     srcs: [&[u8]; N],
     job: J,
+    stores: Stores,
 ) {
-    run_inline(dtype, dst, srcs, job);
+    run_inline(dtype, dst, srcs, job, stores);
 }
 
 /// Runs `job` on validated buffers of `dtype`; inlined into each instruction-set variant.
 #[inline(always)]
-fn run_inline<J: Job<N>, const N: usize>(dtype: DType, dst: &mut [u8], srcs: [&[u8]; N], job: J) {
-    with_type!(dtype, T => drive::<T, J, N>(dst, srcs, job));
+fn run_inline<J: Job<N>, const N: usize>(
+    dtype: DType,
+    dst: &mut [u8],
+    srcs: [&[u8]; N],
+    job: J,
+    stores: Stores,
+) {
+    match stores {
+        Stores::Cached => with_type!(dtype, T => drive::<T, J, N>(dst, srcs, job)),
+        Stores::Streaming => with_type!(dtype, T => stream::<T, J, N>(dst, srcs, job)),
+    }
 }
 
 /// Views `dst` and `srcs` (equal lengths, whole elements) as `[T]` and applies `job`.
@@ -264,6 +335,73 @@ fn drive<T: Kernel, J: Job<N>, const N: usize>(dst: &mut [u8], srcs: [&[u8]; N],
         T::apply(job, dst_buf, std::array::from_fn(|j| &src_bufs[j][..n]));
         d.copy_from_slice(bytemuck::cast_slice(dst_buf));
     }
+}
+
+/// As [`drive`], with [`Stores::Streaming`].
+#[inline(always)]
+fn stream<T: Kernel, J: Job<N>, const N: usize>(dst: &mut [u8], srcs: [&[u8]; N], job: J) {
+    #[cfg(target_arch = "x86_64")]
+    if stream_lines::<T, J, N>(dst, srcs, job) {
+        return;
+    }
+    drive::<T, J, N>(dst, srcs, job);
+}
+
+/// Runs `job`, writing every whole, aligned cache line of `dst` with streaming stores: each
+/// line is computed on the stack, then streamed out, and the ends of `dst` outside whole
+/// lines go through [`drive`]. Does nothing and returns false when a source is not aligned
+/// for `T` (nor `dst`: its lines would hold parts of elements).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn stream_lines<T: Kernel, J: Job<N>, const N: usize>(
+    dst: &mut [u8],
+    srcs: [&[u8]; N],
+    job: J,
+) -> bool {
+    use std::arch::x86_64::{__m128i, _mm_load_si128, _mm_sfence, _mm_stream_si128};
+
+    /// Bytes of a cache line.
+    const LINE: usize = 64;
+    /// One cache line's worth of elements, computed on the stack before being streamed out.
+    #[repr(C, align(64))]
+    struct Line([u8; LINE]);
+
+    let size = std::mem::size_of::<T>();
+    let head = dst.as_ptr().align_offset(LINE).min(dst.len());
+    let body = (dst.len() - head) / LINE * LINE;
+    let typed = srcs.map(|s| bytemuck::try_cast_slice::<u8, T>(&s[head..head + body]).ok());
+    if head % size != 0 || typed.iter().any(Option::is_none) {
+        return false;
+    }
+    let (front, rest) = dst.split_at_mut(head);
+    let (lines, back) = rest.split_at_mut(body);
+    drive::<T, J, N>(front, srcs.map(|s| &s[..head]), job);
+    let typed = typed.map(|s| s.unwrap_or_default());
+    let per_line = LINE / size;
+    let mut line = Line([0; LINE]);
+    for (i, out) in lines.chunks_exact_mut(LINE).enumerate() {
+        let values: &mut [T] = bytemuck::cast_slice_mut(&mut line.0);
+        if J::READS_DST {
+            values.copy_from_slice(bytemuck::cast_slice(out));
+        }
+        let at = i * per_line..(i + 1) * per_line;
+        T::apply(job, values, typed.map(|s| &s[at.clone()]));
+        let to = out.as_mut_ptr().cast::<__m128i>();
+        let from = line.0.as_ptr().cast::<__m128i>();
+        // SAFETY: SSE2 is part of x86-64; `out` is a whole line at a 64-byte boundary (the
+        // split above) and so is `line` (`Line`'s alignment): four aligned 16-byte parts.
+        unsafe {
+            for k in 0..LINE / 16 {
+                _mm_stream_si128(to.add(k), _mm_load_si128(from.add(k)));
+            }
+        }
+    }
+    // Streaming stores are weakly ordered: fence them before any later store (a flag that
+    // tells another process the data is there).
+    // SAFETY: SSE is part of x86-64; a fence touches no memory.
+    unsafe { _mm_sfence() };
+    drive::<T, J, N>(back, srcs.map(|s| &s[head + body..]), job);
+    true
 }
 
 /// How a job runs on slices of one element type (which always have equal lengths).

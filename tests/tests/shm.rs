@@ -243,6 +243,51 @@ fn single_copies_when_asked_carry_every_collective() {
     assert!(report.ranks.iter().all(|r| r.stdout.contains("more ok")));
 }
 
+/// Asked for on every call, streaming stores carry every collective through the slots, in
+/// single copies and over TCP to the same bytes as the caches do; turned off, no call
+/// streams.
+#[test]
+fn streaming_stores_when_asked_carry_every_collective() {
+    let streamed = |report: &LaunchReport| {
+        let says = |r: &chorus_launch::RankOutcome| r.stderr.contains(STREAMED);
+        (report.ranks.iter().all(says), report.ranks.iter().any(says))
+    };
+    let log = ("CHORUS_DEBUG", "chorus::communicator::prepare=debug");
+    let every = ("CHORUS_STREAMING_STORES", "1");
+    for (world, single_copy) in [(2, "0"), (4, "65536")] {
+        let env = [log, every, ("CHORUS_SHM_SINGLE_COPY", single_copy)];
+        let report = run(world, worker(), &["all_reduce", "7,70001"], &env);
+        assert_success(&report);
+        assert_eq!(streamed(&report), (true, true), "W={world}");
+        assert_eq!(
+            assert_identical_digests(&report),
+            reduction_pairs().count() * 2 * 2,
+            "W={world}"
+        );
+    }
+    let report = run(3, worker(), &["broadcast", "0,7,300007"], &[log, every]);
+    assert_success(&report);
+    assert_eq!(assert_identical_digests(&report), 3 * 4 * 3 * 2);
+    let report = run(4, worker(), &["more", "0,1,7,1000,65543"], &[log, every]);
+    assert_success(&report);
+    assert!(report.ranks.iter().all(|r| r.stdout.contains("more ok")));
+    let tcp = [log, every, ("CHORUS_TRANSPORT", "tcp")];
+    let report = run(3, worker(), &["all_reduce", "70001"], &tcp);
+    assert_success(&report);
+    assert_eq!(streamed(&report), (true, true));
+    assert_eq!(
+        assert_identical_digests(&report),
+        reduction_pairs().count() * 2
+    );
+    let off = [log, ("CHORUS_STREAMING_STORES", "0")];
+    let report = run(2, worker(), &["all_reduce", "70001"], &off);
+    assert_success(&report);
+    assert_eq!(streamed(&report), (false, false));
+}
+
+/// What a rank logs when a call writes its output with streaming stores.
+const STREAMED: &str = "the output is written with streaming stores";
+
 /// Every shared-memory route on private buffers the kernel puts on huge pages, as numpy's
 /// are: the all-reduce and broadcast matrices at W = 2 and 4, through the slots and, as by
 /// default, lent in single copies, the small calls through the mailboxes. Where transparent

@@ -163,6 +163,10 @@ pub enum Payload<'a> {
     Lend(&'a [u8]),
     /// A receive of exactly this many bytes, into this buffer.
     Recv(&'a mut [u8]),
+    /// A receive into a buffer nothing reads again while it could still be in the caches:
+    /// over shared memory the bytes are written with streaming stores (see
+    /// [`copy_streaming`](chorus_kernels::copy_streaming)); elsewhere, a `Recv`.
+    RecvStreaming(&'a mut [u8]),
 }
 
 impl Payload<'_> {
@@ -170,7 +174,7 @@ impl Payload<'_> {
     pub fn direction(&self) -> Direction {
         match self {
             Payload::Send(_) | Payload::Lend(_) => Direction::Send,
-            Payload::Recv(_) => Direction::Recv,
+            Payload::Recv(_) | Payload::RecvStreaming(_) => Direction::Recv,
         }
     }
 
@@ -178,13 +182,18 @@ impl Payload<'_> {
     pub fn len(&self) -> usize {
         match self {
             Payload::Send(data) | Payload::Lend(data) => data.len(),
-            Payload::Recv(buf) => buf.len(),
+            Payload::Recv(buf) | Payload::RecvStreaming(buf) => buf.len(),
         }
     }
 
     /// Whether no bytes move.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether this is a [`RecvStreaming`](Payload::RecvStreaming).
+    pub fn streaming(&self) -> bool {
+        matches!(self, Payload::RecvStreaming(_))
     }
 
     /// Whether this is a [`Lend`](Payload::Lend).
@@ -199,7 +208,9 @@ impl Payload<'_> {
             Payload::Send(data) | Payload::Lend(data) => {
                 (Direction::Send, data.as_ptr().cast_mut(), data.len())
             }
-            Payload::Recv(buf) => (Direction::Recv, buf.as_mut_ptr(), buf.len()),
+            Payload::Recv(buf) | Payload::RecvStreaming(buf) => {
+                (Direction::Recv, buf.as_mut_ptr(), buf.len())
+            }
         }
     }
 }

@@ -20,6 +20,7 @@ use super::shared::Windows;
 use super::{prepare, Communicator, Inner, Issue, State};
 use crate::config::MAX_WORLD_SIZE;
 use crate::executor::Workspace;
+use crate::streaming::last_level_cache;
 use crate::tuner::{Topology, Tuner};
 use crate::{env, Auth, Config, Error, Result, StoreKind};
 
@@ -258,6 +259,11 @@ impl Communicator {
             true => Pagemap::open().ok(),
             false => None,
         };
+        let local = hosts
+            .iter()
+            .find(|h| h.contains(&config.rank))
+            .map_or(1, Vec::len);
+        let stream_from = config.streaming.per_rank(local, last_level_cache());
         let inner = Arc::new_cyclic(|weak| {
             let monitor = store.as_ref().and_then(|(_, prefix)| {
                 Monitor::start(&config, prefix, weak.clone(), lineage)
@@ -270,6 +276,7 @@ impl Communicator {
                 tuner,
                 hosts,
                 pagemap,
+                stream_from,
                 picks: Mutex::new(HashMap::new()),
                 decisions: prepare::Decisions::default(),
                 config,

@@ -91,6 +91,9 @@ pub(crate) struct Inner {
     /// This process's page tables, open while the communicator may lend the sends of
     /// buffers on huge pages (see `prepare.rs`).
     pagemap: Option<Pagemap>,
+    /// The bytes of this rank's buffers from which a call writes its output with streaming
+    /// stores (`None`: never; see `streaming.rs`).
+    stream_from: Option<usize>,
     /// The last pick per kind of call, to log changes.
     picks: Mutex<HashMap<CallKind, Path>>,
     /// Decisions and schedules of recent calls, reused by calls like them.

@@ -66,6 +66,9 @@ pub(crate) struct Decisions {
     recent: Mutex<VecDeque<(Key, Plan)>>,
 }
 
+/// What a rank logs (debug) when a call writes its output with streaming stores.
+const STREAMED: &str = "the output is written with streaming stores";
+
 impl Decisions {
     /// The plan for `key`: the one made before, or `decide`'s, kept for next time.
     fn get_or_decide(&self, key: Key, decide: impl FnOnce() -> Result<Plan>) -> Result<Plan> {
@@ -95,6 +98,7 @@ impl Inner {
         counts: Option<(&[usize], &[usize])>,
     ) -> Result<Call<'a>> {
         bufs.lend(self.lending(&info, &bufs));
+        bufs.stream(self.streams(&bufs));
         let window = self.window_call(&info, &bufs);
         let key = Key {
             kind: info.kind,
@@ -154,6 +158,21 @@ impl Inner {
             && input != output
             && self.config.world_size == 2;
         [in_huge || copying_root, out_huge]
+    }
+
+    /// Whether a call on `bufs` writes its output with streaming stores: where this rank's
+    /// input and output (once, in place) reach [`stream_from`](Inner::stream_from) bytes.
+    fn streams(&self, bufs: &Buffers<'_>) -> bool {
+        let (input, output) = bufs.addresses();
+        let bytes = match input == output {
+            true => output.len(),
+            false => input.len() + output.len(),
+        };
+        let streams = self.stream_from.is_some_and(|from| bytes >= from);
+        if streams {
+            tracing::debug!(rank = self.config.rank, bytes, STREAMED);
+        }
+        streams
     }
 
     /// The plan of call `info` (on shared buffers when `on_windows`), its pick logged.

@@ -20,6 +20,9 @@ pub struct Buffers<'a> {
     /// Whether sends from the input and from the output are lent: peers on this host read
     /// them where they lie ([`Payload::Lend`](chorus_transport::Payload::Lend)).
     pub(super) lent: [bool; 2],
+    /// Whether the call writes the output with streaming stores (see
+    /// [`reduce_into_streaming`](chorus_kernels::reduce_into_streaming)).
+    pub(super) streamed: bool,
     /// Holds the caller's borrows for as long as the pointers are in use.
     _borrow: PhantomData<&'a mut [u8]>,
 }
@@ -38,6 +41,7 @@ impl<'a> Buffers<'a> {
             output: output.as_mut_ptr(),
             output_len: output.len(),
             lent: [false; 2],
+            streamed: false,
             _borrow: PhantomData,
         }
     }
@@ -59,6 +63,7 @@ impl<'a> Buffers<'a> {
             output: output.as_mut_ptr(),
             output_len: output.len(),
             lent: [false; 2],
+            streamed: false,
             _borrow: PhantomData,
         }
     }
@@ -84,6 +89,11 @@ impl<'a> Buffers<'a> {
     /// Lends sends from the input and from the output as `lent` says.
     pub(crate) fn lend(&mut self, lent: [bool; 2]) {
         self.lent = lent;
+    }
+
+    /// Writes the output with streaming stores where nothing reads it back as it is written.
+    pub(crate) fn stream(&mut self, streamed: bool) {
+        self.streamed = streamed;
     }
 
     /// Whether sends from `buf` are lent (never from the scratch).

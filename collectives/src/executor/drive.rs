@@ -2,7 +2,9 @@
 //! with the transport and the kernels, waiting with the deadline and the watchdog;
 //! programs planned as exchanges ([`Drive::Exchanges`]) go to the transport pair by pair.
 
-use chorus_kernels::{reduce, reduce_into, ReduceOp};
+use chorus_kernels::{
+    copy_streaming, reduce, reduce_into, reduce_into_streaming, DType, KernelError, ReduceOp,
+};
 use chorus_transport::{Payload, Request, Transport, TransportError};
 
 use super::machine::{Action, Dest, Layout, Machine, Needs, Reduce, Region};
@@ -140,9 +142,11 @@ impl Run<'_, '_> {
                     self.machine.posted(req);
                 }
                 Action::Recv { peer, into, .. } => {
-                    let (ptr, len) = match into {
-                        Dest::Region(region) => (self.ptr(region), region.len),
-                        Dest::Slot { slot, len } => (self.slots[slot].as_mut_ptr(), len),
+                    let (ptr, len, streaming) = match into {
+                        Dest::Region(region) => {
+                            (self.ptr(region), region.len, self.streams(region))
+                        }
+                        Dest::Slot { slot, len } => (self.slots[slot].as_mut_ptr(), len, false),
                     };
                     // SAFETY: as for sends; nothing else touches the region until the
                     // request is settled, because the machine settles it before any later
@@ -151,8 +155,12 @@ impl Run<'_, '_> {
                     // to this request until its reduction.
                     let req = unsafe {
                         let buf = std::slice::from_raw_parts_mut(ptr, len);
+                        let payload = match streaming {
+                            true => Payload::RecvStreaming(buf),
+                            false => Payload::Recv(buf),
+                        };
                         self.transport()?
-                            .irecv(peer, self.job.tag, buf)
+                            .post(peer, self.job.tag, payload)
                             .map_err(|e| Error::transport(self.job.rank, e))?
                     };
                     self.machine.posted(req);
@@ -244,17 +252,32 @@ impl Run<'_, '_> {
                 let reply = std::slice::from_raw_parts(slot.cast_const(), into.len);
                 let out = std::slice::from_raw_parts_mut(self.ptr(into), into.len);
                 match (with, operand) {
+                    (None, _) if self.streams(into) => copy_streaming(out, reply)?,
                     (None, _) => out.copy_from_slice(reply),
                     (Some(_), None) => reduce(self.job.op, self.job.dtype, out, reply)?,
                     (Some(_), Some(operand)) => {
                         let operand =
                             std::slice::from_raw_parts(self.ptr(operand).cast_const(), into.len);
-                        reduce_into(self.job.op, self.job.dtype, out, operand, reply)?
+                        self.reduce_into(into)(self.job.op, self.job.dtype, out, operand, reply)?
                     }
                 }
             }
         }
         Ok(())
+    }
+
+    /// The out-of-place reduction kernel for results landing in `into`: one that streams
+    /// past the caches into an output the call streams ([`Buffers::stream`]).
+    fn reduce_into(&self, into: Region) -> ReduceInto {
+        match self.streams(into) {
+            true => reduce_into_streaming,
+            false => reduce_into,
+        }
+    }
+
+    /// Whether writes into `region` stream past the caches ([`Buffers::stream`]).
+    fn streams(&self, region: Region) -> bool {
+        region.buf == Buf::Output && self.bufs.streamed
     }
 
     /// Reduces a received chunk from its staging slot.
@@ -270,13 +293,16 @@ impl Run<'_, '_> {
                 None => reduce(self.job.op, self.job.dtype, out, incoming)?,
                 Some(with) => {
                     let operand = std::slice::from_raw_parts(self.ptr(with).cast_const(), len);
-                    reduce_into(self.job.op, self.job.dtype, out, operand, incoming)?
+                    self.reduce_into(into)(self.job.op, self.job.dtype, out, operand, incoming)?
                 }
             }
         }
         Ok(())
     }
 }
+
+/// An out-of-place reduction kernel: `out = a op b`.
+type ReduceInto = fn(ReduceOp, DType, &mut [u8], &[u8], &[u8]) -> Result<(), KernelError>;
 
 /// Waits for `req` until the job's deadline, reporting a stall to the watchdog once on the way.
 fn wait(job: &Job<'_>, warned: &mut bool, req: &Request) -> Result<(), Error> {

@@ -190,19 +190,30 @@ fn check_against_reference<T: Reference>() {
                     let what = format!("{what} baseline {baseline}");
                     let mut dst = Bytes::new(&a, off_a);
                     if baseline {
-                        run_inline(T::DTYPE, dst.get_mut(), [src.get()], Combine(op));
+                        let stores = Stores::Cached;
+                        run_inline(T::DTYPE, dst.get_mut(), [src.get()], Combine(op), stores);
                     } else {
                         reduce(op, T::DTYPE, dst.get_mut(), src.get()).unwrap();
                     }
                     assert_same(&dst.values::<T>(), &want, &format!("reduce {what}"));
 
-                    let mut out = Bytes::new(&vec![T::zeroed(); len], off_b);
-                    if baseline {
-                        run_inline(T::DTYPE, out.get_mut(), [x.get(), y.get()], CombineInto(op));
-                    } else {
-                        reduce_into(op, T::DTYPE, out.get_mut(), x.get(), y.get()).unwrap();
+                    for stores in [Stores::Cached, Stores::Streaming] {
+                        let mut out = Bytes::new(&vec![T::zeroed(); len], off_b);
+                        let (into, x, y) = (out.get_mut(), x.get(), y.get());
+                        match (baseline, stores) {
+                            (true, _) => {
+                                run_inline(T::DTYPE, into, [x, y], CombineInto(op), stores)
+                            }
+                            (false, Stores::Cached) => {
+                                reduce_into(op, T::DTYPE, into, x, y).unwrap()
+                            }
+                            (false, Stores::Streaming) => {
+                                reduce_into_streaming(op, T::DTYPE, into, x, y).unwrap()
+                            }
+                        }
+                        let what = format!("reduce_into {what} {stores:?}");
+                        assert_same(&out.values::<T>(), &want, &what);
                     }
-                    assert_same(&out.values::<T>(), &want, &format!("reduce_into {what}"));
                 }
             }
             let mut typed = a.clone();
@@ -225,7 +236,7 @@ fn check_finish_avg<T: Reference>() {
             for (offset, baseline) in [(0, false), (1, false), (0, true), (1, true)] {
                 let mut buf = Bytes::new(&values, offset);
                 if baseline {
-                    run_inline(T::DTYPE, buf.get_mut(), [], Divide(n));
+                    run_inline(T::DTYPE, buf.get_mut(), [], Divide(n), Stores::Cached);
                 } else {
                     finish_avg(T::DTYPE, buf.get_mut(), n).unwrap();
                 }
@@ -630,5 +641,32 @@ fn error_messages_are_readable() {
     assert_eq!(
         msg,
         "buffer length 6 bytes is not a multiple of the 4 byte size of int32"
+    );
+}
+
+#[test]
+fn streaming_copies_match_copies_at_every_offset_and_length() {
+    let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+    for len in [0, 1, 63, 64, 65, 200, 4099] {
+        for (off_dst, off_src) in [(0, 0), (1, 0), (0, 5), (17, 33)] {
+            let mut dst = vec![0u8; len + off_dst + 1];
+            copy_streaming(
+                &mut dst[off_dst..off_dst + len],
+                &src[off_src..off_src + len],
+            )
+            .unwrap();
+            let what = format!("len {len} offsets {off_dst}/{off_src}");
+            assert_eq!(
+                dst[off_dst..off_dst + len],
+                src[off_src..off_src + len],
+                "{what}"
+            );
+            assert!(dst[..off_dst].iter().all(|&b| b == 0), "{what}: before");
+            assert_eq!(dst[off_dst + len], 0, "{what}: after");
+        }
+    }
+    assert_eq!(
+        copy_streaming(&mut [0u8; 8], &[1u8; 7]),
+        Err(KernelError::LengthMismatch { dst: 8, src: 7 })
     );
 }

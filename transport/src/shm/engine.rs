@@ -57,6 +57,8 @@ struct Op {
     chunks_left: u64,
     /// A send the peer reads from this process's memory in one copy.
     single: bool,
+    /// A receive written with streaming stores.
+    streaming: bool,
     completion: Arc<Completion>,
 }
 
@@ -324,11 +326,14 @@ impl crate::endpoint::Engine for Shared {
         tag: u64,
         payload: Payload<'_>,
     ) -> Result<Request, TransportError> {
-        let lent = payload.lent();
+        let (lent, streaming) = (payload.lent(), payload.streaming());
         let (direction, buf, len) = payload.raw();
         // SAFETY: the caller keeps `buf` valid (and unaliased for a receive) until completion or
         // abort (this trait's contract).
-        unsafe { self.lock().post(peer, direction, tag, (buf, len), lent) }
+        unsafe {
+            self.lock()
+                .post(peer, direction, tag, (buf, len), lent, streaming)
+        }
     }
 
     fn probe(&self, peer: usize) -> Result<Option<(u64, usize)>, TransportError> {
@@ -434,6 +439,7 @@ impl Engine {
         tag: u64,
         (buf, len): (*mut u8, usize),
         lent: bool,
+        streaming: bool,
     ) -> Result<Request, TransportError> {
         let p = self.peers.usable(peer)?;
         let seq = p.next_seq(direction);
@@ -451,6 +457,7 @@ impl Engine {
             done: 0,
             chunks_left: chunks(len, link.tx.ring.slot_bytes()),
             single: direction == Direction::Send && link.single_copy.takes(len, lent),
+            streaming,
             completion,
         });
         self.serve(peer);
@@ -843,11 +850,16 @@ impl Link {
                 // in the slot (published by the tail we acquired) and `done +
                 // chunk <= len` fits the caller's buffer (post_recv's contract).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        self.rx.ring.payload(self.rx.next),
-                        op.buf.add(op.done),
-                        chunk,
-                    );
+                    let from = self.rx.ring.payload(self.rx.next);
+                    let to = op.buf.add(op.done);
+                    match op.streaming {
+                        true => chorus_kernels::copy_streaming(
+                            std::slice::from_raw_parts_mut(to, chunk),
+                            std::slice::from_raw_parts(from, chunk),
+                        )
+                        .expect("equal lengths"),
+                        false => std::ptr::copy_nonoverlapping(from, to, chunk),
+                    }
                 }
             }
             self.rx.pass(&notify);
