@@ -94,7 +94,9 @@ def fmt(v):
 
 
 def pair(values):
-    return " / ".join(fmt(v) for v in values)
+    """Figures joined with " / ", or the one figure where they are all the same."""
+    texts = [fmt(v) for v in values]
+    return texts[0] if len(set(texts)) == 1 else " / ".join(texts)
 
 
 def speedup(chorus_value, other, is_time):
@@ -187,8 +189,10 @@ def shm_bounds(m, w, call, pages):
     the rounds."""
     ceiling = "shm_ceiling" + pages
     if call == "all-reduce":
-        bound = m.probe(ceiling, rf"W={w} all-reduce .*<= ([\d.]+)")
-        return bound * 2
+        # Rounds before the out-of-place reduction's own rate gave one bound for both.
+        in_place, out_of_place = m.probe(
+            ceiling, rf"W={w} all-reduce .*<= ([\d.]+) GB/s(?: in place, ([\d.]+))?", 2)
+        return [[o if o is not None else i for o, i in zip(out_of_place, in_place)], in_place]
     in_place, out_of_place = m.probe(
         ceiling, rf"W={w} broadcast .*<= ([\d.]+) GB/s in place, ([\d.]+)", 2)
     return [out_of_place, in_place]
@@ -230,7 +234,7 @@ def shm_rows(m, w, pages=""):
     bound = shm_bounds(m, w, "all-reduce", pages)
     row(f"shm all-reduce W={w}, 64 MiB{on} (GB/s)", False,
         (m.baseline(vader, "allreduce", 64 << 20), ""),
-        m.chorus(shm + " all-reduce 64 MiB" + pages), bound, fmt(median(bound[0])))
+        m.chorus(shm + " all-reduce 64 MiB" + pages), bound)
     row(f"shm broadcast W={w}, 64 MiB{on} (GB/s)", False,
         (m.baseline(vader, "broadcast", 64 << 20), ""),
         m.chorus(shm + " broadcast 64 MiB" + pages), shm_bounds(m, w, "broadcast", pages))

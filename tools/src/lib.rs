@@ -21,16 +21,27 @@ pub fn cpu_seconds(clock: libc::clockid_t) -> f64 {
 
 /// GB/s of incoming bytes one core sums into a 64 MiB float buffer with Chorus's kernel,
 /// 512 KiB at a time (the default pipeline chunk), median of `reps` passes after one that
-/// warms the buffers up (the ceiling probes' reduction rate).
-pub fn reduce_rate(reps: usize) -> f64 {
-    use chorus_kernels::{reduce, DType, ReduceOp};
+/// warms the buffers up (the ceiling probes' reduction rate): in place (`out += incoming`),
+/// or `out_of_place`, into an output apart from a 64 MiB input (`out = input + incoming`)
+/// with streaming stores, as Chorus writes an output that large.
+pub fn reduce_rate(reps: usize, out_of_place: bool) -> f64 {
+    use chorus_kernels::{reduce, reduce_into_streaming, DType, ReduceOp};
     const PIECE: usize = 512 << 10;
+    let input = match out_of_place {
+        true => vec![3u8; 64 << 20],
+        false => Vec::new(),
+    };
     let mut out = vec![1u8; 64 << 20];
     let incoming = vec![2u8; PIECE];
+    let (sum, dtype) = (ReduceOp::Sum, DType::F32);
     let mut pass = || {
         let start = std::time::Instant::now();
-        for piece in out.chunks_mut(PIECE) {
-            reduce(ReduceOp::Sum, DType::F32, piece, &incoming).expect("equal lengths");
+        for (k, piece) in out.chunks_mut(PIECE).enumerate() {
+            match input.get(k * PIECE..(k + 1) * PIECE) {
+                Some(with) => reduce_into_streaming(sum, dtype, piece, with, &incoming),
+                None => reduce(sum, dtype, piece, &incoming),
+            }
+            .expect("equal lengths");
         }
         out.len() as f64 / start.elapsed().as_secs_f64() / 1e9
     };

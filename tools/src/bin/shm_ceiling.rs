@@ -13,14 +13,18 @@
 //!   reads the first half from the peer while the peer writes the second half into it.
 //! - `relay`: the same message through a ring in shared memory shaped as the shared-memory
 //!   transport's (8 slots of 128 KiB by default), as the transport moves it: the peer copies pieces in while this process
-//!   copies them out, so each byte is copied twice, the second time from cache.
-//! - `reduce`: one core sums 512 KiB pieces into a 64 MiB float buffer with Chorus's kernel.
+//!   copies them out, so each byte is copied twice, the second time from cache; copied out
+//!   through the caches, then with streaming stores.
+//! - `reduce`: one core sums 512 KiB pieces into a 64 MiB float buffer with Chorus's kernel,
+//!   then into a 64 MiB output apart from a 64 MiB input (with streaming stores), as an
+//!   out-of-place reduction writes it.
 //! - `bound`: from those rates, the fastest a broadcast or an all-reduce of 64 MiB could run,
-//!   each message moved the faster way (`split` or `relay`, both of which keep both cores
+//!   each message moved the fastest way (`split` or `relay`, both of which keep both cores
 //!   busy), the two cores sharing all the work (W ranks on two cores). A broadcast copies the
 //!   message W-1 times; out of place, the root also copies its input to its output (at the
 //!   `memcpy` rate of two cores at once). An all-reduce (ring or halving-doubling) copies
-//!   2(W-1)/W of the buffer into each rank and sums (W-1)/W of it there. A pipeline's chunks,
+//!   2(W-1)/W of the buffer into each rank and sums (W-1)/W of it there, in place or, out of
+//!   place, into the output apart from the input (at that rate). A pipeline's chunks,
 //!   found in cache, can beat these.
 //! - `meet`: a bare barrier of two and of four processes (this one and the others), each
 //!   bumping its round counter on a page they share and polling the others' until all have
@@ -42,6 +46,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use std::time::Instant;
 
+use chorus_kernels::copy_streaming;
 use chorus_transport::shm::ShmConfig;
 use clap::Parser;
 
@@ -144,26 +149,32 @@ fn main() -> io::Result<()> {
     }
     let ring_path = shm_path("relay");
     let relayed = Ring::create(&ring_path).and_then(|ring| {
-        median(n, || {
-            ring.reset();
-            peer.ask(&format!("relay {}", ring_path.display()))?;
-            let mine = ring.drain(&mut dst);
-            peer.seconds()?;
-            mine
-        })
+        let mut relay = |streamed| {
+            median(n, || {
+                ring.reset();
+                peer.ask(&format!("relay {}", ring_path.display()))?;
+                let mine = ring.drain(&mut dst, streamed);
+                peer.seconds()?;
+                mine
+            })
+        };
+        Ok([relay(false)?, relay(true)?])
     });
     // A failed measurement's error comes first; then the file's removal's.
     let removed = std::fs::remove_file(&ring_path);
-    let relay = rate(relayed?);
+    let [relay, streamed] = relayed?.map(rate);
     removed?;
     let (slots, slot) = Ring::shape();
     println!(
-        "relay     64 MiB through {slots} slots of {} KiB in shared memory, copied in and out: {relay:.2} GB/s",
+        "relay     64 MiB through {slots} slots of {} KiB in shared memory, copied in and out: {relay:.2} GB/s; {streamed:.2} copied out with streaming stores",
         slot >> 10
     );
-    let best = split.iter().copied().fold(relay, f64::max);
-    let summed = chorus_tools::reduce_rate(n);
-    println!("reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core");
+    let best = split.iter().copied().fold(relay.max(streamed), f64::max);
+    let summed = chorus_tools::reduce_rate(n, false);
+    let summed_apart = chorus_tools::reduce_rate(n, true);
+    println!(
+        "reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core; {summed_apart:.2} into an output apart from the input"
+    );
     // Core-seconds per byte: 2 / best for a message copied, 1 / two for a memcpy, 1 / summed
     // for a byte summed; the two cores (those `split` and `two` measured) share them.
     for w in [2.0, 4.0] {
@@ -175,8 +186,12 @@ fn main() -> io::Result<()> {
     }
     for w in [2.0, 4.0] {
         // Per byte of bus bandwidth each rank copies one byte in and sums half of one.
-        let bound = 2.0 / (w * (2.0 / best + 0.5 / summed));
-        println!("bound     W={w} all-reduce of 64 MiB on two cores: busbw <= {bound:.2} GB/s");
+        let bound = |summed: f64| 2.0 / (w * (2.0 / best + 0.5 / summed));
+        println!(
+            "bound     W={w} all-reduce of 64 MiB on two cores: busbw <= {:.2} GB/s in place, {:.2} out of place",
+            bound(summed),
+            bound(summed_apart)
+        );
     }
     peer.finish()?;
     for processes in [2, 4] {
@@ -422,7 +437,7 @@ impl Ring {
 
     /// The reader: copies the slots out into `dst` as the writer fills them; seconds from the
     /// first slot's arrival to the last one's copy.
-    fn drain(&self, dst: &mut [u8]) -> io::Result<f64> {
+    fn drain(&self, dst: &mut [u8], streamed: bool) -> io::Result<f64> {
         let mut start = None;
         for (k, piece) in dst.chunks_mut(self.slot).enumerate() {
             wait_for(
@@ -432,7 +447,11 @@ impl Ring {
             start.get_or_insert_with(Instant::now);
             // SAFETY: the writer filled the slot (its count passed it) and leaves it alone
             // until the store below frees it.
-            unsafe { std::ptr::copy_nonoverlapping(self.slot(k), piece.as_mut_ptr(), piece.len()) };
+            let filled = unsafe { std::slice::from_raw_parts(self.slot(k), piece.len()) };
+            match streamed {
+                true => copy_streaming(piece, filled).expect("equal lengths"),
+                false => piece.copy_from_slice(filled),
+            }
             self.count(Self::EMPTIED)
                 .store(k as u64 + 1, Ordering::Release);
         }

@@ -110,7 +110,7 @@ fn main() -> io::Result<()> {
             args.world
         );
     }
-    let summed = chorus_tools::reduce_rate(args.streams);
+    let summed = chorus_tools::reduce_rate(args.streams, false);
     println!("reduce    float sum of 512 KiB pieces into 64 MiB: {summed:.2} GB/s on one core");
     let copied = copy_rate(64 << 20, args.streams);
     println!("copy      memcpy of 64 MiB: {copied:.2} GB/s on one core");
