@@ -2,7 +2,9 @@
 //!
 //! This crate holds the data-type vocabulary shared by the whole library ([`DType`],
 //! [`Element`], [`ReduceOp`]) and the CPU kernels that combine buffers during reductions
-//! ([`reduce`](fn@reduce), [`reduce_into`], [`reduce_typed`], [`finish_avg`]).
+//! ([`reduce`](fn@reduce), [`reduce_into`], [`reduce_typed`], [`finish_avg`]), and the
+//! forms that write past the caches for outputs larger than them
+//! ([`reduce_into_streaming`], [`copy_streaming`]).
 //!
 //! The kernels work on raw byte slices as they arrive from the network or from user
 //! sub-slices. The slices need not be aligned for their element type: aligned buffers (the
