@@ -72,10 +72,7 @@ pub fn reduce_into(
     a: &[u8],
     b: &[u8],
 ) -> Result<(), KernelError> {
-    op.check(dtype)?;
-    check_lengths(dtype, out.len(), &[a.len(), b.len()])?;
-    run(dtype, out, [a, b], CombineInto(op), Stores::Cached);
-    Ok(())
+    combine_into(op, dtype, out, [a, b], Stores::Cached)
 }
 
 /// [`reduce_into`], writing `out` with streaming stores: for an output nothing reads again
@@ -96,9 +93,20 @@ pub fn reduce_into_streaming(
     a: &[u8],
     b: &[u8],
 ) -> Result<(), KernelError> {
+    combine_into(op, dtype, out, [a, b], Stores::Streaming)
+}
+
+/// [`reduce_into`] with the given stores.
+fn combine_into(
+    op: ReduceOp,
+    dtype: DType,
+    out: &mut [u8],
+    [a, b]: [&[u8]; 2],
+    stores: Stores,
+) -> Result<(), KernelError> {
     op.check(dtype)?;
     check_lengths(dtype, out.len(), &[a.len(), b.len()])?;
-    run(dtype, out, [a, b], CombineInto(op), Stores::Streaming);
+    run(dtype, out, [a, b], CombineInto(op), stores);
     Ok(())
 }
 
