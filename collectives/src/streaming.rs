@@ -3,12 +3,15 @@
 //! A call's results land in the caller's output through the reduction kernels and, over
 //! shared memory, the copies out of the slots. Written through the caches, every line of
 //! the output is first read from memory, then written back to it: on buffers larger than
-//! the caches that read is wasted, and streaming stores, which go straight to memory, move
-//! a third less ([`reduce_into_streaming`](chorus_kernels::reduce_into_streaming)). On
-//! buffers the caches hold, streaming loses: whatever reads the output next (the call's
-//! next step, the caller) finds it in memory rather than in the caches. So a call streams
-//! when the buffers of this host's ranks, inputs and outputs, fill half its last-level cache
-//! or more: what else runs on the host, and the slots, have the other half.
+//! the caches that read is wasted, and streaming stores, which go straight to memory, save
+//! it ([`reduce_into_streaming`](chorus_kernels::reduce_into_streaming)). On buffers the
+//! caches hold, streaming loses: whatever reads the output next (the call's next step, the
+//! caller) finds it in memory rather than in the caches. So a call streams when the buffers
+//! of this host's ranks, inputs and outputs, fill half its last-level cache or more: what
+//! else runs on the host, and the slots, have the other half. The cache is the largest of
+//! the first processor's; where that one is per socket or per group of cores and ranks
+//! spread over several, or other jobs share it, a size set in `CHORUS_STREAMING_STORES`
+//! fits better.
 
 use std::path::Path;
 
@@ -33,8 +36,8 @@ impl std::str::FromStr for Streaming {
     fn from_str(s: &str) -> Result<Streaming, String> {
         match s.trim() {
             "cache" => Ok(Streaming::HalfCache),
-            "0" => Ok(Streaming::Never),
             bytes => match bytes.parse() {
+                Ok(0) => Ok(Streaming::Never),
                 Ok(min) => Ok(Streaming::From(min)),
                 Err(_) => Err("expected 0, a size in bytes, or cache".to_string()),
             },
@@ -103,6 +106,7 @@ mod tests {
     fn the_setting_parses_and_divides_among_the_hosts_ranks() {
         assert_eq!("cache".parse(), Ok(Streaming::HalfCache));
         assert_eq!("0".parse(), Ok(Streaming::Never));
+        assert_eq!("000".parse(), Ok(Streaming::Never));
         assert_eq!(" 4096 ".parse(), Ok(Streaming::From(4096)));
         assert!("lots".parse::<Streaming>().is_err());
         let cache = Some(100 << 20);

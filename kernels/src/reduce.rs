@@ -79,11 +79,13 @@ pub fn reduce_into(
 /// while it could still be in the caches.
 ///
 /// Each whole 64-byte line of `out` is written with streaming (non-temporal) stores, which
-/// go to memory without first reading the line into the caches: a third less memory
-/// traffic for an output of many megabytes that nothing reads before it would have left
-/// the caches anyway, but an output read right after comes from memory. The stores are
-/// fenced before the function returns. Off x86-64, and where a buffer is not aligned for
-/// the element type, `out` is written as [`reduce_into`] writes it.
+/// go to memory without first reading the line into the caches: one transfer less per line
+/// (a quarter of a reduction's memory traffic, a third of a copy's) for an output of many
+/// megabytes that nothing reads before it would have left the caches anyway, but an output
+/// read right after comes from memory. The stores are fenced before the function returns.
+/// Off x86-64, for `f16` and `bf16` (whose conversions, not the memory, bound the rate),
+/// and where a buffer is not aligned for the element type, `out` is written as
+/// [`reduce_into`] writes it.
 ///
 /// Fails as [`reduce_into`] does.
 pub fn reduce_into_streaming(
@@ -357,8 +359,8 @@ fn stream<T: Kernel, J: Job<N>, const N: usize>(dst: &mut [u8], srcs: [&[u8]; N]
 
 /// Runs `job`, writing every whole, aligned cache line of `dst` with streaming stores: each
 /// line is computed on the stack, then streamed out, and the ends of `dst` outside whole
-/// lines go through [`drive`]. Does nothing and returns false when a source is not aligned
-/// for `T` (nor `dst`: its lines would hold parts of elements).
+/// lines go through [`drive`]. Does nothing and returns false for a `T` that does not
+/// stream ([`Kernel::STREAMS`]), or when `dst` or a source is not aligned for `T`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn stream_lines<T: Kernel, J: Job<N>, const N: usize>(
@@ -378,7 +380,7 @@ fn stream_lines<T: Kernel, J: Job<N>, const N: usize>(
     let head = dst.as_ptr().align_offset(LINE).min(dst.len());
     let body = (dst.len() - head) / LINE * LINE;
     let typed = srcs.map(|s| bytemuck::try_cast_slice::<u8, T>(&s[head..head + body]).ok());
-    if head % size != 0 || typed.iter().any(Option::is_none) {
+    if !T::STREAMS || head % size != 0 || typed.iter().any(Option::is_none) {
         return false;
     }
     let (front, rest) = dst.split_at_mut(head);
@@ -414,6 +416,11 @@ fn stream_lines<T: Kernel, J: Job<N>, const N: usize>(
 
 /// How a job runs on slices of one element type (which always have equal lengths).
 trait Kernel: Pod {
+    /// Whether streaming kernels stream this type: not `f16` and `bf16`, whose widening
+    /// bounds a core's rate below what the memory allows, so that computing a line at a
+    /// time only adds work.
+    const STREAMS: bool = true;
+
     /// Applies `job` to `dst` and `srcs`.
     fn apply<J: Job<N>, const N: usize>(job: J, dst: &mut [Self], srcs: [&[Self]; N]);
 }
@@ -428,6 +435,8 @@ impl<T: Arith> Kernel for T {
 macro_rules! impl_half_kernel {
     ($($h:ty),*) => {$(
         impl Kernel for $h {
+            const STREAMS: bool = false;
+
             #[inline(always)]
             fn apply<J: Job<N>, const N: usize>(job: J, dst: &mut [Self], srcs: [&[Self]; N]) {
                 via_f32(job, dst, srcs);

@@ -98,7 +98,6 @@ impl Inner {
         counts: Option<(&[usize], &[usize])>,
     ) -> Result<Call<'a>> {
         bufs.lend(self.lending(&info, &bufs));
-        bufs.stream(self.streams(&bufs));
         let window = self.window_call(&info, &bufs);
         let key = Key {
             kind: info.kind,
@@ -123,6 +122,7 @@ impl Inner {
                 )))
             }
         };
+        bufs.stream(matches!(route, Route::Messages(_)) && self.streams(&bufs));
         Ok(Call { info, bufs, route })
     }
 
@@ -160,11 +160,13 @@ impl Inner {
         [in_huge || copying_root, out_huge]
     }
 
-    /// Whether a call on `bufs` writes its output with streaming stores: where this rank's
-    /// input and output (once, in place) reach [`stream_from`](Inner::stream_from) bytes.
+    /// Whether a call on `bufs` that sends messages writes its output with streaming stores:
+    /// where this rank's input and output (the output alone where the input lies in it)
+    /// reach [`stream_from`](Inner::stream_from) bytes.
     fn streams(&self, bufs: &Buffers<'_>) -> bool {
         let (input, output) = bufs.addresses();
-        let bytes = match input == output {
+        let inside = output.start <= input.start && input.end <= output.end;
+        let bytes = match inside {
             true => output.len(),
             false => input.len() + output.len(),
         };

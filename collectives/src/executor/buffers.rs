@@ -91,7 +91,8 @@ impl<'a> Buffers<'a> {
         self.lent = lent;
     }
 
-    /// Writes the output with streaming stores where nothing reads it back as it is written.
+    /// Writes the output with streaming stores: every reduction into it and every receive
+    /// into it over shared memory (see `streaming.rs` for when a call does).
     pub(crate) fn stream(&mut self, streamed: bool) {
         self.streamed = streamed;
     }

@@ -848,7 +848,10 @@ impl Link {
             } else {
                 // SAFETY: the header matched, so `chunk` bytes of payload are
                 // in the slot (published by the tail we acquired) and `done +
-                // chunk <= len` fits the caller's buffer (post_recv's contract).
+                // chunk <= len` fits the caller's buffer (post_recv's contract);
+                // nothing else touches either meanwhile (the writer waits for the
+                // head, the caller for the request), so both may be viewed as
+                // slices, the buffer's part uniquely.
                 unsafe {
                     let from = self.rx.ring.payload(self.rx.next);
                     let to = op.buf.add(op.done);
