@@ -359,8 +359,9 @@ fn stream<T: Kernel, J: Job<N>, const N: usize>(dst: &mut [u8], srcs: [&[u8]; N]
 
 /// Runs `job`, writing every whole, aligned cache line of `dst` with streaming stores: each
 /// line is computed on the stack, then streamed out, and the ends of `dst` outside whole
-/// lines go through [`drive`]. Does nothing and returns false for a `T` that does not
-/// stream ([`Kernel::STREAMS`]), or when `dst` or a source is not aligned for `T`.
+/// lines go through [`drive`]. Does nothing and returns false for a job that reads `dst`
+/// (its lines come into the caches anyway), for a `T` that does not stream
+/// ([`Kernel::STREAMS`]), and when `dst` or a source is not aligned for `T`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn stream_lines<T: Kernel, J: Job<N>, const N: usize>(
@@ -380,7 +381,7 @@ fn stream_lines<T: Kernel, J: Job<N>, const N: usize>(
     let head = dst.as_ptr().align_offset(LINE).min(dst.len());
     let body = (dst.len() - head) / LINE * LINE;
     let typed = srcs.map(|s| bytemuck::try_cast_slice::<u8, T>(&s[head..head + body]).ok());
-    if !T::STREAMS || head % size != 0 || typed.iter().any(Option::is_none) {
+    if J::READS_DST || !T::STREAMS || head % size != 0 || typed.iter().any(Option::is_none) {
         return false;
     }
     let (front, rest) = dst.split_at_mut(head);
@@ -391,9 +392,6 @@ fn stream_lines<T: Kernel, J: Job<N>, const N: usize>(
     let mut line = Line([0; LINE]);
     for (i, out) in lines.chunks_exact_mut(LINE).enumerate() {
         let values: &mut [T] = bytemuck::cast_slice_mut(&mut line.0);
-        if J::READS_DST {
-            values.copy_from_slice(bytemuck::cast_slice(out));
-        }
         let at = i * per_line..(i + 1) * per_line;
         T::apply(job, values, typed.map(|s| &s[at.clone()]));
         let to = out.as_mut_ptr().cast::<__m128i>();
