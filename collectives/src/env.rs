@@ -27,6 +27,20 @@ pub(crate) fn bad(var: &'static str, value: &str, reason: &str) -> Error {
     }
 }
 
+/// Parses a size in bytes: `8`, `64K`, `256M`, `1G` (powers of 1024, either case).
+pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let s = s.trim();
+    let (digits, shift) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 10),
+        Some('M') => (&s[..s.len() - 1], 20),
+        Some('G') => (&s[..s.len() - 1], 30),
+        _ => (s, 0),
+    };
+    let n: usize = digits.parse().map_err(|e| format!("bad size '{s}': {e}"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("size '{s}' is too large"))
+}
+
 /// `var` parsed as a `T`: `None` when unset or blank; fails naming the variable.
 pub(crate) fn optional<T: std::str::FromStr>(
     get: Lookup<'_>,

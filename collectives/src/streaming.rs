@@ -15,6 +15,8 @@
 
 use std::path::Path;
 
+use crate::env::parse_size;
+
 /// Which calls write their outputs with streaming stores (`CHORUS_STREAMING_STORES`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Streaming {
@@ -67,26 +69,9 @@ pub(crate) fn last_level_cache() -> Option<usize> {
         .ok()?
         .filter_map(|entry| {
             let size = std::fs::read_to_string(entry.ok()?.path().join("size")).ok()?;
-            parse_size(&size)
+            parse_size(&size).ok()
         })
         .max()
-}
-
-/// A cache size as sysfs writes it (`107520K`; `M` and `G`, or none, also read).
-fn parse_size(text: &str) -> Option<usize> {
-    let text = text.trim();
-    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
-        Some(at) => text.split_at(at),
-        None => (text, ""),
-    };
-    let shift = match unit {
-        "" => 0,
-        "K" => 10,
-        "M" => 20,
-        "G" => 30,
-        _ => return None,
-    };
-    digits.parse::<usize>().ok()?.checked_mul(1 << shift)
 }
 
 #[cfg(test)]
@@ -95,11 +80,11 @@ mod tests {
 
     #[test]
     fn sizes_read_as_sysfs_writes_them() {
-        assert_eq!(parse_size("107520K\n"), Some(107520 << 10));
-        assert_eq!(parse_size("2M"), Some(2 << 20));
-        assert_eq!(parse_size("512"), Some(512));
-        assert_eq!(parse_size("12Q"), None);
-        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("107520K\n"), Ok(107520 << 10));
+        assert_eq!(parse_size("2M"), Ok(2 << 20));
+        assert_eq!(parse_size("512"), Ok(512));
+        assert!(parse_size("12Q").is_err());
+        assert!(parse_size("").is_err());
     }
 
     #[test]

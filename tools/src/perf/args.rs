@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use chorus::env::parse_size;
 use chorus::{DType, ReduceOp};
 use clap::{ArgAction, Parser, ValueEnum};
 
@@ -206,20 +207,6 @@ pub struct Args {
     /// Whole-job time limit in seconds when starting ranks with -np.
     #[arg(long = "job-timeout", default_value_t = 3600)]
     pub job_timeout: u64,
-}
-
-/// Parses `8`, `64K`, `256M`, `1G` (powers of 1024).
-pub fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (digits, shift) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 10),
-        Some('M') => (&s[..s.len() - 1], 20),
-        Some('G') => (&s[..s.len() - 1], 30),
-        _ => (s, 0),
-    };
-    let n: usize = digits.parse().map_err(|e| format!("bad size '{s}': {e}"))?;
-    n.checked_mul(1 << shift)
-        .ok_or_else(|| format!("size '{s}' is too large"))
 }
 
 impl Args {

@@ -14,8 +14,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use chorus::{env, Communicator, Config, ReduceOp};
 
-pub use args::{parse_size, Args, Average};
+pub use args::{Args, Average};
 use buffer::Buffer;
+pub use chorus::env::parse_size;
 use collective::{Bufs, Shape};
 pub use collective::{
     Collective, Layout, Params, ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BARRIER, BROADCAST, REDUCE,
